@@ -1,0 +1,92 @@
+"""Which implementations of the loss family this install can run, and how ``backend="auto"`` chooses one.
+
+Each backend is a module exposing ``is_available(device) -> str | None`` (``None`` when it can run on that device,
+otherwise the reason it cannot) and ``run(inputs: LossInputs, inplace: bool) -> Tensor``.  Backends are imported
+lazily: ``import calibkernels`` never fails and stays fast when Triton or the compiled extension is missing.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+
+import torch
+
+from . import _validation as V
+
+# backend name -> module implementing it (relative to the calibkernels package)
+_BACKEND_MODULES = {
+    "reference": "._reference_backend",
+    "cpu": ".cpp.uncertainty_weighted_ce",
+    "cuda": ".cpp.uncertainty_weighted_ce",
+    "triton": ".triton.uncertainty_weighted_ce",
+}
+
+# What "auto" tries, fastest first, per device type; the reference is the last resort everywhere.
+_AUTO_ORDER = {"cuda": ("triton", "cuda"), "cpu": ("cpu",)}
+
+
+@functools.lru_cache(maxsize=None)
+def _module(name: str):
+    """Import a backend's module; return ``(module, None)`` or ``(None, reason)``."""
+    try:
+        return importlib.import_module(_BACKEND_MODULES[name], __package__), None
+    except Exception as exc:  # a missing compiled part or Triton must not break the package
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def unavailable_reason(name: str, device: torch.device) -> str | None:
+    """``None`` if backend ``name`` can run on ``device``, else a human-readable reason."""
+    module, reason = _module(name)
+    if module is None:
+        return reason
+    return module.is_available(name, torch.device(device))
+
+
+def available_backends() -> list[str]:
+    """Backends this install can run on some device of this machine (``"reference"`` is always there)."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda"))
+    return [
+        name for name in ("reference", "cpu", "cuda", "triton")
+        if any(unavailable_reason(name, d) is None for d in devices)
+    ]
+
+
+_warned_fallback: set[str] = set()
+
+
+def resolve(backend: str, device: torch.device) -> str:
+    """Pick the backend that will run; a named backend that cannot run raises, it never silently substitutes."""
+    V.check_backend(backend)
+    if backend != "auto":
+        reason = unavailable_reason(backend, device)
+        if reason is not None:
+            raise RuntimeError(
+                f"calibkernels backend {backend!r} is not available for {device.type} tensors: {reason}. "
+                f"Available here: {available_backends()}"
+            )
+        return backend
+    reasons = []
+    for name in _AUTO_ORDER.get(device.type, ()):
+        reason = unavailable_reason(name, device)
+        if reason is None:
+            return name
+        reasons.append(f"{name}: {reason}")
+    if device.type not in _warned_fallback:
+        _warned_fallback.add(device.type)
+        why = "; ".join(reasons) if reasons else f"no compiled kernel for {device.type}"
+        warnings.warn(
+            f"calibkernels: no fused kernel available for {device.type} tensors ({why}); "
+            "falling back to the pure-PyTorch reference (slower, more memory).",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    return "reference"
+
+
+def run(backend: str, inputs: V.LossInputs, inplace: bool):
+    module, _ = _module(backend)
+    return module.run(backend, inputs, inplace)

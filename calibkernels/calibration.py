@@ -1,0 +1,1 @@
+"""Temperature scaling (SPEC §4)."""

@@ -1,0 +1,85 @@
+"""Functional API (SPEC §8): validate once, pick a backend, run it."""
+
+from __future__ import annotations
+
+import torch
+
+from . import _backends
+from . import _validation as V
+from . import reference as _reference
+
+__all__ = ["uncertainty_weighted_ce", "bsce_gra_loss", "brier_loss", "label_smoothing_loss", "mmce_loss"]
+
+
+def uncertainty_weighted_ce(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: str = "brier",
+    mode: str = "grad",
+    gamma: float | torch.Tensor = 4.0,
+    norm: float = 2.0,
+    sample_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    backend: str = "auto",
+    inplace: bool = False,
+) -> torch.Tensor:
+    """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i``, fused (softmax + weight + CE + backward in one pass).
+
+    ``mode="grad"`` (default, the GRA losses) uses ``sg[u_i]``: gradient ``u_i (p_i - e_{y_i})``.
+    ``mode="loss"`` differentiates through ``u_i`` as the classic focal / dual-focal / BSCE losses do.
+    The weights ``u(p, y)`` are listed in :mod:`calibkernels.reference`; the defaults (``weight="brier"``,
+    ``gamma=4``, ``norm=2``, ``mode="grad"``) are BSCE-GRA as run in the BSCE-GRA paper.
+
+    Args:
+        logits: ``(..., C)`` float32/float16/bfloat16 (float64 on the reference), class dimension last.
+        target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``.
+        weight, mode, gamma, norm, sample_weight: see :func:`calibkernels.reference.uncertainty_weighted_ce`.
+        reduction: ``"mean"`` (default; over non-ignored rows, 0 if none), ``"sum"`` or ``"none"``.
+        ignore_index: target value whose rows contribute neither loss nor gradient.
+        backend: ``"auto"`` (fastest available for the tensors' device; warns once if it must fall back to the
+            reference), ``"reference"``, ``"cpu"``, ``"triton"`` or ``"cuda"``. A named backend that cannot run
+            raises ``RuntimeError``.
+        inplace: allow the kernel to overwrite ``logits`` with the gradient (no extra ``N×C`` memory). The logits
+            are garbage afterwards. Backends that do not need to (the reference) leave them intact.
+
+    Returns:
+        the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
+    """
+    name = _backends.resolve(backend, logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"))
+    # GPU kernels check target bounds on the device, which avoids a host synchronisation per call.
+    host_check = name == "reference" or logits.device.type == "cpu"
+    inputs = V.check_loss_inputs(
+        logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+        reduction=reduction, ignore_index=ignore_index, check_values=host_check,
+    )
+    if not isinstance(inplace, bool):
+        raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    return _backends.run(name, inputs, inplace)
+
+
+def bsce_gra_loss(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    gamma: float = 4.0,
+    norm: float = 2.0,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    backend: str = "auto",
+    inplace: bool = False,
+) -> torch.Tensor:
+    """BSCE-GRA (BSCE-GRA paper, Eq. 11): ``L_i = sg[‖p_i - e_{y_i}‖_q^γ] · CE_i``.
+
+    The detached generalised Brier score scales the cross-entropy *gradient*: ``∂L_i/∂z_i = ‖p_i - e_{y_i}‖_q^γ
+    (p_i - e_{y_i})``, so confident, correct samples stop pushing their logits apart. Defaults γ = 4, q = 2.
+    """
+    return uncertainty_weighted_ce(logits, target, weight="brier", mode="grad", gamma=gamma, norm=norm,
+                                   reduction=reduction, ignore_index=ignore_index, backend=backend, inplace=inplace)
+
+
+# Batch-level and non-CE-weighted members of the family have no fused kernel; they are the reference's.
+brier_loss = _reference.brier_loss
+label_smoothing_loss = _reference.label_smoothing_loss
+mmce_loss = _reference.mmce_loss

@@ -1,0 +1,1 @@
+"""Calibration metrics (SPEC §3) — being written."""

@@ -1,0 +1,1 @@
+"""Triton GPU kernels (run on CPU tensors under TRITON_INTERPRET=1 for testing)."""

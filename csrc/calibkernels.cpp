@@ -1,0 +1,27 @@
+// Op schemas of calibkernels, declared once for every device (see uncertainty_weighted_ce.h for the contract).
+// The device kernels register themselves in csrc/cpu/ and csrc/cuda/; the fake (meta) kernels and autograd
+// formulas are registered from Python, next to the typed wrappers in calibkernels/cpp/.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "uncertainty_weighted_ce.h"
+
+// Importing calibkernels._C loads this library, which runs the registrations below; the module itself is empty
+// (the pytorch/extension-cpp pattern: no pybind11, ops reached through torch.ops.calibkernels).
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+TORCH_LIBRARY(calibkernels, m) {
+  m.def(
+      "uncertainty_weighted_ce(Tensor logits, Tensor target, Tensor? sample_weight, Tensor? gamma_per_sample, "
+      "int weight, int mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad) "
+      "-> (Tensor, Tensor)");
+  m.def(
+      "uncertainty_weighted_ce_inplace_(Tensor(a!) logits, Tensor target, Tensor? sample_weight, "
+      "Tensor? gamma_per_sample, int weight, int mode, float gamma, float norm, int ignore_index, int reduction) "
+      "-> Tensor");
+}
