@@ -61,13 +61,22 @@ class UncertaintyWeightedCE(nn.Module):
         return ", ".join(parts)
 
 
+def _check_reference_only_backend(loss_name, backend):
+    """Losses without a fused kernel run the reference; naming a kernel backend for them is an error, not a fallback."""
+    V.check_backend(backend)
+    if backend not in ("auto", "reference"):
+        raise ValueError(f"{loss_name} has no fused kernel: use backend='auto' or 'reference', not {backend!r}")
+    return backend
+
+
 class BrierLoss(nn.Module):
     """Brier loss ``Σ_k (p_k - e_{y,k})²`` per sample (see :func:`calibkernels.reference.brier_loss`)."""
 
-    def __init__(self, reduction="mean", ignore_index=-100):
+    def __init__(self, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         V.check_reduction(reduction)
         self.reduction, self.ignore_index = reduction, ignore_index
+        self.backend = _check_reference_only_backend("brier_loss", backend)
 
     def forward(self, logits, target):
         return _reference.brier_loss(logits, target, reduction=self.reduction, ignore_index=self.ignore_index)
@@ -79,8 +88,9 @@ class BrierLoss(nn.Module):
 class LabelSmoothingCE(nn.Module):
     """CE against ``(1 - α) e_y + α / C`` (the ``F.cross_entropy(label_smoothing=α)`` variant), α = 0.05."""
 
-    def __init__(self, alpha=0.05, reduction="mean", ignore_index=-100):
+    def __init__(self, alpha=0.05, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
+        self.backend = _check_reference_only_backend("label_smoothing", backend)
         V.check_reduction(reduction)
         if not 0.0 <= alpha <= 1.0:
             raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")
@@ -97,8 +107,10 @@ class LabelSmoothingCE(nn.Module):
 class MMCELoss(nn.Module):
     """CE + λ·MMCE (Kumar et al. 2018), λ = 2, Laplacian kernel of bandwidth 0.4 on max-probability confidence."""
 
-    def __init__(self, lamda=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100):
+    def __init__(self, lamda=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100,
+                 backend="auto"):
         super().__init__()
+        self.backend = _check_reference_only_backend("mmce", backend)
         V.check_reduction(reduction)
         if reduction == "none":
             raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
