@@ -1,0 +1,311 @@
+"""Every fused backend against ``calibkernels.reference``: values and gradients.
+
+Parametrised over every (backend, device) pair this install can run: the reference itself through the public API
+(which checks this harness and the reference's low-precision path against float64), the C++ kernel on CPU, the Triton kernel on CPU
+tensors under ``TRITON_INTERPRET=1`` (small shapes only: the interpreter is slow), and on a GPU machine the Triton and
+CUDA kernels on CUDA tensors. Backend-specific checks (opcheck, torch.compile, inplace internals) live in
+``test_uncertainty_weighted_ce_<backend>.py``.
+
+Tolerance (flash-attention's rule): the kernel's error against a float64 reference may be a small multiple of the
+error the reference itself makes at the input's precision, plus a few ulps of the result's magnitude.
+"""
+
+import math
+import warnings
+
+import pytest
+import torch
+
+import calibkernels as ck
+from calibkernels import _backends
+from calibkernels import reference as R
+
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+MODES = ["loss", "grad"]
+REDUCTIONS = ["none", "mean", "sum"]
+
+
+def _backend_device_pairs():
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    return [
+        pytest.param((name, dev), id=f"{name}-{dev}")
+        for name in ("reference", "cpu", "cuda", "triton")
+        for dev in devices
+        if _backends.unavailable_reason(name, torch.device(dev)) is None
+    ]
+
+
+BACKENDS = _backend_device_pairs()
+
+
+def _interpreted(backend_device):
+    return backend_device == ("triton", "cpu")
+
+
+def _distinct_logits(n, c, dtype, device, spread=0.125):
+    """Rows of distinct values that are exact in fp16/bf16 (for c ≤ 256), so no ties change dual focal's p_j."""
+    rows = torch.stack([torch.randperm(c) for _ in range(n)]).to(torch.float64)
+    return ((rows - c / 2) * spread).to(dtype).to(device)
+
+
+def _run(backend, z, y, grad_out=None, **kw):
+    x = z.detach().clone().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(x, y, backend=backend, **kw)
+    loss.backward(torch.ones_like(loss) if grad_out is None else grad_out.to(loss.dtype))
+    return loss.detach(), x.grad
+
+
+def _reference(z, y, grad_out=None, **kw):
+    x = z.detach().clone().requires_grad_()
+    loss = R.uncertainty_weighted_ce(x, y, **kw)
+    loss.backward(torch.ones_like(loss) if grad_out is None else grad_out.to(loss.dtype))
+    return loss.detach(), x.grad
+
+
+def _assert_close(got, exact, at_precision, dtype, what, ulps=64):
+    """|got - exact| ≤ 4·(reference's own error at this precision) + ulps·eps·max|exact| (elementwise maximum)."""
+    got, exact, at_precision = got.double().cpu(), exact.double().cpu(), at_precision.double().cpu()
+    assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite entries differ"
+    if not finite.any():
+        return
+    got, exact, at_precision = got[finite], exact[finite], at_precision[finite]
+    own_error = (at_precision - exact).abs().max().item()
+    bound = 4 * own_error + ulps * torch.finfo(dtype).eps * exact.abs().max().item() + 1e-30
+    err = (got - exact).abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e} (reference's own error {own_error:.3e})"
+
+
+def check_against_reference(backend, z, y, *, grad_out=None, ulps=64, **kw):
+    dtype = z.dtype
+    sw = kw.pop("sample_weight", None)
+    gamma = kw.pop("gamma", 4.0 if kw.get("weight", "brier") == "brier" else 2.0)
+    loss, grad = _run(backend, z, y, grad_out, sample_weight=sw, gamma=gamma, **kw)
+    assert loss.dtype == dtype and grad.dtype == dtype
+    exact_loss, exact_grad = _reference(
+        z.double(), y, None if grad_out is None else grad_out.double(),
+        sample_weight=None if sw is None else sw.double(),
+        gamma=gamma.double() if isinstance(gamma, torch.Tensor) else gamma, **kw)
+    low_loss, low_grad = _reference(z, y, grad_out, sample_weight=sw, gamma=gamma, **kw)
+    _assert_close(loss, exact_loss, low_loss, dtype, "loss", ulps)
+    _assert_close(grad, exact_grad, low_grad, dtype, "gradient", ulps)
+
+
+def _targets(n, c, device, ignore=True):
+    y = torch.randint(0, c, (n,), device=device)
+    if ignore and n >= 4:
+        y[torch.randperm(n)[: n // 4]] = -100
+    return y
+
+
+def _grad_out(reduction, n, device):
+    # not 1, so the backward's scaling by grad_output is exercised
+    return torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.75, device=device)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_every_weight_mode_reduction(backend_device, weight, mode, reduction):
+    backend, device = backend_device
+    n, c = 13, 37
+    z = (torch.randn(n, c) * 3).to(device)
+    y = _targets(n, c, device)
+    sw = torch.rand(n, device=device) if weight == "external" else None
+    gamma = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0}[weight]
+    check_against_reference(backend, z, y, grad_out=_grad_out(reduction, n, device), weight=weight, mode=mode,
+                            gamma=gamma, norm=2.0, sample_weight=sw, reduction=reduction)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier"])
+@pytest.mark.parametrize("shape", [(5, 1), (7, 3), (9, 1000), (3, 4231), (2, 32000), (2, 65537)],
+                         ids=lambda s: f"{s[0]}x{s[1]}")
+def test_odd_shapes(backend_device, shape, weight, mode):
+    if _interpreted(backend_device) and shape[1] > 1000:
+        pytest.skip("Triton interpreter: large C is covered on GPU and by the chunked-path test at small blocks")
+    backend, device = backend_device
+    n, c = shape
+    z = (torch.randn(n, c) * 4).to(device)
+    y = _targets(n, c, device)
+    check_against_reference(backend, z, y, grad_out=torch.tensor(1.0, device=device), weight=weight, mode=mode,
+                            gamma=3.0, reduction="mean")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("norm", [1.0, 1.5, 3.0])
+def test_generalised_brier_norms(backend_device, norm):
+    backend, device = backend_device
+    z = (torch.randn(11, 29) * 2).to(device)
+    y = _targets(11, 29, device)
+    for mode in MODES:
+        check_against_reference(backend, z, y, weight="brier", mode=mode, gamma=2.5, norm=norm, reduction="sum")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_half_precision(backend_device, dtype, weight, mode):
+    backend, device = backend_device
+    n, c = 16, 50
+    z = _distinct_logits(n, c, dtype, device)
+    y = _targets(n, c, device)
+    sw = torch.rand(n, device=device) if weight == "external" else None
+    check_against_reference(backend, z, y, grad_out=_grad_out("none", n, device), weight=weight, mode=mode,
+                            gamma=3.0, sample_weight=sw, reduction="none", ulps=4)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weight", ["none", "focal", "flsd", "dual_focal", "brier"])
+def test_extreme_infinite_and_confident_rows(backend_device, weight, mode):
+    backend, device = backend_device
+    c = 9
+    z = torch.randn(6, c)
+    z[0, 0], z[0, 1] = 1e4, -1e4  # extreme logits, target 0: p_y = 1 exactly
+    z[1, 3] = -1e4  # extreme, target far below the max
+    z[1, 5] = 1e4
+    z[2, [1, 4, 7]] = float("-inf")  # masked classes (never the target)
+    z[3, 2] = 40.0  # confident: 1 - p_y ≈ 1e-17, must not cancel to 0 in the weight's derivative
+    z[4, 6] = 12.0  # p_y → 1 but representable
+    z[5] = 0.0  # uniform row: all classes tie with the target
+    y = torch.tensor([0, 3, 0, 2, 6, 4])
+    check_against_reference(backend, z.to(device), y.to(device), weight=weight, mode=mode, gamma=3.0,
+                            reduction="none")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_per_sample_gamma(backend_device):
+    backend, device = backend_device
+    z = (torch.randn(10, 17) * 2).to(device)
+    y = _targets(10, 17, device)
+    gamma = (torch.rand(10) * 5).to(device)
+    for mode in MODES:
+        check_against_reference(backend, z, y, weight="focal", mode=mode, gamma=gamma, reduction="mean")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_non_contiguous_rows_and_columns(backend_device):
+    backend, device = backend_device
+    wide = torch.randn(12, 50, device=device)
+    y = _targets(12, 40, device)
+    check_against_reference(backend, wide[:, 5:45], y, weight="brier", mode="loss", reduction="sum")  # row stride 50
+    check_against_reference(backend, wide[::2, :40], y[:6], weight="dual_focal", mode="grad", reduction="sum")
+    tall = torch.randn(40, 12, device=device)
+    check_against_reference(backend, tall.t(), y, weight="focal", mode="loss", reduction="mean")  # column stride 12
+    before = wide.clone()
+    _run(backend, wide[:, 5:45], y, weight="brier")
+    assert torch.equal(wide, before), "a non-inplace call must not modify its input"
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_leading_dimensions(backend_device):
+    backend, device = backend_device
+    z = torch.randn(2, 3, 4, 11, device=device)
+    y = torch.randint(0, 11, (2, 3, 4), device=device)
+    loss = ck.uncertainty_weighted_ce(z, y, backend=backend, reduction="none")
+    assert loss.shape == (2, 3, 4)
+    torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y, reduction="none"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_rows_ignored_gives_zero_not_nan(backend_device, reduction):
+    backend, device = backend_device
+    z = torch.randn(5, 7, device=device)
+    y = torch.full((5,), -100, device=device)
+    loss, grad = _run(backend, z, y, reduction=reduction)
+    assert (loss == 0).all() and (grad == 0).all()
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_custom_ignore_index_and_no_grad(backend_device):
+    backend, device = backend_device
+    z = torch.randn(8, 6, device=device)
+    y = torch.randint(0, 6, (8,), device=device)
+    y[2] = 6  # ignore_index may equal C
+    check_against_reference(backend, z, y, weight="brier", ignore_index=6)
+    with torch.no_grad():
+        got = ck.uncertainty_weighted_ce(z, y, backend=backend, ignore_index=6, reduction="none")
+    torch.testing.assert_close(got, R.uncertainty_weighted_ce(z, y, ignore_index=6, reduction="none"))
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_inplace_gradient_matches(backend_device):
+    backend, device = backend_device
+    z = torch.randn(9, 23, device=device)
+    y = _targets(9, 23, device)
+    leaf = z.clone().requires_grad_()
+    logits = leaf * 1.0  # a non-leaf activation, as a model's output would be
+    loss = ck.uncertainty_weighted_ce(logits, y, backend=backend, weight="brier", mode="grad", inplace=True)
+    loss.backward(torch.tensor(0.5, device=device))
+    exact_loss, exact_grad = _reference(z.double(), y, torch.tensor(0.5, dtype=torch.float64), weight="brier")
+    torch.testing.assert_close(loss.double(), exact_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(leaf.grad.double(), exact_grad, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_out_of_range_targets_raise(backend_device):
+    backend, device = backend_device
+    z = torch.randn(4, 5, device=device)
+    for bad in (5, -1, 1000):
+        y = torch.tensor([0, bad, 1, 2], device=device)
+        with pytest.raises((ValueError, RuntimeError), match="out of range"):
+            loss = ck.uncertainty_weighted_ce(z, y, backend=backend)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            loss.item()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backend selection
+# ----------------------------------------------------------------------------------------------------------------
+def test_auto_prefers_a_compiled_kernel_on_cpu():
+    if _backends.unavailable_reason("cpu", torch.device("cpu")) is not None:
+        pytest.skip("the C++ extension is not built in this install")
+    assert _backends.resolve("auto", torch.device("cpu")) == "cpu"
+    assert "cpu" in ck.available_backends()
+
+
+def test_available_backends_always_has_reference():
+    backends = ck.available_backends()
+    assert backends[0] == "reference"
+    assert set(backends) <= {"reference", "cpu", "cuda", "triton"}
+
+
+def test_named_backend_that_cannot_run_raises():
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without a GPU")
+    with pytest.raises(RuntimeError, match="not available"):
+        ck.uncertainty_weighted_ce(torch.randn(3, 4), torch.zeros(3, dtype=torch.long), backend="cuda")
+
+
+def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(_backends, "_AUTO_ORDER", {"cpu": ("cpu",)})
+    monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: "pretend it is not built")
+    monkeypatch.setattr(_backends, "_warned_fallback", set())
+    z, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ck.uncertainty_weighted_ce(z, y)
+        ck.uncertainty_weighted_ce(z, y)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "falling back" in messages[0] and "pretend it is not built" in messages[0]
+    torch.testing.assert_close(first, R.uncertainty_weighted_ce(z, y))
+
+
+def test_reference_compiles_with_fullgraph():
+    model = torch.nn.Linear(6, 5)
+    z_in, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
+
+    def step(x, target):
+        return R.uncertainty_weighted_ce(model(x), target, weight="brier", mode="grad")
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(z_in, y), step(z_in, y))
+    assert not math.isnan(compiled(z_in, y).item())
