@@ -1,1 +1,54 @@
-"""Calibration metrics (SPEC §3) — being written."""
+"""Calibration metrics (SPEC §3): functional metrics, a streaming DDP-aware meter, reliability diagrams.
+
+>>> import torch, calibkernels as ck
+>>> logits, labels = torch.randn(1000, 10), torch.randint(0, 10, (1000,))
+>>> ece = ck.metrics.ece(logits, labels)              # a float in [0, 1]; tables report 100 * ece (%)
+>>> table = ck.metrics.calibration_metrics(logits, labels)   # every metric at once, as a dict of floats
+
+* :mod:`.binned` — ``ece``, ``adaptive_ece``, ``classwise_ece``, ``mce``, ``nll``, ``brier_score``, ``accuracy``.
+  Inputs are logits or probabilities ``(..., C)`` (``inputs_are="auto"|"logits"|"probs"``); results are Python floats
+  (fractions, not %). Conventions match the reference code of the published tables exactly: ``(lo, hi]`` bins on a
+  float32 ``linspace(0, 1, 16)``, ``|B_b|/N`` over all N, and the AdaECE edge rule under which the minimum confidence
+  falls in no bin (documented in :mod:`.binned`).
+* :mod:`.streaming` — ``CalibrationMeter`` (update / compute / reset; merged across DDP ranks) and
+  ``calibration_metrics`` (all metrics of one tensor in one pass).
+* :mod:`.reliability` — ``reliability_diagram`` (matplotlib, optional) and ``reliability_bins``.
+* :mod:`.smooth` — differentiable ``sece`` / ``dece`` for meta-regularisation.
+"""
+
+from .binned import (
+    accuracy,
+    adaptive_ece,
+    brier_score,
+    classwise_ece,
+    ece,
+    equal_count_edges,
+    equal_width_edges,
+    mce,
+    nll,
+)
+from .reliability import reliability_bins, reliability_diagram
+from .streaming import METRIC_KEYS, CalibrationMeter, calibration_metrics
+
+# --- differentiable calibration errors (meta-regularisation; calibkernels/metrics/smooth.py, meta engineer) ---
+from .smooth import dece, sece
+# --- end smooth metrics ---
+
+__all__ = [
+    "METRIC_KEYS",
+    "CalibrationMeter",
+    "accuracy",
+    "adaptive_ece",
+    "brier_score",
+    "calibration_metrics",
+    "classwise_ece",
+    "dece",
+    "ece",
+    "equal_count_edges",
+    "equal_width_edges",
+    "mce",
+    "nll",
+    "reliability_bins",
+    "reliability_diagram",
+    "sece",
+]

@@ -1,0 +1,225 @@
+"""Streaming calibration metrics for evaluation loops, merged across DDP ranks.
+
+>>> meter = CalibrationMeter(n_bins=15)
+>>> for images, labels in loader:                      # doctest: +SKIP
+...     meter.update(model(images), labels)
+>>> meter.compute()                                     # doctest: +SKIP
+{'accuracy': 0.93, 'ece': 0.012, 'adaece': 0.011, 'classwise_ece': 0.002, 'mce': 0.08, 'nll': 0.24, 'brier': 0.11}
+
+State (all float64, on the device of the first batch):
+
+* equal-width bins: per-bin count, Σ confidence, Σ correct — ``3·M`` numbers (ECE, MCE);
+* classwise: the same per class and bin — ``3·C·M`` numbers;
+* scalars: N, Σ NLL, Σ Brier, Σ correct.
+
+These are sums, so merging ranks is one ``all_reduce(SUM)``, and ``compute()`` equals the functional metrics of the
+concatenated data (up to float64 summation order). **AdaECE is the exception**: its equal-count edges need the sorted
+confidences of *all* samples, so the meter keeps every sample's confidence and correctness (O(N) memory: 2 numbers per
+sample) and gathers them across ranks with ``all_gather`` (ranks may hold different numbers of samples). Pass
+``track_adaptive=False`` to keep the memory constant; ``compute()["adaece"]`` is then NaN.
+
+Under ``torch.distributed`` (initialised, world size > 1) ``compute()`` is a collective: every rank must call it. The
+communication runs on CUDA for the NCCL backend and on CPU otherwise (gloo, mpi).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ._inputs import check_n_bins, prepare
+from .binned import (
+    adaptive_calibration_error,
+    bin_sums,
+    brier_sum,
+    calibration_error_from_sums,
+    classwise_sums,
+    confidence_and_correct,
+    equal_width_edges,
+    max_calibration_error_from_sums,
+    nll_sum,
+)
+
+__all__ = ["CalibrationMeter", "METRIC_KEYS", "calibration_metrics"]
+
+METRIC_KEYS = ("accuracy", "ece", "adaece", "classwise_ece", "mce", "nll", "brier")
+_NUM_SCALARS = 4  # N, Σ NLL, Σ Brier, Σ correct
+
+
+def _distributed_world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+class CalibrationMeter:
+    """Accumulates ECE, AdaECE, classwise ECE, MCE, NLL, Brier score and accuracy over batches (SPEC §3).
+
+    Args:
+        n_bins: bins of every binned metric (equal-width ``(lo, hi]`` bins on float32 ``linspace(0, 1, n_bins + 1)``,
+            equal-count bins for AdaECE; see :mod:`calibkernels.metrics.binned`).
+        inputs_are: ``"auto" | "logits" | "probs"``, decided per batch (see :mod:`calibkernels.metrics._inputs`).
+        ignore_index: label of rows to skip.
+        track_adaptive: keep per-sample confidences for AdaECE (O(N) memory); ``False`` makes the memory constant.
+
+    ``update(inputs, labels)`` takes ``(..., C)`` logits or probabilities and ``(...)`` labels; ``compute()`` returns a
+    dict of Python floats with keys :data:`METRIC_KEYS` (fractions, not percentages); ``reset()`` clears the state.
+    """
+
+    def __init__(self, n_bins: int = 15, *, inputs_are: str = "auto", ignore_index: int = -100,
+                 track_adaptive: bool = True):
+        self.n_bins = check_n_bins(n_bins)
+        self.inputs_are = inputs_are
+        self.ignore_index = ignore_index
+        self.track_adaptive = bool(track_adaptive)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget every batch seen so far."""
+        self.num_classes: int | None = None
+        self._bins = None  # (3, M): count, Σ confidence, Σ correct
+        self._classwise = None  # (3, C, M): count, Σ p_k, Σ 1[y = k]
+        self._scalars = None  # (4,): N, Σ NLL, Σ Brier, Σ correct
+        self._confidences: list[torch.Tensor] = []
+        self._correct: list[torch.Tensor] = []
+        self._confidence_dtype = torch.float32
+
+    @property
+    def num_samples(self) -> int:
+        """Samples accumulated on this rank."""
+        return 0 if self._scalars is None else int(self._scalars[0])
+
+    def _allocate(self, num_classes: int, device) -> None:
+        self.num_classes = num_classes
+        self._bins = torch.zeros(3, self.n_bins, dtype=torch.float64, device=device)
+        self._classwise = torch.zeros(3, num_classes, self.n_bins, dtype=torch.float64, device=device)
+        self._scalars = torch.zeros(_NUM_SCALARS, dtype=torch.float64, device=device)
+
+    @torch.no_grad()
+    def update(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        """Add a batch: ``inputs (..., C)`` logits or probabilities, ``labels (...)`` class indices."""
+        prepared = prepare(inputs, labels, self.inputs_are, self.ignore_index, allow_empty=True)
+        if self.num_classes is None:
+            self._allocate(prepared.num_classes, prepared.probs.device)
+        elif prepared.num_classes != self.num_classes:
+            raise ValueError(f"batch has {prepared.num_classes} classes, earlier batches had {self.num_classes}")
+        if prepared.num_samples == 0:
+            return
+        device = self._bins.device
+        confidence, correct = confidence_and_correct(prepared)
+        edges = equal_width_edges(self.n_bins, dtype=confidence.dtype, device=confidence.device)
+        self._bins += torch.stack(bin_sums(confidence, correct, edges)).to(device)
+        self._classwise += torch.stack(classwise_sums(prepared, self.n_bins)).to(device)
+        self._scalars += torch.stack([
+            torch.tensor(float(prepared.num_samples), dtype=torch.float64, device=confidence.device),
+            nll_sum(prepared),
+            brier_sum(prepared),
+            correct.to(torch.float64).sum(),
+        ]).to(device)
+        if self.track_adaptive:
+            self._confidence_dtype = confidence.dtype
+            self._confidences.append(confidence.to(device))
+            self._correct.append(correct.to(torch.bool).to(device))
+
+    # ----------------------------------------------------------------------------------------------- DDP merging
+    @staticmethod
+    def _communication_device():
+        if dist.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def _merged_state(self):
+        """``(bins, classwise, scalars, confidences, correct)`` summed / concatenated over every rank."""
+        local_conf = torch.cat(self._confidences) if self._confidences else None
+        local_correct = torch.cat(self._correct) if self._correct else None
+        comm = self._communication_device()
+        # Agree on C first: a rank that saw no batch has no state yet, and mismatched shapes would hang all_reduce.
+        known = self.num_classes or 0
+        class_range = torch.tensor([known, -(known or 2**62)], dtype=torch.int64, device=comm)
+        dist.all_reduce(class_range, op=dist.ReduceOp.MAX)
+        num_classes, smallest_known = int(class_range[0]), -int(class_range[1])
+        if num_classes == 0:
+            raise ValueError("CalibrationMeter.compute(): no rank has seen any samples")
+        if smallest_known != num_classes:
+            raise ValueError(f"ranks disagree on the number of classes ({smallest_known} vs {num_classes})")
+        if self.num_classes is None:
+            self._allocate(num_classes, comm)
+
+        flat = torch.cat([self._bins.reshape(-1), self._classwise.reshape(-1), self._scalars]).to(comm)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+        bins_size, classwise_size = self._bins.numel(), self._classwise.numel()
+        bins = flat[:bins_size].view_as(self._bins)
+        classwise = flat[bins_size:bins_size + classwise_size].view_as(self._classwise)
+        scalars = flat[bins_size + classwise_size:]
+
+        if not self.track_adaptive:
+            return bins, classwise, scalars, None, None
+        # Pack (confidence, correct) in float64 — exact for float32 confidences — and gather unequal sizes by padding.
+        if local_conf is None:
+            packed = torch.zeros(0, 2, dtype=torch.float64, device=comm)
+        else:
+            packed = torch.stack([local_conf.to(torch.float64), local_correct.to(torch.float64)], dim=1).to(comm)
+        world = dist.get_world_size()
+        size = torch.tensor([packed.shape[0]], dtype=torch.int64, device=comm)
+        sizes = [torch.zeros_like(size) for _ in range(world)]
+        dist.all_gather(sizes, size)
+        sizes = [int(s) for s in sizes]
+        padded = torch.zeros(max(sizes), 2, dtype=torch.float64, device=comm)
+        padded[: packed.shape[0]] = packed
+        gathered = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(gathered, padded)
+        everything = torch.cat([g[:s] for g, s in zip(gathered, sizes)])
+        if everything.shape[0] == 0:
+            return bins, classwise, scalars, None, None
+        return bins, classwise, scalars, everything[:, 0].to(self._confidence_dtype), everything[:, 1]
+
+    # ----------------------------------------------------------------------------------------------- results
+    @torch.no_grad()
+    def compute(self, *, sync: bool = True) -> dict:
+        """Metrics over everything seen, as Python floats keyed by :data:`METRIC_KEYS`.
+
+        With ``sync=True`` (default) and an initialised process group of more than one rank, the state of every rank is
+        merged first (a collective: all ranks must call it); ``sync=False`` reports this rank's samples only.
+        """
+        if sync and _distributed_world_size() > 1:
+            bins, classwise, scalars, confidences, correct = self._merged_state()
+        else:
+            if self.num_samples == 0:
+                raise ValueError("CalibrationMeter.compute(): no samples were added (call update() first)")
+            bins, classwise, scalars = self._bins, self._classwise, self._scalars
+            confidences = torch.cat(self._confidences) if self._confidences else None
+            correct = torch.cat(self._correct) if self._correct else None
+        num_samples, nll_total, brier_total, correct_total = scalars.tolist()
+        if num_samples == 0:
+            raise ValueError("CalibrationMeter.compute(): no samples were added on any rank")
+        count, conf_sum, correct_sum = bins
+        if confidences is not None:
+            adaece = float(adaptive_calibration_error(confidences, correct.to(confidences.dtype), self.n_bins))
+        else:
+            adaece = math.nan
+        return {
+            "accuracy": correct_total / num_samples,
+            "ece": float(calibration_error_from_sums(conf_sum, correct_sum, num_samples)),
+            "adaece": adaece,
+            "classwise_ece": float(calibration_error_from_sums(classwise[1], classwise[2], num_samples).mean()),
+            "mce": float(max_calibration_error_from_sums(count, conf_sum, correct_sum)),
+            "nll": nll_total / num_samples,
+            "brier": brier_total / num_samples,
+        }
+
+    def __repr__(self) -> str:
+        return (f"CalibrationMeter(n_bins={self.n_bins}, num_classes={self.num_classes}, "
+                f"num_samples={self.num_samples}, track_adaptive={self.track_adaptive})")
+
+
+def calibration_metrics(inputs, labels, n_bins: int = 15, *, inputs_are: str = "auto",
+                        ignore_index: int = -100) -> dict:
+    """Every metric of :data:`METRIC_KEYS` for one set of predictions, in one pass (one softmax), as floats.
+
+    Local to this process even under DDP (use :class:`CalibrationMeter` to merge ranks).
+    """
+    meter = CalibrationMeter(n_bins, inputs_are=inputs_are, ignore_index=ignore_index)
+    meter.update(inputs, labels)
+    return meter.compute(sync=False)

@@ -1,0 +1,141 @@
+"""Temperature scaling: the vectorised ECE grid search against a loop over the grid, tie-breaking, recovery of a
+known temperature on synthetic data (ECE grid and NLL/L-BFGS), and TemperatureScaler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from calibkernels import metrics
+from calibkernels.calibration import (
+    TemperatureScaler,
+    ece_over_temperatures,
+    evaluate_temperature_scaling,
+    fit_temperature,
+    temperature_grid,
+)
+
+
+def _synthetic_with_known_temperature(n, c, true_temperature):
+    """Labels drawn from softmax(z), logits reported as z · T0: the calibrating temperature is T0 by construction."""
+    z = torch.randn(n, c) * 1.5
+    labels = torch.multinomial(torch.softmax(z, dim=1), 1).squeeze(1)
+    return z * true_temperature, labels
+
+
+def test_default_grid_is_001_to_10_step_001():
+    grid = temperature_grid()
+    assert grid.dtype == torch.float64 and grid.numel() == 1000
+    assert float(grid[0]) == 0.01 and float(grid[-1]) == 10.0
+    assert [float(t) for t in grid[:8]] == [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08]
+    assert float(grid[699]) == 7.0
+    assert torch.all(grid.diff() > 0)
+
+
+def test_grid_ece_matches_a_loop_over_the_grid():
+    logits, labels = _synthetic_with_known_temperature(300, 5, 2.0)
+    logits = logits.double()  # float64: the grid's confidence form and softmax agree to ~1e-16, no edge flips
+    grid = torch.linspace(0.2, 4.0, 39, dtype=torch.float64)
+    looped = torch.tensor([metrics.ece(logits / float(t), labels, 12) for t in grid], dtype=torch.float64)
+    vectorised = ece_over_temperatures(logits, labels, grid, n_bins=12, chunk_elements=300 * 5 * 7)  # 6 chunks
+    torch.testing.assert_close(vectorised, looped, rtol=0, atol=1e-12)
+    chosen = fit_temperature(logits, labels, grid=grid, n_bins=12)
+    best = looped.min()
+    assert chosen == float(grid[looped <= best + 1e-12][0])
+
+
+def test_grid_ece_float32_is_close_to_float64():
+    logits, labels = _synthetic_with_known_temperature(400, 6, 1.5)
+    grid = temperature_grid(0.5, 3.0, 0.25)
+    single = ece_over_temperatures(logits, labels, grid)
+    double = ece_over_temperatures(logits.double(), labels, grid)
+    # float32 confidences differ by ~1e-7 relative; a rare sample at an edge may switch bins (≤ 2/N each).
+    torch.testing.assert_close(single, double, rtol=0, atol=2 * 2 / 400)
+
+
+def test_ties_go_to_the_smallest_temperature():
+    # Equal logits: every confidence is 1/C at every T, so every grid point has the same ECE.
+    logits = torch.zeros(50, 4)
+    labels = torch.randint(0, 4, (50,))
+    assert fit_temperature(logits, labels, grid=[3.0, 1.5, 0.7, 2.0, 0.7]) == 0.7
+    assert fit_temperature(logits, labels) == 0.01
+
+
+@pytest.mark.parametrize("objective, tolerance", [("nll", 0.08), ("ece", 0.15)])
+def test_fit_recovers_a_known_temperature(objective, tolerance):
+    true_temperature = 2.5
+    logits, labels = _synthetic_with_known_temperature(6000, 10, true_temperature)
+    fitted = fit_temperature(logits, labels, objective=objective)
+    assert isinstance(fitted, float)
+    assert fitted == pytest.approx(true_temperature, rel=tolerance)
+    # and an over-confident model really is calibrated by it
+    assert metrics.ece(logits / fitted, labels) < metrics.ece(logits, labels) / 3
+
+
+def test_nll_fit_is_a_stationary_point_of_the_nll():
+    logits, labels = _synthetic_with_known_temperature(1000, 5, 0.6)  # under-confident: T < 1
+    fitted = fit_temperature(logits, labels, objective="nll")
+    log_t = torch.tensor(math.log(fitted), dtype=torch.float64, requires_grad=True)
+    loss = F.cross_entropy(logits.double() * torch.exp(-log_t), labels)
+    (gradient,) = torch.autograd.grad(loss, log_t)
+    assert abs(float(gradient)) < 1e-6
+    for nearby in (fitted * 0.98, fitted * 1.02):
+        assert float(F.cross_entropy(logits.double() / nearby, labels)) > float(loss.detach())
+
+
+def test_temperature_scaler_module():
+    logits, labels = _synthetic_with_known_temperature(2000, 5, 2.0)
+    scaler = TemperatureScaler()
+    assert float(scaler.temperature) == 1.0
+    torch.testing.assert_close(scaler(logits), logits)
+    assert scaler.fit(logits, labels, objective="ece") is scaler
+    fitted = float(scaler.temperature)
+    assert fitted == fit_temperature(logits, labels, objective="ece")
+    torch.testing.assert_close(scaler(logits), logits / fitted)
+    assert scaler(logits.half()).dtype == torch.float16
+    assert "temperature" in scaler.state_dict()
+    restored = TemperatureScaler()
+    restored.load_state_dict(scaler.state_dict())
+    assert float(restored.temperature) == fitted
+    scaler.fit(logits, labels, objective="nll")
+    assert float(scaler.temperature) == pytest.approx(fit_temperature(logits, labels, objective="nll"), rel=1e-6)
+    with pytest.raises(ValueError):
+        TemperatureScaler(0.0)
+
+
+def test_pre_and_post_temperature_report_uses_one_temperature():
+    logits, labels = _synthetic_with_known_temperature(1200, 4, 3.0)
+    report = evaluate_temperature_scaling(logits[:600], labels[:600], logits[600:], labels[600:])
+    temperature = report["temperature"]
+    assert temperature == fit_temperature(logits[:600], labels[:600])
+    assert report["pre"] == pytest.approx(metrics.calibration_metrics(logits[600:], labels[600:]))
+    assert report["post"] == pytest.approx(metrics.calibration_metrics(logits[600:] / temperature, labels[600:]))
+    assert report["post"]["accuracy"] == report["pre"]["accuracy"]
+    assert report["post"]["ece"] < report["pre"]["ece"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, error",
+    [
+        ({"objective": "brier"}, ValueError),
+        ({"grid": [1.0, -0.5]}, ValueError),
+        ({"grid": []}, ValueError),
+        ({"grid": [1.0, math.inf]}, ValueError),
+        ({"n_bins": 0}, ValueError),
+    ],
+)
+def test_fit_temperature_rejects_bad_arguments(kwargs, error):
+    with pytest.raises(error):
+        fit_temperature(torch.randn(10, 3), torch.randint(0, 3, (10,)), **kwargs)
+
+
+def test_fit_temperature_rejects_bad_inputs():
+    with pytest.raises(ValueError):
+        fit_temperature(torch.randn(10, 3), torch.full((10,), 3))
+    with pytest.raises(TypeError):
+        fit_temperature(torch.randn(10, 3), torch.zeros(10))
+    with pytest.raises(ValueError):
+        fit_temperature(torch.randn(10, 3), torch.zeros(9, dtype=torch.long))
