@@ -7,7 +7,6 @@ lazily: ``import calibkernels`` never fails and stays fast when Triton or the co
 
 from __future__ import annotations
 
-import functools
 import importlib
 import warnings
 
@@ -27,13 +26,19 @@ _BACKEND_MODULES = {
 _AUTO_ORDER = {"cuda": ("triton", "cuda"), "cpu": ("cpu",)}
 
 
-@functools.lru_cache(maxsize=None)
+# A plain dict rather than functools.lru_cache: torch.compile traces through lru_cache wrappers (into
+# importlib, a graph break) but reads an already-filled dict; `resolve` fills it before `run` is traced.
+_loaded_modules: dict = {}
+
+
 def _module(name: str):
     """Import a backend's module; return ``(module, None)`` or ``(None, reason)``."""
-    try:
-        return importlib.import_module(_BACKEND_MODULES[name], __package__), None
-    except Exception as exc:  # a missing compiled part or Triton must not break the package
-        return None, f"{type(exc).__name__}: {exc}"
+    if name not in _loaded_modules:
+        try:
+            _loaded_modules[name] = importlib.import_module(_BACKEND_MODULES[name], __package__), None
+        except Exception as exc:  # a missing compiled part or Triton must not break the package
+            _loaded_modules[name] = None, f"{type(exc).__name__}: {exc}"
+    return _loaded_modules[name]
 
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
@@ -58,6 +63,8 @@ def available_backends() -> list[str]:
 _warned_fallback: set[str] = set()
 
 
+# Under torch.compile the choice is made once, eagerly, at trace time (the result is a constant of the graph).
+@torch.compiler.assume_constant_result
 def resolve(backend: str, device: torch.device) -> str:
     """Pick the backend that will run; a named backend that cannot run raises, it never silently substitutes."""
     V.check_backend(backend)

@@ -1,0 +1,249 @@
+"""Python side of the compiled ``calibkernels::uncertainty_weighted_ce`` ops (C++ CPU kernel, CUDA kernel).
+
+The schema lives in ``csrc/calibkernels.cpp`` and the semantics in ``csrc/uncertainty_weighted_ce.h``: one fused
+forward computes ``L_i = u_i · CE_i`` (SPEC §2) *and* the gradient of the reduced loss for ``grad_output = 1``
+("gradient in forward"), so the backward is a single scaling by ``grad_output`` (a scalar, or ``(N,)`` for
+``reduction="none"``).
+
+Layers, in the naming of Liger-Kernel:
+
+* :func:`uncertainty_weighted_ce_forward` — typed wrapper around ``torch.ops.calibkernels.uncertainty_weighted_ce``;
+* ``torch.library.register_fake`` (shapes for torch.compile / meta tensors) and ``torch.library.register_autograd``
+  (the backward) on the functional op;
+* :class:`UncertaintyWeightedCEInplaceFunction` — the opt-in ``inplace=True`` path, whose op mutates the logits;
+* :func:`is_available` / :func:`run` — the backend interface of :mod:`calibkernels._backends` (``"cpu"``, ``"cuda"``).
+
+Importing this module raises ``ImportError`` if the extension ``calibkernels._C`` was not built; ``_backends``
+turns that into "backend unavailable" (and ``backend="auto"`` into a one-time warning and the reference).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import _validation as V
+
+try:
+    from .. import _C  # noqa: F401  (loading the library runs the TORCH_LIBRARY registrations)
+except ImportError as exc:  # pragma: no cover - depends on the install
+    raise ImportError(
+        "calibkernels' compiled extension (calibkernels._C) is not built: reinstall with "
+        "`pip install --no-build-isolation -e .` (needs a C++ compiler), or use backend='reference'. "
+        f"Original error: {exc}"
+    ) from exc
+
+__all__ = ["uncertainty_weighted_ce_forward", "UncertaintyWeightedCEInplaceFunction", "is_available", "run"]
+
+_OP = torch.ops.calibkernels.uncertainty_weighted_ce
+_INPLACE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_
+_QUALNAME = "calibkernels::uncertainty_weighted_ce"
+_INPLACE_QUALNAME = "calibkernels::uncertainty_weighted_ce_inplace_"
+
+
+def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
+    # fp32 accumulation for fp32/fp16/bf16; float64 stays float64 (gradcheck)
+    return torch.float64 if logits.dtype == torch.float64 else torch.float32
+
+
+def _fake_loss(logits, reduction):
+    shape = (logits.shape[0],) if reduction == V.REDUCTION_CODES["none"] else ()
+    return logits.new_empty(shape, dtype=_loss_dtype(logits))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fake (meta) kernels: output shapes and dtypes without running anything, for torch.compile and FakeTensor.
+# ----------------------------------------------------------------------------------------------------------------
+@torch.library.register_fake(_QUALNAME)
+def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                                  ignore_index, reduction, compute_grad):
+    torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
+    grad_shape = tuple(logits.shape) if compute_grad else (0,)
+    grad = logits.new_empty(grad_shape)  # contiguous, logits' dtype
+    return _fake_loss(logits, reduction), grad
+
+
+@torch.library.register_fake(_INPLACE_QUALNAME)
+def _uncertainty_weighted_ce_inplace_fake(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma,
+                                          norm, ignore_index, reduction):
+    torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
+    return _fake_loss(logits, reduction)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd of the functional op.
+#
+# register_autograd (rather than an autograd.Function around the op) is what lets torch.compile / AOTAutograd
+# trace the op as one node in both the forward and the backward graph without a graph break, and it is what
+# torch.library.opcheck verifies. The forward already produced the gradient, so the backward is a scaling.
+# ----------------------------------------------------------------------------------------------------------------
+def _setup_context(ctx, inputs, output):
+    _, grad = output
+    ctx.mark_non_differentiable(grad)
+    ctx.save_for_backward(grad)
+
+
+def _is_plain_eager() -> bool:
+    """True when running real tensors outside any tracer (Dynamo, make_fx/AOTAutograd, FakeTensor mode)."""
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+
+
+def _scale_saved_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``grad · grad_output`` (scalar, or ``(N,)`` per row), reusing the saved buffer when that is safe.
+
+    Eager: the buffer is scaled in place (no second ``N×C`` allocation) and returned; the multiply is skipped when
+    ``grad_output`` is the scalar 1 on the CPU (reading it is free there; on CUDA it would be a sync, so we just
+    multiply). The in-place scaling bumps the buffer's version, so a second backward through a retained graph
+    raises autograd's "modified by an inplace operation" error instead of silently scaling twice.
+    Traced (torch.compile, opcheck): an out-of-place multiply, which the compiler fuses and plans memory for.
+    """
+    if grad_output.dim() == 1:
+        grad_output = grad_output[:, None]
+    if not _is_plain_eager() or type(grad) is not torch.Tensor or type(grad_output) is not torch.Tensor:
+        return (grad * grad_output).to(grad.dtype)
+    if grad_output.numel() == 1 and grad_output.device.type == "cpu" and grad_output.item() == 1.0:
+        return grad
+    return grad.mul_(grad_output)
+
+
+def _backward(ctx, grad_loss, _grad_of_grad_output):
+    (grad,) = ctx.saved_tensors
+    return _scale_saved_gradient(grad, grad_loss), None, None, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(_QUALNAME, _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Typed wrapper
+# ----------------------------------------------------------------------------------------------------------------
+def uncertainty_weighted_ce_forward(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    weight: str,
+    mode: str,
+    gamma: float | torch.Tensor,
+    norm: float,
+    sample_weight: torch.Tensor | None,
+    reduction: str,
+    ignore_index: int,
+    compute_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the fused op on validated ``(N, C)`` logits. Returns ``(loss, grad)``.
+
+    ``loss`` is float32 (float64 for float64 logits): 0-dim for mean/sum, ``(N,)`` for none. ``grad`` is
+    ``d loss / d logits`` for ``grad_output = 1`` in the logits' dtype (``(0,)`` when ``compute_grad`` is false).
+    Differentiable w.r.t. ``logits`` through ``register_autograd``.
+    """
+    gamma_per_sample = gamma if isinstance(gamma, torch.Tensor) else None
+    gamma_value = 0.0 if gamma_per_sample is not None else float(gamma)
+    return _OP(
+        logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], gamma_value,
+        float(norm), int(ignore_index), V.REDUCTION_CODES[reduction], bool(compute_grad),
+    )
+
+
+class UncertaintyWeightedCEInplaceFunction(torch.autograd.Function):
+    """``inplace=True``: the op overwrites ``logits`` with the gradient (zero extra ``N×C`` memory).
+
+    The op is declared mutating (``Tensor(a!) logits``), so ``register_autograd`` cannot be used; this Function
+    saves the (overwritten) logits buffer and its backward scales it by ``grad_output`` in place, as
+    :func:`_scale_saved_gradient` does for the functional op. Any other autograd node that saved the logits sees
+    their version change and raises at backward instead of using garbage.
+    """
+
+    @staticmethod
+    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                reduction):
+        loss = _INPLACE_OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                           reduction)
+        # The dispatcher does not bump the version of a custom op's mutated argument here (autograd is off inside
+        # Function.forward), so do it: any other node that saved the logits then raises at backward.
+        torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(logits)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad,) = ctx.saved_tensors
+        return _scale_saved_gradient(grad, grad_loss), None, None, None, None, None, None, None, None, None
+
+
+def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
+    if tensor.is_leaf:
+        return True
+    base = tensor._base
+    return base is not None and base.is_leaf and base.requires_grad
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Backend interface (calibkernels._backends)
+# ----------------------------------------------------------------------------------------------------------------
+def is_available(name: str, device: torch.device) -> str | None:
+    """``None`` if backend ``name`` ("cpu" or "cuda") can run on ``device``, else why not."""
+    if name == "cpu":
+        if device.type != "cpu":
+            return f"the 'cpu' backend runs CPU tensors, not {device.type}"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, "CPU"):
+            return "calibkernels._C was built without the CPU kernel"
+        return None
+    if name == "cuda":
+        if device.type != "cuda":
+            return f"the 'cuda' backend runs CUDA tensors, not {device.type}"
+        if not torch.cuda.is_available():
+            return "torch.cuda.is_available() is False"
+        if not torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, "CUDA"):
+            return "calibkernels._C was built without the CUDA kernel (no CUDA toolkit at build time?)"
+        return None
+    return f"{name!r} is not a compiled backend"
+
+
+# CUDA kernel's target policy (the Triton backend's): an out-of-range target is never used as an index; that row's loss
+# and gradient are NaN. In eager mode the wrapper then raises the ValueError of the other backends (one host sync),
+# unless CALIBKERNELS_VALIDATE=0, under torch.compile, or while a CUDA graph is being captured.
+VALIDATE_TARGETS = os.environ.get("CALIBKERNELS_VALIDATE", "1") != "0"
+
+
+def _raise_on_out_of_range_cuda_targets(inputs: V.LossInputs) -> None:
+    if not VALIDATE_TARGETS or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return
+    target, num_classes = inputs.target, inputs.logits.shape[-1]
+    bad = (target != inputs.ignore_index) & ((target < 0) | (target >= num_classes))
+    if bool(bad.any()):
+        raise ValueError(
+            f"target value {int(target[bad][0])} is out of range for {num_classes} classes "
+            f"(valid: 0..{num_classes - 1}, or ignore_index={inputs.ignore_index})"
+        )
+
+
+def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
+    """The loss of validated ``inputs`` through the compiled op, in the logits' dtype and batch shape."""
+    logits = inputs.logits
+    compute_grad = logits.requires_grad and torch.is_grad_enabled()
+    gamma_per_sample = inputs.gamma if isinstance(inputs.gamma, torch.Tensor) else None
+    gamma_value = 0.0 if gamma_per_sample is not None else float(inputs.gamma)
+    if inplace and compute_grad:
+        if _is_leaf_or_view_of_leaf(logits):
+            raise ValueError(
+                "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
+                "result (e.g. a layer's output), not a leaf tensor that requires grad; use inplace=False"
+            )
+        loss = UncertaintyWeightedCEInplaceFunction.apply(
+            logits, inputs.target, inputs.sample_weight, gamma_per_sample, V.WEIGHT_CODES[inputs.weight],
+            V.MODE_CODES[inputs.mode], gamma_value, inputs.norm, inputs.ignore_index,
+            V.REDUCTION_CODES[inputs.reduction],
+        )
+    else:
+        # Without autograd there is nothing to overwrite: the op skips the gradient entirely.
+        loss, _ = uncertainty_weighted_ce_forward(
+            logits, inputs.target, weight=inputs.weight, mode=inputs.mode, gamma=inputs.gamma, norm=inputs.norm,
+            sample_weight=inputs.sample_weight, reduction=inputs.reduction, ignore_index=inputs.ignore_index,
+            compute_grad=compute_grad,
+        )
+    if logits.device.type == "cuda":
+        _raise_on_out_of_range_cuda_targets(inputs)
+    if inputs.reduction == "none":
+        loss = loss.reshape(inputs.batch_shape)
+    return loss.to(logits.dtype)

@@ -1,0 +1,487 @@
+// Fused CPU kernel of the uncertainty-weighted cross-entropy family (SPEC §2; contract in ../uncertainty_weighted_ce.h).
+//
+//   L_i = u_i · CE_i,  CE_i = logsumexp(z_i) - z_{i,y_i},  u_i ∈ {1, (1-p_y)^γ, (1-p_y)^γ_i (FLSD), (1-p_y+p_j)^γ,
+//   ‖p - e_y‖_q^γ (gBS), w_i (external)}; mode "grad" (GRA, BSCE-GRA paper Eq. 11) detaches u_i, mode "loss"
+//   differentiates through it.
+//
+// One row at a time, rows in parallel (at::parallel_for), two sweeps over a row that stays in L1/L2 between them:
+//   1. reduction sweep: online softmax (running max m, Σ exp(z-m)) block by block, with the target column excluded
+//      so that Σ_{k≠y} p_k and Σ_{k≠y} p_k^q (the gBS accumulator S_q, rescaled by exp(-qΔm) when m moves) come
+//      out without the cancellation of "1 - p_y" or "S_q - p_y^q"; the dual-focal p_j is a second max sweep;
+//   2. gradient sweep: p_k = exp(z_k - lse) and the gradient of the (reduced) loss for grad_output = 1, written
+//      once. In every weight × mode it is  g_k = p_k (α + β (p_k^{q-1} - τ)) + [k ∈ J] c_J  for k ≠ y, plus a
+//      scalar fix-up of g_y; α, β, τ, c_J and g_y are per-row scalars derived below from the SPEC §2 identities.
+// fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
+// float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
+
+// The extension is compiled with -march=x86-64-v3 (setup.py): select ATen's AVX2 Vectorized<> (Sleef exp) rather
+// than its scalar fallback, which is what an extension gets when CPU_CAPABILITY is left undefined.
+#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
+#elif !defined(CPU_CAPABILITY)
+#define CPU_CAPABILITY DEFAULT
+#endif
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/vec.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/scalar_tensor.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+#include "uncertainty_weighted_ce.h"
+
+namespace calibkernels {
+namespace {
+
+using at::vec::Vectorized;
+
+// How the gradient sweep needs p_k^q (the gBS weight in "loss" mode): not at all, p², p, or exp(q (z - lse)).
+enum class PowQ { None, Square, Linear, General };
+
+template <typename T>
+T horizontal_sum(const Vectorized<T>& v) {
+  alignas(64) T lanes[Vectorized<T>::size()];
+  v.store(lanes);
+  T total = 0;
+  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) total += lanes[i];
+  return total;
+}
+
+template <typename T>
+T horizontal_max(const Vectorized<T>& v) {
+  alignas(64) T lanes[Vectorized<T>::size()];
+  v.store(lanes);
+  T best = lanes[0];
+  for (int64_t i = 1; i < Vectorized<T>::size(); ++i) best = std::max(best, lanes[i]);
+  return best;
+}
+
+// Running state of the online softmax over the non-target columns.
+template <typename T>
+struct OnlineSoftmax {
+  T max = -std::numeric_limits<T>::infinity();
+  Vectorized<T> sum{T(0)};        // Σ exp(z_k - max)
+  Vectorized<T> sum_pow_q{T(0)};  // Σ exp(q (z_k - max))   (gBS only)
+};
+
+// Fold z[lo, hi) into the online softmax, one cache-sized block at a time: the block's max is taken first, the
+// accumulators are rescaled once if it moved the running max, then the block's exponentials are summed (one exp
+// per element; a per-element online update would need two).
+template <typename T, PowQ kPow>
+void accumulate(const T* z, int64_t lo, int64_t hi, T q, OnlineSoftmax<T>& acc) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  constexpr int64_t kBlock = 64 * W;
+  const T neg_inf = -std::numeric_limits<T>::infinity();
+  for (int64_t begin = lo; begin < hi; begin += kBlock) {
+    const int64_t end = std::min(begin + kBlock, hi);
+    Vec block_max(neg_inf);
+    int64_t k = begin;
+    for (; k + W <= end; k += W) block_max = at::vec::maximum(block_max, Vec::loadu(z + k));
+    if (k < end) block_max = at::vec::maximum(block_max, Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
+    const T new_max = horizontal_max(block_max);
+    if (new_max > acc.max) {
+      const T shift = acc.max - new_max;  // -inf on the first finite block: the sums are still 0
+      acc.sum = acc.sum * Vec(std::exp(shift));
+      if constexpr (kPow == PowQ::Square) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(2 * shift));
+      if constexpr (kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(q * shift));
+      acc.max = new_max;
+    }
+    if (acc.max == neg_inf) continue;  // only -inf so far: every term is 0 (and exp(-inf - -inf) would be NaN)
+    const Vec max_vec(acc.max);
+    const Vec q_vec(q);
+    // Per-block partial sums, added to the running sums once per block: two-level summation keeps the rounding
+    // error at O((block + C/block) eps) instead of O(C/W eps) for C in the 10^5 range.
+    Vec block_sum(T(0)), block_sum_pow_q(T(0));
+    auto add = [&](const Vec& x) {
+      const Vec shifted = x - max_vec;
+      const Vec e = shifted.exp();
+      block_sum = block_sum + e;
+      if constexpr (kPow == PowQ::Square) block_sum_pow_q = at::vec::fmadd(e, e, block_sum_pow_q);
+      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + (shifted * q_vec).exp();
+    };
+    for (k = begin; k + W <= end; k += W) add(Vec::loadu(z + k));
+    if (k < end) add(Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
+    acc.sum = acc.sum + block_sum;
+    if constexpr (kPow == PowQ::Square || kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q + block_sum_pow_q;
+  }
+}
+
+// max{z_k : z_k < z_y} (-inf if none) and, if wanted, how many columns attain it (the reference's amax splits its
+// gradient evenly between tied maxima).
+template <typename T>
+T max_below(const T* z, int64_t C, T z_target) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec neg_inf(-std::numeric_limits<T>::infinity());
+  const Vec zy(z_target);
+  Vec best = neg_inf;
+  int64_t k = 0;
+  for (; k + W <= C; k += W) {
+    const Vec x = Vec::loadu(z + k);
+    best = at::vec::maximum(best, Vec::blendv(neg_inf, x, x < zy));
+  }
+  if (k < C) {
+    const Vec x = Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k);
+    best = at::vec::maximum(best, Vec::blendv(neg_inf, x, x < zy));
+  }
+  return horizontal_max(best);
+}
+
+template <typename T>
+int64_t count_equal(const T* z, int64_t C, T value) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec v(value), one(T(1)), zero(T(0));
+  Vec count = zero;  // exact in float up to 2^24 hits per lane
+  int64_t k = 0;
+  for (; k + W <= C; k += W) count = count + Vec::blendv(zero, one, Vec::loadu(z + k) == v);
+  T total = horizontal_sum(count);
+  for (; k < C; ++k) total += (z[k] == value) ? T(1) : T(0);
+  return static_cast<int64_t>(total);
+}
+
+// g_k = p_k (α + β (p_k^{q-1} - τ)) + [z_k == z_j] c_J with p_k = exp(z_k - lse). The gBS term keeps the
+// difference p_k^{q-1} - τ per element (it cancels exactly for a one-hot p; folding it into α would amplify the
+// rounding of α by CE·K). `out` may alias `z` (in-place gradient): each vector is loaded before it is overwritten.
+template <typename T, PowQ kPow, bool kTies>
+void gradient_sweep(const T* z, T* out, int64_t C, T lse, T alpha, T beta, T q, T tau, T z_j, T c_j) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec lse_vec(lse), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau), zj_vec(z_j), cj_vec(c_j),
+      zero(T(0));
+  auto grad = [&](const Vec& x) {
+    const Vec shifted = x - lse_vec;
+    const Vec p = shifted.exp();
+    Vec coef = alpha_vec;
+    if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
+    if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp() - tau_vec, coef);
+    Vec g = p * coef;
+    if constexpr (kTies) g = g + Vec::blendv(zero, cj_vec, x == zj_vec);
+    return g;
+  };
+  int64_t k = 0;
+  for (; k + W <= C; k += W) grad(Vec::loadu(z + k)).store(out + k);
+  if (k < C) grad(Vec::loadu(z + k, C - k)).store(out + k, C - k);
+}
+
+template <typename T>
+struct RowSpec {
+  Weight weight;
+  Mode mode;
+  T gamma;
+  T q;
+};
+
+// Loss of one non-ignored row; if `grad` is non-null also writes scale · dL_i/dz_i there (may alias z).
+template <typename T, PowQ kPow, bool kDual>
+T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
+              T scale) {
+  const T inf = std::numeric_limits<T>::infinity();
+  const T q = spec.q;
+  const T z_y = z[y];
+
+  OnlineSoftmax<T> acc;
+  accumulate<T, kPow>(z, 0, y, q, acc);
+  accumulate<T, kPow>(z, y + 1, C, q, acc);
+  T sum_others = horizontal_sum(acc.sum);           // Σ_{k≠y} exp(z_k - m)
+  T sum_pow_q_others = horizontal_sum(acc.sum_pow_q);  // Σ_{k≠y} exp(q (z_k - m))
+  T m = acc.max;
+  if (!(z_y <= m)) {  // the target is the row max (or the only finite column): move the max to it
+    if (m == -inf) {
+      sum_others = 0;
+      sum_pow_q_others = 0;
+    } else {
+      sum_others *= std::exp(m - z_y);
+      sum_pow_q_others *= (kPow == PowQ::Square) ? std::exp(2 * (m - z_y)) : std::exp(q * (m - z_y));
+    }
+    m = z_y;
+  }
+  const T e_y = std::exp(z_y - m);
+  const T denom = e_y + sum_others;
+  const T log_denom = std::log(denom);
+  const T lse = m + log_denom;
+  // CE = lse - z_y; log1p keeps full precision when the target is the max and p_y → 1.
+  const T ce = (z_y == m) ? std::log1p(sum_others) : (m - z_y) + log_denom;
+  const T p_y = e_y / denom;
+  const T one_minus_p_y = sum_others / denom;  // exact 1 - p_y, no cancellation
+
+  // Per-row weight u and, in "loss" mode, the coefficients of CE · du/dz (see the file header).
+  T u = 1, alpha = 0, beta = 0, tau = 0, g_y = 0, c_j = 0, z_j = -inf;
+  const bool loss_mode = spec.mode == Mode::Loss;
+  switch (spec.weight) {
+    case Weight::None:
+    case Weight::External: {
+      u = spec.weight == Weight::External ? external_weight : T(1);
+      alpha = u;
+      g_y = -u * one_minus_p_y;
+      break;
+    }
+    case Weight::Focal:
+    case Weight::Flsd: {
+      T g = gamma;
+      if (spec.weight == Weight::Flsd) {
+        g = p_y < T(kFlsdLowThreshold) ? T(kFlsdLowGamma) : (p_y < T(kFlsdMidThreshold) ? T(kFlsdMidGamma) : gamma);
+      }
+      u = std::pow(one_minus_p_y, g);
+      // du/dz_k = -A (δ_ky - p_k), A = γ (1-p_y)^{γ-1} p_y, so the gradient is (u + CE·A)(p - e_y).
+      T a = 0;
+      if (loss_mode && g != 0 && one_minus_p_y > 0) a = g * std::pow(one_minus_p_y, g - 1) * p_y;
+      alpha = u + ce * a;
+      g_y = -alpha * one_minus_p_y;
+      break;
+    }
+    case Weight::DualFocal: {
+      z_j = max_below(z, C, z_y);
+      const T p_j = (z_j == -inf) ? T(0) : std::exp(z_j - lse);
+      const T base = one_minus_p_y + p_j;
+      u = std::pow(base, gamma);
+      // du/dz_k = G [(p_y - p_j) p_k + (p_j / n_J) [k∈J] - p_y δ_ky],  G = γ (1-p_y+p_j)^{γ-1}
+      T cg = 0;
+      if (loss_mode && gamma != 0 && base > 0) cg = ce * gamma * std::pow(base, gamma - 1);
+      alpha = u + cg * (p_y - p_j);
+      g_y = -u * one_minus_p_y - cg * (p_y * one_minus_p_y + p_j * p_y);
+      if (cg != 0 && p_j > 0) c_j = cg * p_j / static_cast<T>(count_equal(z, C, z_j));
+      break;
+    }
+    case Weight::Brier: {
+      // S = Σ_{k≠y} p_k^q + (1-p_y)^q,  u = S^{γ/q}
+      T pow_q_others;
+      if constexpr (kPow == PowQ::Square) {
+        pow_q_others = sum_pow_q_others / (denom * denom);
+      } else if constexpr (kPow == PowQ::Linear) {
+        pow_q_others = one_minus_p_y;
+      } else {
+        pow_q_others = sum_pow_q_others * std::exp(-q * log_denom);
+      }
+      const T omp_q = std::pow(one_minus_p_y, q);
+      const T s = pow_q_others + omp_q;
+      u = std::pow(s, gamma / q);
+      alpha = u;
+      g_y = -u * one_minus_p_y;
+      if (loss_mode && gamma != 0 && s > 0) {
+        // dS/dz_k = q p_k^q - p_k T (k≠y), p_y (-q (1-p_y)^{q-1} - T) (k=y), T = Σ_j p_j ∂S/∂p_j
+        const T omp_qm1 = (one_minus_p_y > 0 || q >= 1) ? std::pow(one_minus_p_y, q - 1) : T(0);
+        const T t = q * pow_q_others - q * p_y * omp_qm1;
+        const T k_coef = ce * (gamma / q) * std::pow(s, gamma / q - 1);
+        if constexpr (kPow == PowQ::Linear) {
+          alpha = u + k_coef * (q - t);  // p_k^{q-1} = 1
+        } else {
+          beta = k_coef * q;
+          tau = t / q;
+        }
+        g_y = -u * one_minus_p_y + k_coef * p_y * (-q * omp_qm1 - t);
+      }
+      break;
+    }
+  }
+
+  if (grad != nullptr) {
+    const bool ties = kDual && c_j != 0;
+    if (ties) {
+      gradient_sweep<T, PowQ::None, kDual>(z, grad, C, lse, scale * alpha, T(0), q, T(0), z_j, scale * c_j);
+    } else if (beta != 0) {
+      gradient_sweep<T, kPow, false>(z, grad, C, lse, scale * alpha, scale * beta, q, tau, z_j, T(0));
+    } else {
+      gradient_sweep<T, PowQ::None, false>(z, grad, C, lse, scale * alpha, T(0), q, T(0), z_j, T(0));
+    }
+    grad[y] = scale * g_y;
+  }
+  return u * ce;
+}
+
+// Validates targets (the kernel is the last line of defence: under torch.compile the Python range check is
+// skipped) and counts the non-ignored rows for the mean.
+int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index) {
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  const int64_t n = target.numel();
+  int64_t valid = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    if (t[i] == ignore_index) continue;
+    TORCH_CHECK(t[i] >= 0 && t[i] < num_classes, "calibkernels::uncertainty_weighted_ce: target value ", t[i],
+                " at row ", i, " is out of range for ", num_classes, " classes (valid: 0..", num_classes - 1,
+                ", or ignore_index=", ignore_index, ")");
+    ++valid;
+  }
+  return valid;
+}
+
+struct Args {
+  Weight weight;
+  Mode mode;
+  double gamma;
+  double norm;
+  int64_t ignore_index;
+  Reduction reduction;
+};
+
+Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
+                const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma,
+                double norm, int64_t ignore_index, int64_t reduction) {
+  const char* op = "calibkernels::uncertainty_weighted_ce: ";
+  TORCH_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op, "expected CPU tensors");
+  TORCH_CHECK(logits.dim() == 2, op, "logits must be 2-D (N, C), got ", logits.dim(), " dims");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              "logits must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(logits.size(1) >= 1, op, "logits have zero classes");
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
+              logits.size(0), ",), got ", target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64, got ", target.scalar_type());
+  TORCH_CHECK(weight >= 0 && weight <= 5, op, "unknown weight code ", weight);
+  TORCH_CHECK(mode == 0 || mode == 1, op, "unknown mode code ", mode);
+  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, "unknown reduction code ", reduction);
+  TORCH_CHECK(gamma >= 0, op, "gamma must be >= 0, got ", gamma);
+  TORCH_CHECK(norm > 0, op, "norm must be > 0, got ", norm);
+  const auto w = static_cast<Weight>(weight);
+  for (const auto* opt : {&sample_weight, &gamma_per_sample}) {
+    if (opt->has_value()) {
+      const at::Tensor& t = opt->value();
+      TORCH_CHECK(t.device().is_cpu() && t.is_floating_point() && t.dim() == 1 && t.size(0) == logits.size(0), op,
+                  "per-sample tensors must be floating point CPU tensors of shape (", logits.size(0), ",), got ",
+                  t.scalar_type(), " ", t.sizes());
+    }
+  }
+  TORCH_CHECK(sample_weight.has_value() == (w == Weight::External), op,
+              "sample_weight is required by, and only allowed with, the external weight");
+  TORCH_CHECK(!gamma_per_sample.has_value() || w == Weight::Focal, op,
+              "a per-sample gamma is only supported with the focal weight");
+  return {w, static_cast<Mode>(mode), gamma, norm, ignore_index, static_cast<Reduction>(reduction)};
+}
+
+template <typename T>
+std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
+  if (!t.has_value()) return std::nullopt;
+  return t->detach().to(c10::CppTypeToScalarType<T>::value).contiguous();
+}
+
+// Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (row stride
+// `grad_stride`, may alias z) when non-null; returns the loss tensor (float32, or float64 for float64 logits).
+template <typename scalar_t>
+at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const at::Tensor& target,
+                  const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
+                  const Args& args) {
+  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
+  constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;
+  const int64_t n = z.size(0), c = z.size(1), z_stride = z.stride(0);
+  const int64_t valid = check_targets(target, c, args.ignore_index);
+  const auto loss_dtype = c10::CppTypeToScalarType<acc_t>::value;
+  at::Tensor row_loss = at::empty({n}, z.options().dtype(loss_dtype));
+
+  const acc_t scale = args.reduction == Reduction::Mean ? acc_t(1) / acc_t(std::max<int64_t>(valid, 1)) : acc_t(1);
+  const auto weights = per_sample<acc_t>(sample_weight);
+  const auto gammas = per_sample<acc_t>(gamma_per_sample);
+  const acc_t* weight_ptr = weights ? weights->template const_data_ptr<acc_t>() : nullptr;
+  const acc_t* gamma_ptr = gammas ? gammas->template const_data_ptr<acc_t>() : nullptr;
+  const scalar_t* z_ptr = z.const_data_ptr<scalar_t>();
+  const int64_t* t_ptr = target.const_data_ptr<int64_t>();
+  acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
+  const RowSpec<acc_t> spec{args.weight, args.mode, static_cast<acc_t>(args.gamma), static_cast<acc_t>(args.norm)};
+
+  auto run_rows = [&](auto pow_tag, auto dual_tag) {
+    constexpr PowQ kPow = decltype(pow_tag)::value;
+    constexpr bool kDual = decltype(dual_tag)::value;
+    // enough columns per task that scheduling is amortised
+    const int64_t grain = std::max<int64_t>(1, 16384 / c);
+    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      std::vector<acc_t> scratch(kWiden ? c : 0);
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
+        const int64_t y = t_ptr[i];
+        if (y == args.ignore_index) {
+          loss_ptr[i] = 0;
+          if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
+          continue;
+        }
+        const scalar_t* z_row = z_ptr + i * z_stride;
+        const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
+        const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
+        if constexpr (kWiden) {
+          at::vec::convert(z_row, scratch.data(), c);
+          loss_ptr[i] = process_row<acc_t, kPow, kDual>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
+                                                        spec, gamma, ext, scale);
+          if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
+        } else {
+          loss_ptr[i] = process_row<acc_t, kPow, kDual>(z_row, grad_row, c, y, spec, gamma, ext, scale);
+        }
+      }
+    });
+  };
+  using F = std::false_type;
+  using T = std::true_type;
+  if (args.weight == Weight::Brier) {
+    if (args.norm == 2.0) {
+      run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
+    } else if (args.norm == 1.0) {
+      run_rows(std::integral_constant<PowQ, PowQ::Linear>{}, F{});
+    } else {
+      run_rows(std::integral_constant<PowQ, PowQ::General>{}, F{});
+    }
+  } else if (args.weight == Weight::DualFocal) {
+    run_rows(std::integral_constant<PowQ, PowQ::None>{}, T{});
+  } else {
+    run_rows(std::integral_constant<PowQ, PowQ::None>{}, F{});
+  }
+
+  if (args.reduction == Reduction::None) return row_loss;
+  // Serial, in double: deterministic whatever the thread count.
+  double total = 0;
+  for (int64_t i = 0; i < n; ++i) total += static_cast<double>(loss_ptr[i]);
+  if (args.reduction == Reduction::Mean) total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
+  return at::scalar_tensor(total, z.options().dtype(loss_dtype));
+}
+
+std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
+    const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
+    const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
+    int64_t ignore_index, int64_t reduction, bool compute_grad) {
+  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction);
+  // Rows may be strided; columns must be contiguous for the vector loads.
+  const at::Tensor z = (logits.stride(1) == 1 || logits.size(1) == 1) ? logits : logits.contiguous();
+  const at::Tensor t = target.contiguous();
+  at::Tensor grad = compute_grad ? at::empty({z.size(0), z.size(1)}, z.options().memory_format(at::MemoryFormat::Contiguous))
+                                 : at::empty({0}, z.options());
+  at::Tensor loss;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cpu", [&] {
+    loss = launch<scalar_t>(z, compute_grad ? grad.mutable_data_ptr<scalar_t>() : nullptr, z.size(1), t,
+                            sample_weight, gamma_per_sample, args);
+  });
+  return {loss, grad};
+}
+
+at::Tensor uncertainty_weighted_ce_inplace_cpu(at::Tensor& logits, const at::Tensor& target,
+                                               const std::optional<at::Tensor>& sample_weight,
+                                               const std::optional<at::Tensor>& gamma_per_sample, int64_t weight,
+                                               int64_t mode, double gamma, double norm, int64_t ignore_index,
+                                               int64_t reduction) {
+  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction);
+  const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
+  // Column-strided logits: compute in a contiguous copy, then write the gradient back (correct, not zero-copy).
+  at::Tensor z = direct ? logits : logits.contiguous();
+  const at::Tensor t = target.contiguous();
+  at::Tensor loss;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_inplace_cpu", [&] {
+    loss = launch<scalar_t>(z, z.mutable_data_ptr<scalar_t>(), z.stride(0), t, sample_weight, gamma_per_sample, args);
+  });
+  if (!direct) logits.copy_(z);
+  return loss;
+}
+
+}  // namespace
+}  // namespace calibkernels
+
+TORCH_LIBRARY_IMPL(calibkernels, CPU, m) {
+  m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cpu);
+  m.impl("uncertainty_weighted_ce_inplace_", &calibkernels::uncertainty_weighted_ce_inplace_cpu);
+}
