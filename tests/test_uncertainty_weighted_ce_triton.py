@@ -1,0 +1,410 @@
+"""Triton backend internals: the chunked two-read path, inplace, the device-side target check, the backward's
+scaling and version-counter guard, opcheck, torch.compile.
+
+Runs on CPU tensors through ``TRITON_INTERPRET=1`` (set by conftest.py when no GPU is present; small shapes only, the
+interpreter is slow) and again on CUDA tensors when a GPU is present. The value checks against the reference for every
+weight × mode × reduction through the public API live in ``test_uncertainty_weighted_ce.py``; here the kernel is also
+called directly, below the public API's host-side target check.
+"""
+
+import os
+
+import pytest
+import torch
+
+from calibkernels import _backends
+from calibkernels import _validation as V
+from calibkernels import reference as R
+
+T = pytest.importorskip("calibkernels.triton.uncertainty_weighted_ce")
+
+pytestmark = [
+    # numpy (behind the interpreter) warns where the kernel deliberately takes log2(0) = -inf or divides by 0 on a
+    # masked lane; the results are checked below.
+    pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:invalid value:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning"),
+]
+
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+GAMMAS = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0}
+
+
+def _devices():
+    devices = []
+    for dev in ("cpu", "cuda"):
+        reason = _backends.unavailable_reason("triton", torch.device(dev))
+        marks = [pytest.mark.gpu] if dev == "cuda" else []
+        if dev == "cuda" and not torch.cuda.is_available():
+            marks.append(pytest.mark.skip(reason="no CUDA device"))
+        elif reason is not None:
+            marks.append(pytest.mark.skip(reason=reason))
+        devices.append(pytest.param(dev, id=dev, marks=marks))
+    return devices
+
+
+DEVICES = _devices()
+
+
+def _targets(n, c, device, ignored=2):
+    y = torch.randint(0, c, (n,), device=device)
+    y[torch.randperm(n, device=device)[:ignored]] = -100
+    return y
+
+
+def _inputs(z, y, *, weight="brier", mode="grad", gamma=None, norm=2.0, sample_weight=None, reduction="mean",
+            ignore_index=-100):
+    gamma = GAMMAS[weight] if gamma is None else gamma
+    return V.check_loss_inputs(z, y, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+                               reduction=reduction, ignore_index=ignore_index, check_values=False)
+
+
+def _op_args(z, y, *, weight="brier", mode="grad", gamma=None, norm=2.0, sample_weight=None, reduction="mean",
+             ignore_index=-100):
+    gamma = GAMMAS[weight] if gamma is None else gamma
+    per_sample = gamma if isinstance(gamma, torch.Tensor) else None
+    return (y, sample_weight, per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode],
+            0.0 if per_sample is not None else float(gamma), float(norm), ignore_index, V.REDUCTION_CODES[reduction])
+
+
+def _reference_loss_and_grad(z, y, grad_out, **kw):
+    """float64 reference: the loss and the gradient of ``loss·grad_out``."""
+    x = z.detach().double().requires_grad_()
+    kw.setdefault("gamma", GAMMAS[kw.get("weight", "brier")])  # the same defaults as _inputs
+    sw = kw.get("sample_weight")
+    if sw is not None:
+        kw = dict(kw, sample_weight=sw.double())
+    loss = R.uncertainty_weighted_ce(x, y, **kw)
+    loss.backward(grad_out.double().expand_as(loss))
+    return loss.detach(), x.grad
+
+
+def _triton_loss_and_grad(z, y, grad_out, **kw):
+    x = z.detach().clone().requires_grad_()
+    loss = T.run("triton", _inputs(x, y, **kw), False)
+    loss.backward(grad_out.to(loss.dtype).expand_as(loss))
+    return loss.detach(), x.grad
+
+
+def _close(got, exact, dtype, what):
+    # fp32 kernels against a float64 reference: relative to the largest entry (a few thousand ulps of fp32 at most
+    # for these shapes; 16-bit outputs carry their own rounding)
+    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
+    got, exact = got.double().cpu(), exact.double().cpu()
+    assert torch.equal(torch.isfinite(got), torch.isfinite(exact)), f"{what}: non-finite entries differ"
+    finite = torch.isfinite(exact)
+    scale = exact[finite].abs().max().item() if finite.any() else 0.0
+    err = (got[finite] - exact[finite]).abs().max().item() if finite.any() else 0.0
+    assert err <= tol * max(scale, 1e-30) + 1e-30, f"{what}: max error {err:.3e} (scale {scale:.3e}, tol {tol})"
+
+
+@pytest.fixture
+def small_block(monkeypatch):
+    """Force the chunked two-read path: rows over 8 classes are streamed in 4-class chunks (37 classes: 10 chunks)."""
+    monkeypatch.setattr(T, "MAX_BLOCK", 8)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The chunked (two-read) path against the reference, every weight × mode × reduction
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("mode", ["loss", "grad"])
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_chunked_path_matches_reference(small_block, device, weight, mode, reduction):
+    n, c = 7, 37
+    assert c > T.MAX_BLOCK, "the fixture must force several chunks"
+    z = torch.randn(n, c, device=device) * 3
+    z[0, 5] = float("-inf")  # a masked class, usually in another chunk than the max
+    y = _targets(n, c, device)
+    y[1] = 36  # target in the last, partial chunk
+    sw = torch.rand(n, device=device) if weight == "external" else None
+    grad_out = torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.75, device=device)
+    kw = dict(weight=weight, mode=mode, reduction=reduction, sample_weight=sw)
+    loss, grad = _triton_loss_and_grad(z, y, grad_out, **kw)
+    exact_loss, exact_grad = _reference_loss_and_grad(z, y, grad_out, **kw)
+    _close(loss, exact_loss, torch.float32, "loss")
+    _close(grad, exact_grad, torch.float32, "gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["loss", "grad"])
+def test_dual_focal_ties_across_chunks(small_block, device, mode):
+    """p_j's ties split the gradient (as amax's backward does) also when the tied classes sit in different chunks."""
+    c = 23
+    z = torch.randn(4, c, device=device)
+    y = torch.tensor([0, 1, 2, 3], device=device)
+    z[:, :4] = 3.0
+    z[0, [7, 15, 22]] = 2.5  # three-way tie for p_j, in three chunks
+    z[1, [2, 9]] = 2.0  # target 1 (3.0) ties with 0, 2, 3: p_j comes from below, a tie at 2.0
+    z[1, 2] = 3.0
+    z[2] = 1.0  # all tied with the target: nothing below, p_j = 0
+    z[3, 3] = 5.0  # target is the max; below it the four-way tie at 3.0 and the rest
+    kw = dict(weight="dual_focal", mode=mode, reduction="sum", gamma=2.0)
+    one = torch.tensor(1.0, device=device)
+    loss, grad = _triton_loss_and_grad(z, y, one, **kw)
+    exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, **kw)
+    _close(loss, exact_loss, torch.float32, "loss")
+    _close(grad, exact_grad, torch.float32, "gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier"])
+def test_single_and_two_read_paths_agree_in_half_precision(monkeypatch, device, dtype, weight):
+    """Same fp32 statistics either way, so the two paths agree to the 16-bit output's rounding."""
+    c = 300
+    z = (torch.randn(6, c, device=device) * 4).to(dtype)
+    y = _targets(6, c, device)
+    for mode in ("loss", "grad"):
+        one = torch.tensor(1.0, device=device)
+        kw = dict(weight=weight, mode=mode, reduction="sum")
+        single_loss, single_grad = _triton_loss_and_grad(z, y, one, **kw)
+        monkeypatch.setattr(T, "MAX_BLOCK", 32)  # 16-class chunks: 19 of them
+        chunked_loss, chunked_grad = _triton_loss_and_grad(z, y, one, **kw)
+        monkeypatch.undo()
+        assert single_loss.dtype == dtype and single_grad.dtype == dtype
+        torch.testing.assert_close(chunked_loss.float(), single_loss.float(), rtol=1e-2, atol=1e-3)
+        torch.testing.assert_close(chunked_grad.float(), single_grad.float(), rtol=1e-2, atol=2e-3)
+        exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, **kw)
+        _close(single_grad, exact_grad, dtype, f"{mode} gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_confident_and_infinite_rows_in_chunks(small_block, device):
+    c = 19
+    z = torch.randn(4, c, device=device)
+    z[0, 17] = 40.0  # confident, target in the last chunk: 1 - p_y ≈ 1e-17 must not cancel
+    z[1, [0, 1, 2, 3, 4, 5, 6, 7]] = float("-inf")  # whole chunks of -inf before the first finite value
+    z[2, 3] = 1e4  # extreme logits; target far below the max
+    z[2, 9] = -1e4
+    y = torch.tensor([17, 10, 9, -100], device=device)
+    for weight in ("focal", "dual_focal", "brier"):
+        for mode in ("loss", "grad"):
+            kw = dict(weight=weight, mode=mode, reduction="none", gamma=3.0)
+            ones = torch.ones(4, device=device)
+            loss, grad = _triton_loss_and_grad(z, y, ones, **kw)
+            exact_loss, exact_grad = _reference_loss_and_grad(z, y, ones, **kw)
+            _close(loss, exact_loss, torch.float32, f"{weight}/{mode} loss")
+            _close(grad, exact_grad, torch.float32, f"{weight}/{mode} gradient")
+    confident_loss, _ = _triton_loss_and_grad(z, y, ones, weight="focal", mode="loss", reduction="none", gamma=0.5)
+    assert confident_loss[0] > 0, "the confident row's weight (1 - p_y)^γ must not round to 0"
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Inplace, no-grad, backward scaling, version counter
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
+@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss")])
+def test_inplace_overwrites_logits_with_gradient(monkeypatch, device, chunked, weight, mode):
+    if chunked:
+        monkeypatch.setattr(T, "MAX_BLOCK", 8)
+    n, c = 6, 21
+    z = torch.randn(n, c, device=device) * 2
+    y = _targets(n, c, device)
+    leaf = z.clone().requires_grad_()
+    logits = leaf * 1.0  # an activation, as a model's output is
+    storage = logits.data_ptr()
+    loss = T.run("triton", _inputs(logits, y, weight=weight, mode=mode), True)
+    grad_out = torch.tensor(0.5, device=device)
+    loss.backward(grad_out)
+    exact_loss, exact_grad = _reference_loss_and_grad(z, y, grad_out, weight=weight, mode=mode)
+    _close(loss, exact_loss, torch.float32, "loss")
+    _close(leaf.grad, exact_grad, torch.float32, "gradient")
+    # the logits buffer now holds the (scaled) gradient: no separate N×C buffer was allocated
+    assert logits.data_ptr() == storage
+    _close(logits.detach(), exact_grad, torch.float32, "gradient left in the logits buffer")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_writes_stay_inside_a_strided_view(device):
+    """Row stride > C: inplace must write only the view's columns, never the padding between rows."""
+    n, c, pad = 5, 11, 4
+    buffer = torch.full((n, c + pad), 123.0, device=device)
+    view = buffer[:, :c]
+    view.copy_(torch.randn(n, c, device=device))
+    y = _targets(n, c, device)
+    expected_grad = _reference_loss_and_grad(view.clone(), y, torch.tensor(1.0, device=device))[1]
+    loss = torch.ops.calibkernels.uncertainty_weighted_ce_triton_inplace_(view, *_op_args(view, y), True)
+    assert torch.isfinite(loss)
+    assert (buffer[:, c:] == 123.0).all(), "padding between rows was written"
+    _close(view, expected_grad, torch.float32, "in-place gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_no_gradient_buffer_without_grad(device):
+    z = torch.randn(6, 13, device=device)
+    y = _targets(6, 13, device)
+    loss, grad = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, True)
+    assert grad.shape == (0,), "compute_grad=False must not write an N×C gradient"
+    torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # requires_grad logits under no_grad: no gradient either, and inplace leaves them intact
+        x = z.clone().requires_grad_()
+        before = x.detach().clone()
+        T.run("triton", _inputs(x, y), True)
+        assert torch.equal(x.detach(), before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_second_backward_through_scaled_buffer_raises(device, inplace):
+    """Backward scales the saved gradient in place; a retain_graph second backward must fail loudly, not rescale."""
+    z = torch.randn(4, 9, device=device)
+    y = _targets(4, 9, device, ignored=0)
+    leaf = z.clone().requires_grad_()
+    loss = T.run("triton", _inputs(leaf * 1.0, y), inplace)
+    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
+    first = leaf.grad.clone()
+    _close(first, _reference_loss_and_grad(z, y, torch.tensor(2.0, device=device))[1], torch.float32, "gradient")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward(torch.tensor(2.0, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_with_broadcast_and_unit_grad_output(device):
+    """grad_output of exactly 1 leaves the buffer as is; an expanded (stride-0) per-row grad_output is read right."""
+    z = torch.randn(7, 10, device=device)
+    y = _targets(7, 10, device)
+    for reduction, grad_out in (("mean", torch.tensor(1.0, device=device)),
+                                ("none", torch.ones(7, device=device)),
+                                ("none", torch.tensor(3.0, device=device).expand(7))):
+        x = z.clone().requires_grad_()
+        loss = T.run("triton", _inputs(x, y, weight="focal", mode="loss", reduction=reduction), False)
+        loss.backward(grad_out)
+        exact = _reference_loss_and_grad(z, y, grad_out, weight="focal", mode="loss", reduction=reduction)[1]
+        _close(x.grad, exact, torch.float32, f"{reduction} gradient")
+    x = z.clone().requires_grad_()
+    T.run("triton", _inputs(x, y, reduction="none"), False).sum().backward()
+    _close(x.grad, _reference_loss_and_grad(z, y, torch.ones(7, device=device), reduction="none")[1],
+           torch.float32, "gradient of .sum()")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Target checking
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
+def test_out_of_range_target_raises_on_device_check(monkeypatch, device, chunked):
+    if chunked:
+        monkeypatch.setattr(T, "MAX_BLOCK", 4)
+    z = torch.randn(4, 7, device=device, requires_grad=True)
+    for bad in (7, -1, 10**9):
+        y = torch.tensor([0, bad, 3, -100], device=device)
+        with pytest.raises(ValueError, match=f"target value {bad} is out of range for 7 classes"):
+            T.run("triton", _inputs(z, y), False)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch, device):
+    """validate off: no error, no out-of-bounds write, the bad row is NaN and every other row is right."""
+    monkeypatch.setattr(T, "VALIDATE_TARGETS", False)
+    n, c, pad = 5, 8, 3
+    buffer = torch.full((n, c + pad), 7.0, device=device)
+    buffer[:, :c] = torch.randn(n, c, device=device)
+    view = buffer[:, :c]
+    y = torch.tensor([1, 10**6, 2, -5, -100], device=device)
+    rows_loss = T.run("triton", _inputs(view, y, reduction="none"), False)
+    good = torch.tensor([0, 2, 4], device=device)
+    assert torch.isnan(rows_loss[1]) and torch.isnan(rows_loss[3])
+    torch.testing.assert_close(rows_loss[good], R.uncertainty_weighted_ce(view[good], y[good], reduction="none"))
+    loss = torch.ops.calibkernels.uncertainty_weighted_ce_triton_inplace_(view, *_op_args(view, y), False)
+    assert torch.isnan(loss), "a bad target must never give a plausible-looking loss"
+    assert (buffer[:, c:] == 7.0).all(), "out-of-range target wrote outside its row"
+    assert torch.isnan(view[1]).all() and torch.isnan(view[3]).all() and (view[4] == 0).all()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registration: opcheck, torch.compile, backend interface
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight,mode,reduction", [("brier", "loss", "mean"), ("focal", "grad", "none"),
+                                                   ("dual_focal", "loss", "sum")])
+def test_opcheck(device, weight, mode, reduction):
+    z = torch.randn(5, 11, device=device, requires_grad=True)
+    y = _targets(5, 11, device, ignored=1)
+    args = _op_args(z, y, weight=weight, mode=mode, reduction=reduction)
+    torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_triton.default, (z, *args, True, True))
+    torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_triton_inplace_.default,
+                          (z.detach().clone(), *args, True))
+    torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_triton_scale_grad_.default,
+                          (torch.randn(5, 11, device=device), torch.rand(5, device=device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_compiles_with_fullgraph(device, inplace):
+    """The op stays in one graph; forward and the parameters' gradients match eager."""
+    torch._dynamo.reset()
+    model = torch.nn.Linear(6, 9).to(device)
+    x, y = torch.randn(8, 6, device=device), _targets(8, 9, device)
+
+    def step(features, target):
+        inputs = V.check_loss_inputs(model(features), target, weight="brier", mode="loss", check_values=False)
+        return T.run("triton", inputs, inplace)
+
+    # Inductor on GPU; on CPU the graph is checked with aot_eager (Inductor's C++ build adds nothing here)
+    compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
+    compiled_loss = compiled(x, y)
+    compiled_loss.backward()
+    compiled_grad = model.weight.grad.clone()
+    model.weight.grad = None
+    eager_loss = step(x, y)
+    eager_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    torch.testing.assert_close(compiled_grad, model.weight.grad)
+
+
+def test_backend_interface():
+    assert T.is_available("triton", torch.device("meta")) is not None
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert T.is_available("triton", torch.device("cpu")) is None
+        assert "triton" in _backends.available_backends()
+    with pytest.raises(TypeError, match="float64"):
+        T.run("triton", _inputs(torch.randn(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.long)), False)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU only: real block sizes and CUDA graphs
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("c", [32000, 65537, 128256])
+def test_large_vocabularies_on_gpu(c):
+    z = (torch.randn(16, c, device="cuda") * 4).to(torch.bfloat16)
+    y = _targets(16, c, "cuda")
+    one = torch.tensor(1.0, device="cuda")
+    for weight, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss")):
+        loss, grad = _triton_loss_and_grad(z, y, one, weight=weight, mode=mode)
+        exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, weight=weight, mode=mode)
+        _close(loss, exact_loss, torch.bfloat16, "loss")
+        _close(grad, exact_grad, torch.bfloat16, "gradient")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_cuda_graph_capture_and_replay():
+    """No host synchronisation on the hot path: forward and backward capture into a CUDA graph and replay right."""
+    z = torch.randn(32, 1000, device="cuda")
+    y = _targets(32, 1000, "cuda")
+    x = z.clone().requires_grad_()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (Triton compiles) outside the capture
+        for _ in range(2):
+            x.grad = None
+            T.run("triton", _inputs(x, y), False).backward()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    x.grad = None
+    with torch.cuda.graph(graph):
+        loss = T.run("triton", _inputs(x, y), False)
+        loss.backward()
+    new_z = torch.randn(32, 1000, device="cuda")
+    with torch.no_grad():
+        x.copy_(new_z)
+    graph.replay()
+    torch.cuda.synchronize()
+    exact_loss, exact_grad = _reference_loss_and_grad(new_z, y, torch.tensor(1.0, device="cuda"))
+    _close(loss, exact_loss, torch.float32, "loss")
+    _close(x.grad, exact_grad, torch.float32, "gradient")
