@@ -12,10 +12,12 @@ See ``SPEC.md`` §2 for the loss family and :mod:`calibkernels.reference` for th
 from . import calibration, losses, metrics, reference
 from ._backends import available_backends
 from .functional import bsce_gra_loss, uncertainty_weighted_ce
+from .gamma_net import GammaNet
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GammaNet",
     "available_backends",
     "bsce_gra_loss",
     "calibration",

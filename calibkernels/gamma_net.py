@@ -1,0 +1,93 @@
+"""γ-Net: a per-sample focal-loss exponent predicted from penultimate features (Wang & Golebiowski, SPEC §5).
+
+For features ``x ∈ R^{b×d}`` (the backbone's penultimate layer), with learnable ``A ∈ R^{d×k}`` and ``W ∈ R^{d×1}``::
+
+    a = x A            (b, k)   attention scores of each sample against k learned prototypes (the columns of A)
+    p = softmax(a)     (b, k)
+    x̃ = p Aᵀ           (b, d)   the sample re-expressed as a convex mix of the prototypes
+    γ = |x̃ W| / τ      (b,)     one focal exponent per sample, ≥ 0 by construction
+
+The γs feed the focal loss ``-(1 - p_t)^{γ_i} log p_t`` (``calibkernels.uncertainty_weighted_ce(..., weight="focal",
+gamma=γ)``); the γ-Net's parameters φ = (A, W) are meta-learned to lower a differentiable calibration error (SECE or
+DECE, :mod:`calibkernels.metrics.smooth`) on held-out data (``training/meta.py``).
+
+k, τ and the initialisation are not published; the choices here are documented on :class:`GammaNet`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+__all__ = ["GammaNet"]
+
+
+class GammaNet(nn.Module):
+    """Attention-style γ-Net: penultimate features ``(N, d)`` → per-sample focal exponents ``γ ≥ 0`` of shape ``(N,)``.
+
+    Args:
+        in_features: d, the width of the penultimate features (``model.classifier.in_features``).
+        num_prototypes: k, the number of attention prototypes (columns of ``A``). Default 16: enough distinct γ
+            "regimes" for 10–200 classes while keeping the γ-Net tiny (``d·(k+1)`` parameters).
+        tau: τ, the temperature dividing ``|x̃ W|``. Default 1.0.
+        init_gamma: the typical γ at initialisation. ``W`` is drawn ``N(0, s²)`` with ``s`` chosen so that
+            ``E|x̃ W| / τ = init_gamma`` when the attention is uniform (``‖x̃‖ ≈ 1/√k``; half-normal mean
+            ``s·‖x̃‖·sqrt(2/π)``); a sample whose attention is one-hot starts at up to ``√k·init_gamma``. Default 1.0:
+            training starts close to a mild focal loss (γ spread over about [0, 4] for k = 16) rather than at plain
+            CE (γ = 0) or everywhere at a heavy γ = 5.
+
+    ``A`` is drawn ``N(0, 1/d)`` so the attention scores ``x A`` are O(1) for features whose entries are O(1),
+    i.e. the softmax starts neither uniform nor one-hot.
+
+    The γ-Net should be fed *detached* features (``gamma_net(features.detach())``): its training signal is the
+    meta-validation calibration error, and letting that gradient into the backbone would make the backbone learn to
+    produce features that give convenient γs instead of features that classify (``training/meta.py`` does so).
+
+    Shapes: input ``(N, d)`` (or ``(..., d)``), output ``(N,)`` (or ``(...)``), in the input's dtype.
+    """
+
+    def __init__(self, in_features: int, num_prototypes: int = 16, tau: float = 1.0, init_gamma: float = 1.0):
+        super().__init__()
+        for name, value in (("in_features", in_features), ("num_prototypes", num_prototypes)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool)) or not tau > 0:
+            raise ValueError(f"tau must be a number > 0, got {tau!r}")
+        if not (isinstance(init_gamma, (int, float)) and not isinstance(init_gamma, bool)) or not init_gamma >= 0:
+            raise ValueError(f"init_gamma must be a number >= 0, got {init_gamma!r}")
+        self.in_features = in_features
+        self.num_prototypes = num_prototypes
+        self.tau = float(tau)
+        self.init_gamma = float(init_gamma)
+        self.prototypes = nn.Parameter(torch.empty(in_features, num_prototypes))  # A (d, k)
+        self.projection = nn.Parameter(torch.empty(in_features, 1))  # W (d, 1)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.prototypes.normal_(0.0, 1.0 / math.sqrt(self.in_features))
+            # A's columns have norm ≈ 1 and near-orthogonal directions, so x̃ (a convex mix of them) has norm
+            # between ≈ 1/√k (uniform attention) and ≈ 1 (one-hot attention).
+            std = self.init_gamma * self.tau * math.sqrt(math.pi / 2.0) * math.sqrt(self.num_prototypes)
+            self.projection.normal_(0.0, std)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        if not isinstance(features, torch.Tensor):
+            raise TypeError(f"features must be a torch.Tensor, got {type(features).__name__}")
+        if not features.is_floating_point():
+            raise TypeError(f"features must be floating point, got {features.dtype}")
+        if features.dim() < 1 or features.shape[-1] != self.in_features:
+            raise ValueError(
+                f"features must have shape (..., {self.in_features}) (the penultimate width), got {tuple(features.shape)}"
+            )
+        prototypes = self.prototypes.to(features.dtype)
+        attention = torch.softmax(features @ prototypes, dim=-1)  # (..., k)
+        mixed = attention @ prototypes.transpose(0, 1)  # (..., d)
+        return (mixed @ self.projection.to(features.dtype)).squeeze(-1).abs() / self.tau
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, num_prototypes={self.num_prototypes}, tau={self.tau}"

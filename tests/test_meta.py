@@ -1,0 +1,235 @@
+"""Meta-regularised calibration: the γ-Net, the per-sample-γ focal loss, the meta step (training/meta.py), end to end."""
+
+import argparse
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import calibkernels as ck
+from calibkernels import GammaNet
+from calibkernels.metrics.smooth import sece
+from training.meta import META_DEFAULTS, MetaRegularizer, add_meta_args, focal_loss_with_gamma_grad
+
+
+class TinyNet(nn.Module):
+    """The training/models contract in miniature: ``forward = classifier ∘ features``."""
+
+    def __init__(self, in_dim=6, width=12, num_classes=4):
+        super().__init__()
+        self.features = nn.Sequential(nn.Linear(in_dim, width), nn.ReLU())
+        self.classifier = nn.Linear(width, num_classes)
+
+    def forward(self, x):
+        return self.classifier(self.features(x))
+
+
+# ---------------------------------------------------------------------------------------------------------- γ-Net
+
+
+def test_gamma_net_shape_sign_and_formula():
+    d, k, tau = 10, 5, 0.7
+    net = GammaNet(d, num_prototypes=k, tau=tau).double()
+    x = torch.randn(33, d, dtype=torch.float64)
+    gamma = net(x)
+    assert gamma.shape == (33,) and gamma.dtype == torch.float64
+    assert (gamma >= 0).all() and gamma.sum() > 0
+    # SPEC §5, step by step
+    a = x @ net.prototypes
+    mixed = torch.softmax(a, dim=1) @ net.prototypes.T
+    expected = (mixed @ net.projection).abs().squeeze(1) / tau
+    torch.testing.assert_close(gamma, expected)
+    # leading dimensions are kept, float32 works, τ divides
+    assert net(torch.randn(2, 3, d, dtype=torch.float64)).shape == (2, 3)
+    assert net.float()(x.float()).dtype == torch.float32
+    net.tau = 2 * tau
+    torch.testing.assert_close(net.double()(x), expected / 2)
+
+
+def test_gamma_net_gradient_reaches_both_parameters():
+    net = GammaNet(8, num_prototypes=4)
+    net(torch.randn(16, 8)).sum().backward()
+    assert net.prototypes.grad.abs().sum() > 0 and net.projection.grad.abs().sum() > 0
+
+
+def test_gamma_net_bad_arguments():
+    with pytest.raises(ValueError, match="in_features"):
+        GammaNet(0)
+    with pytest.raises(TypeError, match="num_prototypes"):
+        GammaNet(4, num_prototypes=2.5)
+    with pytest.raises(ValueError, match="tau"):
+        GammaNet(4, tau=0.0)
+    net = GammaNet(4)
+    with pytest.raises(ValueError, match=r"\(\.\.\., 4\)"):
+        net(torch.randn(3, 5))
+    with pytest.raises(TypeError, match="floating"):
+        net(torch.ones(3, 4, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------- focal loss with per-sample γ
+
+
+def test_focal_with_gamma_grad_matches_reference_and_fused_op():
+    logits = torch.randn(20, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 5, (20,))
+    targets[3] = -100
+    gamma = torch.rand(20, dtype=torch.float64) * 4
+    for reduction in ("mean", "sum", "none"):
+        ours = focal_loss_with_gamma_grad(logits, targets, gamma, reduction=reduction)
+        reference = ck.reference.uncertainty_weighted_ce(logits, targets, weight="focal", mode="loss", gamma=gamma,
+                                                         reduction=reduction)
+        torch.testing.assert_close(ours, reference)
+        grad_ours, = torch.autograd.grad(ours.sum(), logits)
+        grad_reference, = torch.autograd.grad(reference.sum(), logits)
+        torch.testing.assert_close(grad_ours, grad_reference)
+    # the public op (fused kernel where a backend exists, else the reference) agrees in float32
+    z = logits.detach().float().requires_grad_(True)
+    fused = ck.uncertainty_weighted_ce(z, targets, weight="focal", mode="loss", gamma=gamma.float(), backend="auto")
+    torch.testing.assert_close(fused, focal_loss_with_gamma_grad(logits, targets, gamma).float(), rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_focal_gamma_gradient_is_finite_for_certain_predictions():
+    logits = torch.tensor([[80.0, 0.0, 0.0], [0.0, 1.0, 0.0]], requires_grad=True)
+    gamma = torch.tensor([2.0, 0.0], requires_grad=True)
+    loss = focal_loss_with_gamma_grad(logits, torch.tensor([0, 1]), gamma, reduction="sum")
+    grad_logits, grad_gamma = torch.autograd.grad(loss, (logits, gamma))
+    assert torch.isfinite(grad_logits).all() and torch.isfinite(grad_gamma).all()
+    assert grad_gamma[1] < 0  # raising γ lowers the weight (1 - p_y)^γ < 1 of an uncertain sample
+
+
+# ------------------------------------------------------------------------------------------------------ meta step
+
+
+def _problem(n_train=48, n_meta=40, in_dim=6, num_classes=4):
+    x = torch.randn(n_train, in_dim, dtype=torch.float64)
+    y = torch.randint(0, num_classes, (n_train,))
+    xv = torch.randn(n_meta, in_dim, dtype=torch.float64)
+    yv = torch.randint(0, num_classes, (n_meta,))
+    return x, y, xv, yv
+
+
+def _meta_objective(regularizer, model, x, y, xv, yv, lr):
+    with torch.no_grad():
+        features, meta_features = model.features(x), model.features(xv)
+    gamma = regularizer.gamma_net(features)
+    return regularizer.lookahead_objective(features, y, gamma, meta_features, yv, lr=lr)
+
+
+def test_meta_step_moves_phi_downhill_on_meta_sece():
+    """Backbone frozen (the optimizer holds the classifier only), so the look-ahead objective J(φ) is exactly what
+    the step differentiates; one step must lower J and move φ against ∇J, which must match finite differences."""
+    x, y, xv, yv = _problem()
+    model = TinyNet().double()
+    lr = 0.5
+    optimizer = torch.optim.SGD(model.classifier.parameters(), lr=lr)
+    regularizer = MetaRegularizer(model, 4, "sece", argparse.Namespace(meta_bandwidth=0.1), device="cpu")
+    theta_before = copy.deepcopy(model.state_dict())
+    phi_before = [p.detach().clone() for p in regularizer.gamma_net.parameters()]
+
+    objective = _meta_objective(regularizer, model, x, y, xv, yv, lr)
+    gradient = torch.autograd.grad(objective, tuple(regularizer.gamma_net.parameters()))
+    assert sum(g.abs().sum() for g in gradient) > 0, "the meta objective must depend on φ"
+    # the φ-gradient through the second-order look-ahead matches a central finite difference
+    direction = [torch.randn_like(p) for p in phi_before]
+    eps = 1e-6
+    values = []
+    for sign in (1.0, -1.0):
+        with torch.no_grad():
+            for p, p0, v in zip(regularizer.gamma_net.parameters(), phi_before, direction):
+                p.copy_(p0 + sign * eps * v)
+        values.append(_meta_objective(regularizer, model, x, y, xv, yv, lr).item())
+    with torch.no_grad():
+        for p, p0 in zip(regularizer.gamma_net.parameters(), phi_before):
+            p.copy_(p0)
+    analytic = sum((g * v).sum() for g, v in zip(gradient, direction)).item()
+    assert (values[0] - values[1]) / (2 * eps) == pytest.approx(analytic, rel=1e-4, abs=1e-9)
+
+    stats = regularizer.train_step(x, y, xv, yv, optimizer, {"reduction": "mean"})
+    assert stats["meta_loss"] == pytest.approx(objective.item(), rel=1e-10)
+    phi_after = [p.detach().clone() for p in regularizer.gamma_net.parameters()]
+    step = [a - b for a, b in zip(phi_after, phi_before)]
+    assert sum(s.abs().sum() for s in step) > 0
+    assert sum((s * g).sum() for s, g in zip(step, gradient)) < 0  # a descent direction of J
+
+    model.load_state_dict(theta_before)  # J at the new φ, from the same θ
+    assert _meta_objective(regularizer, model, x, y, xv, yv, lr).item() < objective.item()
+
+
+def test_theta_step_is_focal_sgd_with_detached_gamma_and_meta_leaves_backbone_alone():
+    x, y, xv, yv = _problem()
+    model = TinyNet().double()
+    twin = copy.deepcopy(model)
+    regularizer = MetaRegularizer(model, 4, "dece", None)
+    with torch.no_grad():
+        gamma = regularizer.gamma_net(twin.features(x))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    stats = regularizer.train_step(x, y, xv, yv, optimizer, {"reduction": "sum", "max_grad_norm": 1e6,
+                                                             "gamma": 3.0})
+    twin_loss = focal_loss_with_gamma_grad(twin(x), y, gamma, reduction="sum")
+    twin_loss.backward()
+    assert stats["loss"] == pytest.approx(twin_loss.item(), rel=1e-10)
+    assert stats["gamma_mean"] == pytest.approx(gamma.mean().item(), rel=1e-10)
+    for (name, p), q in zip(model.named_parameters(), twin.parameters()):
+        # the meta step added nothing to the model's gradients: they are the focal loss's alone
+        torch.testing.assert_close(p.grad, q.grad, msg=name)
+        torch.testing.assert_close(p.detach(), (q - 0.1 * q.grad).detach(), msg=name)
+    assert all(torch.isfinite(p).all() for p in regularizer.gamma_net.parameters())
+
+
+def test_gradient_clipping_is_applied_to_the_real_step():
+    x, y, xv, yv = _problem()
+    model = TinyNet().double()
+    regularizer = MetaRegularizer(model, 4, "sece", None)
+    before = [p.detach().clone() for p in model.parameters()]
+    regularizer.train_step(x, y, xv, yv, torch.optim.SGD(model.parameters(), lr=1.0),
+                           {"reduction": "sum", "clip_grad_norm": 1e-3})
+    moved = math.sqrt(sum(((p.detach() - b) ** 2).sum().item() for p, b in zip(model.parameters(), before)))
+    assert moved == pytest.approx(1e-3, rel=1e-3)
+
+
+def test_histogram_state_dict_and_arguments():
+    parser = add_meta_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--meta-k", "3", "--meta-tau", "2.0"])
+    assert args.meta_lr == META_DEFAULTS["meta_lr"] == 1e-3 and args.meta_bandwidth == 0.05
+    x, y, xv, yv = _problem()
+    model = TinyNet().double()
+    regularizer = MetaRegularizer(model, 4, "sece", args)
+    assert regularizer.gamma_net.num_prototypes == 3 and regularizer.gamma_net.tau == 2.0
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    y_ignored = y.clone()
+    y_ignored[:5] = -100
+    for _ in range(2):
+        regularizer.train_step(x, y_ignored, xv, yv, optimizer, {})
+    histogram = regularizer.gamma_histogram(bins=5)
+    assert histogram["count"] == 2 * (len(y) - 5) == sum(histogram["counts"])
+    assert 0 <= histogram["min"] <= histogram["quantiles"]["p50"] <= histogram["max"]
+    assert len(histogram["bin_edges"]) == 6
+    assert regularizer.gamma_histogram() == {"count": 0}  # reset for the next epoch
+
+    restored = MetaRegularizer(model, 4, "sece", args)
+    restored.load_state_dict(regularizer.state_dict())
+    features = model.features(x).detach()
+    torch.testing.assert_close(restored.gamma_net(features), regularizer.gamma_net(features))
+    with pytest.raises(ValueError, match="num_prototypes"):
+        MetaRegularizer(model, 4, "sece", None).load_state_dict(regularizer.state_dict())
+    with pytest.raises(ValueError, match="objective"):
+        MetaRegularizer(model, 4, "dece", args).load_state_dict(regularizer.state_dict())
+
+
+def test_bad_configuration_raises():
+    model = TinyNet()
+    with pytest.raises(ValueError, match="objective"):
+        MetaRegularizer(model, 4, "ece", None)
+    with pytest.raises(ValueError, match="num_classes"):
+        MetaRegularizer(model, 5, "sece", None)
+    with pytest.raises(TypeError, match="classifier"):
+        MetaRegularizer(nn.Linear(3, 4), 4, "sece", None)
+    x, y, xv, yv = _problem()
+    regularizer = MetaRegularizer(model.double(), 4, "sece", None)
+    with pytest.raises(ValueError, match="loss_kwargs"):
+        regularizer.train_step(x, y, xv, yv, torch.optim.SGD(model.parameters(), lr=0.1), {"label_smoothing": 0.1})
+    with pytest.raises(ValueError, match="classifier"):
+        regularizer.train_step(x, y, xv, yv, torch.optim.SGD(model.features.parameters(), lr=0.1), {})

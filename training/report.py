@@ -1,0 +1,166 @@
+"""Calibration report: fit the temperature on the validation split, then accuracy, ECE, AdaECE, classwise ECE, MCE,
+NLL and Brier score of the test split before ("pre-T") and after ("post-T") temperature scaling (SPEC §3–4).
+
+The same T (``calibkernels.calibration.fit_temperature``, ECE objective over a grid, fitted on validation logits)
+is used for every metric; validation and test are always different splits. Metrics come from
+:mod:`calibkernels.metrics` as fractions; tables print ECE-type metrics and accuracy as percentages.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+import calibkernels as ck
+
+from . import distributed as dist_utils
+
+__all__ = ["collect_logits", "calibration_metrics", "calibration_report", "format_report", "save_report",
+           "format_comparison", "save_comparison", "METRICS"]
+
+# metric key -> (label, shown as a percentage)
+METRICS = {
+    "accuracy": ("Accuracy %", True),
+    "ece": ("ECE %", True),
+    "adaece": ("AdaECE %", True),
+    "classwise_ece": ("Classwise ECE %", True),
+    "mce": ("MCE %", True),
+    "nll": ("NLL", False),
+    "brier": ("Brier", False),
+}
+
+
+@torch.no_grad()
+def collect_logits(model, loader, device, amp_dtype=None, channels_last: bool = False):
+    """Float32 logits and labels of every sample of ``loader``, on the CPU, gathered from all DDP ranks.
+
+    Under DDP ``loader`` must use :class:`training.distributed.UnpaddedDistributedSampler` so each sample is counted
+    exactly once."""
+    model.eval()
+    logits, labels = [], []
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        if channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            out = model(images)
+        logits.append(out.float())
+        labels.append(targets.to(device))
+    num_classes = logits[0].shape[1] if logits else 0
+    logits = torch.cat(logits) if logits else torch.zeros(0, num_classes, device=device)
+    labels = torch.cat(labels) if labels else torch.zeros(0, dtype=torch.int64, device=device)
+    return dist_utils.gather_tensors(logits).cpu(), dist_utils.gather_tensors(labels).cpu()
+
+
+def calibration_metrics(logits: torch.Tensor, labels: torch.Tensor, n_bins: int = 15) -> dict:
+    """All report metrics of ``logits`` (fractions in [0, 1] for accuracy and the ECE family), in one pass."""
+    return {k: float(v) for k, v in ck.metrics.calibration_metrics(logits, labels, n_bins=n_bins).items()}
+
+
+def calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins: int = 15) -> dict:
+    """Pre-T / post-T metrics of the test logits, with T fitted (ECE objective) on the validation logits."""
+    temperature = float(ck.calibration.fit_temperature(val_logits, val_labels, objective="ece", n_bins=n_bins))
+    return {
+        "temperature": temperature,
+        "n_val": int(val_labels.numel()),
+        "n_test": int(test_labels.numel()),
+        "n_bins": n_bins,
+        "pre_T": calibration_metrics(test_logits, test_labels, n_bins),
+        "post_T": calibration_metrics(test_logits / temperature, test_labels, n_bins),
+    }
+
+
+def _cell(key: str, value: float) -> str:
+    return f"{100 * value:.2f}" if METRICS[key][1] else f"{value:.4f}"
+
+
+def format_report(report: dict, title: str = "") -> str:
+    """A plain-text pre-T / post-T table (ECE-type metrics and accuracy in %)."""
+    lines = [title] if title else []
+    lines.append(f"test split: {report['n_test']} samples; T = {report['temperature']:.2f} "
+                 f"(fitted for ECE on the {report['n_val']}-sample validation split)")
+    lines.append(f"{'metric':16s} {'pre-T':>9s} {'post-T':>9s}")
+    for key, (label, _) in METRICS.items():
+        lines.append(f"{label:16s} {_cell(key, report['pre_T'][key]):>9s} {_cell(key, report['post_T'][key]):>9s}")
+    return "\n".join(lines)
+
+
+def save_report(report: dict, test_logits, test_labels, output_dir, title: str = "") -> dict:
+    """Write ``report.json`` and reliability diagrams ``reliability_pre_T.png`` / ``reliability_post_T.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    temperature = report["temperature"]
+    files = {}
+    for tag, logits in (("pre_T", test_logits), ("post_T", test_logits / temperature)):
+        path = output_dir / f"reliability_{tag}.png"
+        label = "pre-T" if tag == "pre_T" else f"post-T (T = {temperature:.2f})"
+        figure = ck.metrics.reliability_diagram(logits, test_labels, path=str(path), n_bins=report["n_bins"],
+                                                title=f"{title} {label}".strip())
+        plt.close(figure)
+        files[tag] = str(path)
+    report = dict(report, figures=files)
+    (output_dir / "report.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _reliability_curve(logits: torch.Tensor, labels: torch.Tensor, n_bins: int):
+    """Mean confidence and accuracy of the non-empty equal-width bins (for overlay plots)."""
+    bins = ck.metrics.reliability_bins(logits, labels, n_bins=n_bins)
+    keep = bins["count"] > 0
+    return bins["confidence"][keep].tolist(), bins["accuracy"][keep].tolist()
+
+
+def format_comparison(reports: dict[str, dict]) -> str:
+    """Side-by-side table: one row per loss, pre-T / post-T columns for the key metrics."""
+    keys = ("accuracy", "ece", "adaece", "classwise_ece", "mce", "nll", "brier")
+    header = f"{'loss':22s} {'T':>5s} " + " ".join(f"{METRICS[k][0]:>22s}" for k in keys)
+    sub = f"{'':22s} {'':>5s} " + " ".join(f"{'pre-T / post-T':>22s}" for _ in keys)
+    lines = [header, sub, "-" * len(header)]
+    for loss, rep in reports.items():
+        cells = " ".join(f"{_cell(k, rep['pre_T'][k]) + ' / ' + _cell(k, rep['post_T'][k]):>22s}" for k in keys)
+        lines.append(f"{loss:22s} {rep['temperature']:5.2f} {cells}")
+    return "\n".join(lines)
+
+
+def save_comparison(reports: dict[str, dict], test_outputs: dict[str, tuple], output_dir, n_bins: int = 15,
+                    title: str = "") -> dict:
+    """Write ``comparison.json``, ``comparison.md`` and ``comparison_reliability.png`` (one panel pre-T, one post-T,
+    each overlaying every loss's reliability curve on the diagonal of perfect calibration)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    output_dir = Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(1, 2, figsize=(11, 5), sharey=True)
+    for ax, tag in zip(axes, ("pre_T", "post_T")):
+        ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
+        for loss, (logits, labels) in test_outputs.items():
+            temperature = reports[loss]["temperature"] if tag == "post_T" else 1.0
+            conf, acc = _reliability_curve(logits / temperature, labels, n_bins)
+            ece = 100 * reports[loss][tag]["ece"]
+            ax.plot(conf, acc, marker="o", markersize=3,
+                    label=f"{loss} (ECE {ece:.2f}%" + (f", T={temperature:.2f})" if tag == "post_T" else ")"))
+        ax.set_title(f"{title} {'pre-T' if tag == 'pre_T' else 'post-T'}".strip())
+        ax.set_xlabel("confidence")
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper left")
+    axes[0].set_ylabel("accuracy")
+    figure.tight_layout()
+    figure_path = output_dir / "comparison_reliability.png"
+    figure.savefig(figure_path, dpi=120)
+    plt.close(figure)
+    table = format_comparison(reports)
+    (output_dir / "comparison.md").write_text("```\n" + table + "\n```\n")
+    (output_dir / "comparison.json").write_text(json.dumps(reports, indent=2))
+    return {"table": table, "figure": str(figure_path)}

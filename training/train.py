@@ -1,0 +1,641 @@
+"""Train a classifier with a calibration loss, then report its calibration before and after temperature scaling.
+
+    python -m training.train                         # the embedded `digits` demo with BSCE-GRA, CPU, < 3 min
+    python -m training.train --compare cross_entropy,bsce_gra,flsd
+    python -m training.train --recipe cifar10-resnet50 --loss bsce_gra --data-root ~/data --output-dir runs/c10
+    torchrun --nproc_per_node=4 -m training.train --recipe cifar100-wrn26-10 --loss flsd --data-root ~/data
+    python -m training.train --list-recipes
+
+Flat torchvision-references style: :func:`get_args_parser`, :func:`train_one_epoch`, :func:`evaluate`, :func:`main`,
+:func:`cli`. Per epoch it writes ``log.csv`` / ``log.jsonl`` and an atomic ``checkpoint.pt`` (model, optimizer,
+scheduler, GradScaler, epoch, RNG states); ``--resume`` continues bit-for-bit (same seed, ``--workers 0``), and
+SIGTERM/SIGINT saves a mid-epoch checkpoint and exits cleanly. After the last epoch the temperature is fitted on the
+validation split and the pre-T / post-T table of the test split is printed and saved (``report.json``,
+``reliability_pre_T.png``, ``reliability_post_T.png``).
+
+Batch size and loss reduction follow the recipe (SPEC §6: the papers *sum* the loss over a batch of 128, lr 0.1,
+clip 2). ``--batch-size`` is the global batch: under DDP each of K ranks takes batch/K and, for the sum reduction,
+the loss is multiplied by K so that DDP's gradient averaging yields exactly the gradient of the global batch sum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import csv
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from tqdm import tqdm
+
+import calibkernels as ck
+
+from . import distributed as dist_utils
+from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
+from .data import DataError, build_datasets
+from .models import ARCHITECTURES, build_model
+from .recipes import RECIPES, describe_recipes, get_recipe
+from .report import calibration_report, collect_logits, format_comparison, format_report, save_comparison, save_report
+
+METHODS = ("standard", "meta-sece", "meta-dece")
+
+
+# ------------------------------------------------------------------------------------------------------ arguments
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Train a calibrated classifier (calibkernels training recipes); with no arguments, trains the "
+                    "embedded `digits` demo with BSCE-GRA on the CPU and prints its pre-T / post-T calibration.",
+        add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--recipe", default="digits", choices=list(RECIPES), metavar="NAME",
+                        help="training recipe (see --list-recipes)")
+    parser.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
+    parser.add_argument("--loss", default="bsce_gra",
+                        help="loss registry name with optional hyperparameters, NAME[:KEY=VALUE[:KEY=VALUE…]], e.g. "
+                             f"focal_loss:gamma=2 or bsce_gra:gamma=4:norm=2; names: {', '.join(ck.losses.names())}")
+    parser.add_argument("--compare", default=None, metavar="LOSS1,LOSS2,…",
+                        help="train each loss (same syntax as --loss) with the same seed; write a side-by-side table "
+                             "and one figure overlaying their reliability diagrams")
+    parser.add_argument("--method", default="standard", choices=METHODS,
+                        help="standard training, or meta-regularisation (γ-Net) with a SECE / DECE meta objective")
+    parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton", "cuda"],
+                        help="calibkernels loss backend (losses without a fused kernel ignore it)")
+    parser.add_argument("--data-root", default=os.environ.get("CALIBKERNELS_DATA"),
+                        help="dataset folder (not needed for digits); default $CALIBKERNELS_DATA")
+    parser.add_argument("--download", action="store_true", help="let torchvision download CIFAR-10/100 if missing")
+    parser.add_argument("--output-dir", default=None, help="default runs/<recipe>-<loss>")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="override the recipe's global batch size (split across DDP ranks)")
+    parser.add_argument("--lr", type=float, default=None, help="override the recipe's learning rate")
+    parser.add_argument("--arch", default=None, choices=list(ARCHITECTURES), help="override the recipe's model")
+    parser.add_argument("--image-size", type=int, default=None,
+                        help="override the recipe's input resolution (CIFAR/Tiny-ImageNet/ImageNet transforms)")
+    parser.add_argument("--pretrained", default=None,
+                        help="local torchvision checkpoint for the fine-tuning recipes (never downloaded)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--amp", default=None, choices=["bf16", "fp16"],
+                        help="autocast dtype (fp16 uses a GradScaler)")
+    parser.add_argument("--channels-last", action="store_true", help="channels-last memory format")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from this checkpoint")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="data-loading workers per process (default 0 for digits, else 4)")
+    parser.add_argument("--max-steps-per-epoch", type=int, default=None,
+                        help="cap the optimiser steps per epoch (smoke tests)")
+    parser.add_argument("--stop-after", type=int, default=None, metavar="EPOCHS",
+                        help="checkpoint and exit after this many epochs of this invocation (scheduled preemption; "
+                             "continue with --resume)")
+    parser.add_argument("--eval-every", type=int, default=None,
+                        help="validation metrics every this many epochs and after the last (default: the recipe's)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="intra-op CPU threads (default: the recipe's, else torch's)")
+    parser.add_argument("--n-bins", type=int, default=15, help="bins of the ECE-type metrics")
+    parser.add_argument("--log-every", type=int, default=None,
+                        help="print an epoch summary line every this many epochs (default: about 15 lines per run)")
+    parser.add_argument("--tensorboard", action="store_true",
+                        help="also log to TensorBoard (<output-dir>/tb; needs the tensorboard package)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    return parser
+
+
+def parse_loss_spec(spec: str) -> tuple[str, dict]:
+    """``"focal_loss:gamma=2"`` → ``("focal_loss", {"gamma": 2})``; values are Python literals or strings."""
+    name, *assignments = spec.strip().split(":")
+    if name not in ck.losses.names():
+        raise ValueError(f"unknown loss {name!r} in {spec!r}; expected one of {', '.join(ck.losses.names())}")
+    hyperparameters = {}
+    for item in assignments:
+        key, sep, raw = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"loss hyperparameter {item!r} in {spec!r} is not KEY=VALUE")
+        try:
+            hyperparameters[key] = ast.literal_eval(raw)
+        except (ValueError, SyntaxError):
+            hyperparameters[key] = raw
+    return name, hyperparameters
+
+
+def build_criterion(spec: str, reduction: str, backend: str) -> nn.Module:
+    """The loss module of ``spec`` with the recipe's reduction; ``backend`` goes to losses that have fused kernels."""
+    name, hyperparameters = parse_loss_spec(spec)
+    criterion = ck.losses.build(name, reduction=reduction, **hyperparameters)
+    if isinstance(criterion, ck.losses.UncertaintyWeightedCE):
+        criterion.backend = backend
+    return criterion
+
+
+def loss_tag(spec: str) -> str:
+    """A file-system friendly name of a loss spec (``focal_loss:gamma=2`` → ``focal_loss-gamma=2``)."""
+    return spec.strip().replace(":", "-").replace("/", "_")
+
+
+def resolve_run_config(args) -> argparse.Namespace:
+    """Fill the recipe's values into ``args`` (epochs, batch size, lr, arch, …) and check they make sense."""
+    recipe = get_recipe(args.recipe)
+    args = copy.copy(args)
+    args.epochs = recipe.epochs if args.epochs is None else args.epochs
+    args.batch_size = recipe.batch_size if args.batch_size is None else args.batch_size
+    args.lr = recipe.lr if args.lr is None else args.lr
+    args.arch = recipe.arch if args.arch is None else args.arch
+    if args.image_size is not None and args.image_size < 1:
+        raise ValueError(f"--image-size must be >= 1, got {args.image_size}")
+    args.workers = (0 if recipe.dataset == "digits" else 4) if args.workers is None else args.workers
+    args.eval_every = recipe.eval_every if args.eval_every is None else args.eval_every
+    args.threads = recipe.num_threads if args.threads is None else args.threads
+    args.reduction = recipe.reduction
+    args.clip_grad_norm = recipe.clip_grad_norm
+    for name in ("epochs", "batch_size", "eval_every"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if args.max_steps_per_epoch is not None and args.max_steps_per_epoch < 1:
+        raise ValueError("--max-steps-per-epoch must be >= 1")
+    if args.stop_after is not None and args.stop_after < 1:
+        raise ValueError("--stop-after must be >= 1")
+    if recipe.pretrained_required and args.pretrained is None and args.arch == recipe.arch and args.resume is None:
+        raise ValueError(f"recipe {recipe.name!r} fine-tunes a pretrained model: pass --pretrained PATH "
+                         "(a local torchvision checkpoint)")
+    if args.output_dir is None:
+        args.output_dir = str(Path("runs") / f"{args.recipe}-{loss_tag(args.loss)}")
+    parse_loss_spec(args.loss)
+    return args
+
+
+# --------------------------------------------------------------------------------------------------------- loops
+class _StopRequest:
+    """Set by SIGTERM / SIGINT; the training loop checks it after every step, saves and exits cleanly."""
+
+    def __init__(self):
+        self.signal_name = None
+        self._previous = {}
+
+    def __bool__(self):
+        return self.signal_name is not None
+
+    def requested(self) -> bool:
+        """Whether any rank was signalled (all ranks must stop at the same step, or DDP would hang)."""
+        if not dist_utils.is_distributed():
+            return bool(self)
+        flag = torch.tensor([1 if self else 0])
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
+        if flag.item() and self.signal_name is None:
+            self.signal_name = "SIGTERM (on another rank)"
+        return bool(flag.item())
+
+    def _handle(self, signum, frame):
+        if self.signal_name is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt  # a second Ctrl-C aborts at once
+        self.signal_name = signal.Signals(signum).name
+
+    def install(self):
+        if threading_is_main():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def restore(self):
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def threading_is_main() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` (seeded shuffle per epoch via ``set_epoch``) that can skip the first ``skip`` samples of
+    its shard, so a run interrupted mid-epoch resumes with exactly the batches it had not trained on."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.skip = 0
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        return iter(indices[self.skip:])
+
+    def __len__(self):
+        return self.num_samples - self.skip
+
+
+def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: _StopRequest,
+                    first_step: int = 0, meta=None, meta_iterator=None) -> dict:
+    """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
+
+    Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted"}`` where ``loss`` is the
+    mean per-sample training loss, merged over DDP ranks."""
+    model.train()
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
+    # Sum reduction under DDP: DDP averages gradients over ranks, so scale by K to get the global batch's sum.
+    loss_scale = float(dist_utils.world_size()) if args.reduction == "sum" else 1.0
+    total_steps = len(loader) + first_step
+    if args.max_steps_per_epoch is not None:
+        total_steps = min(total_steps, args.max_steps_per_epoch)
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    correct = torch.zeros((), dtype=torch.int64, device=device)
+    samples = 0
+    step = first_step
+    lr = optimizer.param_groups[0]["lr"]
+    start = time.perf_counter()
+    bar = tqdm(total=total_steps, initial=first_step, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
+               dynamic_ncols=True, disable=args.no_progress or not dist_utils.is_main_process())
+    for images, targets in loader:
+        if step >= total_steps:
+            break
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        if args.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        if meta is not None:
+            meta_images, meta_targets = next(meta_iterator)
+            out = meta.train_step(images, targets, meta_images.to(device), meta_targets.to(device), optimizer,
+                                  {"reduction": args.reduction, "backend": args.backend, "loss_scale": loss_scale,
+                                   "clip_grad_norm": args.clip_grad_norm, "amp_dtype": amp_dtype, "scaler": scaler})
+            batch_loss = torch.tensor(out["loss"], dtype=torch.float64, device=device)
+            if args.reduction == "sum":
+                batch_loss = batch_loss / images.shape[0]
+            logits = out.get("logits")
+        else:
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+                logits = model(images)
+            # The loss runs outside autocast: the fused kernels take bf16/fp16 logits and accumulate in fp32.
+            loss = criterion(logits, targets)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss * loss_scale).backward()
+            if args.clip_grad_norm:
+                scaler.unscale_(optimizer)
+                nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
+            scaler.step(optimizer)
+            scaler.update()
+            batch_loss = loss.detach().double() / (images.shape[0] if args.reduction == "sum" else 1)
+        loss_sum += batch_loss * images.shape[0]
+        if logits is not None:
+            correct += (logits.detach().argmax(dim=1) == targets).sum()
+        samples += images.shape[0]
+        step += 1
+        if not bar.disable and (step % 10 == 0 or step == total_steps):
+            elapsed = time.perf_counter() - start
+            bar.set_postfix(loss=f"{loss_sum.item() / samples:.4f}", lr=f"{lr:.3g}",
+                            img_s=f"{samples * dist_utils.world_size() / max(elapsed, 1e-9):.0f}")
+        bar.update(1)
+        if stop.requested():
+            break
+    bar.close()
+    elapsed = time.perf_counter() - start
+    totals = torch.stack([loss_sum, correct.double(), torch.tensor(float(samples), dtype=torch.float64,
+                                                                   device=device)])
+    if dist_utils.is_distributed():
+        torch.distributed.all_reduce(totals)
+    n = max(totals[2].item(), 1.0)
+    return {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n, "samples": int(totals[2].item()),
+            "images_per_s": totals[2].item() / max(elapsed, 1e-9), "steps_done": step,
+            "interrupted": bool(stop) and step < total_steps}
+
+
+@torch.no_grad()
+def evaluate(model, loader, device, args, n_bins: int = 15) -> dict:
+    """Calibration metrics of ``loader`` via the streaming ``CalibrationMeter`` (merged exactly across DDP ranks;
+    the loader's ``UnpaddedDistributedSampler`` counts every sample once)."""
+    model.eval()
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
+    meter = ck.metrics.CalibrationMeter(n_bins=n_bins)
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        if args.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            logits = model(images)
+        meter.update(logits.float(), targets.to(device))
+    return {k: float(v) for k, v in meter.compute().items()}
+
+
+# ---------------------------------------------------------------------------------------------------------- setup
+def _make_optimizer(recipe, model, lr):
+    if recipe.optimizer == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=lr, momentum=recipe.momentum, weight_decay=recipe.weight_decay)
+    if recipe.optimizer == "adam":
+        return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
+    raise ValueError(f"unknown optimizer {recipe.optimizer!r}")
+
+
+def _make_scheduler(recipe, optimizer, epochs):
+    if recipe.scheduler == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
+    return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(recipe.milestones), gamma=0.1)
+
+
+def _sync_buffers(model: nn.Module) -> None:
+    """Make every rank's buffers (BatchNorm running statistics) rank 0's, so that evaluation on the shards uses the
+    same model that rank 0 checkpoints."""
+    if dist_utils.is_distributed():
+        for buffer in model.buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
+
+def _infinite(loader):
+    while True:
+        yield from loader
+
+
+class _EpochLog:
+    """Rank-0 per-epoch log: ``log.csv`` (one row per epoch), ``log.jsonl`` and optionally TensorBoard."""
+
+    def __init__(self, output_dir: Path, tensorboard: bool):
+        self.csv_path, self.jsonl_path = output_dir / "log.csv", output_dir / "log.jsonl"
+        self.writer = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError as exc:
+                raise RuntimeError("--tensorboard needs the tensorboard package (pip install tensorboard)") from exc
+            self.writer = SummaryWriter(str(output_dir / "tb"))
+
+    def write(self, row: dict) -> None:
+        flat = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
+        exists = self.csv_path.is_file()
+        with self.csv_path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=list(flat))
+            if not exists:
+                writer.writeheader()
+            writer.writerow(flat)
+        with self.jsonl_path.open("a") as handle:
+            handle.write(json.dumps(row) + "\n")
+        if self.writer is not None:
+            for key, value in flat.items():
+                if key != "epoch" and isinstance(value, (int, float)):
+                    self.writer.add_scalar(key, value, row["epoch"])
+
+    def close(self):
+        if self.writer is not None:
+            self.writer.close()
+
+
+def _truncate_log(output_dir: Path, completed_epochs: int) -> None:
+    """On resume, drop log rows of epochs after the checkpoint (they will be trained again)."""
+    for path in (output_dir / "log.csv", output_dir / "log.jsonl"):
+        if not path.is_file():
+            continue
+        lines = path.read_text().splitlines(keepends=True)
+        header = lines[:1] if path.suffix == ".csv" else []
+        rows = lines[len(header):]
+        path.write_text("".join(header + rows[:completed_epochs]))
+
+
+def run_training(args) -> dict | None:
+    """Train one loss per ``args`` (resolved by :func:`resolve_run_config`); return the calibration report with the
+    test logits on rank 0 (``None`` elsewhere, or when the run stopped before its last epoch)."""
+    recipe = get_recipe(args.recipe)
+    if args.image_size is not None:
+        recipe = dataclasses.replace(recipe, image_size=args.image_size)
+    device = torch.device(args.device)
+    distributed = dist_utils.is_distributed()
+    world, rank = dist_utils.world_size(), dist_utils.rank()
+    main_process = rank == 0
+    if args.batch_size % world:
+        raise ValueError(f"--batch-size {args.batch_size} must be divisible by the {world} DDP processes")
+    output_dir = Path(args.output_dir)
+    if main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    # Each rank draws different augmentations; the model's initial weights are rank 0's (DDP broadcasts them).
+    torch.manual_seed(args.seed + rank)
+    meta_fraction = float(getattr(args, "meta_fraction", 0.0) or 0.0) if args.method != "standard" else 0.0
+    splits = build_datasets(recipe, args.data_root, args.seed, meta_fraction=meta_fraction, download=args.download)
+    num_classes = splits.num_classes or recipe.num_classes
+    args.num_classes = num_classes
+    args.model_kwargs = {"in_channels": recipe.in_channels}
+    if args.arch == recipe.arch:
+        args.model_kwargs.update(recipe.model_kwargs)
+    if args.arch == "tv_vit_b_16":
+        args.model_kwargs["image_size"] = recipe.image_size
+
+    per_rank_batch = args.batch_size // world
+    train_sampler = ResumableDistributedSampler(splits.train, num_replicas=world, rank=rank, shuffle=True,
+                                                seed=args.seed)
+    pin = device.type == "cuda"
+    loader_kwargs = {"num_workers": args.workers, "pin_memory": pin, "persistent_workers": args.workers > 0}
+    train_loader = DataLoader(splits.train, batch_size=per_rank_batch, sampler=train_sampler, drop_last=False,
+                              **loader_kwargs)
+    eval_batch = max(per_rank_batch, 256)
+    val_loader = DataLoader(splits.val, batch_size=eval_batch,
+                            sampler=dist_utils.UnpaddedDistributedSampler(splits.val), **loader_kwargs)
+    test_loader = DataLoader(splits.test, batch_size=eval_batch,
+                             sampler=dist_utils.UnpaddedDistributedSampler(splits.test), **loader_kwargs)
+
+    model = build_model(args.arch, num_classes, pretrained=args.pretrained, **args.model_kwargs).to(device)
+    if args.channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    model_without_ddp = model
+    criterion = build_criterion(args.loss, args.reduction, args.backend)
+    optimizer = _make_optimizer(recipe, model, args.lr)
+    scheduler = _make_scheduler(recipe, optimizer, args.epochs)
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
+
+    meta = meta_iterator = None
+    if args.method != "standard":
+        from . import meta as meta_module  # imported only when chosen (owned by the meta-regularisation work)
+
+        if splits.meta is None:
+            raise ValueError(f"--method {args.method} needs a meta split: pass --meta-fraction > 0")
+        meta_batch = (getattr(args, "meta_batch_size", None) or args.batch_size) // world
+        meta_loader = DataLoader(splits.meta, batch_size=max(1, meta_batch), shuffle=True, drop_last=False,
+                                 generator=torch.Generator().manual_seed(args.seed + 17 + rank), **loader_kwargs)
+        meta_iterator = _infinite(meta_loader)
+
+    if distributed:
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    train_model = torch.compile(model) if args.compile else model
+    eval_model = train_model if args.compile and not distributed else (
+        torch.compile(model_without_ddp) if args.compile else model_without_ddp)
+    if args.method != "standard":
+        meta = meta_module.MetaRegularizer(model, num_classes, args.method.split("-", 1)[1], args, device)
+
+    start_epoch, first_step = 0, 0
+    checkpoint = None
+    if args.resume:
+        checkpoint = load_checkpoint(args.resume, map_location="cpu")
+        saved = checkpoint["args"]
+        for key in ("recipe", "arch", "num_classes", "loss"):
+            if saved.get(key) != getattr(args, key):
+                raise ValueError(f"--resume {args.resume}: checkpoint has {key}={saved.get(key)!r} but this run has "
+                                 f"{getattr(args, key)!r}")
+        model_without_ddp.load_state_dict(checkpoint["model"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
+        scaler.load_state_dict(checkpoint["scaler"])
+        if meta is not None and checkpoint.get("meta") is not None:
+            meta.load_state_dict(checkpoint["meta"])
+        start_epoch, first_step = int(checkpoint["epoch"]), int(checkpoint.get("batches_done", 0))
+        if main_process:
+            _truncate_log(output_dir, start_epoch)
+            print(f"resumed from {args.resume}: epoch {start_epoch}" + (f", batch {first_step}" if first_step else ""))
+
+    def make_checkpoint(epoch: int, batches_done: int = 0) -> dict:
+        return {
+            "model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
+            "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
+            "batches_done": batches_done, "args": {k: v for k, v in vars(args).items()},
+            "recipe": recipe.to_dict(), "rng": rng_state(), "meta": meta.state_dict() if meta is not None else None,
+        }
+
+    log = _EpochLog(output_dir, args.tensorboard) if main_process else None
+    log_every = args.log_every or max(1, math.ceil(args.epochs / 15))
+    checkpoint_path = output_dir / "checkpoint.pt"
+    if main_process:
+        (output_dir / "args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+        print(f"{recipe.name}: {args.arch} on {recipe.dataset} ({len(splits.train)} train / {len(splits.val)} val / "
+              f"{len(splits.test)} test), loss {args.loss} ({args.reduction} reduction), {args.epochs} epochs, "
+              f"batch {args.batch_size}, lr {args.lr}, {world} process(es) on {device}")
+
+    stop = _StopRequest().install()
+    epochs_this_run = 0
+    try:
+        if checkpoint is not None:
+            set_rng_state(checkpoint["rng"])  # after every other draw, so resumed == uninterrupted
+        for epoch in range(start_epoch, args.epochs):
+            train_sampler.set_epoch(epoch)
+            train_sampler.skip = first_step * per_rank_batch
+            stats = train_one_epoch(train_model, criterion, optimizer, train_loader, device, epoch, args, scaler,
+                                    stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator)
+            first_step = 0
+            train_sampler.skip = 0
+            if stats["interrupted"]:
+                if main_process:
+                    save_checkpoint(make_checkpoint(epoch, stats["steps_done"]), checkpoint_path)
+                    print(f"{stop.signal_name}: saved {checkpoint_path} at epoch {epoch + 1}, batch "
+                          f"{stats['steps_done']}; continue with --resume {checkpoint_path}", flush=True)
+                return None
+            scheduler.step()
+            _sync_buffers(model_without_ddp)
+            last = epoch + 1 == args.epochs
+            val = {}
+            if (epoch + 1) % args.eval_every == 0 or last:
+                val = evaluate(eval_model, val_loader, device, args, n_bins=args.n_bins)
+            epochs_this_run += 1
+            if main_process:
+                row = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats["loss"],
+                       "train_accuracy": stats["accuracy"], "images_per_s": stats["images_per_s"],
+                       **{f"val_{k}": val.get(k, math.nan) for k in ck.metrics.METRIC_KEYS}}
+                if meta is not None:
+                    row["gamma"] = meta.gamma_histogram()
+                log.write(row)
+                save_checkpoint(make_checkpoint(epoch + 1), checkpoint_path)
+                if (epoch + 1) % log_every == 0 or last or epoch == start_epoch:
+                    summary = (f"epoch {epoch + 1:4d}/{args.epochs}  loss {stats['loss']:.4f}  "
+                               f"train acc {100 * stats['accuracy']:.2f}%  {stats['images_per_s']:.0f} img/s")
+                    if val:
+                        summary += (f"  val acc {100 * val['accuracy']:.2f}%  val ECE {100 * val['ece']:.2f}%  "
+                                    f"val NLL {val['nll']:.4f}")
+                    tqdm.write(summary)
+            if stop.requested() or (args.stop_after is not None and epochs_this_run >= args.stop_after
+                        and epoch + 1 < args.epochs):
+                if main_process:
+                    why = stop.signal_name or f"--stop-after {args.stop_after}"
+                    print(f"{why}: stopped after epoch {epoch + 1}; continue with --resume {checkpoint_path}",
+                          flush=True)
+                return None
+    finally:
+        stop.restore()
+        if log is not None:
+            log.close()
+
+    _sync_buffers(model_without_ddp)
+    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
+    val_logits, val_labels = collect_logits(eval_model, val_loader, device, amp_dtype, args.channels_last)
+    test_logits, test_labels = collect_logits(eval_model, test_loader, device, amp_dtype, args.channels_last)
+    if not main_process:
+        return None
+    report = calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins=args.n_bins)
+    report.update(recipe=args.recipe, loss=args.loss, arch=args.arch, seed=args.seed, epochs=args.epochs)
+    title = f"{args.recipe} {args.loss}"
+    report = save_report(report, test_logits, test_labels, output_dir, title=title)
+    print(format_report(report, title=f"== {title}: test calibration =="))
+    print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "
+          f"{output_dir / 'reliability_post_T.png'}, {output_dir / 'log.csv'}, {checkpoint_path}")
+    return {"report": report, "test_logits": test_logits, "test_labels": test_labels}
+
+
+# ----------------------------------------------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse the CLI; the meta-regularisation flags exist only with ``--method meta-*`` (their module is imported
+    only then)."""
+    parser = get_args_parser()
+    known, _ = parser.parse_known_args(argv)
+    if known.method != "standard":
+        from . import meta as meta_module
+
+        meta_module.add_meta_args(parser)
+    return parser.parse_args(argv)
+
+
+def main(args) -> dict | None:
+    """Run what ``args`` asks: list recipes, train one loss, or ``--compare`` several. Returns rank 0's result."""
+    if args.list_recipes:
+        print(describe_recipes())
+        return None
+    dist_utils.init_distributed(torch.device(args.device).type)
+    if dist_utils.is_distributed() and torch.device(args.device).type == "cuda":
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    try:
+        if not args.compare:
+            return run_training(resolve_run_config(args))
+        specs = [s.strip() for s in args.compare.split(",") if s.strip()]
+        if len(specs) < 2:
+            raise ValueError(f"--compare needs at least two losses, got {args.compare!r}")
+        for spec in specs:
+            parse_loss_spec(spec)
+        base = Path(args.output_dir or Path("runs") / f"{args.recipe}-compare")
+        if args.resume:
+            raise ValueError("--resume resumes one run; resume a --compare member with --loss and its --output-dir")
+        reports, outputs = {}, {}
+        start = time.perf_counter()
+        for spec in specs:
+            run_args = resolve_run_config(argparse.Namespace(**{**vars(args), "loss": spec, "compare": None,
+                                                                "output_dir": str(base / loss_tag(spec))}))
+            result = run_training(run_args)
+            if result is not None:
+                reports[spec] = result["report"]
+                outputs[spec] = (result["test_logits"], result["test_labels"])
+        if dist_utils.is_main_process() and len(reports) == len(specs):
+            saved = save_comparison(reports, outputs, base, n_bins=args.n_bins, title=args.recipe)
+            print(f"\n== {args.recipe}: {len(specs)} losses, seed {args.seed}, test split "
+                  f"(ECE-type metrics and accuracy in %) ==")
+            print(saved["table"])
+            print(f"wrote {base / 'comparison.md'}, {base / 'comparison.json'}, {saved['figure']} "
+                  f"({time.perf_counter() - start:.0f} s)")
+            return {"reports": reports, **saved}
+        return None
+    finally:
+        dist_utils.cleanup()
+
+
+def cli(argv=None) -> int:
+    """Console entry point (``calib-train``): clear one-line errors for bad data paths and arguments."""
+    try:
+        args = parse_args(argv)
+        main(args)
+    except (DataError, ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli())
