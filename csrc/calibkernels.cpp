@@ -18,10 +18,10 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(calibkernels, m) {
   m.def(
       "uncertainty_weighted_ce(Tensor logits, Tensor target, Tensor? sample_weight, Tensor? gamma_per_sample, "
-      "int weight, int mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad) "
+      "int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad) "
       "-> (Tensor, Tensor)");
   m.def(
       "uncertainty_weighted_ce_inplace_(Tensor(a!) logits, Tensor target, Tensor? sample_weight, "
-      "Tensor? gamma_per_sample, int weight, int mode, float gamma, float norm, int ignore_index, int reduction) "
+      "Tensor? gamma_per_sample, int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction) "
       "-> Tensor");
 }

@@ -9,7 +9,7 @@
 //       Tensor target (N,) int64, values in [0, C) or ignore_index,
 //       Tensor? sample_weight (N,) float (weight == External; used detached),
 //       Tensor? gamma_per_sample (N,) float (weight == Focal only; overrides gamma; never differentiated),
-//       int weight, int mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad)
+//       int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad)
 //     -> (Tensor loss, Tensor grad)
 //
 //   loss: float32; 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none), (N,) for none.

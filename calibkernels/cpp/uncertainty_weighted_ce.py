@@ -56,7 +56,7 @@ def _fake_loss(logits, reduction):
 # Fake (meta) kernels: output shapes and dtypes without running anything, for torch.compile and FakeTensor.
 # ----------------------------------------------------------------------------------------------------------------
 @torch.library.register_fake(_QUALNAME)
-def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
                                   ignore_index, reduction, compute_grad):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
     grad_shape = tuple(logits.shape) if compute_grad else (0,)
@@ -65,7 +65,7 @@ def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sampl
 
 
 @torch.library.register_fake(_INPLACE_QUALNAME)
-def _uncertainty_weighted_ce_inplace_fake(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma,
+def _uncertainty_weighted_ce_inplace_fake(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
                                           norm, ignore_index, reduction):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
     return _fake_loss(logits, reduction)
@@ -81,6 +81,9 @@ def _uncertainty_weighted_ce_inplace_fake(logits, target, sample_weight, gamma_p
 def _setup_context(ctx, inputs, output):
     _, grad = output
     ctx.mark_non_differentiable(grad)
+    # The second output (the gradient) is never differentiated; without this autograd would materialise an N×C
+    # zero tensor as its incoming gradient on every backward (a full extra write of the logits' size).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad)
 
 
@@ -94,16 +97,21 @@ def _scale_saved_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torc
 
     Eager: the buffer is scaled in place (no second ``N×C`` allocation) and returned; the multiply is skipped when
     ``grad_output`` is the scalar 1 on the CPU (reading it is free there; on CUDA it would be a sync, so we just
-    multiply). The in-place scaling bumps the buffer's version, so a second backward through a retained graph
-    raises autograd's "modified by an inplace operation" error instead of silently scaling twice.
+    multiply). When the backward runs with ``retain_graph=True`` (gradcheck, several backwards through one graph)
+    the multiply is out of place, so the saved buffer stays valid for the next backward.
     Traced (torch.compile, opcheck): an out-of-place multiply, which the compiler fuses and plans memory for.
     """
+    if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
+        return None
     if grad_output.dim() == 1:
         grad_output = grad_output[:, None]
     if not _is_plain_eager() or type(grad) is not torch.Tensor or type(grad_output) is not torch.Tensor:
         return (grad * grad_output).to(grad.dtype)
     if grad_output.numel() == 1 and grad_output.device.type == "cpu" and grad_output.item() == 1.0:
         return grad
+    if torch._C._autograd._get_current_graph_task_keep_graph():
+        # retain_graph=True (gradcheck, several backwards through one graph): the saved buffer must survive
+        return (grad * grad_output).to(grad.dtype)
     return grad.mul_(grad_output)
 
 
@@ -155,9 +163,9 @@ class UncertaintyWeightedCEInplaceFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index,
                 reduction):
-        loss = _INPLACE_OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+        loss = _INPLACE_OP(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index,
                            reduction)
         # The dispatcher does not bump the version of a custom op's mutated argument here (autograd is off inside
         # Function.forward), so do it: any other node that saved the logits then raises at backward.

@@ -104,10 +104,10 @@ void accumulate(const T* z, int64_t lo, int64_t hi, T q, OnlineSoftmax<T>& acc) 
     Vec block_sum(T(0)), block_sum_pow_q(T(0));
     auto add = [&](const Vec& x) {
       const Vec shifted = x - max_vec;
-      const Vec e = shifted.exp();
+      const Vec e = shifted.exp_u20();
       block_sum = block_sum + e;
       if constexpr (kPow == PowQ::Square) block_sum_pow_q = at::vec::fmadd(e, e, block_sum_pow_q);
-      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + (shifted * q_vec).exp();
+      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + (shifted * q_vec).exp_u20();
     };
     for (k = begin; k + W <= end; k += W) add(Vec::loadu(z + k));
     if (k < end) add(Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
@@ -161,10 +161,10 @@ void gradient_sweep(const T* z, T* out, int64_t C, T lse, T alpha, T beta, T q, 
       zero(T(0));
   auto grad = [&](const Vec& x) {
     const Vec shifted = x - lse_vec;
-    const Vec p = shifted.exp();
+    const Vec p = shifted.exp_u20();
     Vec coef = alpha_vec;
     if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
-    if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp() - tau_vec, coef);
+    if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp_u20() - tau_vec, coef);
     Vec g = p * coef;
     if constexpr (kTies) g = g + Vec::blendv(zero, cj_vec, x == zj_vec);
     return g;
@@ -172,6 +172,72 @@ void gradient_sweep(const T* z, T* out, int64_t C, T lse, T alpha, T beta, T q, 
   int64_t k = 0;
   for (; k + W <= C; k += W) grad(Vec::loadu(z + k)).store(out + k);
   if (k < C) grad(Vec::loadu(z + k, C - k)).store(out + k, C - k);
+}
+
+// The one-exponential path (used whenever a gradient is written and the gradient sweep needs nothing but p_k):
+// the row max is taken first (no exponentials), then e_k = exp(z_k - m) is computed once, summed into the
+// accumulators and stored in the gradient row; the gradient sweep then only rescales e_k (p_k = e_k / denom) instead
+// of evaluating a second exponential. The row is in L1/L2 between the sweeps, and exp is what bounds the kernel on a
+// CPU (the two-exponential form was about twice as slow at C = 1000). `out` may alias `z` (in-place gradient).
+template <typename T>
+T row_max(const T* z, int64_t C) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec neg_inf(-std::numeric_limits<T>::infinity());
+  Vec best = neg_inf;
+  int64_t k = 0;
+  for (; k + W <= C; k += W) best = at::vec::maximum(best, Vec::loadu(z + k));
+  if (k < C) best = at::vec::maximum(best, Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k));
+  return horizontal_max(best);
+}
+
+// out[k] = exp(z[k] - m) for k in [lo, hi); returns Σ out[k] and (kSquare) Σ out[k]², block-wise two-level sums.
+template <typename T, bool kSquare>
+void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  constexpr int64_t kBlock = 64 * W;
+  const Vec max_vec(m);
+  Vec total(T(0)), total_sq(T(0));
+  for (int64_t begin = lo; begin < hi; begin += kBlock) {
+    const int64_t end = std::min(begin + kBlock, hi);
+    Vec block(T(0)), block_sq(T(0));
+    int64_t k = begin;
+    for (; k + W <= end; k += W) {
+      const Vec e = (Vec::loadu(z + k) - max_vec).exp_u20();
+      e.store(out + k);
+      block = block + e;
+      if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
+    }
+    if (k < end) {
+      const int64_t rest = end - k;
+      // lanes past `rest` are loaded as 0 by loadu(ptr, count); mask them out of the sums
+      const Vec e = Vec::set(Vec(T(0)), (Vec::loadu(z + k, rest) - max_vec).exp_u20(), rest);
+      e.store(out + k, rest);
+      block = block + e;
+      if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
+    }
+    total = total + block;
+    if constexpr (kSquare) total_sq = total_sq + block_sq;
+  }
+  sum += horizontal_sum(total);
+  if constexpr (kSquare) sum_sq += horizontal_sum(total_sq);
+}
+
+// g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, in place over the stored exponentials.
+template <typename T, bool kSquare>
+void rescale_sweep(T* e, int64_t C, T inv_denom, T alpha, T beta, T tau) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec inv_vec(inv_denom), alpha_vec(alpha), beta_vec(beta), tau_vec(tau);
+  auto grad = [&](const Vec& x) {
+    const Vec p = x * inv_vec;
+    if constexpr (kSquare) return p * at::vec::fmadd(beta_vec, p - tau_vec, alpha_vec);
+    return p * alpha_vec;
+  };
+  int64_t k = 0;
+  for (; k + W <= C; k += W) grad(Vec::loadu(e + k)).store(e + k);
+  if (k < C) grad(Vec::loadu(e + k, C - k)).store(e + k, C - k);
 }
 
 template <typename T>
@@ -190,12 +256,23 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
   const T q = spec.q;
   const T z_y = z[y];
 
-  OnlineSoftmax<T> acc;
-  accumulate<T, kPow>(z, 0, y, q, acc);
-  accumulate<T, kPow>(z, y + 1, C, q, acc);
-  T sum_others = horizontal_sum(acc.sum);           // Σ_{k≠y} exp(z_k - m)
-  T sum_pow_q_others = horizontal_sum(acc.sum_pow_q);  // Σ_{k≠y} exp(q (z_k - m))
-  T m = acc.max;
+  // The one-exponential path needs a finite row max (an all -inf row takes the general path and its NaN rules).
+  constexpr bool kCanStore = !kDual && kPow != PowQ::General;
+  T m = kCanStore && grad != nullptr ? row_max(z, C) : -inf;
+  const bool stored = kCanStore && grad != nullptr && m != -inf;
+  T sum_others = 0;        // Σ_{k≠y} exp(z_k - m)
+  T sum_pow_q_others = 0;  // Σ_{k≠y} exp(q (z_k - m))
+  if (stored) {
+    exp_store_sweep<T, kPow == PowQ::Square>(z, grad, 0, y, m, sum_others, sum_pow_q_others);
+    exp_store_sweep<T, kPow == PowQ::Square>(z, grad, y + 1, C, m, sum_others, sum_pow_q_others);
+  } else {
+    OnlineSoftmax<T> acc;
+    accumulate<T, kPow>(z, 0, y, q, acc);
+    accumulate<T, kPow>(z, y + 1, C, q, acc);
+    sum_others = horizontal_sum(acc.sum);
+    sum_pow_q_others = horizontal_sum(acc.sum_pow_q);
+    m = acc.max;
+  }
   if (!(z_y <= m)) {  // the target is the row max (or the only finite column): move the max to it
     if (m == -inf) {
       sum_others = 0;
@@ -285,7 +362,16 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
     }
   }
 
-  if (grad != nullptr) {
+  if (grad != nullptr && stored) {
+    if constexpr (kCanStore) {
+      if (beta != 0) {
+        rescale_sweep<T, kPow == PowQ::Square>(grad, C, T(1) / denom, scale * alpha, scale * beta, tau);
+      } else {
+        rescale_sweep<T, false>(grad, C, T(1) / denom, scale * alpha, T(0), T(0));
+      }
+    }
+    grad[y] = scale * g_y;
+  } else if (grad != nullptr) {
     const bool ties = kDual && c_j != 0;
     if (ties) {
       gradient_sweep<T, PowQ::None, kDual>(z, grad, C, lse, scale * alpha, T(0), q, T(0), z_j, scale * c_j);

@@ -1,0 +1,222 @@
+"""The compiled CPU op ``calibkernels::uncertainty_weighted_ce`` beyond value agreement (which the shared suite
+``test_uncertainty_weighted_ce.py`` checks): float64 gradcheck of its loss-mode gradient against finite differences,
+``torch.library.opcheck`` of both ops, ``torch.compile(fullgraph=True)``, autocast, in-place semantics and the
+kernel's own argument checks (the last line of defence under torch.compile, where Python-side checks are skipped).
+"""
+
+import pytest
+import torch
+
+import calibkernels as ck
+from calibkernels import _backends
+from calibkernels import _validation as V
+from calibkernels import reference as R
+
+pytestmark = pytest.mark.skipif(
+    _backends.unavailable_reason("cpu", torch.device("cpu")) is not None,
+    reason="calibkernels._C was not built with the CPU kernel",
+)
+
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+
+
+def _op():
+    import calibkernels.cpp.uncertainty_weighted_ce  # noqa: F401  (registers fake kernels and autograd)
+
+    return torch.ops.calibkernels
+
+
+def _op_args(z, y, weight="brier", mode="grad", reduction="mean", gamma=2.0, norm=2.0, ignore_index=-100):
+    sample_weight = torch.rand(z.shape[0], dtype=z.dtype) + 0.5 if weight == "external" else None
+    return (y, sample_weight, None, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], gamma, norm, ignore_index,
+            V.REDUCTION_CODES[reduction])
+
+
+def _targets(n, c, ignored=1):
+    y = torch.randint(0, c, (n,))
+    y[torch.randperm(n)[:ignored]] = -100
+    return y
+
+
+# ------------------------------------------------------------------------------------------------ float64 gradcheck
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_mode_gradient_matches_finite_differences(weight, reduction):
+    """mode="loss" is the true gradient of u·CE: the kernel's analytic backward against float64 finite differences."""
+    z = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
+    y = _targets(6, 7)
+    kw = dict(weight=weight, mode="loss", reduction=reduction, gamma=2.5 if weight != "brier" else 3.0)
+    if weight == "external":
+        kw["sample_weight"] = torch.rand(6, dtype=torch.float64) + 0.5
+    assert torch.autograd.gradcheck(lambda x: ck.uncertainty_weighted_ce(x, y, backend="cpu", **kw), (z,))
+
+
+@pytest.mark.parametrize("norm", [1.0, 1.5, 2.0, 3.0])
+def test_generalised_brier_gradient_matches_finite_differences(norm):
+    z = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
+    y = _targets(5, 9)
+    assert torch.autograd.gradcheck(
+        lambda x: ck.uncertainty_weighted_ce(x, y, weight="brier", mode="loss", gamma=2.0, norm=norm, backend="cpu"),
+        (z,))
+
+
+def test_gra_gradient_is_the_detached_weight_times_softmax_minus_onehot():
+    """BSCE-GRA (mode="grad"): dL/dz = u·(p - e_y)/n exactly, with u the detached gBS (BSCE-GRA paper, Eq. 11)."""
+    z = torch.randn(9, 13, dtype=torch.float64, requires_grad=True)
+    y = torch.randint(0, 13, (9,))
+    ck.bsce_gra_loss(z, y, gamma=4.0, norm=2.0, backend="cpu").backward()
+    p = torch.softmax(z.detach(), -1)
+    u = R.uncertainty_weight(z.detach(), y, weight="brier", gamma=4.0, norm=2.0)
+    expected = u[:, None] * (p - torch.nn.functional.one_hot(y, 13)) / 9
+    torch.testing.assert_close(z.grad, expected, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------------------- opcheck
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("mode,reduction", [("loss", "mean"), ("grad", "none"), ("loss", "sum")])
+def test_opcheck(dtype, weight, mode, reduction):
+    ops = _op()
+    z = torch.randn(5, 11, dtype=dtype, requires_grad=True)
+    args = _op_args(z, _targets(5, 11), weight=weight, mode=mode, reduction=reduction)
+    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z, *args, True))
+    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z.detach(), *args, False))
+    torch.library.opcheck(ops.uncertainty_weighted_ce_inplace_.default, (z.detach().clone(), *args))
+
+
+def test_opcheck_per_sample_gamma():
+    ops = _op()
+    z = torch.randn(6, 5, requires_grad=True)
+    y = _targets(6, 5)
+    gammas = torch.rand(6) * 4
+    args = (y, None, gammas, V.WEIGHT_CODES["focal"], V.MODE_CODES["loss"], 0.0, 2.0, -100, V.REDUCTION_CODES["mean"])
+    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z, *args, True))
+
+
+# ---------------------------------------------------------------------------------------------------- torch.compile
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_model_and_loss_compile_with_fullgraph(inplace):
+    """A model + the fused loss trace into one graph (fullgraph=True) and give eager's loss and parameter gradients."""
+    torch._dynamo.reset()
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 9))
+    x, y = torch.randn(8, 6), _targets(8, 9)
+
+    def step(features, target):
+        return ck.uncertainty_weighted_ce(model(features), target, weight="brier", mode="grad", backend="cpu",
+                                          inplace=inplace)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    compiled_loss = compiled(x, y)
+    compiled_loss.backward()
+    compiled_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    eager_loss = step(x, y)
+    eager_loss.backward()
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for got, expected in zip(compiled_grads, [p.grad for p in model.parameters()]):
+        torch.testing.assert_close(got, expected)
+
+
+# --------------------------------------------------------------------------------------------------------- autocast
+def test_autocast_bf16_logits_are_computed_in_fp32():
+    """Under autocast the op gets the bf16 logits the layer produced and matches the reference on exactly those."""
+    model = torch.nn.Linear(12, 10)
+    x, y = torch.randn(16, 12), _targets(16, 10, ignored=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = model(x)
+        loss = ck.bsce_gra_loss(logits, y, backend="cpu")
+    assert logits.dtype == torch.bfloat16
+    exact = R.bsce_gra_loss(logits.detach().double(), y)
+    torch.testing.assert_close(loss.double(), exact, rtol=2e-2, atol=1e-3)
+
+
+# --------------------------------------------------------------------------------------------------------- in-place
+def test_inplace_writes_the_gradient_into_the_logits_buffer():
+    ops = _op()
+    z = torch.randn(7, 33)
+    y = _targets(7, 33)
+    buffer = z.clone()
+    loss = ops.uncertainty_weighted_ce_inplace_(buffer, *_op_args(z, y, reduction="sum"))
+    exact_loss, exact_grad = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True)
+    torch.testing.assert_close(loss, exact_loss)
+    torch.testing.assert_close(buffer, exact_grad)
+
+
+def test_inplace_on_column_strided_logits_writes_back():
+    ops = _op()
+    base = torch.randn(9, 6)
+    view = base.t()  # (6, 9), column stride 6
+    y = _targets(6, 9)
+    expected_loss, expected_grad = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True)
+    loss = ops.uncertainty_weighted_ce_inplace_(view, *_op_args(view, y))
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(base.t(), expected_grad)
+
+
+def test_inplace_refuses_a_leaf_and_protects_other_users_of_the_logits():
+    leaf = torch.randn(4, 5, requires_grad=True)
+    y = _targets(4, 5, ignored=0)
+    with pytest.raises(ValueError, match="leaf"):
+        ck.uncertainty_weighted_ce(leaf, y, backend="cpu", inplace=True)
+    logits = leaf * 2.0
+    other = (logits.exp()).sum()  # exp saves its output, not the logits; sigmoid/pow would save the input
+    squared = (logits ** 2).sum()  # pow saves the logits: after they are overwritten its backward must refuse
+    loss = ck.uncertainty_weighted_ce(logits, y, backend="cpu", inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + squared + other).backward()
+
+
+# -------------------------------------------------------------------------------------- the kernel's own arguments
+@pytest.mark.parametrize("bad", [5, -1, 2**40])
+def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
+    ops = _op()
+    z = torch.randn(4, 5)
+    y = torch.tensor([0, bad, 1, -100])
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y), True)
+
+
+def test_kernel_rejects_malformed_arguments():
+    ops = _op()
+    z, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(RuntimeError, match="2-D"):
+        ops.uncertainty_weighted_ce(torch.randn(4), *_op_args(z, y), True)
+    with pytest.raises(RuntimeError, match="int64"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y.int()), True)
+    with pytest.raises(RuntimeError, match="target must have shape"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y[:3]), True)
+    with pytest.raises(RuntimeError, match="float32, float64"):
+        ops.uncertainty_weighted_ce(z.int(), *_op_args(z, y), True)
+    with pytest.raises(RuntimeError, match="gamma must be >= 0"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y, gamma=-1.0), True)
+    with pytest.raises(RuntimeError, match="norm must be > 0"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y, norm=0.0), True)
+    with pytest.raises(RuntimeError, match="sample_weight"):
+        ops.uncertainty_weighted_ce(z, y, None, None, V.WEIGHT_CODES["external"], 1, 1.0, 2.0, -100, 1, True)
+
+
+def test_large_row_count_uses_every_thread_and_stays_exact():
+    """Enough rows for at::parallel_for to split the batch: the result must not depend on the split."""
+    z = torch.randn(3000, 37)
+    y = _targets(3000, 37, ignored=300)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        single = ck.bsce_gra_loss(z, y, reduction="none", backend="cpu")
+        torch.set_num_threads(max(threads, 2))
+        multi = ck.bsce_gra_loss(z, y, reduction="none", backend="cpu")
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(single, multi)
+
+
+def test_retain_graph_backward_twice_gives_the_same_gradient():
+    """The backward scales the saved gradient in place only when the graph is not retained."""
+    z = torch.randn(6, 10, requires_grad=True)
+    y = _targets(6, 10)
+    loss = ck.bsce_gra_loss(z, y, backend="cpu")
+    first, = torch.autograd.grad(loss, z, torch.tensor(2.0), retain_graph=True)
+    second, = torch.autograd.grad(loss, z, torch.tensor(2.0))
+    torch.testing.assert_close(first, second)
+    expected, = torch.autograd.grad(R.bsce_gra_loss(z, y), z, torch.tensor(2.0))
+    torch.testing.assert_close(first, expected)
