@@ -431,3 +431,29 @@ def test_unpadded_sampler_visits_every_sample_exactly_once(world):
     seen = [i for r in range(world) for i in UnpaddedDistributedSampler(dataset, num_replicas=world, rank_=r)]
     assert sorted(seen) == dataset
     assert sum(len(UnpaddedDistributedSampler(dataset, world, r)) for r in range(world)) == length
+
+
+# ----------------------------------------------------------------------------------------------------------------- DDP
+def test_two_process_gloo_ddp_run_reports_exactly_what_one_process_evaluates(tmp_path):
+    """torchrun with 2 CPU processes (gloo): one report, written by rank 0, whose metrics — merged across ranks without
+    padded duplicates — equal a single-process evaluation of the same checkpoint."""
+    import subprocess
+    import sys
+
+    out = tmp_path / "ddp"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training.train",
+           "--epochs", "2", "--max-steps-per-epoch", "2", "--eval-every", "1", "--output-dir", str(out)] + FAST
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                            cwd=Path(__file__).resolve().parents[1])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("test calibration") == 1, "only rank 0 reports"
+    report = json.loads((out / "report.json").read_text())
+    assert report["n_test"] == 1097 and report["n_val"] == 500
+    assert "2 process(es)" in result.stdout
+    assert evaluate_cli.cli(["--checkpoint", str(out / "checkpoint.pt"), "--output-dir", str(tmp_path / "eval")]) == 0
+    single = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert single["temperature"] == pytest.approx(report["temperature"])
+    for tag in ("pre_T", "post_T"):
+        for key, value in report[tag].items():
+            assert single[tag][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (tag, key)

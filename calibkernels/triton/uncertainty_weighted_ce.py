@@ -462,7 +462,11 @@ def _scaled_saved_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.T
     if grad.numel() == 0:
         raise RuntimeError("calibkernels: the fused loss was computed without a gradient (grad mode was off or the "
                            "logits did not require grad), so it cannot be differentiated")
-    if _is_traced(grad) or _is_traced(grad_output):
+    if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
+        return None
+    # Traced, or retain_graph=True (gradcheck, several backwards through one graph; the saved buffer must survive):
+    # out of place.
+    if _is_traced(grad) or _is_traced(grad_output) or torch._C._autograd._get_current_graph_task_keep_graph():
         factor = grad_output.to(torch.float32)
         if factor.dim() == 1:
             factor = factor[:, None]
@@ -473,6 +477,10 @@ def _scaled_saved_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.T
 
 def _setup_context(ctx, inputs, output):
     _, grad = output
+    ctx.mark_non_differentiable(grad)
+    # The gradient output is never differentiated; without this autograd would materialise an N×C zero tensor as
+    # its incoming gradient on every backward (a full extra write of the logits' size).
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(grad)
 
 
