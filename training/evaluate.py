@@ -55,10 +55,12 @@ def main(args) -> dict:
     val_logits, val_labels = collect_logits(model, loaders[0], device, amp_dtype)
     test_logits, test_labels = collect_logits(model, loaders[1], device, amp_dtype)
     report = calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins=args.n_bins)
-    report.update(recipe=saved["recipe"], loss=saved.get("loss"), arch=saved["arch"], seed=saved["seed"],
+    report.update(recipe=saved["recipe"], loss=saved.get("loss"), method=saved.get("method", "standard"),
+                  arch=saved["arch"], seed=saved["seed"],
                   epochs=int(checkpoint["epoch"]), checkpoint=str(args.checkpoint))
     output_dir = Path(args.output_dir) if args.output_dir else Path(args.checkpoint).resolve().parent
-    title = f"{saved['recipe']} {saved.get('loss', '')}".strip()
+    method = saved.get('method', 'standard')
+    title = f"{saved['recipe']} {saved.get('loss', '') if method == 'standard' else method}".strip()
     report = save_report(report, test_logits, test_labels, output_dir, title=title)
     print(format_report(report, title=f"== {title} (epoch {checkpoint['epoch']}): test calibration =="))
     print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "

@@ -500,8 +500,10 @@ def run_training(args) -> dict | None:
     checkpoint_path = output_dir / "checkpoint.pt"
     if main_process:
         (output_dir / "args.json").write_text(json.dumps(vars(args), indent=2, default=str))
+        loss_text = (f"loss {args.loss}" if args.method == "standard" else
+                     f"{args.method}: focal loss with the γ-Net's per-sample γ ({len(splits.meta)} meta-validation)")
         print(f"{recipe.name}: {args.arch} on {recipe.dataset} ({len(splits.train)} train / {len(splits.val)} val / "
-              f"{len(splits.test)} test), loss {args.loss} ({args.reduction} reduction), {args.epochs} epochs, "
+              f"{len(splits.test)} test), {loss_text} ({args.reduction} reduction), {args.epochs} epochs, "
               f"batch {args.batch_size}, lr {args.lr}, {world} process(es) on {device}")
 
     stop = _StopRequest().install()
@@ -563,8 +565,9 @@ def run_training(args) -> dict | None:
     if not main_process:
         return None
     report = calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins=args.n_bins)
-    report.update(recipe=args.recipe, loss=args.loss, arch=args.arch, seed=args.seed, epochs=args.epochs)
-    title = f"{args.recipe} {args.loss}"
+    report.update(recipe=args.recipe, loss=args.loss if args.method == "standard" else "focal_loss (per-sample γ)",
+                  method=args.method, arch=args.arch, seed=args.seed, epochs=args.epochs)
+    title = f"{args.recipe} {args.loss if args.method == 'standard' else args.method}"
     report = save_report(report, test_logits, test_labels, output_dir, title=title)
     print(format_report(report, title=f"== {title}: test calibration =="))
     print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "
