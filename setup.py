@@ -60,7 +60,9 @@ def _extensions():
     cxx.append("-fopenmp")  # the C++ standard is torch's own (C++20 for torch 2.14)
     if cpu_arch:
         cxx.append(f"-march={cpu_arch}")
-    nvcc = ["-O0", "-g", "-G"] if debug else ["-O3", "-DNDEBUG", "--use_fast_math", "-lineinfo"]
+    # No --use_fast_math: it swaps logf/expf/powf/log1pf for approximate intrinsics and flushes denormals, which the
+    # CUDA kernel's log1p (CE of confident rows) and tiny 1 - p_y values depend on; the kernel calls exp2f itself.
+    nvcc = ["-O0", "-g", "-G"] if debug else ["-O3", "-DNDEBUG", "-lineinfo"]
     nvcc.append("--expt-relaxed-constexpr")
     define_macros = []
     if with_cuda:

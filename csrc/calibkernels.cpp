@@ -11,7 +11,18 @@
 extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* module = PyModule_Create(&module_def);
+  // calibkernels._C.WITH_CUDA: whether this build compiled csrc/cuda/ (tests check it against the registrations).
+#ifdef CALIBKERNELS_WITH_CUDA
+  constexpr long kWithCuda = 1;
+#else
+  constexpr long kWithCuda = 0;
+#endif
+  if (module != nullptr && PyModule_AddIntConstant(module, "WITH_CUDA", kWithCuda) != 0) {
+    Py_DECREF(module);
+    return nullptr;
+  }
+  return module;
 }
 }
 

@@ -1,0 +1,676 @@
+// Fused CUDA kernel of the uncertainty-weighted cross-entropy family (SPEC §2, §7; contract in
+// ../uncertainty_weighted_ce.h). Registered for the CUDA dispatch key of the schema in ../calibkernels.cpp.
+//
+//   L_i = u_i · CE_i,  CE_i = lse_i - z_{i,y_i},  p_i = softmax(z_i),
+//   u_i ∈ {1, (1-p_y)^γ (focal; γ per sample optional), (1-p_y)^{γ_i} (FLSD-53), (1-p_y+p_j)^γ (dual focal),
+//          (Σ_{k≠y} p_k^q + (1-p_y)^q)^{γ/q} (generalised Brier), w_i (external)}.
+//   mode "grad" (GRA): dL_i/dz_ik = u_i (p_ik - δ_ky);  mode "loss": + CE_i du_i/dz_ik with
+//     focal / FLSD  du/dz_k = -γ (1-p_y)^{γ-1} p_y (δ_ky - p_k)                      (γ_i of FLSD not differentiated)
+//     dual focal    du/dz_k = γ (1-p_y+p_j)^{γ-1} ((p_y - p_j) p_k + p_j τ_k - p_y δ_ky), τ_k = 1/n on the n classes
+//                   tied at p_j = max{p_k : z_k < z_y} (how amax's backward splits its gradient in the reference)
+//     Brier         du/dz_k = γ S^{γ/q-1} (p_k^q - p_k H) (k≠y),  du/dz_y = -γ S^{γ/q-1} p_y S,
+//                   H = Σ_{k≠y} p_k^q - p_y (1-p_y)^{q-1}
+//   (Lin et al. 2017; Mukhoti et al. 2020; Tao, Dong & Xu, ICML 2023; BSCE-GRA paper Eq. 3/11; the same formulas as
+//   csrc/cpu/uncertainty_weighted_ce.cpp and calibkernels/triton/uncertainty_weighted_ce.py.)
+//
+// Shape of the launch, chosen by C (the number of classes):
+//   * C ≤ 1024:   a warp per row (8 rows per 256-thread block), the row held in registers, shuffle reductions only;
+//   * C ≤ 16384:  a block per row (256 or 1024 threads), the row held in registers (16 values per thread), warp
+//                 shuffles + one shared-memory step; read once, gradient written once;
+//   * larger C:   a 1024-thread block per row streaming the row in 16384-column tiles (statistics pass, then gradient
+//                 pass), the online-softmax state rescaled once per tile. When the whole row fits in the device's
+//                 opt-in shared memory (C ≤ 114688 bf16 / 49152 fp32 with the 227 KiB of an H100), the statistics
+//                 pass also parks the raw tiles there, so the gradient pass reads shared memory: still a single read
+//                 of HBM; otherwise (C = 128256 bf16, ...) the row is read twice.
+//   float64 (gradcheck/opcheck only) has the two warp paths and, above C = 1024, the streaming path (512 threads).
+// Every path: 16-byte vector loads/stores for a row whose address is 16-byte aligned (a scalar fallback otherwise and
+// for the row's tail), fp32 accumulation for fp16/bf16 (float64 stays float64, for gradcheck), exp2f, int64 offsets,
+// any row stride, launched on the current stream with no host synchronisation (the mean's non-ignored count is a
+// device tensor that the kernel reads).
+//
+// Target policy (the Triton kernel's, see calibkernels/cpp/uncertainty_weighted_ce.py VALIDATE_TARGETS): a target
+// outside [0, C) that is not ignore_index is never used as an index; that row's loss and gradient are NaN (so a
+// mean/sum becomes NaN), and the Python wrapper raises ValueError in eager mode.
+#include <ATen/Dispatch.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "uncertainty_weighted_ce.h"
+
+namespace calibkernels {
+namespace {
+
+// ----------------------------------------------------------------------------------------------------------------
+// Math in the accumulation type A (float for fp32/fp16/bf16, double for float64). Accurate library functions, not
+// the --use_fast_math intrinsics: CE near p_y → 1 and the focal/Brier weights of confident rows depend on log1p and
+// on tiny 1 - p_y values that flush-to-zero and __logf would destroy.
+// ----------------------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float exp_(float x) { return exp2f(x * 1.4426950408889634f); }
+__device__ __forceinline__ double exp_(double x) { return exp(x); }
+__device__ __forceinline__ float log_(float x) { return logf(x); }
+__device__ __forceinline__ double log_(double x) { return log(x); }
+__device__ __forceinline__ float log1p_(float x) { return log1pf(x); }
+__device__ __forceinline__ double log1p_(double x) { return log1p(x); }
+__device__ __forceinline__ float pow_(float b, float e) { return powf(b, e); }  // powf(x, 0) == 1, also for x = 0
+__device__ __forceinline__ double pow_(double b, double e) { return pow(b, e); }
+
+template <typename A>
+__device__ __forceinline__ A neg_inf() {
+  return -std::numeric_limits<A>::infinity();
+}
+
+// Online-softmax state of a set of non-target columns: running max m, d = Σ e^{z-m}, sq = Σ e^{q(z-m)} (Brier only),
+// and dual focal's zb = max{z_k : z_k < z_y} with its tie count nt. POD so that it can live in shared memory.
+template <typename A>
+struct Stats {
+  A m;
+  A d;
+  A sq;
+  A zb;
+  int nt;
+};
+
+template <typename A>
+__device__ __forceinline__ Stats<A> empty_stats() {
+  return {neg_inf<A>(), A(0), A(0), neg_inf<A>(), 0};
+}
+
+// Symmetric in (a, b) bit for bit (max, and a commutative sum of two products), so a butterfly reduction leaves the
+// same value in every lane.
+template <typename A>
+__device__ __forceinline__ Stats<A> merge(const Stats<A>& a, const Stats<A>& b, A q, bool brier, bool dual) {
+  Stats<A> r;
+  r.m = a.m > b.m ? a.m : b.m;
+  if (r.m == neg_inf<A>()) {  // both empty: e^{-inf - -inf} would be NaN
+    r.d = A(0);
+    r.sq = A(0);
+  } else {
+    r.d = a.d * exp_(a.m - r.m) + b.d * exp_(b.m - r.m);
+    r.sq = brier ? a.sq * exp_(q * (a.m - r.m)) + b.sq * exp_(q * (b.m - r.m)) : A(0);
+  }
+  if (dual) {
+    r.zb = a.zb > b.zb ? a.zb : b.zb;
+    r.nt = (a.zb == b.zb) ? a.nt + b.nt : (a.zb > b.zb ? a.nt : b.nt);
+  } else {
+    r.zb = a.zb;
+    r.nt = 0;
+  }
+  return r;
+}
+
+template <typename A>
+__device__ __forceinline__ Stats<A> warp_allreduce(Stats<A> s, A q, bool brier, bool dual) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    Stats<A> o;
+    o.m = __shfl_xor_sync(0xffffffffu, s.m, offset);
+    o.d = __shfl_xor_sync(0xffffffffu, s.d, offset);
+    o.sq = brier ? __shfl_xor_sync(0xffffffffu, s.sq, offset) : A(0);
+    o.zb = dual ? __shfl_xor_sync(0xffffffffu, s.zb, offset) : s.zb;
+    o.nt = dual ? __shfl_xor_sync(0xffffffffu, s.nt, offset) : 0;
+    s = merge(s, o, q, brier, dual);
+  }
+  return s;
+}
+
+// All-reduce over the kGroup threads that share a row: a warp (shuffles only) or the whole block.
+template <int kGroup, typename A>
+__device__ __forceinline__ Stats<A> group_allreduce(Stats<A> s, A q, bool brier, bool dual) {
+  s = warp_allreduce(s, q, brier, dual);
+  if constexpr (kGroup > 32) {
+    constexpr int kWarps = kGroup / 32;
+    __shared__ Stats<A> partial[kWarps + 1];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) partial[warp] = s;
+    __syncthreads();
+    if (warp == 0) {
+      Stats<A> t = lane < kWarps ? partial[lane] : empty_stats<A>();
+      t = warp_allreduce(t, q, brier, dual);
+      if (lane == 0) partial[kWarps] = t;
+    }
+    __syncthreads();
+    s = partial[kWarps];
+  }
+  return s;
+}
+
+template <typename A>
+struct Params {
+  const void* logits;
+  int64_t logits_row_stride;  // elements
+  void* grad;                 // nullptr: no gradient (inference)
+  int64_t grad_row_stride;
+  const int64_t* target;
+  const A* sample_weight;     // (N,) or nullptr
+  const A* gamma_per_sample;  // (N,) or nullptr
+  const int64_t* valid_count; // 0-dim, read only for the mean
+  A* row_loss;
+  int64_t num_rows;
+  int64_t num_classes;
+  int64_t ignore_index;
+  A gamma;
+  A norm;
+  int weight;
+  int mode;
+  int reduction;
+};
+
+template <typename scalar_t, int V>
+struct alignas(sizeof(scalar_t) * V) Pack {
+  scalar_t v[V];
+};
+
+// A thread's share of a tile of kGroup·kPT columns starting at `base`: kPT/V vectors of V = 16 bytes / element
+// consecutive columns; vector j of thread t starts at column base + (j·kGroup + t)·V, so a warp's vector load
+// covers 512 contiguous bytes. Columns ≥ C read as -inf (they then contribute nothing to any statistic).
+template <typename scalar_t, typename A, int kGroup, int kPT>
+struct Tile {
+  static constexpr int V = 16 / sizeof(scalar_t);
+  static constexpr int kVecs = kPT / V;
+  static_assert(kPT % V == 0, "values per thread must be a multiple of the vector width");
+
+  __device__ __forceinline__ static int64_t column(int64_t base, int t, int e) {
+    return base + (static_cast<int64_t>(e / V) * kGroup + t) * V + (e % V);
+  }
+
+  __device__ __forceinline__ static void load(const scalar_t* row, bool aligned, int64_t base, int t, int64_t C,
+                                              A (&z)[kPT]) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t c0 = base + (static_cast<int64_t>(j) * kGroup + t) * V;
+      if (aligned && c0 + V <= C) {
+        const Pack<scalar_t, V> p = *reinterpret_cast<const Pack<scalar_t, V>*>(row + c0);
+#pragma unroll
+        for (int v = 0; v < V; ++v) z[j * V + v] = static_cast<A>(p.v[v]);
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) z[j * V + v] = (c0 + v < C) ? static_cast<A>(row[c0 + v]) : neg_inf<A>();
+      }
+    }
+  }
+
+  // Shared-memory copy of a thread's share of a tile (the raw values, padding included): each thread reads back
+  // only what it wrote itself, so no barrier is needed between the two passes. 16-byte accesses, conflict-free.
+  __device__ __forceinline__ static void park(scalar_t* cache, int t, const A (&z)[kPT]) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      Pack<scalar_t, V> p;
+#pragma unroll
+      for (int v = 0; v < V; ++v) p.v[v] = static_cast<scalar_t>(z[j * V + v]);  // exact: z came from scalar_t
+      *reinterpret_cast<Pack<scalar_t, V>*>(cache + (j * kGroup + t) * V) = p;
+    }
+  }
+
+  __device__ __forceinline__ static void unpark(const scalar_t* cache, int t, A (&z)[kPT]) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const Pack<scalar_t, V> p = *reinterpret_cast<const Pack<scalar_t, V>*>(cache + (j * kGroup + t) * V);
+#pragma unroll
+      for (int v = 0; v < V; ++v) z[j * V + v] = static_cast<A>(p.v[v]);
+    }
+  }
+
+  __device__ __forceinline__ static void store(scalar_t* row, bool aligned, int64_t base, int t, int64_t C,
+                                               const A (&g)[kPT]) {
+#pragma unroll
+    for (int j = 0; j < kVecs; ++j) {
+      const int64_t c0 = base + (static_cast<int64_t>(j) * kGroup + t) * V;
+      if (aligned && c0 + V <= C) {
+        Pack<scalar_t, V> p;
+#pragma unroll
+        for (int v = 0; v < V; ++v) p.v[v] = static_cast<scalar_t>(g[j * V + v]);
+        *reinterpret_cast<Pack<scalar_t, V>*>(row + c0) = p;
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          if (c0 + v < C) row[c0 + v] = static_cast<scalar_t>(g[j * V + v]);
+        }
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// Folds one tile into a thread's statistics: the tile's max first, the running sums rescaled once if it moved the
+// max, then one exponential per element. The target column is excluded (1 - p_y = d_¬y / d then never cancels).
+template <typename A, int kPT, typename ColumnOf>
+__device__ __forceinline__ void accumulate(const A (&z)[kPT], ColumnOf column_of, int64_t C, int64_t y, A z_y, A q,
+                                           bool brier, bool dual, Stats<A>& s) {
+  A tile_max = neg_inf<A>();
+#pragma unroll
+  for (int e = 0; e < kPT; ++e) {
+    if (column_of(e) != y) tile_max = z[e] > tile_max ? z[e] : tile_max;
+  }
+  if (tile_max > s.m) {
+    const A shift = s.m - tile_max;  // -inf on the first non-empty tile, when the sums are still 0
+    s.d *= exp_(shift);
+    if (brier) s.sq *= exp_(q * shift);
+    s.m = tile_max;
+  }
+  if (s.m != neg_inf<A>()) {
+#pragma unroll
+    for (int e = 0; e < kPT; ++e) {
+      if (column_of(e) == y) continue;
+      const A shifted = z[e] - s.m;  // -inf for padding and masked classes: e^{-inf} = 0
+      const A ex = exp_(shifted);
+      s.d += ex;
+      if (brier) s.sq += (q == A(2)) ? ex * ex : exp_(q * shifted);
+    }
+  }
+  if (dual) {
+#pragma unroll
+    for (int e = 0; e < kPT; ++e) {
+      // padding (column ≥ C) is -inf but is no class: it must not count as a tie of zb = -inf
+      if (column_of(e) < C && z[e] < z_y) {
+        if (z[e] > s.zb) {
+          s.zb = z[e];
+          s.nt = 1;
+        } else if (z[e] == s.zb) {
+          ++s.nt;
+        }
+      }
+    }
+  }
+}
+
+// Per-row scalars of the gradient: for k ≠ y
+//   g_k = scale · (coef_p p_k + [tie] (z_k < z_y ∧ z_k = zb) coef_tie + [brier_h] coef_h (p_k^q - p_k h_sum)),
+// and g_y = grad_target.
+template <typename A>
+struct RowCoefs {
+  A lse, coef_p, coef_tie, coef_h, h_sum, zb, grad_target, scale, loss;
+  bool tie, brier_h;
+};
+
+template <typename A>
+__device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int64_t row, Stats<A> s, A z_y) {
+  const A q = P.norm;
+  const bool loss_mode = P.mode == static_cast<int>(Mode::Loss);
+  A m = s.m, d_others = s.d, sq_others = s.sq;
+  if (!(z_y <= m)) {  // the target is the row max (or the only finite class): move the max to it
+    if (m == neg_inf<A>()) {
+      d_others = A(0);
+      sq_others = A(0);
+    } else {
+      d_others *= exp_(m - z_y);
+      sq_others *= exp_(q * (m - z_y));
+    }
+    m = z_y;
+  }
+  const A e_y = exp_(z_y - m);
+  const A d = e_y + d_others;
+  const A log_d = log_(d);
+  const A lse = m + log_d;
+  const A p_y = e_y / d;
+  const A omp = d_others / d;  // 1 - p_y without cancellation
+  // CE = -log p_y; for confident rows log1p(d_¬y / e_y) keeps the digits that m + log(d) - z_y would cancel.
+  const A ce = (p_y > A(0.5)) ? log1p_(d_others / e_y) : (m - z_y) + log_d;
+
+  RowCoefs<A> r;
+  r.lse = lse;
+  r.coef_tie = A(0);
+  r.coef_h = A(0);
+  r.h_sum = A(0);
+  r.zb = s.zb;
+  r.tie = false;
+  r.brier_h = false;
+  A u = A(1), coef_p = A(1), extra_y = A(0);
+  switch (static_cast<Weight>(P.weight)) {
+    case Weight::None:
+      break;
+    case Weight::External:
+      u = P.sample_weight[row];
+      coef_p = u;
+      break;
+    case Weight::Focal:
+    case Weight::Flsd: {
+      A g = P.gamma_per_sample != nullptr ? P.gamma_per_sample[row] : P.gamma;
+      if (P.weight == static_cast<int>(Weight::Flsd)) {
+        g = p_y < A(kFlsdLowThreshold) ? A(kFlsdLowGamma) : (p_y < A(kFlsdMidThreshold) ? A(kFlsdMidGamma) : P.gamma);
+      }
+      u = pow_(omp, g);
+      coef_p = u;
+      // (u + CE·A)(p - e_y) with A = γ (1-p_y)^{γ-1} p_y
+      if (loss_mode && g != A(0) && omp > A(0)) coef_p = u + ce * g * pow_(omp, g - A(1)) * p_y;
+      break;
+    }
+    case Weight::DualFocal: {
+      const A p_j = (s.zb == neg_inf<A>()) ? A(0) : exp_(s.zb - lse);
+      const A base = omp + p_j;
+      u = pow_(base, P.gamma);
+      coef_p = u;
+      if (loss_mode && P.gamma != A(0) && base > A(0)) {
+        const A cg = ce * P.gamma * pow_(base, P.gamma - A(1));
+        coef_p = u + cg * (p_y - p_j);
+        extra_y = -cg * p_j;
+        r.coef_tie = cg * p_j / static_cast<A>(s.nt > 1 ? s.nt : 1);
+        r.tie = p_j > A(0);
+      }
+      break;
+    }
+    case Weight::Brier: {
+      // Σ_{k≠y} p_k^q = Σ_{k≠y} e^{q(z-m)} / d^q, with d ≥ 1 so d^{-q} cannot overflow
+      const A pq_others = sq_others == A(0) ? A(0) : sq_others * exp_(-q * log_d);
+      const A S = pq_others + pow_(omp, q);
+      u = pow_(S, P.gamma / q);
+      coef_p = u;
+      if (loss_mode && P.gamma != A(0) && S > A(0)) {
+        const A du = P.gamma * pow_(S, P.gamma / q - A(1));
+        const A omp_qm1 = (omp > A(0) || q >= A(1)) ? pow_(omp, q - A(1)) : A(0);
+        r.h_sum = pq_others - p_y * omp_qm1;
+        // the bracket p_k^q - p_k H is formed before the (possibly huge) CE factor multiplies it
+        r.coef_h = ce * du;
+        extra_y = -r.coef_h * p_y * S;  // du/dz_y = -γ S^{γ/q-1} p_y S, cancellation-free
+        r.brier_h = true;
+      }
+      break;
+    }
+  }
+  r.scale = (P.reduction == static_cast<int>(Reduction::Mean))
+                ? A(1) / static_cast<A>(*P.valid_count > 1 ? *P.valid_count : int64_t(1))
+                : A(1);
+  r.coef_p = coef_p;
+  r.grad_target = (-coef_p * omp + extra_y) * r.scale;
+  r.loss = u * ce;
+  return r;
+}
+
+template <typename A>
+__device__ __forceinline__ A grad_element(const RowCoefs<A>& r, A z, A z_y, A q) {
+  const A shifted = z - r.lse;
+  const A p = exp_(shifted);
+  A g = r.coef_p * p;
+  if (r.tie && z < z_y && z == r.zb) g += r.coef_tie;
+  if (r.brier_h) {
+    const A p_q = (q == A(2)) ? p * p : (q == A(1) ? p : exp_(q * shifted));
+    g += r.coef_h * (p_q - p * r.h_sum);
+  }
+  return g * r.scale;
+}
+
+// kGroup threads per row (32: a warp per row, 8 rows per block; > 32: the whole block), kPT values per thread per
+// tile; kResident: the row is one tile, kept in registers between the statistics and the gradient (single read);
+// otherwise the row is streamed tile by tile, and kCache: the tiles are parked in dynamic shared memory (sized by the
+// launch to whole tiles) for the gradient pass instead of being read again.
+template <typename scalar_t, int kGroup, int kPT, bool kResident, bool kCache = false>
+__global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
+    uncertainty_weighted_ce_kernel(const Params<typename std::conditional<std::is_same<scalar_t, double>::value,
+                                                                          double, float>::type> P) {
+  using A = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+  using T = Tile<scalar_t, A, kGroup, kPT>;
+  constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
+  constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
+
+  const int t = kGroup == 32 ? (threadIdx.x & 31) : threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (kGroup == 32 ? (threadIdx.x >> 5) : 0);
+  if (row >= P.num_rows) return;  // uniform over the row's group (a whole warp, or the block)
+  const int64_t C = P.num_classes;
+  const A q = P.norm;
+  const int64_t y = P.target[row];
+  const bool ignored = y == P.ignore_index;
+  const bool bad = !ignored && (y < 0 || y >= C);
+  scalar_t* grad_row =
+      P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
+
+  if (ignored || bad) {  // no read of the logits at all; `y` is never used as an index
+    const A fill = bad ? std::numeric_limits<A>::quiet_NaN() : A(0);
+    if (t == 0) P.row_loss[row] = fill;
+    if (grad_row != nullptr) {
+      for (int64_t c = t; c < C; c += kGroup) grad_row[c] = static_cast<scalar_t>(fill);
+    }
+    return;
+  }
+
+  const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
+  const bool in_aligned = aligned16(z_row);
+  const bool out_aligned = grad_row != nullptr && aligned16(grad_row);
+  const bool brier = P.weight == static_cast<int>(Weight::Brier);
+  const bool dual = P.weight == static_cast<int>(Weight::DualFocal);
+  const A z_y = static_cast<A>(z_row[y]);
+
+  Stats<A> s = empty_stats<A>();
+  A z[kPT];
+  extern __shared__ __align__(16) unsigned char dynamic_smem[];
+  scalar_t* cache = reinterpret_cast<scalar_t*>(dynamic_smem);  // kCache only: ceil(C / kTileCols) whole tiles
+  if constexpr (kResident) {
+    T::load(z_row, in_aligned, 0, t, C, z);
+    accumulate(z, [&](int e) { return T::column(0, t, e); }, C, y, z_y, q, brier, dual, s);
+  } else {
+    for (int64_t base = 0; base < C; base += kTileCols) {
+      T::load(z_row, in_aligned, base, t, C, z);
+      if constexpr (kCache) T::park(cache + base, t, z);
+      accumulate(z, [&](int e) { return T::column(base, t, e); }, C, y, z_y, q, brier, dual, s);
+    }
+  }
+  // Also orders every thread's reads of the row (z_y included) before any gradient write, which matters when the
+  // gradient overwrites the logits (inplace op): the warp path synchronises explicitly, the block path inside.
+  if constexpr (kGroup == 32) __syncwarp();
+  s = group_allreduce<kGroup>(s, q, brier, dual);
+  const RowCoefs<A> r = row_coefficients(P, row, s, z_y);
+  if (t == 0) P.row_loss[row] = r.loss;
+  if (grad_row == nullptr) return;
+
+  auto gradient_tile = [&](int64_t base) {
+#pragma unroll
+    for (int e = 0; e < kPT; ++e) {
+      const int64_t col = T::column(base, t, e);
+      z[e] = (col == y) ? r.grad_target : grad_element(r, z[e], z_y, q);
+    }
+    T::store(grad_row, out_aligned, base, t, C, z);
+  };
+  if constexpr (kResident) {
+    gradient_tile(0);
+  } else {
+    for (int64_t base = 0; base < C; base += kTileCols) {
+      if constexpr (kCache) {
+        T::unpark(cache + base, t, z);
+      } else {
+        T::load(z_row, in_aligned, base, t, C, z);
+      }
+      gradient_tile(base);
+    }
+  }
+}
+
+template <typename scalar_t, int kGroup, int kPT, bool kResident, bool kCache = false, typename A>
+void launch_config(const Params<A>& P, size_t dynamic_smem_bytes = 0) {
+  constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
+  constexpr int kThreads = kGroup * kRowsPerBlock;
+  const int64_t blocks = (P.num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
+  auto* kernel = &uncertainty_weighted_ce_kernel<scalar_t, kGroup, kPT, kResident, kCache>;
+  if (dynamic_smem_bytes > 48 * 1024) {  // beyond the default limit a kernel must opt in (a host-side attribute)
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(dynamic_smem_bytes)));
+  }
+  kernel<<<static_cast<unsigned>(blocks), kThreads, dynamic_smem_bytes, c10::cuda::getCurrentCUDAStream()>>>(P);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The largest dynamic shared memory a block of the current device may opt in to, less a margin for the kernel's
+// static shared memory (the reduction's partials). Cached per device; a device attribute query, no synchronisation.
+size_t shared_memory_budget() {
+  static std::atomic<int> cached[64] = {};  // 0: not queried yet, -1: unknown
+  const int device = c10::cuda::current_device();
+  if (device < 0 || device >= 64) return 0;
+  int bytes = cached[device].load();
+  if (bytes == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+    if (bytes <= 0) bytes = -1;
+    cached[device].store(bytes);
+  }
+  constexpr int kStaticMargin = 2048;
+  return bytes > kStaticMargin ? static_cast<size_t>(bytes - kStaticMargin) : 0;
+}
+
+// Largest C of each path (float32/float16/bfloat16); float64 has only the warp and streaming paths.
+constexpr int64_t kWarpSmallMaxC = 32 * 8;
+constexpr int64_t kWarpMaxC = 32 * 32;
+constexpr int64_t kBlock256MaxC = 256 * 16;
+constexpr int64_t kBlock1024MaxC = 1024 * 16;
+
+template <typename scalar_t, typename A>
+void launch(const Params<A>& P) {
+  const int64_t C = P.num_classes;
+  if (C <= kWarpSmallMaxC) {
+    launch_config<scalar_t, 32, 8, true>(P);
+  } else if (C <= kWarpMaxC) {
+    launch_config<scalar_t, 32, 32, true>(P);
+  } else if constexpr (std::is_same<scalar_t, double>::value) {
+    launch_config<scalar_t, 512, 8, false>(P);  // 1024 threads would cap double at 64 registers and spill
+  } else if (C <= kBlock256MaxC) {
+    launch_config<scalar_t, 256, 16, true>(P);
+  } else if (C <= kBlock1024MaxC) {
+    launch_config<scalar_t, 1024, 16, true>(P);
+  } else {
+    constexpr int64_t kTileCols = 1024 * 16;
+    const size_t cache_bytes = static_cast<size_t>((C + kTileCols - 1) / kTileCols) * kTileCols * sizeof(scalar_t);
+    if (cache_bytes <= shared_memory_budget()) {
+      launch_config<scalar_t, 1024, 16, false, true>(P, cache_bytes);
+    } else {
+      launch_config<scalar_t, 1024, 16, false>(P);
+    }
+  }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// Host side
+// ----------------------------------------------------------------------------------------------------------------
+struct Args {
+  int64_t weight, mode, reduction, ignore_index;
+  double gamma, norm;
+};
+
+Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
+                const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma,
+                double norm, int64_t ignore_index, int64_t reduction) {
+  const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
+  TORCH_CHECK(logits.is_cuda() && target.device() == logits.device(), op,
+              "expected logits and target on the same CUDA device, got ", logits.device(), " and ", target.device());
+  TORCH_CHECK(logits.dim() == 2, op, "logits must be 2-D (N, C), got ", logits.dim(), " dims");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              "logits must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(logits.size(1) >= 1, op, "logits have zero classes");
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
+              logits.size(0), ",), got ", target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64, got ", target.scalar_type());
+  TORCH_CHECK(weight >= 0 && weight <= 5, op, "unknown weight code ", weight);
+  TORCH_CHECK(mode == 0 || mode == 1, op, "unknown mode code ", mode);
+  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, "unknown reduction code ", reduction);
+  TORCH_CHECK(gamma >= 0, op, "gamma must be >= 0, got ", gamma);
+  TORCH_CHECK(norm > 0, op, "norm must be > 0, got ", norm);
+  for (const auto* opt : {&sample_weight, &gamma_per_sample}) {
+    if (opt->has_value()) {
+      const at::Tensor& t = opt->value();
+      TORCH_CHECK(t.device() == logits.device() && t.is_floating_point() && t.dim() == 1 &&
+                      t.size(0) == logits.size(0),
+                  op, "per-sample tensors must be floating point tensors of shape (", logits.size(0), ",) on ",
+                  logits.device(), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    }
+  }
+  const auto w = static_cast<Weight>(weight);
+  TORCH_CHECK(sample_weight.has_value() == (w == Weight::External), op,
+              "sample_weight is required by, and only allowed with, the external weight");
+  TORCH_CHECK(!gamma_per_sample.has_value() || w == Weight::Focal, op,
+              "a per-sample gamma is only supported with the focal weight");
+  return {weight, mode, reduction, ignore_index, gamma, norm};
+}
+
+// Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
+// `grad_stride`, may alias z) when non-null. Returns the loss: float32 (float64 for float64 logits), 0-dim for
+// mean/sum, (N,) for none; the reductions are device ops (no host synchronisation).
+at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
+               const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
+               const Args& args) {
+  const int64_t n = z.size(0);
+  const auto acc_dtype = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor row_loss = at::empty({n}, z.options().dtype(acc_dtype));
+  const at::Tensor t = target.contiguous();
+  // The mean's divisor, counted on the device and read by the kernel (scale of the gradient) and by the division below.
+  at::Tensor valid_count;
+  if (args.reduction == static_cast<int64_t>(Reduction::Mean)) valid_count = t.ne(args.ignore_index).sum();
+  at::Tensor weights, gammas;
+  if (sample_weight.has_value()) weights = sample_weight->detach().to(acc_dtype).contiguous();
+  if (gamma_per_sample.has_value()) gammas = gamma_per_sample->detach().to(acc_dtype).contiguous();
+
+  if (n > 0) {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cuda", [&] {
+      using A = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+      Params<A> P;
+      P.logits = z.const_data_ptr();
+      P.logits_row_stride = z.stride(0);
+      P.grad = grad_ptr;
+      P.grad_row_stride = grad_stride;
+      P.target = t.const_data_ptr<int64_t>();
+      P.sample_weight = weights.defined() ? weights.const_data_ptr<A>() : nullptr;
+      P.gamma_per_sample = gammas.defined() ? gammas.const_data_ptr<A>() : nullptr;
+      P.valid_count = valid_count.defined() ? valid_count.const_data_ptr<int64_t>() : nullptr;
+      P.row_loss = row_loss.mutable_data_ptr<A>();
+      P.num_rows = n;
+      P.num_classes = z.size(1);
+      P.ignore_index = args.ignore_index;
+      P.gamma = static_cast<A>(args.gamma);
+      P.norm = static_cast<A>(args.norm);
+      P.weight = static_cast<int>(args.weight);
+      P.mode = static_cast<int>(args.mode);
+      P.reduction = static_cast<int>(args.reduction);
+      launch<scalar_t>(P);
+    });
+  }
+  if (args.reduction == static_cast<int64_t>(Reduction::None)) return row_loss;
+  at::Tensor total = row_loss.sum();
+  if (args.reduction == static_cast<int64_t>(Reduction::Sum)) return total;
+  return total.div(valid_count.clamp_min(1));  // all rows ignored: 0 / 1 = 0, never NaN
+}
+
+std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
+    const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
+    const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
+    int64_t ignore_index, int64_t reduction, bool compute_grad) {
+  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  // Rows may be strided; columns must be contiguous for the vector loads.
+  const at::Tensor z = (logits.stride(1) == 1 || logits.size(1) == 1) ? logits : logits.contiguous();
+  at::Tensor grad = compute_grad ? at::empty({z.size(0), z.size(1)}, z.options()) : at::empty({0}, z.options());
+  const at::Tensor loss = run(z, compute_grad ? grad.data_ptr() : nullptr, z.size(1), target, sample_weight,
+                              gamma_per_sample, args);
+  return {loss, grad};
+}
+
+at::Tensor uncertainty_weighted_ce_inplace_cuda(at::Tensor& logits, const at::Tensor& target,
+                                                const std::optional<at::Tensor>& sample_weight,
+                                                const std::optional<at::Tensor>& gamma_per_sample, int64_t weight,
+                                                int64_t mode, double gamma, double norm, int64_t ignore_index,
+                                                int64_t reduction) {
+  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction);
+  const c10::cuda::CUDAGuard guard(logits.device());
+  const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
+  // Column-strided logits: compute in a contiguous copy, then write the gradient back (correct, not zero-copy).
+  at::Tensor z = direct ? logits : logits.contiguous();
+  // Each thread overwrites only the elements it read itself, after the row's reduction (see the kernel).
+  const at::Tensor loss = run(z, z.data_ptr(), z.stride(0), target, sample_weight, gamma_per_sample, args);
+  if (!direct) logits.copy_(z);
+  return loss;
+}
+
+}  // namespace
+}  // namespace calibkernels
+
+TORCH_LIBRARY_IMPL(calibkernels, CUDA, m) {
+  m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cuda);
+  m.impl("uncertainty_weighted_ce_inplace_", &calibkernels::uncertainty_weighted_ce_inplace_cuda);
+}

@@ -1,0 +1,381 @@
+"""The CUDA C++ kernel (``csrc/cuda/uncertainty_weighted_ce.cu``, backend ``"cuda"``).
+
+* Everywhere: a build made with a CUDA toolkit (``calibkernels._C.WITH_CUDA``) registers the CUDA kernel of both ops,
+  and a build without one registers none (so a silently skipped ``.cu`` cannot pass for a CUDA build). Set
+  ``CALIBKERNELS_EXPECT_CUDA=1`` (CI with nvcc) to also require that the build compiled the CUDA kernels.
+* On a GPU machine (skipped otherwise): values and gradients against the float64 reference on every kernel shape —
+  warp per row (C ≤ 1024), block per row with the row in registers (C ≤ 16384), the streaming online path
+  (C > 16384; the row parked in shared memory when it fits, read twice otherwise) — each with 16-byte vector and
+  scalar (misaligned) accesses; strided and misaligned rows with sentinels around them
+  (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
+  dual-focal ties; the in-place op; no host synchronisation (CUDA-graph capture, sync debug mode); opcheck and
+  torch.compile(fullgraph=True).
+
+The shared backend-vs-reference suite (``test_uncertainty_weighted_ce.py``) runs the same checks as every other backend
+on ``("cuda", "cuda")`` too.
+"""
+
+import os
+
+import pytest
+import torch
+
+import calibkernels as ck
+from calibkernels import _validation as V
+from calibkernels import reference as R
+
+_C = pytest.importorskip("calibkernels._C", reason="the compiled extension is not built")
+
+OPS = ("calibkernels::uncertainty_weighted_ce", "calibkernels::uncertainty_weighted_ce_inplace_")
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+MODES = ["loss", "grad"]
+REDUCTIONS = ["none", "mean", "sum"]
+
+# Class counts that select each kernel shape (thresholds in the .cu file) with aligned (vector) and misaligned
+# (scalar) rows: for float32, C * 4 bytes is a multiple of 16 exactly when C is a multiple of 4. The streaming path
+# parks the row in shared memory when ceil(C / 16384) * 16384 * 4 bytes fit the device's opt-in limit (227 KiB on
+# H100/H200, 163 KiB on A100), and reads HBM twice otherwise (70001 float32 columns fit no current GPU).
+SHAPE_PATHS = {
+    "warp-scalar": 10,
+    "warp-small-max": 256,
+    "warp-large-smallest": 257,
+    "warp-vector": 1000,
+    "warp-scalar-tail": 1023,
+    "warp-max": 1024,
+    "block-smallest": 1025,
+    "block-vector": 5000,
+    "block-scalar": 4099,
+    "block-max": 16384,
+    "stream-smallest": 16385,
+    "stream-vector": 40000,
+    "stream-scalar": 40001,
+    "stream-two-reads": 70001,
+}
+
+
+def _has_cuda_kernel():
+    return all(torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") for op in OPS)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Runs everywhere (no GPU needed)
+# ----------------------------------------------------------------------------------------------------------------
+def test_cuda_kernel_registered_exactly_when_built_with_cuda():
+    with_cuda = getattr(_C, "WITH_CUDA", None)
+    assert with_cuda in (0, 1), "calibkernels._C must say whether it was built with the CUDA kernels (WITH_CUDA)"
+    for op in OPS:
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(op, "CUDA") == bool(with_cuda), (
+            f"{op}: CUDA kernel registered={not with_cuda} but calibkernels._C.WITH_CUDA={with_cuda}"
+        )
+    if os.environ.get("CALIBKERNELS_EXPECT_CUDA") == "1":
+        assert with_cuda == 1, "CALIBKERNELS_EXPECT_CUDA=1 but the extension was built without the CUDA kernels"
+
+
+def test_target_check_of_the_cuda_wrapper(monkeypatch):
+    """The check the "cuda" backend runs after the kernel (which only NaN-poisons bad rows) names the bad value, lets
+    ignore_index through, and is off with CALIBKERNELS_VALIDATE=0 (the module's VALIDATE_TARGETS)."""
+    wrapper = pytest.importorskip("calibkernels.cpp.uncertainty_weighted_ce")
+    if not torch.cuda.is_available():
+        # the check only ever sees CUDA tensors; without a GPU, asking whether a capture is running would raise
+        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    logits = torch.randn(4, 6)
+    for bad in (6, -1, 1000):
+        inputs = V.check_loss_inputs(logits, torch.tensor([0, -100, bad, 5]), check_values=False)
+        with pytest.raises(ValueError, match=f"target value {bad} is out of range for 6 classes"):
+            wrapper._raise_on_out_of_range_cuda_targets(inputs)
+        monkeypatch.setattr(wrapper, "VALIDATE_TARGETS", False)
+        wrapper._raise_on_out_of_range_cuda_targets(inputs)
+        monkeypatch.setattr(wrapper, "VALIDATE_TARGETS", True)
+    wrapper._raise_on_out_of_range_cuda_targets(V.check_loss_inputs(logits, torch.tensor([0, -100, 3, 5])))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# GPU tests
+# ----------------------------------------------------------------------------------------------------------------
+needs_gpu = pytest.mark.skipif(
+    not torch.cuda.is_available() or not _has_cuda_kernel(),
+    reason="needs a CUDA device and an extension built with the CUDA kernels",
+)
+
+
+def _op(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
+        gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True):
+    return torch.ops.calibkernels.uncertainty_weighted_ce(
+        logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], float(gamma),
+        float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad)
+
+
+def _reference(logits, target, *, dtype, sample_weight=None, gamma=4.0, **kw):
+    """Loss and gradient (for grad_output = 1) of the reference at ``dtype``."""
+    x = logits.detach().to(dtype).clone().requires_grad_()
+    if isinstance(gamma, torch.Tensor):
+        gamma = gamma.to(torch.float64 if dtype == torch.float64 else gamma.dtype)
+    sw = None if sample_weight is None else sample_weight.to(dtype)
+    loss = R.uncertainty_weighted_ce(x, target, sample_weight=sw, gamma=gamma, **kw)
+    loss.backward(torch.ones_like(loss))
+    return loss.detach(), x.grad
+
+
+def _assert_close(got, exact, at_precision, dtype, what, ulps=64):
+    """|got - exact| ≤ 4·(the reference's own error at this precision) + ulps·eps·max|exact| (flash-attention's rule)."""
+    got, exact, at_precision = got.double().cpu(), exact.double().cpu(), at_precision.double().cpu()
+    assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite entries differ"
+    if not finite.any():
+        return
+    got, exact, at_precision = got[finite], exact[finite], at_precision[finite]
+    own_error = (at_precision - exact).abs().max().item()
+    bound = 4 * own_error + ulps * torch.finfo(dtype).eps * exact.abs().max().item() + 1e-30
+    err = (got - exact).abs().max().item()
+    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e} (reference's own error {own_error:.3e})"
+
+
+def check_op(logits, target, **kw):
+    """The op's loss and gradient against the float64 reference (tolerance from the reference at the input dtype)."""
+    dtype = logits.dtype
+    loss, grad = _op(logits, target, **kw)
+    expected_loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    assert loss.dtype == expected_loss_dtype and grad.dtype == dtype and grad.is_contiguous()
+    assert grad.shape == logits.shape
+    ref_kw = {k: v for k, v in kw.items() if k not in ("gamma_per_sample", "compute_grad")}
+    if kw.get("gamma_per_sample") is not None:
+        ref_kw["gamma"] = kw["gamma_per_sample"]
+    exact_loss, exact_grad = _reference(logits, target, dtype=torch.float64, **ref_kw)
+    low_loss, low_grad = _reference(logits, target, dtype=dtype, **ref_kw)
+    _assert_close(loss, exact_loss, low_loss, dtype, "loss")
+    _assert_close(grad, exact_grad, low_grad, dtype, "gradient")
+    return loss, grad
+
+
+def _logits(n, c, dtype=torch.float32, scale=3.0):
+    return (torch.randn(n, c, device="cuda") * scale).to(dtype)
+
+
+def _targets(n, c, ignore=True):
+    y = torch.randint(0, c, (n,), device="cuda")
+    if ignore and n >= 4:
+        y[torch.randperm(n, device="cuda")[: n // 4]] = -100
+    return y
+
+
+def _weight_kwargs(weight, n):
+    kw = {"weight": weight, "gamma": 4.0 if weight == "brier" else 3.0}
+    if weight == "external":
+        kw["sample_weight"] = torch.rand(n, device="cuda") + 0.1
+    return kw
+
+
+@needs_gpu
+@pytest.mark.parametrize("path", list(SHAPE_PATHS))
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_every_kernel_shape_against_reference(path, weight, mode):
+    c = SHAPE_PATHS[path]
+    n = 37 if c <= 1024 else 6
+    for reduction in REDUCTIONS:
+        check_op(_logits(n, c), _targets(n, c), mode=mode, reduction=reduction, **_weight_kwargs(weight, n))
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
+                         ids=["fp32", "fp16", "bf16", "fp64"])
+@pytest.mark.parametrize("c", [7, 1000, 3001, 20000])
+@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier"])
+def test_dtypes(dtype, c, weight):
+    n = 16 if c <= 1024 else 4
+    for mode in MODES:
+        check_op(_logits(n, c, dtype), _targets(n, c), mode=mode, **_weight_kwargs(weight, n))
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [33, 1000, 4096, 30000])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("column_offset", [0, 1, 3, 8])
+def test_strided_and_misaligned_rows_read_and_write_in_bounds(c, dtype, column_offset):
+    """Rows inside a wider buffer with sentinels on both sides: a read past a row's ends would change the result, a
+    write past them (in-place op) would change a sentinel."""
+    n, pad = 5, 24
+    sentinel = 7.0
+    buffer = torch.full((n, c + pad), sentinel, device="cuda", dtype=dtype)
+    logits = buffer[:, column_offset:column_offset + c]
+    logits.copy_(_logits(n, c, dtype))
+    y = _targets(n, c, ignore=False)
+    for weight in ("brier", "dual_focal"):
+        check_op(logits, y, weight=weight, mode="loss", gamma=3.0)
+    # The in-place op writes the gradient through the row stride, and nowhere else.
+    exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, weight="brier", mode="grad")
+    low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
+    outside = torch.ones_like(buffer, dtype=torch.bool)
+    outside[:, column_offset:column_offset + c] = False
+    loss = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
+        logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"])
+    assert torch.all(buffer[outside] == sentinel), "the in-place op wrote outside the logits"
+    _assert_close(loss, exact_loss, low_loss, dtype, "in-place loss")
+    _assert_close(logits, exact_grad, low_grad, dtype, "in-place gradient")
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [5, 1000, 5000, 20001])
+def test_non_unit_class_stride_is_copied_not_misread(c):
+    base = _logits(c, 4)  # (c, 4): its transpose has class stride 4
+    logits = base.t()
+    y = _targets(4, c, ignore=False)
+    check_op(logits, y, weight="focal", mode="loss", gamma=2.0)
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [9, 1000, 5000, 20000])
+def test_out_of_range_targets_poison_only_their_row(c):
+    n = 6
+    z = _logits(n, c)
+    y = _targets(n, c, ignore=False)
+    bad_rows = [1, 4]
+    y[1], y[4] = c, -7  # just past the end, and negative but not ignore_index
+    buffer = torch.full((n, c + 16), 3.0, device="cuda")
+    logits = buffer[:, 8:8 + c]
+    logits.copy_(z)
+    loss, grad = _op(logits, y, reduction="none")
+    good = torch.ones(n, dtype=torch.bool)
+    good[bad_rows] = False
+    assert torch.isnan(loss[bad_rows]).all() and torch.isnan(grad[bad_rows]).all()
+    safe_y = torch.where(good.cuda(), y, 0)
+    exact_loss, exact_grad = _reference(logits, safe_y, dtype=torch.float64, weight="brier", mode="grad",
+                                        reduction="none")
+    low_loss, low_grad = _reference(logits, safe_y, dtype=torch.float32, weight="brier", mode="grad",
+                                    reduction="none")
+    _assert_close(loss[good], exact_loss[good], low_loss[good], torch.float32, "loss of the good rows")
+    _assert_close(grad[good], exact_grad[good], low_grad[good], torch.float32, "gradient of the good rows")
+    mean_loss, _ = _op(logits, y, reduction="mean")
+    assert torch.isnan(mean_loss), "a reduced loss over a bad target must not look finite"
+    # The in-place op poisons the bad rows too, and writes nowhere outside the logits.
+    torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
+        logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["sum"])
+    assert torch.all(buffer[:, :8] == 3.0) and torch.all(buffer[:, 8 + c:] == 3.0)
+    assert torch.isnan(logits[bad_rows]).all()
+
+
+@needs_gpu
+def test_out_of_range_targets_raise_through_the_public_api():
+    z = _logits(4, 50)
+    for bad in (50, -1, 10**6):
+        y = torch.tensor([0, bad, 1, -100], device="cuda")
+        with pytest.raises(ValueError, match="out of range"):
+            ck.uncertainty_weighted_ce(z, y, backend="cuda")
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [6, 600, 6000, 24000])
+def test_dual_focal_ties_split_the_gradient(c):
+    """Integer logits from a few values make many tied p_j; the reference's amax splits the gradient between them."""
+    n = 12
+    z = torch.randint(-3, 4, (n, c), device="cuda").float()
+    y = _targets(n, c)
+    for reduction in REDUCTIONS:
+        check_op(z, y, weight="dual_focal", mode="loss", gamma=3.0, reduction=reduction)
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [10, 1000, 5000, 20000])
+def test_extreme_infinite_and_confident_rows(c):
+    n = 8
+    z = _logits(n, c)
+    z[0, 1:] = float("-inf")  # only the target-to-be (class 0) is finite: p_y = 1
+    z[1, : c // 2] = float("-inf")
+    z[2] *= 40  # very confident rows
+    z[3, 3 % c] = 60.0
+    y = torch.randint(0, c, (n,), device="cuda")
+    y[0], y[3] = 0, 3 % c
+    y[1] = c - 1
+    for weight in ("none", "focal", "flsd", "dual_focal", "brier"):
+        for mode in MODES:
+            check_op(z, y, weight=weight, mode=mode)
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [10, 1000, 5000, 20000])
+def test_per_sample_gamma(c):
+    n = 9
+    gamma = torch.rand(n, device="cuda") * 4
+    gamma[0] = 0.0
+    for mode in MODES:
+        check_op(_logits(n, c), _targets(n, c), weight="focal", mode=mode, gamma_per_sample=gamma)
+
+
+@needs_gpu
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_all_ignored_rows_give_zero_loss_and_gradient(reduction):
+    z = _logits(5, 300)
+    y = torch.full((5,), -100, device="cuda")
+    loss, grad = _op(z, y, reduction=reduction)
+    assert torch.all(loss == 0) and torch.all(grad == 0)
+
+
+@needs_gpu
+def test_without_gradient_no_buffer_is_written():
+    loss, grad = _op(_logits(6, 100), _targets(6, 100), compute_grad=False)
+    assert grad.shape == (0,) and loss.shape == ()
+
+
+@needs_gpu
+def test_no_host_synchronisation_and_cuda_graph_capture():
+    n, c = 64, 1000
+    z = _logits(n, c)
+    y = _targets(n, c)
+    expected_loss, expected_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for reduction in REDUCTIONS:
+            _op(z, y, weight="dual_focal", mode="loss", reduction=reduction)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        _op(z, y, weight="brier", mode="loss", reduction="mean")  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss, grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
+    z.copy_(_logits(n, c))
+    graph.replay()
+    torch.cuda.synchronize()
+    fresh_loss, fresh_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
+    assert torch.equal(loss, fresh_loss) and torch.equal(grad, fresh_grad)
+    assert not torch.equal(grad, expected_grad)  # the replay really recomputed from the new logits
+
+
+@needs_gpu
+def test_opcheck_both_ops():
+    n, c = 8, 300
+    samples = [
+        (_logits(n, c), _targets(n, c), None, None, 4, 1, 4.0, 2.0, -100, 1, True),
+        (_logits(n, c, torch.bfloat16), _targets(n, c), None, None, 3, 0, 5.0, 2.0, -100, 0, True),
+        (_logits(n, c), _targets(n, c), None, torch.rand(n, device="cuda") * 3, 1, 0, 0.0, 2.0, -100, 2, True),
+        (_logits(n, c), _targets(n, c), torch.rand(n, device="cuda"), None, 5, 1, 0.0, 2.0, -100, 1, False),
+        (_logits(n, 20000), _targets(n, 20000), None, None, 2, 0, 3.0, 2.0, -100, 1, True),
+    ]
+    for args in samples:
+        torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce.default, args)
+        torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_inplace_.default, args[:-1],
+                              test_utils=("test_schema", "test_faketensor"))
+
+
+@needs_gpu
+def test_compiles_with_fullgraph_and_matches_eager():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1000)).cuda()
+    x = torch.randn(128, 32, device="cuda")
+    y = _targets(128, 1000)
+
+    def step(inputs):
+        return ck.uncertainty_weighted_ce(model(inputs), y, weight="brier", mode="grad", backend="cuda")
+
+    compiled = torch.compile(step, fullgraph=True)
+    eager_loss = step(x)
+    eager_grads = torch.autograd.grad(eager_loss, list(model.parameters()))
+    compiled_loss = compiled(x)
+    compiled_grads = torch.autograd.grad(compiled_loss, list(model.parameters()))
+    torch.testing.assert_close(compiled_loss, eager_loss)
+    for got, want in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(got, want)
