@@ -5,14 +5,14 @@
 // calibkernels/_validation.py (WEIGHT_CODES, MODE_CODES, REDUCTION_CODES) and must stay in sync with it.
 //
 //   calibkernels::uncertainty_weighted_ce(
-//       Tensor logits (N, C) float32/float16/bfloat16, stride(1) == 1, any row stride,
+//       Tensor logits (N, C) float32/float16/bfloat16 (float64 for gradcheck), any row stride,
 //       Tensor target (N,) int64, values in [0, C) or ignore_index,
 //       Tensor? sample_weight (N,) float (weight == External; used detached),
 //       Tensor? gamma_per_sample (N,) float (weight == Focal only; overrides gamma; never differentiated),
 //       int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad)
 //     -> (Tensor loss, Tensor grad)
 //
-//   loss: float32; 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none), (N,) for none.
+//   loss: float32 (float64 for float64 logits); 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none), (N,) for none.
 //   grad: the gradient of `loss` w.r.t. logits for grad_output = 1 (so already divided by the number of
 //         non-ignored rows for mean), in the logits' dtype, contiguous (N, C); ignored rows are 0.
 //         Shape (0,) when compute_grad is false (inference: no N x C write).

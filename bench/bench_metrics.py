@@ -1,0 +1,114 @@
+"""Calibration metrics: ``calibkernels.metrics`` against torchmetrics' ``MulticlassCalibrationError`` (optional).
+
+    python -m bench.bench_metrics [--device cpu|cuda] [--quick] [--out bench/results/metrics-NAME]
+
+Times ECE (15 equal-width bins, L1), MCE (max), AdaECE (15 equal-count bins) and classwise ECE of logits ``(N, C)``,
+and prints each value next to torchmetrics' where torchmetrics has the metric (ECE: ``norm="l1"``, MCE:
+``norm="max"``; it has no AdaECE or classwise ECE). torchmetrics is *not* a dependency of calibkernels: install it
+only to run this comparison (``pip install torchmetrics``); without it, only calibkernels' metrics are timed.
+Both libraries receive the same logits and apply the softmax themselves. Timing: bench/harness.py ``time_fn``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import calibkernels as ck
+from bench import harness
+
+# (N, C): CIFAR-100 test set, ImageNet validation subset (the full 50000 × 1000 set on a GPU)
+SHAPES = {"cpu": [(10000, 100), (10000, 1000)], "cuda": [(10000, 100), (50000, 1000)]}
+QUICK_SHAPES = {"cpu": [(10000, 100)], "cuda": [(10000, 100)]}
+N_BINS = 15
+
+
+def _torchmetrics_fn(norm: str):
+    from torchmetrics.functional.classification import multiclass_calibration_error
+
+    def fn(logits, labels):
+        return float(multiclass_calibration_error(logits, labels, num_classes=logits.shape[1], n_bins=N_BINS,
+                                                  norm=norm))
+
+    return fn
+
+
+# metric -> {provider: fn(logits, labels) -> float}
+METRICS = {
+    "ece": {"calibkernels": lambda z, y: ck.metrics.ece(z, y, N_BINS, inputs_are="logits"),
+            "torchmetrics": lambda: _torchmetrics_fn("l1")},
+    "mce": {"calibkernels": lambda z, y: ck.metrics.mce(z, y, N_BINS, inputs_are="logits"),
+            "torchmetrics": lambda: _torchmetrics_fn("max")},
+    "adaptive_ece": {"calibkernels": lambda z, y: ck.metrics.adaptive_ece(z, y, N_BINS, inputs_are="logits")},
+    "classwise_ece": {"calibkernels": lambda z, y: ck.metrics.classwise_ece(z, y, N_BINS, inputs_are="logits")},
+}
+
+
+def _inputs(n: int, c: int, device: str, seed: int = 0):
+    # over-confident logits (scale 4), labels agreeing with the argmax 60% of the time: a realistic calibration gap
+    generator = torch.Generator().manual_seed(seed)
+    logits = 4.0 * torch.randn(n, c, generator=generator)
+    labels = torch.where(torch.rand(n, generator=generator) < 0.6, logits.argmax(1),
+                         torch.randint(0, c, (n,), generator=generator))
+    return logits.to(device), labels.to(device)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_metrics", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    have_torchmetrics = importlib.util.find_spec("torchmetrics") is not None
+    if not have_torchmetrics:
+        print("[bench] torchmetrics is not installed: timing calibkernels' metrics only", file=sys.stderr)
+    meta = harness.machine_info(args.device)
+    if have_torchmetrics:
+        import torchmetrics
+
+        meta["torchmetrics"] = torchmetrics.__version__
+    rows, records = [], []
+    for n, c in (QUICK_SHAPES if args.quick else SHAPES)[args.device]:
+        logits, labels = _inputs(n, c, args.device)
+        for metric, providers in METRICS.items():
+            values = {}
+            for provider, make in providers.items():
+                if provider == "torchmetrics":
+                    if not have_torchmetrics:
+                        continue
+                    fn = make()
+                else:
+                    fn = make
+                values[provider] = fn(logits, labels)
+                timing = harness.time_fn(lambda: fn(logits, labels), args.device, warmup=1,
+                                         reps=5 if args.quick else 10, max_time_s=3.0)
+                records.append(dict(n=n, c=c, metric=metric, provider=provider, value=values[provider],
+                                    median_ms=timing.median_ms, min_ms=timing.min_ms, reps=timing.reps))
+                print(f"[bench] {n}x{c} {metric} {provider}: {timing.median_ms:.2f} ms", file=sys.stderr)
+            diff = abs(values["calibkernels"] - values["torchmetrics"]) if "torchmetrics" in values else None
+            for r in records[-len(values):]:
+                rows.append([f"{n} × {c}", metric, r["provider"], f"{100 * r['value']:.4f}",
+                             "–" if diff is None else f"{100 * diff:.1e}", f"{r['median_ms']:.2f}"])
+    table = (f"Machine: {meta.get('gpu') or meta['cpu']} ({meta['torch_threads']} torch threads); torch "
+             f"{meta['torch']}; torchmetrics {meta.get('torchmetrics', 'not installed')}; {meta['date']}\n\n"
+             + harness.rows_to_markdown(["N × C", "metric", "provider", "value (%)",
+                                         "abs. difference to torchmetrics (pp)", "time (ms)"], rows))
+    out = args.out or Path(__file__).resolve().parent / "results" / (
+        f"metrics-{args.device}-{_dt.date.today().isoformat()}{'-quick' if args.quick else ''}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": records}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(table)
+    print(table)
+    return records
+
+
+if __name__ == "__main__":
+    main()

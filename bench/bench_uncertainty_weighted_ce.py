@@ -1,0 +1,97 @@
+"""Benchmark of the fused uncertainty-weighted cross-entropy (issues 3, 4, 5): forward + backward, side by side.
+
+Two ways to run (see bench/README.md):
+
+    python -m bench.bench_uncertainty_weighted_ce [--device cpu|cuda] [--quick] [--out bench/results/NAME]
+    pytest bench/ --benchmark-only            # pytest-benchmark, one group per case (never with -n / xdist)
+
+This file only declares what is measured; how it is measured is in bench/harness.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import harness  # run from the repository root (python -m bench...., pytest bench/)
+from bench.harness import Case, Suite
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU (issue 3)
+# ---------------------------------------------------------------------------------------------------------------
+CPU_SHAPES = [(4096, 1000), (1024, 32000), (256, 128256)]  # ImageNet classes; LLaMA-2 / LLaMA-3 vocabularies
+CPU_DTYPES = ["fp32", "bf16"]
+HEADLINE_CPU = Case(4096, 1000, "fp32", "brier", "grad", "cpu")  # BSCE-GRA, the issue's target case
+
+CPU_FUSED = ["calibkernels_cpu", "calibkernels_cpu_inplace", "reference", "reference_compiled"]
+CPU_CE = ["calibkernels_cpu", "calibkernels_cpu_inplace", "torch_cross_entropy", "reference", "reference_compiled"]
+
+
+def _cpu_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
+    return tuple(Case(n, c, dtype, weight, mode, "cpu") for n, c in CPU_SHAPES for dtype in CPU_DTYPES)
+
+
+CPU_SUITES = [
+    Suite("cpu-bsce-gra", _cpu_cases("brier"), tuple(CPU_FUSED)),
+    # weight "none" is plain cross-entropy: the kernel against F.cross_entropy
+    Suite("cpu-ce", _cpu_cases("none"), tuple(CPU_CE)),
+]
+CPU_QUICK_SUITES = [
+    Suite("cpu-bsce-gra-quick", (HEADLINE_CPU,), tuple(CPU_FUSED)),
+    Suite("cpu-ce-quick", (Case(4096, 1000, "fp32", "none", "grad", "cpu"),), tuple(CPU_CE)),
+]
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU (issues 4, 5): N = 8192, C in {1000, 32000, 128256}, bf16 and fp32; plus the large-batch ImageNet case
+# ---------------------------------------------------------------------------------------------------------------
+GPU_N = 8192
+GPU_CLASSES = [1000, 32000, 128256]
+GPU_DTYPES = ["bf16", "fp32"]
+HEADLINE_CUDA = Case(GPU_N, 32000, "bf16", "brier", "grad", "cuda")
+
+CUDA_FUSED = ["calibkernels_triton", "calibkernels_triton_inplace", "calibkernels_cuda", "calibkernels_cuda_inplace",
+              "reference", "reference_compiled"]
+CUDA_CE = CUDA_FUSED + ["torch_cross_entropy", "liger_cross_entropy"]
+CUDA_KERNELS_ONLY = ["calibkernels_triton", "calibkernels_triton_inplace", "calibkernels_cuda",
+                     "calibkernels_cuda_inplace"]
+
+
+def _cuda_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
+    return tuple(Case(GPU_N, c, dtype, weight, mode, "cuda") for c in GPU_CLASSES for dtype in GPU_DTYPES)
+
+
+CUDA_SUITES = [
+    Suite("cuda-bsce-gra", _cuda_cases("brier"), tuple(CUDA_FUSED)),
+    Suite("cuda-ce", _cuda_cases("none"), tuple(CUDA_CE)),
+    # large-batch ImageNet: CUDA vs Triton (issue 5)
+    Suite("cuda-imagenet-large-batch",
+          (Case(65536, 1000, "bf16", "brier", "grad", "cuda"), Case(65536, 1000, "bf16", "none", "grad", "cuda")),
+          tuple(CUDA_KERNELS_ONLY)),
+]
+CUDA_QUICK_SUITES = [
+    Suite("cuda-bsce-gra-quick", (HEADLINE_CUDA,), tuple(CUDA_FUSED)),
+    Suite("cuda-ce-quick", (Case(GPU_N, 32000, "bf16", "none", "grad", "cuda"),), tuple(CUDA_CE)),
+]
+
+SUITES = {"cpu": CPU_SUITES, "cuda": CUDA_SUITES}
+QUICK_SUITES = {"cpu": CPU_QUICK_SUITES, "cuda": CUDA_QUICK_SUITES}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# pytest-benchmark: `pytest bench/ --benchmark-only` (add `-k cpu`, `-k 4096x1000`, ... to select)
+# ---------------------------------------------------------------------------------------------------------------
+def _pairs():
+    for suites in SUITES.values():
+        for suite in suites:
+            for case in suite.cases:
+                for name in suite.providers:
+                    if harness.PROVIDERS[name].applies_to(case):
+                        yield pytest.param(case, name, id=f"{case.id}-{name}")
+
+
+@pytest.mark.parametrize(("case", "provider"), list(_pairs()))
+def test_uncertainty_weighted_ce(benchmark, case, provider):
+    harness.run_pytest_benchmark(benchmark, provider, case)
+
+
+if __name__ == "__main__":
+    harness.main(SUITES, QUICK_SUITES, prog="python -m bench.bench_uncertainty_weighted_ce")
