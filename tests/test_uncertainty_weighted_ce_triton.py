@@ -410,3 +410,57 @@ def test_cuda_graph_capture_and_replay():
     exact_loss, exact_grad = _reference_loss_and_grad(new_z, y, torch.tensor(1.0, device="cuda"))
     _close(loss, exact_loss, torch.float32, "loss")
     _close(x.grad, exact_grad, torch.float32, "gradient")
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Without a GPU: compile the real kernels ahead of time for sm_80 and sm_90 (Triton's bundled ptxas), so a kernel
+# that only works under the interpreter (a type error, an unsupported op, a bad constexpr branch) fails CI here.
+# ----------------------------------------------------------------------------------------------------------------
+_AOT_SCRIPT = r'''
+import itertools, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from calibkernels.triton import uncertainty_weighted_ce as T
+
+assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, not interpreted ones"
+
+def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch):
+    signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
+                 "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
+                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64", "error_ptr": "*i64",
+                 "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
+    constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
+                      PER_SAMPLE_GAMMA=per_sample_gamma, CHECK_TARGETS=True, BLOCK=block, SINGLE_READ=single_read)
+    signature.update({name: "constexpr" for name in constexprs})
+    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
+                   target=GPUTarget("cuda", arch, 32), options={"num_warps": T._num_warps(block)})
+
+def scale(dtype, arch):
+    signature = {"grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "grad_output_ptr": "*fp32",
+                 "grad_output_stride": "i64", "num_classes": "i32", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_scale_grad_kernel, signature=signature,
+                             constexprs={"BLOCK": 4096}), target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+
+for weight, mode in itertools.product(range(6), range(2)):       # every weight x mode, both paths
+    fwd("fp32", weight, mode, 1, 1024, True, False, 90)
+    fwd("bf16", weight, mode, 0, T.MAX_BLOCK // 2, False, False, 90)
+fwd("bf16", 4, 1, 2, T.MAX_BLOCK, True, False, 90)                 # the largest single-read block (C = 32000)
+fwd("fp16", 1, 0, 1, 2048, True, True, 90)                         # per-sample gamma (the gamma-Net)
+fwd("bf16", 4, 1, 1, 1024, True, False, 80)
+fwd("fp32", 3, 0, 1, T.MAX_BLOCK // 2, False, False, 80)
+scale("bf16", 90)
+scale("fp32", 80)
+print("compiled")
+'''
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the real kernels run in the tests above")
+def test_kernels_compile_for_sm80_and_sm90_without_a_gpu():
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env,
+                            timeout=900)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
