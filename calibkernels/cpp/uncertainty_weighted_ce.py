@@ -19,6 +19,7 @@ turns that into "backend unavailable" (and ``backend="auto"`` into a one-time wa
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -189,12 +190,18 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # Backend interface (calibkernels._backends)
 # ----------------------------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _has_kernel(dispatch_key: str) -> bool:
+    # fixed once the extension is loaded; cached because backend selection runs on every call (~10 µs otherwise)
+    return torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, dispatch_key)
+
+
 def is_available(name: str, device: torch.device) -> str | None:
     """``None`` if backend ``name`` ("cpu" or "cuda") can run on ``device``, else why not."""
     if name == "cpu":
         if device.type != "cpu":
             return f"the 'cpu' backend runs CPU tensors, not {device.type}"
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, "CPU"):
+        if not _has_kernel("CPU"):
             return "calibkernels._C was built without the CPU kernel"
         return None
     if name == "cuda":
@@ -202,7 +209,7 @@ def is_available(name: str, device: torch.device) -> str | None:
             return f"the 'cuda' backend runs CUDA tensors, not {device.type}"
         if not torch.cuda.is_available():
             return "torch.cuda.is_available() is False"
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, "CUDA"):
+        if not _has_kernel("CUDA"):
             return "calibkernels._C was built without the CUDA kernel (no CUDA toolkit at build time?)"
         return None
     return f"{name!r} is not a compiled backend"
