@@ -267,19 +267,7 @@ def _tinyimagenet(recipe: Recipe, root: Path, seed: int, meta_fraction: float) -
             raise DataError(f"tinyimagenet: the class folders in {root / 'train'} do not match {wnids_file}")
     test = TinyImageNetVal(root, train_full.class_to_idx)
     train_tf, test_tf = _imagenet_style_transforms("tinyimagenet", recipe.image_size)
-    per_class = TINYIMAGENET_VAL_PER_CLASS
-    targets = np.asarray(train_full.targets)
-    if np.bincount(targets).min() <= per_class:   # tiny fixtures: hold out a fifth of each class instead
-        per_class = max(1, int(np.bincount(targets).min()) // 5)
-    train_idx, val_idx = _per_class_holdout(targets, per_class, seed)
-    train_idx, meta_idx = _split_meta(train_idx, meta_fraction, seed)
-    return Splits(
-        TransformedSubset(train_full, train_idx, train_tf),
-        TransformedSubset(train_full, val_idx, test_tf),
-        TransformedSubset(test, range(len(test)), test_tf),
-        TransformedSubset(train_full, meta_idx, test_tf) if meta_idx is not None else None,
-        num_classes=len(train_full.classes),
-    )
+    return _held_out_folder_splits(train_full, test, TINYIMAGENET_VAL_PER_CLASS, train_tf, test_tf, seed, meta_fraction)
 
 
 def _imagenet(recipe: Recipe, root: Path, seed: int, meta_fraction: float) -> Splits:
@@ -289,16 +277,22 @@ def _imagenet(recipe: Recipe, root: Path, seed: int, meta_fraction: float) -> Sp
     if test_full.classes != train_full.classes:
         raise DataError(f"imagenet: the class folders of {root / 'val'} differ from those of {root / 'train'}")
     train_tf, test_tf = _imagenet_style_transforms("imagenet", recipe.image_size)
+    return _held_out_folder_splits(train_full, test_full, IMAGENET_VAL_PER_CLASS, train_tf, test_tf, seed,
+                                   meta_fraction)
+
+
+def _held_out_folder_splits(train_full, test, per_class: int, train_tf, test_tf, seed: int,
+                            meta_fraction: float) -> Splits:
+    """Validation = ``per_class`` seeded training images of each class; test = the official split; meta from train."""
     targets = np.asarray(train_full.targets)
-    per_class = IMAGENET_VAL_PER_CLASS
-    if np.bincount(targets).min() <= per_class:
+    if np.bincount(targets).min() <= per_class:   # tiny fixtures: hold out a fifth of each class instead
         per_class = max(1, int(np.bincount(targets).min()) // 5)
     train_idx, val_idx = _per_class_holdout(targets, per_class, seed)
     train_idx, meta_idx = _split_meta(train_idx, meta_fraction, seed)
     return Splits(
         TransformedSubset(train_full, train_idx, train_tf),
         TransformedSubset(train_full, val_idx, test_tf),
-        TransformedSubset(test_full, range(len(test_full)), test_tf),
+        TransformedSubset(test, range(len(test)), test_tf),
         TransformedSubset(train_full, meta_idx, test_tf) if meta_idx is not None else None,
         num_classes=len(train_full.classes),
     )
