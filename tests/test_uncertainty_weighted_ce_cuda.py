@@ -24,6 +24,8 @@ import calibkernels as ck
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
+from _tolerance import assert_within_reference_error
+
 _C = pytest.importorskip("calibkernels._C", reason="the compiled extension is not built")
 
 OPS = ("calibkernels::uncertainty_weighted_ce", "calibkernels::uncertainty_weighted_ce_inplace_")
@@ -116,21 +118,6 @@ def _reference(logits, target, *, dtype, sample_weight=None, gamma=4.0, **kw):
     return loss.detach(), x.grad
 
 
-def _assert_close(got, exact, at_precision, dtype, what, ulps=64):
-    """|got - exact| ≤ 4·(the reference's own error at this precision) + ulps·eps·max|exact| (flash-attention's rule)."""
-    got, exact, at_precision = got.double().cpu(), exact.double().cpu(), at_precision.double().cpu()
-    assert got.shape == exact.shape, f"{what}: shape {tuple(got.shape)} != {tuple(exact.shape)}"
-    finite = torch.isfinite(exact)
-    assert torch.equal(torch.isfinite(got), finite), f"{what}: non-finite entries differ"
-    if not finite.any():
-        return
-    got, exact, at_precision = got[finite], exact[finite], at_precision[finite]
-    own_error = (at_precision - exact).abs().max().item()
-    bound = 4 * own_error + ulps * torch.finfo(dtype).eps * exact.abs().max().item() + 1e-30
-    err = (got - exact).abs().max().item()
-    assert err <= bound, f"{what}: max error {err:.3e} > bound {bound:.3e} (reference's own error {own_error:.3e})"
-
-
 def check_op(logits, target, **kw):
     """The op's loss and gradient against the float64 reference (tolerance from the reference at the input dtype)."""
     dtype = logits.dtype
@@ -143,8 +130,8 @@ def check_op(logits, target, **kw):
         ref_kw["gamma"] = kw["gamma_per_sample"]
     exact_loss, exact_grad = _reference(logits, target, dtype=torch.float64, **ref_kw)
     low_loss, low_grad = _reference(logits, target, dtype=dtype, **ref_kw)
-    _assert_close(loss, exact_loss, low_loss, dtype, "loss")
-    _assert_close(grad, exact_grad, low_grad, dtype, "gradient")
+    assert_within_reference_error(loss, exact_loss, low_loss, dtype, "loss")
+    assert_within_reference_error(grad, exact_grad, low_grad, dtype, "gradient")
     return loss, grad
 
 
@@ -211,8 +198,8 @@ def test_strided_and_misaligned_rows_read_and_write_in_bounds(c, dtype, column_o
     loss = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
         logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"])
     assert torch.all(buffer[outside] == sentinel), "the in-place op wrote outside the logits"
-    _assert_close(loss, exact_loss, low_loss, dtype, "in-place loss")
-    _assert_close(logits, exact_grad, low_grad, dtype, "in-place gradient")
+    assert_within_reference_error(loss, exact_loss, low_loss, dtype, "in-place loss")
+    assert_within_reference_error(logits, exact_grad, low_grad, dtype, "in-place gradient")
 
 
 @needs_gpu
@@ -244,8 +231,10 @@ def test_out_of_range_targets_poison_only_their_row(c):
                                         reduction="none")
     low_loss, low_grad = _reference(logits, safe_y, dtype=torch.float32, weight="brier", mode="grad",
                                     reduction="none")
-    _assert_close(loss[good], exact_loss[good], low_loss[good], torch.float32, "loss of the good rows")
-    _assert_close(grad[good], exact_grad[good], low_grad[good], torch.float32, "gradient of the good rows")
+    assert_within_reference_error(loss[good], exact_loss[good], low_loss[good], torch.float32,
+                                  "loss of the good rows")
+    assert_within_reference_error(grad[good], exact_grad[good], low_grad[good], torch.float32,
+                                  "gradient of the good rows")
     mean_loss, _ = _op(logits, y, reduction="mean")
     assert torch.isnan(mean_loss), "a reduced loss over a bad target must not look finite"
     # The in-place op poisons the bad rows too, and writes nowhere outside the logits.
