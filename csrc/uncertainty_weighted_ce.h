@@ -21,7 +21,11 @@
 //     Same loss; the gradient overwrites the logits buffer (zero extra memory).
 #pragma once
 
+#include <ATen/core/Tensor.h>
+#include <c10/util/Exception.h>
+
 #include <cstdint>
+#include <optional>
 
 namespace calibkernels {
 
@@ -35,5 +39,40 @@ constexpr double kFlsdLowThreshold = 0.2;
 constexpr double kFlsdLowGamma = 5.0;
 constexpr double kFlsdMidThreshold = 0.5;
 constexpr double kFlsdMidGamma = 3.0;
+
+// The argument checks every device's kernel makes after checking the devices of `logits` and `target` (the kernels
+// are the last line of defence: under torch.compile the Python-side checks are skipped). `op` prefixes the messages.
+inline void check_arguments(const char* op, const at::Tensor& logits, const at::Tensor& target,
+                            const std::optional<at::Tensor>& sample_weight,
+                            const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode,
+                            double gamma, double norm, int64_t reduction) {
+  TORCH_CHECK(logits.dim() == 2, op, "logits must be 2-D (N, C), got ", logits.dim(), " dims");
+  const auto dtype = logits.scalar_type();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
+              "logits must be float32, float64, float16 or bfloat16, got ", dtype);
+  TORCH_CHECK(logits.size(1) >= 1, op, "logits have zero classes");
+  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
+              logits.size(0), ",), got ", target.sizes());
+  TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64, got ", target.scalar_type());
+  TORCH_CHECK(weight >= 0 && weight <= 5, op, "unknown weight code ", weight);
+  TORCH_CHECK(mode == 0 || mode == 1, op, "unknown mode code ", mode);
+  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, "unknown reduction code ", reduction);
+  TORCH_CHECK(gamma >= 0, op, "gamma must be >= 0, got ", gamma);
+  TORCH_CHECK(norm > 0, op, "norm must be > 0, got ", norm);
+  for (const auto* opt : {&sample_weight, &gamma_per_sample}) {
+    if (opt->has_value()) {
+      const at::Tensor& t = opt->value();
+      TORCH_CHECK(t.device() == logits.device() && t.is_floating_point() && t.dim() == 1 &&
+                      t.size(0) == logits.size(0),
+                  op, "per-sample tensors must be floating point tensors of shape (", logits.size(0), ",) on ",
+                  logits.device(), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
+    }
+  }
+  const auto w = static_cast<Weight>(weight);
+  TORCH_CHECK(sample_weight.has_value() == (w == Weight::External), op,
+              "sample_weight is required by, and only allowed with, the external weight");
+  TORCH_CHECK(!gamma_per_sample.has_value() || w == Weight::Focal, op,
+              "a per-sample gamma is only supported with the focal weight");
+}
 
 }  // namespace calibkernels

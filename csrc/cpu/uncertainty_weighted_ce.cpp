@@ -415,33 +415,9 @@ Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::o
                 double norm, int64_t ignore_index, int64_t reduction) {
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   TORCH_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op, "expected CPU tensors");
-  TORCH_CHECK(logits.dim() == 2, op, "logits must be 2-D (N, C), got ", logits.dim(), " dims");
-  const auto dtype = logits.scalar_type();
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
-              "logits must be float32, float64, float16 or bfloat16, got ", dtype);
-  TORCH_CHECK(logits.size(1) >= 1, op, "logits have zero classes");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
-              logits.size(0), ",), got ", target.sizes());
-  TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64, got ", target.scalar_type());
-  TORCH_CHECK(weight >= 0 && weight <= 5, op, "unknown weight code ", weight);
-  TORCH_CHECK(mode == 0 || mode == 1, op, "unknown mode code ", mode);
-  TORCH_CHECK(reduction >= 0 && reduction <= 2, op, "unknown reduction code ", reduction);
-  TORCH_CHECK(gamma >= 0, op, "gamma must be >= 0, got ", gamma);
-  TORCH_CHECK(norm > 0, op, "norm must be > 0, got ", norm);
-  const auto w = static_cast<Weight>(weight);
-  for (const auto* opt : {&sample_weight, &gamma_per_sample}) {
-    if (opt->has_value()) {
-      const at::Tensor& t = opt->value();
-      TORCH_CHECK(t.device().is_cpu() && t.is_floating_point() && t.dim() == 1 && t.size(0) == logits.size(0), op,
-                  "per-sample tensors must be floating point CPU tensors of shape (", logits.size(0), ",), got ",
-                  t.scalar_type(), " ", t.sizes());
-    }
-  }
-  TORCH_CHECK(sample_weight.has_value() == (w == Weight::External), op,
-              "sample_weight is required by, and only allowed with, the external weight");
-  TORCH_CHECK(!gamma_per_sample.has_value() || w == Weight::Focal, op,
-              "a per-sample gamma is only supported with the focal weight");
-  return {w, static_cast<Mode>(mode), gamma, norm, ignore_index, static_cast<Reduction>(reduction)};
+  check_arguments(op, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, reduction);
+  return {static_cast<Weight>(weight), static_cast<Mode>(mode), gamma, norm, ignore_index,
+          static_cast<Reduction>(reduction)};
 }
 
 template <typename T>
