@@ -11,6 +11,7 @@ See ``SPEC.md`` §2 for the loss family and :mod:`calibkernels.reference` for th
 
 from . import calibration, losses, metrics, reference
 from ._backends import available_backends
+from ._target_checks import synchronize_target_checks
 from .functional import bsce_gra_loss, uncertainty_weighted_ce
 from .gamma_net import GammaNet
 
@@ -24,5 +25,6 @@ __all__ = [
     "losses",
     "metrics",
     "reference",
+    "synchronize_target_checks",
     "uncertainty_weighted_ce",
 ]

@@ -35,4 +35,7 @@ TORCH_LIBRARY(calibkernels, m) {
       "uncertainty_weighted_ce_inplace_(Tensor(a!) logits, Tensor target, Tensor? sample_weight, "
       "Tensor? gamma_per_sample, int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction) "
       "-> Tensor");
+  // The backward of both ops: grad *= grad_output (0-dim, or (N,) per row), in place, without reading grad_output on
+  // the host (CUDA only; on the CPU the wrapper reads it and skips the multiply when it is 1).
+  m.def("uncertainty_weighted_ce_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
 }

@@ -74,9 +74,12 @@ def test_cuda_kernel_registered_exactly_when_built_with_cuda():
 
 
 def test_target_check_of_the_cuda_wrapper(monkeypatch):
-    """The check the "cuda" backend runs after the kernel (which only NaN-poisons bad rows) names the bad value, lets
-    ignore_index through, and is off with CALIBKERNELS_VALIDATE=0 (the module's VALIDATE_TARGETS)."""
+    """The check the "cuda" backend queues after the kernel (which only NaN-poisons bad rows) names the bad value, lets
+    ignore_index through, and is off with CALIBKERNELS_VALIDATE=0 (calibkernels._target_checks.POLICY). On CPU
+    tensors the flag is read at once, which lets this run without a GPU."""
     wrapper = pytest.importorskip("calibkernels.cpp.uncertainty_weighted_ce")
+    from calibkernels import _target_checks
+
     if not torch.cuda.is_available():
         # the check only ever sees CUDA tensors; without a GPU, asking whether a capture is running would raise
         monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -84,11 +87,11 @@ def test_target_check_of_the_cuda_wrapper(monkeypatch):
     for bad in (6, -1, 1000):
         inputs = V.check_loss_inputs(logits, torch.tensor([0, -100, bad, 5]), check_values=False)
         with pytest.raises(ValueError, match=f"target value {bad} is out of range for 6 classes"):
-            wrapper._raise_on_out_of_range_cuda_targets(inputs)
-        monkeypatch.setattr(wrapper, "VALIDATE_TARGETS", False)
-        wrapper._raise_on_out_of_range_cuda_targets(inputs)
-        monkeypatch.setattr(wrapper, "VALIDATE_TARGETS", True)
-    wrapper._raise_on_out_of_range_cuda_targets(V.check_loss_inputs(logits, torch.tensor([0, -100, 3, 5])))
+            wrapper._submit_cuda_target_check(inputs)
+        monkeypatch.setattr(_target_checks, "POLICY", "off")
+        wrapper._submit_cuda_target_check(inputs)
+        monkeypatch.setattr(_target_checks, "POLICY", "async")
+    wrapper._submit_cuda_target_check(V.check_loss_inputs(logits, torch.tensor([0, -100, 3, 5])))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -251,6 +254,7 @@ def test_out_of_range_targets_raise_through_the_public_api():
         y = torch.tensor([0, bad, 1, -100], device="cuda")
         with pytest.raises(ValueError, match="out of range"):
             ck.uncertainty_weighted_ce(z, y, backend="cuda")
+            ck.synchronize_target_checks()  # the default policy raises without stalling, i.e. a little later
 
 
 @needs_gpu
@@ -368,3 +372,18 @@ def test_compiles_with_fullgraph_and_matches_eager():
     torch.testing.assert_close(compiled_loss, eager_loss)
     for got, want in zip(compiled_grads, eager_grads):
         torch.testing.assert_close(got, want)
+
+
+@needs_gpu
+def test_scale_grad_op_passes_opcheck():
+    """The backward's in-place scaling op (skipped on the device when grad_output is 1)."""
+    op = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_.default
+    for dtype in (torch.float32, torch.bfloat16):
+        grad = torch.randn(8, 300, device="cuda", dtype=dtype)
+        for grad_output in (torch.tensor(1.0, device="cuda"), torch.tensor(-3.0, device="cuda", dtype=dtype),
+                            torch.rand(8, device="cuda") + 0.5):
+            torch.library.opcheck(op, (grad.clone(), grad_output))
+            scaled = grad.clone()
+            op(scaled, grad_output)
+            factor = grad_output.float()[:, None] if grad_output.dim() == 1 else grad_output.float()
+            torch.testing.assert_close(scaled.float(), (grad.float() * factor).to(dtype).float())

@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from calibkernels import _backends
+from calibkernels import _backends, _target_checks
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
@@ -300,7 +300,7 @@ def test_out_of_range_target_raises_on_device_check(monkeypatch, device, chunked
 @pytest.mark.parametrize("device", DEVICES)
 def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch, device):
     """validate off: no error, no out-of-bounds write, the bad row is NaN and every other row is right."""
-    monkeypatch.setattr(T, "VALIDATE_TARGETS", False)
+    monkeypatch.setattr(_target_checks, "POLICY", "off")
     n, c, pad = 5, 8, 3
     buffer = torch.full((n, c + pad), 7.0, device=device)
     buffer[:, :c] = torch.randn(n, c, device=device)
@@ -425,32 +425,45 @@ from calibkernels.triton import uncertainty_weighted_ce as T
 
 assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, not interpreted ones"
 
-def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch):
+def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch, num_warps=None):
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64", "error_ptr": "*i64",
+                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
                  "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
-                      PER_SAMPLE_GAMMA=per_sample_gamma, CHECK_TARGETS=True, BLOCK=block, SINGLE_READ=single_read)
+                      PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block, SINGLE_READ=single_read,
+                      NORM_IS_TWO=weight == T.WEIGHT_BRIER)
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
-                   target=GPUTarget("cuda", arch, 32), options={"num_warps": T._num_warps(block)})
+                   target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps or T._num_warps(block)})
 
-def scale(dtype, arch):
-    signature = {"grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "grad_output_ptr": "*fp32",
-                 "grad_output_stride": "i64", "num_classes": "i32", "BLOCK": "constexpr"}
-    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_scale_grad_kernel, signature=signature,
+def small_kernels(dtype, arch):
+    scale = {"grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "grad_output_ptr": f"*{dtype}",
+             "grad_output_stride": "i64", "num_rows": "i32", "num_classes": "i32", "PER_ROW": "constexpr",
+             "BLOCK": "constexpr"}
+    for per_row in (False, True):
+        triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_scale_grad_kernel, signature=scale,
+                                 constexprs={"PER_ROW": per_row, "BLOCK": 4096}),
+                       target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
+    targets = {"target_ptr": "*i64", "num_rows": "i32", "num_classes": "i32", "ignore_index": "i64",
+               "valid_count_ptr": "*i64", "error_ptr": "*i64", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_targets_kernel, signature=targets,
                              constexprs={"BLOCK": 4096}), target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    reduce = {"row_loss_ptr": "*fp32", "num_rows": "i32", "valid_count_ptr": "*i64", "loss_ptr": f"*{dtype}",
+              "MEAN": "constexpr", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=reduce,
+                             constexprs={"MEAN": True, "BLOCK": 4096}), target=GPUTarget("cuda", arch, 32),
+                   options={"num_warps": 4})
 
 for weight, mode in itertools.product(range(6), range(2)):       # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)
-    fwd("bf16", weight, mode, 0, T.MAX_BLOCK // 2, False, False, 90)
-fwd("bf16", 4, 1, 2, T.MAX_BLOCK, True, False, 90)                 # the largest single-read block (C = 32000)
+    fwd("bf16", weight, mode, 0, 4096, False, False, 90, num_warps=4)
+fwd("fp32", 4, 1, 2, T.MAX_BLOCK, True, False, 90, num_warps=16)  # the largest single-read block (C = 32000)
 fwd("fp16", 1, 0, 1, 2048, True, True, 90)                         # per-sample gamma (the gamma-Net)
 fwd("bf16", 4, 1, 1, 1024, True, False, 80)
-fwd("fp32", 3, 0, 1, T.MAX_BLOCK // 2, False, False, 80)
-scale("bf16", 90)
-scale("fp32", 80)
+fwd("fp32", 3, 0, 1, 4096, False, False, 80, num_warps=8)
+small_kernels("bf16", 90)
+small_kernels("fp32", 80)
 print("compiled")
 '''
 
@@ -464,3 +477,62 @@ def test_kernels_compile_for_sm80_and_sm90_without_a_gpu():
     result = subprocess.run([sys.executable, "-c", _AOT_SCRIPT], capture_output=True, text=True, env=env,
                             timeout=900)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Target-check policies on a GPU (calibkernels._target_checks): async (default) never stalls and raises later,
+# sync raises at once, off never raises; the bad row is NaN under every policy.
+# ----------------------------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the policies differ only on a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_target_check_policies_on_the_gpu(monkeypatch, backend):
+    import calibkernels as ck
+
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not built")
+    z = torch.randn(6, 300, device="cuda", requires_grad=True)
+    bad_y = torch.tensor([0, 1, 300, 2, -100, 3], device="cuda")
+    good_y = torch.tensor([0, 1, 2, 2, -100, 3], device="cuda")
+    ck.synchronize_target_checks()
+
+    monkeypatch.setattr(_target_checks, "POLICY", "async")
+    loss = ck.uncertainty_weighted_ce(z, bad_y, backend=backend)  # no stall, no error yet
+    assert torch.isnan(loss).item()
+    with pytest.raises(ValueError, match="target value 300 is out of range for 300 classes"):
+        ck.synchronize_target_checks()
+    ck.uncertainty_weighted_ce(z, bad_y, backend=backend)
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="target value 300.*earlier call"):
+        ck.uncertainty_weighted_ce(z, good_y, backend=backend)  # the next call reports the finished check
+    ck.synchronize_target_checks()  # nothing left pending
+
+    monkeypatch.setattr(_target_checks, "POLICY", "sync")
+    with pytest.raises(ValueError, match="target value 300 is out of range"):
+        ck.uncertainty_weighted_ce(z, bad_y, backend=backend)
+
+    monkeypatch.setattr(_target_checks, "POLICY", "off")
+    assert torch.isnan(ck.uncertainty_weighted_ce(z, bad_y, backend=backend)).item()
+    torch.cuda.synchronize()
+    ck.synchronize_target_checks()
+    ck.uncertainty_weighted_ce(z, good_y, backend=backend).backward()
+    assert torch.isfinite(z.grad).all()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_backward_scaling_kernel(backend):
+    """The device-side backward scaling: skipped for grad_output 1, applied for any other scalar or per-row factor."""
+    import calibkernels as ck
+
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not built")
+    z = torch.randn(37, 5000, device="cuda", dtype=torch.bfloat16)
+    y = torch.randint(0, 5000, (37,), device="cuda")
+    for reduction, grad_out in [("mean", torch.tensor(1.0)), ("sum", torch.tensor(-2.5)),
+                                ("none", torch.rand(37) + 0.5)]:
+        leaf = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(leaf, y, reduction=reduction, backend=backend)
+        loss.backward(grad_out.to(device="cuda", dtype=loss.dtype))
+        exact = z.double().requires_grad_()
+        R.uncertainty_weighted_ce(exact, y, reduction=reduction).backward(grad_out.double().cuda())
+        torch.testing.assert_close(leaf.grad.double(), exact.grad, rtol=2e-2, atol=2e-2 * exact.grad.abs().max().item())

@@ -24,6 +24,7 @@ import os
 
 import torch
 
+from .. import _target_checks
 from .. import _validation as V
 
 try:
@@ -39,6 +40,7 @@ __all__ = ["uncertainty_weighted_ce_forward", "UncertaintyWeightedCEInplaceFunct
 
 _OP = torch.ops.calibkernels.uncertainty_weighted_ce
 _INPLACE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_
+_SCALE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_
 _QUALNAME = "calibkernels::uncertainty_weighted_ce"
 _INPLACE_QUALNAME = "calibkernels::uncertainty_weighted_ce_inplace_"
 
@@ -70,6 +72,11 @@ def _uncertainty_weighted_ce_inplace_fake(logits, target, sample_weight, gamma_p
                                           norm, ignore_index, reduction):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
     return _fake_loss(logits, reduction)
+
+
+@torch.library.register_fake("calibkernels::uncertainty_weighted_ce_scale_grad_")
+def _uncertainty_weighted_ce_scale_grad_fake(grad, grad_output):
+    return None
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -104,16 +111,19 @@ def _scale_saved_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torc
     """
     if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
         return None
-    if grad_output.dim() == 1:
-        grad_output = grad_output[:, None]
+    per_row = grad_output[:, None] if grad_output.dim() == 1 else grad_output
     if not _is_plain_eager() or type(grad) is not torch.Tensor or type(grad_output) is not torch.Tensor:
-        return (grad * grad_output).to(grad.dtype)
+        return (grad * per_row).to(grad.dtype)
     if grad_output.numel() == 1 and grad_output.device.type == "cpu" and grad_output.item() == 1.0:
         return grad
     if torch._C._autograd._get_current_graph_task_keep_graph():
         # retain_graph=True (gradcheck, several backwards through one graph): the saved buffer must survive
-        return (grad * grad_output).to(grad.dtype)
-    return grad.mul_(grad_output)
+        return (grad * per_row).to(grad.dtype)
+    if grad.device.type == "cuda" and grad.dtype != torch.float64:
+        # reads grad_output on the device and skips the N×C pass when it is 1 (a plain mul_ would always make it)
+        _SCALE_OP(grad, grad_output)
+        return grad
+    return grad.mul_(per_row)
 
 
 def _backward(ctx, grad_loss, _grad_of_grad_output):
@@ -216,26 +226,24 @@ def is_available(name: str, device: torch.device) -> str | None:
 
 
 # CUDA kernel's target policy (the Triton backend's): an out-of-range target is never used as an index; that row's loss
-# and gradient are NaN. In eager mode the wrapper then raises the ValueError of the other backends (one host sync),
-# unless CALIBKERNELS_VALIDATE=0, under torch.compile, or while a CUDA graph is being captured.
-VALIDATE_TARGETS = os.environ.get("CALIBKERNELS_VALIDATE", "1") != "0"
-
-
-def _raise_on_out_of_range_cuda_targets(inputs: V.LossInputs) -> None:
-    if not VALIDATE_TARGETS or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+# and gradient are NaN. The wrapper computes the (any bad, a bad value) flag on the device and hands it to
+# calibkernels._target_checks, which raises the other backends' ValueError without stalling the host (async, the
+# default), at once (CALIBKERNELS_VALIDATE=sync) or never (0); nothing is queued under torch.compile or while a
+# CUDA graph is being captured.
+def _submit_cuda_target_check(inputs: V.LossInputs) -> None:
+    if _target_checks.POLICY == "off" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
     target, num_classes = inputs.target, inputs.logits.shape[-1]
     bad = (target != inputs.ignore_index) & ((target < 0) | (target >= num_classes))
-    if bool(bad.any()):
-        raise ValueError(
-            f"target value {int(target[bad][0])} is out of range for {num_classes} classes "
-            f"(valid: 0..{num_classes - 1}, or ignore_index={inputs.ignore_index})"
-        )
+    flag = torch.stack((bad.any().to(torch.int64), torch.where(bad, target, torch.iinfo(torch.int64).min).max()))
+    _target_checks.submit(flag, num_classes, inputs.ignore_index)
 
 
 def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     """The loss of validated ``inputs`` through the compiled op, in the logits' dtype and batch shape."""
     logits = inputs.logits
+    if logits.device.type == "cuda" and not torch.compiler.is_compiling():
+        _target_checks.poll()  # raise for a bad target that an earlier call flagged
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     gamma_per_sample = inputs.gamma if isinstance(inputs.gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_per_sample is not None else float(inputs.gamma)
@@ -258,7 +266,7 @@ def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
             compute_grad=compute_grad,
         )
     if logits.device.type == "cuda":
-        _raise_on_out_of_range_cuda_targets(inputs)
+        _submit_cuda_target_check(inputs)
     if inputs.reduction == "none":
         loss = loss.reshape(inputs.batch_shape)
     return loss.to(logits.dtype)

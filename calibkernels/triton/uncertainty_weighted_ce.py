@@ -26,9 +26,10 @@ Kernel design (SPEC §7):
   accumulators of the same pass; ``z_y`` is loaded first.
 * All arithmetic in fp32 whatever the logits' dtype; offsets in int64; the row stride is an argument (sliced logits
   need no copy); the target entry of the gradient, ``-c (1 - p_y) + …``, is formed in fp32 before the single cast.
-* Single-read path when the row fits one block (``C ≤ MAX_BLOCK``: read the logits once, write the gradient once, in
-  the loss launch) and a two-read path beyond that (statistics pass, then gradient pass, over ``MAX_BLOCK // 2``
-  chunks).
+* Single-read path when the row fits one block (``C ≤ MAX_BLOCK``, ``MAX_BLOCK_16BIT`` for 16-bit logits: read the
+  logits once, write the gradient once, in the loss launch) and a two-read path beyond that (statistics pass, then
+  gradient pass, over ``TWO_READ_CHUNK`` chunks; the statistics pass asks L2 to keep the row and the gradient pass
+  walks the chunks backwards, so the second read mostly hits L2).
 * Gradient in the forward: backward only multiplies the saved gradient by ``grad_output`` with
   ``_uncertainty_weighted_ce_scale_grad_kernel``, which reads ``grad_output`` on the device and leaves the buffer
   untouched when it is exactly 1 (so ``loss.backward()`` costs one read and one write of N×C in total). The scaling is
@@ -36,16 +37,18 @@ Kernel design (SPEC §7):
   (``retain_graph=True``) raise instead of returning a rescaled gradient. Under tracing (torch.compile, AOTAutograd,
   opcheck) the scaling is out of place.
 * Opt-in ``inplace=True``: the gradient overwrites the logits buffer (zero extra N×C memory).
-* No host synchronisation on the hot path: the non-ignored count for ``mean`` is computed on the device and read by
-  the kernel; reductions are device ops.
+* No host synchronisation on the hot path, and few launches: a one-program kernel counts the non-ignored rows (read
+  by the loss kernel for the mean's scale) and flags bad targets, the loss kernel, a one-program reduction that
+  writes the loss in the logits' dtype; backward is one persistent-grid scaling launch (a no-op for ``grad_output``
+  exactly 1). In eager mode the launches are made from a plain ``autograd.Function`` (see
+  :class:`UncertaintyWeightedCEFunction` for why).
 
 Target-check policy: an out-of-range target (not in ``[0, C)`` and not ``ignore_index``) never makes the kernel read
-or write out of bounds: the kernel reads class 0 instead, writes NaN to that row's loss and gradient (so a wrong label
-can never produce a plausible-looking loss), and raises a device-side error flag. When ``VALIDATE_TARGETS`` is true
-(the default; environment variable ``CALIBKERNELS_VALIDATE=0`` turns it off) the flag is read back after the launch
-(one host synchronisation per call) and a ``ValueError`` naming the bad value is raised. The read-back is skipped
-automatically while a CUDA graph is being captured, and can be turned off for the last microseconds of training
-throughput; the NaN rows stay.
+or write out of bounds: the kernel reads class 0 instead and writes NaN to that row's loss and gradient (so a wrong
+label can never produce a plausible-looking loss); a one-program kernel that also counts the mean's divisor raises a
+device-side flag, which :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host
+(``CALIBKERNELS_VALIDATE=async``, the default; ``sync`` raises at once at the cost of one synchronisation per call;
+``0`` never reads the flag).
 
 Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` (+ ``..._inplace_`` and the backward's
 ``..._scale_grad_``) with ``torch.library.custom_op`` + ``register_fake`` + ``register_autograd``, so
@@ -67,23 +70,27 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import _target_checks
 from .. import _validation as V
 
 __all__ = [
     "MAX_BLOCK",
-    "VALIDATE_TARGETS",
+    "MAX_BLOCK_16BIT",
     "uncertainty_weighted_ce_forward",
     "scale_grad_",
     "is_available",
     "run",
 ]
 
-# Rows of up to MAX_BLOCK classes take the single-read path (the whole row held in registers as fp32, whatever the
-# logits' dtype: 32768 values over 32 warps, for which ptxas (sm_90) reports at most 88 bytes of spill); longer rows
-# are streamed in chunks of MAX_BLOCK // 2 classes (16384: no spill), two reads and one write.
+# Launch shapes, measured with bench/tune_triton.py on an H200 (bench/results/tune-h200-2026-11-22.*):
+# * Rows of up to MAX_BLOCK classes (float32) or MAX_BLOCK_16BIT classes (float16/bfloat16) take the single-read
+#   path: the whole row held in registers as fp32, one program per row.
+# * Longer rows take the two-read path, streamed in chunks of TWO_READ_CHUNK classes by a few warps: many rows in
+#   flight per multiprocessor hide the memory latency better than one register-resident row of 32 warps (at
+#   C = 32000 bf16: 0.47 ms against 0.60 ms for the best single-read shape), and the second read mostly hits L2.
 MAX_BLOCK = 32768
-# Read the device-side target-range flag back and raise (one host sync per call); see the module docstring.
-VALIDATE_TARGETS = os.environ.get("CALIBKERNELS_VALIDATE", "1") != "0"
+MAX_BLOCK_16BIT = 4096
+TWO_READ_CHUNK = {2: (4096, 4), 4: (4096, 8)}  # element size -> (chunk, num_warps)
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -118,11 +125,11 @@ def _uncertainty_weighted_ce_fwd_kernel(
     logits_ptr, logits_row_stride,
     target_ptr, sample_weight_ptr, gamma_ptr,
     row_loss_ptr, grad_ptr, grad_row_stride,
-    valid_count_ptr, error_ptr,
+    valid_count_ptr,
     num_classes, gamma, norm, ignore_index,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr, CHECK_TARGETS: tl.constexpr,
-    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
 ):
     """Row loss ``u_i CE_i`` (fp32) and, if COMPUTE_GRAD, the row's gradient of the reduced loss; one program per row."""
     NEG_INF: tl.constexpr = float("-inf")
@@ -141,14 +148,12 @@ def _uncertainty_weighted_ce_fwd_kernel(
     is_bad = is_valid & (target < 0) | is_valid & (target >= num_classes)
     # out-of-range targets read class 0 (never out of bounds); their row is poisoned with NaN below
     safe_target = tl.where(in_range, target, 0)
-    if CHECK_TARGETS:
-        # every writer stores the same 1 (benign race); the value slot keeps one of the bad targets
-        tl.store(error_ptr, 1, mask=is_bad)
-        tl.store(error_ptr + 1, target, mask=is_bad)
     z_target = tl.load(logits_row + safe_target).to(tl.float32)
     cols = tl.arange(0, BLOCK)
 
-    # ---- statistics: running max m, d = Σ e^{z-m}, d_¬y, gBS Σ_{k≠y} e^{q(z-m)}, dual focal's max{z < z_y} -------
+    # ---- statistics: running max m, d_¬y = Σ_{k≠y} e^{z-m}, gBS Σ_{k≠y} e^{q(z-m)}, dual focal's max{z < z_y} ----
+    # Only non-target sums are accumulated: d = d_¬y + e^{z_y-m} is formed once at the end, so 1 - p_y = d_¬y / d
+    # never cancels and each chunk costs one reduction less. For q = 2 (the default) e^{q(z-m)} = e², no second exp.
     if SINGLE_READ:
         col_mask = cols < num_classes
         z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
@@ -156,10 +161,13 @@ def _uncertainty_weighted_ce_fwd_kernel(
         m_safe = tl.where(m == NEG_INF, 0.0, m)  # an all -inf row must not produce inf - inf
         e = tl.exp2((z - m_safe) * LOG2E)
         is_target_col = cols == safe_target
-        d = tl.sum(e, 0)
-        d_others = tl.sum(tl.where(is_target_col, 0.0, e), 0)
+        e_others = tl.where(is_target_col, 0.0, e)
+        d_others = tl.sum(e_others, 0)
         if WEIGHT == _BRIER:
-            sum_q_others = tl.sum(tl.where(is_target_col, 0.0, tl.exp2((z - m_safe) * (norm * LOG2E))), 0)
+            if NORM_IS_TWO:
+                sum_q_others = tl.sum(e_others * e_others, 0)
+            else:
+                sum_q_others = tl.sum(tl.where(is_target_col, 0.0, tl.exp2((z - m_safe) * (norm * LOG2E))), 0)
         if WEIGHT == _DUAL_FOCAL:
             below = z < z_target
             z_below_max = tl.max(tl.where(below, z, NEG_INF), 0)
@@ -167,7 +175,6 @@ def _uncertainty_weighted_ce_fwd_kernel(
     else:
         m_safe = tl.full((), 0.0, tl.float32)
         m = tl.full((), NEG_INF, tl.float32)
-        d = tl.full((), 0.0, tl.float32)
         d_others = tl.full((), 0.0, tl.float32)
         sum_q_others = tl.full((), 0.0, tl.float32)
         z_below_max = tl.full((), NEG_INF, tl.float32)
@@ -175,17 +182,19 @@ def _uncertainty_weighted_ce_fwd_kernel(
         for start in range(0, num_classes, BLOCK):
             offs = start + cols
             col_mask = offs < num_classes
-            z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF).to(tl.float32)
+            # keep the row in L2 for the gradient pass's second read
+            z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_last").to(tl.float32)
             m_new = tl.maximum(m, tl.max(z, 0))
             m_new_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
             rescale = tl.exp2((m - m_new_safe) * LOG2E)
-            e = tl.exp2((z - m_new_safe) * LOG2E)
-            is_target_col = offs == safe_target
-            d = d * rescale + tl.sum(e, 0)
-            d_others = d_others * rescale + tl.sum(tl.where(is_target_col, 0.0, e), 0)
+            e_others = tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * LOG2E))
+            d_others = d_others * rescale + tl.sum(e_others, 0)
             if WEIGHT == _BRIER:
-                sum_q_others = sum_q_others * tl.exp2((m - m_new_safe) * (norm * LOG2E)) + tl.sum(
-                    tl.where(is_target_col, 0.0, tl.exp2((z - m_new_safe) * (norm * LOG2E))), 0)
+                if NORM_IS_TWO:
+                    sum_q_others = sum_q_others * (rescale * rescale) + tl.sum(e_others * e_others, 0)
+                else:
+                    sum_q_others = sum_q_others * tl.exp2((m - m_new_safe) * (norm * LOG2E)) + tl.sum(
+                        tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * (norm * LOG2E))), 0)
             if WEIGHT == _DUAL_FOCAL:
                 below = z < z_target
                 chunk_max = tl.max(tl.where(below, z, NEG_INF), 0)
@@ -195,6 +204,7 @@ def _uncertainty_weighted_ce_fwd_kernel(
                 z_below_max = tl.maximum(z_below_max, chunk_max)
             m = m_new
             m_safe = m_new_safe
+    d = d_others + tl.exp2((z_target - m_safe) * LOG2E)
 
     # ---- per-row scalars -------------------------------------------------------------------------------------------
     lse = m_safe + tl.log2(d) * LN2
@@ -270,41 +280,105 @@ def _uncertainty_weighted_ce_fwd_kernel(
             if WEIGHT == _DUAL_FOCAL and MODE == _LOSS_MODE:
                 grad += tl.where(below & (z == z_below_max), coef_tie, 0.0)
             if WEIGHT == _BRIER and MODE == _LOSS_MODE:
-                grad += coef_h * (tl.exp2((z - lse) * (norm * LOG2E)) - p * h_sum)
+                if NORM_IS_TWO:
+                    grad += coef_h * (p * p - p * h_sum)
+                else:
+                    grad += coef_h * (tl.exp2((z - lse) * (norm * LOG2E)) - p * h_sum)
             grad = tl.where(is_target_col, grad_target, grad * scale)
             grad = tl.where(is_valid, grad, 0.0)
             grad = tl.where(is_bad, float("nan"), grad)
             tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
         else:
-            for start in range(0, num_classes, BLOCK):
-                offs = start + cols
+            # last chunk first: the chunks read most recently are the likeliest still in L2
+            num_chunks = tl.cdiv(num_classes, BLOCK)
+            for chunk in range(0, num_chunks):
+                offs = (num_chunks - 1 - chunk) * BLOCK + cols
                 col_mask = offs < num_classes
-                z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF).to(tl.float32)
+                z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_first")
+                z = z.to(tl.float32)
                 p = tl.exp2((z - lse) * LOG2E)
                 grad = coef_p * p
                 if WEIGHT == _DUAL_FOCAL and MODE == _LOSS_MODE:
                     grad += tl.where((z < z_target) & (z == z_below_max), coef_tie, 0.0)
                 if WEIGHT == _BRIER and MODE == _LOSS_MODE:
-                    grad += coef_h * (tl.exp2((z - lse) * (norm * LOG2E)) - p * h_sum)
+                    if NORM_IS_TWO:
+                        grad += coef_h * (p * p - p * h_sum)
+                    else:
+                        grad += coef_h * (tl.exp2((z - lse) * (norm * LOG2E)) - p * h_sum)
                 grad = tl.where(offs == safe_target, grad_target, grad * scale)
                 grad = tl.where(is_valid, grad, 0.0)
                 grad = tl.where(is_bad, float("nan"), grad)
-                tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+                tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=col_mask, eviction_policy="evict_first")
+
+
+@triton.jit
+def _uncertainty_weighted_ce_targets_kernel(
+    target_ptr, num_rows, num_classes, ignore_index, valid_count_ptr, error_ptr, BLOCK: tl.constexpr,
+):
+    """One program, before the loss kernel: the mean's divisor (non-ignored rows) into ``valid_count``, and the
+    out-of-range flag ``error = (any bad, largest bad value)``. One launch instead of three small torch ops."""
+    MIN_INT64: tl.constexpr = -9223372036854775807
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros((BLOCK,), tl.int64)
+    bad_any = tl.zeros((BLOCK,), tl.int32)
+    bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
+    for start in range(0, num_rows, BLOCK):
+        rows = start + offs
+        t = tl.load(target_ptr + rows, mask=rows < num_rows, other=ignore_index).to(tl.int64)
+        valid = t != ignore_index
+        bad = valid & ((t < 0) | (t >= num_classes))
+        count += valid.to(tl.int64)
+        bad_any = bad_any | bad.to(tl.int32)
+        bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
+    tl.store(valid_count_ptr, tl.sum(count, 0))
+    tl.store(error_ptr, tl.max(bad_any, 0).to(tl.int64))
+    tl.store(error_ptr + 1, tl.max(bad_value, 0))
+
+
+@triton.jit
+def _uncertainty_weighted_ce_reduce_kernel(row_loss_ptr, num_rows, valid_count_ptr, loss_ptr, MEAN: tl.constexpr,
+                                           BLOCK: tl.constexpr):
+    """One program, after the loss kernel: ``Σ_i L_i`` (÷ non-ignored count for the mean), stored in the loss's
+    dtype. A fixed summation order, so the loss is bitwise reproducible; one launch instead of four torch ops."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for start in range(0, num_rows, BLOCK):
+        rows = start + offs
+        acc += tl.load(row_loss_ptr + rows, mask=rows < num_rows, other=0.0)
+    total = tl.sum(acc, 0)
+    if MEAN:
+        total = total / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+    tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
 
 
 @triton.jit
 def _uncertainty_weighted_ce_scale_grad_kernel(
-    grad_ptr, grad_row_stride, grad_output_ptr, grad_output_stride, num_classes, BLOCK: tl.constexpr,
+    grad_ptr, grad_row_stride, grad_output_ptr, grad_output_stride, num_rows, num_classes,
+    PER_ROW: tl.constexpr, BLOCK: tl.constexpr,
 ):
-    """``grad[i, :] *= grad_output[i]`` (stride 0 for a scalar grad_output), skipped when the factor is exactly 1."""
-    row = tl.program_id(0).to(tl.int64)
-    factor = tl.load(grad_output_ptr + row * grad_output_stride).to(tl.float32)
-    if factor != 1.0:
-        offs = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < num_classes
-        ptrs = grad_ptr + row * grad_row_stride + offs
-        values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-        tl.store(ptrs, (values * factor).to(grad_ptr.dtype.element_ty), mask=mask)
+    """``grad[i, :] *= grad_output[i]`` (or by the scalar ``grad_output``), skipped where the factor is exactly 1.
+
+    A persistent grid (a few programs per multiprocessor, each striding over rows), so the common
+    ``loss.backward()`` with ``grad_output = 1`` costs a handful of programs that read one number and exit, not one
+    program per row and tile."""
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    cols = tl.arange(0, BLOCK)
+    if PER_ROW:
+        run = True
+    else:
+        run = tl.load(grad_output_ptr).to(tl.float32) != 1.0
+    if run:
+        for row in range(pid, num_rows, programs):
+            row64 = tl.cast(row, tl.int64)
+            factor = tl.load(grad_output_ptr + row64 * grad_output_stride).to(tl.float32)
+            if factor != 1.0:
+                for start in range(0, num_classes, BLOCK):
+                    offs = start + cols
+                    mask = offs < num_classes
+                    ptrs = grad_ptr + row64 * grad_row_stride + offs
+                    values = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+                    tl.store(ptrs, (values * factor).to(grad_ptr.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -315,8 +389,19 @@ def _num_warps(block: int) -> int:
     return max(4, min(32, block // 1024))
 
 
-def _capturing_cuda_graph(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+def _launch_config(num_classes: int, element_size: int, max_block: Optional[int] = None) -> tuple[bool, int, int]:
+    """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` (see the launch-shape notes at the top)."""
+    cap = MAX_BLOCK if max_block is None else int(max_block)
+    if element_size <= 2:
+        cap = min(cap, MAX_BLOCK_16BIT)
+    if num_classes <= cap:
+        block = triton.next_power_of_2(num_classes)
+        # 16-bit rows: 8 values per thread (a 16-byte load) at C = 1000 was fastest; fp32: 4; up to 16 warps
+        per_thread = 256 if element_size <= 2 else 128
+        return True, block, max(1, min(16, block // per_thread)) if block >= 128 else 1
+    chunk, warps = TWO_READ_CHUNK.get(element_size, (4096, 8))
+    chunk = min(chunk, max(1, triton.next_power_of_2(cap) // 2))  # tests force tiny chunks through max_block
+    return False, chunk, max(1, min(warps, chunk // 128))
 
 
 def uncertainty_weighted_ce_forward(
@@ -335,13 +420,19 @@ def uncertainty_weighted_ce_forward(
     *,
     grad_out: Optional[torch.Tensor] = None,
     max_block: Optional[int] = None,
+    chunk: Optional[int] = None,
+    num_warps: Optional[int] = None,
+    num_stages: Optional[int] = None,
+    loss_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward kernel; return ``(loss fp32, grad)`` as in ``csrc/uncertainty_weighted_ce.h``.
+    """Launch the kernels; return ``(loss, grad)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in ``loss_dtype``,
+    fp32 by default). Three launches: the target count/check, the fused loss + gradient, the reduction (mean/sum).
 
     ``logits (N, C)`` with unit column stride and any row stride; ``target (N,)`` int64. ``loss`` is 0-dim for
     mean/sum, ``(N,)`` for none. ``grad`` is ``(N, C)`` in the logits' dtype (written into ``grad_out`` when given,
     e.g. the logits themselves for inplace), or shape ``(0,)`` when ``compute_grad`` is false. ``max_block`` overrides
-    ``MAX_BLOCK`` (tests force the chunked two-read path with a small one).
+    ``MAX_BLOCK`` (tests force the chunked two-read path with a small one); ``chunk`` forces the two-read path with that
+    chunk size; ``num_warps`` / ``num_stages`` override the launch configuration (bench/tune_triton.py searches them).
     """
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
@@ -351,17 +442,20 @@ def uncertainty_weighted_ce_forward(
                          f"stride {logits.stride()}")
     num_rows, num_classes = logits.shape
     device = logits.device
-    block_cap = triton.next_power_of_2(MAX_BLOCK if max_block is None else int(max_block))
-    single_read = num_classes <= block_cap
-    block = triton.next_power_of_2(num_classes) if single_read else max(1, block_cap // 2)
+    single_read, block, default_warps = _launch_config(num_classes, logits.element_size(), max_block)
+    if chunk is not None:  # tuning: force the two-read path with this chunk
+        single_read, block = False, triton.next_power_of_2(int(chunk))
 
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
     if compute_grad:
         grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device) if grad_out is None else grad_out
     else:
         grad = torch.empty((0,), dtype=logits.dtype, device=device)
-    valid_count = (target != ignore_index).sum()  # on the device: no sync
-    error = torch.zeros(2, dtype=torch.int64, device=device)
+    counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
+    valid_count, error = counts[:1], counts[1:]
+    _uncertainty_weighted_ce_targets_kernel[(1,)](
+        target, num_rows, num_classes, int(ignore_index), valid_count, error,
+        BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
     per_sample_gamma = gamma_per_sample is not None
     _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
         logits, logits.stride(0),
@@ -369,35 +463,46 @@ def uncertainty_weighted_ce_forward(
         sample_weight if sample_weight is not None else row_loss,  # placeholders are never read
         gamma_per_sample if per_sample_gamma else row_loss,
         row_loss, grad if compute_grad else logits, grad.stride(0) if compute_grad else 0,
-        valid_count, error,
+        valid_count,
         num_classes, float(gamma), float(norm), int(ignore_index),
         WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
-        COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma, CHECK_TARGETS=True,
-        BLOCK=block, SINGLE_READ=single_read,
-        num_warps=_num_warps(block),
+        COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma,
+        BLOCK=block, SINGLE_READ=single_read, NORM_IS_TWO=weight == WEIGHT_BRIER and float(norm) == 2.0,
+        num_warps=default_warps if num_warps is None else int(num_warps),
+        **({} if num_stages is None else {"num_stages": int(num_stages)}),
     )
-    if check_targets and not _capturing_cuda_graph(device):
-        has_bad, bad_value = error.tolist()  # the one host synchronisation of the validate policy
-        if has_bad:
-            raise ValueError(f"target value {bad_value} is out of range for {num_classes} classes "
-                             f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})")
+    if check_targets:
+        _target_checks.submit(error, num_classes, int(ignore_index))
     if reduction == REDUCTION_NONE:
-        loss = row_loss
-    elif reduction == REDUCTION_SUM:
-        loss = row_loss.sum()
-    else:
-        loss = row_loss.sum() / valid_count.clamp_min(1)
+        return row_loss if loss_dtype == torch.float32 else row_loss.to(loss_dtype), grad
+    loss = torch.empty((), dtype=loss_dtype, device=device)
+    _uncertainty_weighted_ce_reduce_kernel[(1,)](
+        row_loss, num_rows, valid_count, loss, MEAN=reduction == REDUCTION_MEAN,
+        BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
     return loss, grad
+
+
+_PROGRAMS_PER_SM = 4
+_sm_counts: dict = {}
+
+
+def _persistent_programs(device: torch.device, num_rows: int) -> int:
+    if device.type != "cuda":
+        return max(1, min(num_rows, 4))
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _sm_counts:
+        _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return max(1, min(num_rows, _PROGRAMS_PER_SM * _sm_counts[index]))
 
 
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """In place ``grad *= grad_output`` (0-dim, or ``(N,)`` per row) without reading ``grad_output`` on the host."""
     num_rows, num_classes = grad.shape
-    grad_output_stride = grad_output.stride(0) if grad_output.dim() == 1 else 0
+    per_row = grad_output.dim() == 1
     block = min(triton.next_power_of_2(num_classes), _SCALE_BLOCK)
-    _uncertainty_weighted_ce_scale_grad_kernel[(num_rows, triton.cdiv(num_classes, block))](
-        grad, grad.stride(0), grad_output, grad_output_stride, num_classes, BLOCK=block,
-        num_warps=_num_warps(block),
+    _uncertainty_weighted_ce_scale_grad_kernel[(_persistent_programs(grad.device, num_rows),)](
+        grad, grad.stride(0), grad_output, grad_output.stride(0) if per_row else 0, num_rows, num_classes,
+        PER_ROW=per_row, BLOCK=block, num_warps=4 if block <= 1024 else 8,
     )
 
 
@@ -492,20 +597,31 @@ def _backward(ctx, grad_loss, _grad_of_grad):
 uncertainty_weighted_ce_triton.register_autograd(_backward, setup_context=_setup_context)
 
 
-class _InplaceUncertaintyWeightedCE(torch.autograd.Function):
-    """Autograd around the inplace op: the logits buffer becomes the saved gradient (no N×C allocation)."""
+class UncertaintyWeightedCEFunction(torch.autograd.Function):
+    """Eager-mode autograd straight around the launcher, for plain tensors outside ``torch.compile``.
+
+    Why not the registered op here too: a ``custom_op`` call in eager mode goes through the dispatcher and
+    ``register_autograd``'s Python glue, several times the cost of this Function, and on a fast GPU that host time,
+    not the kernel, bounds small and medium steps. The registered ops (above) are what ``torch.compile`` and
+    ``opcheck`` see; both paths launch the same kernels. The loss comes out in the logits' dtype from the reduction
+    kernel (no cast launch). ``inplace=True``: the gradient overwrites ``logits``, whose version is bumped so that
+    any other node that saved them raises at backward instead of reading the gradient.
+    """
 
     @staticmethod
     def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                reduction, check_targets):
-        loss = uncertainty_weighted_ce_triton_inplace_(logits, target, sample_weight, gamma_per_sample, weight,
-                                                       mode, gamma, norm, ignore_index, reduction, check_targets)
-        # saved after the overwrite, so the version counter guards against any later change
-        ctx.save_for_backward(logits)
+                reduction, inplace):
+        loss, grad = uncertainty_weighted_ce_forward(
+            logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction, True,
+            True, grad_out=logits if inplace else None, loss_dtype=logits.dtype)
+        if inplace:
+            torch.autograd.graph.increment_version(logits)
+        ctx.save_for_backward(grad)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        _target_checks.poll()
         (grad,) = ctx.saved_tensors
         return (_scaled_saved_grad(grad, grad_loss),) + (None,) * 10
 
@@ -542,16 +658,19 @@ def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     args = (target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode],
             float(gamma), float(inputs.norm), int(inputs.ignore_index), V.REDUCTION_CODES[inputs.reduction])
     compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    # The range check is a host read-back: off while tracing (the compiled op still NaN-poisons bad rows).
-    check_targets = VALIDATE_TARGETS and not torch.compiler.is_compiling()
     if logits.stride(-1) != 1:
         logits = logits.contiguous()  # the kernels take any row stride but need unit column stride
         inplace = False  # the copy is ours: overwriting it saves no memory
-    if inplace and compute_grad and not torch.compiler.is_compiling():
-        loss = _InplaceUncertaintyWeightedCE.apply(logits, *args, check_targets)
+    if torch.compiler.is_compiling():
+        # the registered op, which Dynamo keeps in the graph; no host read-back of the target flag while tracing
+        loss, _ = uncertainty_weighted_ce_triton(logits, *args, compute_grad, False)
+        loss = loss.to(inputs.logits.dtype)
     else:
-        loss, _ = uncertainty_weighted_ce_triton(logits, *args, compute_grad, check_targets)
-    loss = loss.to(inputs.logits.dtype)
+        _target_checks.poll()  # raise for a bad target that an earlier call flagged
+        if compute_grad:
+            loss = UncertaintyWeightedCEFunction.apply(logits, *args, inplace)
+        else:
+            loss, _ = uncertainty_weighted_ce_forward(logits, *args, False, True, loss_dtype=logits.dtype)
     if inputs.reduction == "none":
         loss = loss.reshape(inputs.batch_shape)
     return loss

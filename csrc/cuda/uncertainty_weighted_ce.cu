@@ -15,13 +15,14 @@
 //
 // Shape of the launch, chosen by C (the number of classes):
 //   * C ≤ 1024:   a warp per row (8 rows per 256-thread block), the row held in registers, shuffle reductions only;
-//   * C ≤ 16384:  a block per row (256 or 1024 threads), the row held in registers (16 values per thread), warp
-//                 shuffles + one shared-memory step; read once, gradient written once;
-//   * larger C:   a 1024-thread block per row streaming the row in 16384-column tiles (statistics pass, then gradient
-//                 pass), the online-softmax state rescaled once per tile. When the whole row fits in the device's
-//                 opt-in shared memory (C ≤ 114688 bf16 / 49152 fp32 with the 227 KiB of an H100), the statistics
-//                 pass also parks the raw tiles there, so the gradient pass reads shared memory: still a single read
-//                 of HBM; otherwise (C = 128256 bf16, ...) the row is read twice.
+//   * C ≤ 4096:   a 256-thread block per row, the row held in registers (16 values per thread), warp shuffles + one
+//                 shared-memory step; read once, gradient written once;
+//   * larger C:   a 256-thread block per row streaming the row in 4096-column tiles: a statistics pass (the
+//                 online-softmax state rescaled once per tile), then a gradient pass over the tiles in reverse order
+//                 with evict-first loads and stores, so the tiles read last in the first pass (the likeliest still in
+//                 L2) are re-read first and the gradient does not push the row out of L2. Small blocks keep several
+//                 rows in flight per multiprocessor, which hides memory latency better than one register- or
+//                 shared-memory-resident row of a 1024-thread block (measured on an H200: bench/results/).
 //   float64 (gradcheck/opcheck only) has the two warp paths and, above C = 1024, the streaming path (512 threads).
 // Every path: 16-byte vector loads/stores for a row whose address is 16-byte aligned (a scalar fallback otherwise and
 // for the row's tail), fp32 accumulation for fp16/bf16 (float64 stays float64, for gradcheck), exp2f, int64 offsets,
@@ -40,7 +41,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <atomic>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <type_traits>
@@ -183,40 +184,23 @@ struct Tile {
     return base + (static_cast<int64_t>(e / V) * kGroup + t) * V + (e % V);
   }
 
+  // kLast: the last read of these bytes (the gradient pass), an evict-first load (ld.global.cs).
+  template <bool kLast = false>
   __device__ __forceinline__ static void load(const scalar_t* row, bool aligned, int64_t base, int t, int64_t C,
                                               A (&z)[kPT]) {
 #pragma unroll
     for (int j = 0; j < kVecs; ++j) {
       const int64_t c0 = base + (static_cast<int64_t>(j) * kGroup + t) * V;
       if (aligned && c0 + V <= C) {
-        const Pack<scalar_t, V> p = *reinterpret_cast<const Pack<scalar_t, V>*>(row + c0);
+        Pack<scalar_t, V> p;
+        const int4* src = reinterpret_cast<const int4*>(row + c0);
+        *reinterpret_cast<int4*>(&p) = kLast ? __ldcs(src) : *src;
 #pragma unroll
         for (int v = 0; v < V; ++v) z[j * V + v] = static_cast<A>(p.v[v]);
       } else {
 #pragma unroll
         for (int v = 0; v < V; ++v) z[j * V + v] = (c0 + v < C) ? static_cast<A>(row[c0 + v]) : neg_inf<A>();
       }
-    }
-  }
-
-  // Shared-memory copy of a thread's share of a tile (the raw values, padding included): each thread reads back
-  // only what it wrote itself, so no barrier is needed between the two passes. 16-byte accesses, conflict-free.
-  __device__ __forceinline__ static void park(scalar_t* cache, int t, const A (&z)[kPT]) {
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      Pack<scalar_t, V> p;
-#pragma unroll
-      for (int v = 0; v < V; ++v) p.v[v] = static_cast<scalar_t>(z[j * V + v]);  // exact: z came from scalar_t
-      *reinterpret_cast<Pack<scalar_t, V>*>(cache + (j * kGroup + t) * V) = p;
-    }
-  }
-
-  __device__ __forceinline__ static void unpark(const scalar_t* cache, int t, A (&z)[kPT]) {
-#pragma unroll
-    for (int j = 0; j < kVecs; ++j) {
-      const Pack<scalar_t, V> p = *reinterpret_cast<const Pack<scalar_t, V>*>(cache + (j * kGroup + t) * V);
-#pragma unroll
-      for (int v = 0; v < V; ++v) z[j * V + v] = static_cast<A>(p.v[v]);
     }
   }
 
@@ -229,7 +213,7 @@ struct Tile {
         Pack<scalar_t, V> p;
 #pragma unroll
         for (int v = 0; v < V; ++v) p.v[v] = static_cast<scalar_t>(g[j * V + v]);
-        *reinterpret_cast<Pack<scalar_t, V>*>(row + c0) = p;
+        __stcs(reinterpret_cast<int4*>(row + c0), *reinterpret_cast<const int4*>(&p));  // streaming: evict first
       } else {
 #pragma unroll
         for (int v = 0; v < V; ++v) {
@@ -401,9 +385,8 @@ __device__ __forceinline__ A grad_element(const RowCoefs<A>& r, A z, A z_y, A q)
 
 // kGroup threads per row (32: a warp per row, 8 rows per block; > 32: the whole block), kPT values per thread per
 // tile; kResident: the row is one tile, kept in registers between the statistics and the gradient (single read);
-// otherwise the row is streamed tile by tile, and kCache: the tiles are parked in dynamic shared memory (sized by the
-// launch to whole tiles) for the gradient pass instead of being read again.
-template <typename scalar_t, int kGroup, int kPT, bool kResident, bool kCache = false>
+// otherwise the row is streamed tile by tile, twice.
+template <typename scalar_t, int kGroup, int kPT, bool kResident>
 __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
     uncertainty_weighted_ce_kernel(const Params<typename std::conditional<std::is_same<scalar_t, double>::value,
                                                                           double, float>::type> P) {
@@ -441,15 +424,12 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
 
   Stats<A> s = empty_stats<A>();
   A z[kPT];
-  extern __shared__ __align__(16) unsigned char dynamic_smem[];
-  scalar_t* cache = reinterpret_cast<scalar_t*>(dynamic_smem);  // kCache only: ceil(C / kTileCols) whole tiles
   if constexpr (kResident) {
     T::load(z_row, in_aligned, 0, t, C, z);
     accumulate(z, [&](int e) { return T::column(0, t, e); }, C, y, z_y, q, brier, dual, s);
   } else {
     for (int64_t base = 0; base < C; base += kTileCols) {
       T::load(z_row, in_aligned, base, t, C, z);
-      if constexpr (kCache) T::park(cache + base, t, z);
       accumulate(z, [&](int e) { return T::column(base, t, e); }, C, y, z_y, q, brier, dual, s);
     }
   }
@@ -472,53 +452,29 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
   if constexpr (kResident) {
     gradient_tile(0);
   } else {
-    for (int64_t base = 0; base < C; base += kTileCols) {
-      if constexpr (kCache) {
-        T::unpark(cache + base, t, z);
-      } else {
-        T::load(z_row, in_aligned, base, t, C, z);
-      }
+    // last tile first: the tiles the statistics pass read last are the likeliest still in L2
+    for (int64_t base = ((C - 1) / kTileCols) * kTileCols; base >= 0; base -= kTileCols) {
+      T::template load<true>(z_row, in_aligned, base, t, C, z);
       gradient_tile(base);
     }
   }
 }
 
-template <typename scalar_t, int kGroup, int kPT, bool kResident, bool kCache = false, typename A>
-void launch_config(const Params<A>& P, size_t dynamic_smem_bytes = 0) {
+template <typename scalar_t, int kGroup, int kPT, bool kResident, typename A>
+void launch_config(const Params<A>& P) {
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
   constexpr int kThreads = kGroup * kRowsPerBlock;
   const int64_t blocks = (P.num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
-  auto* kernel = &uncertainty_weighted_ce_kernel<scalar_t, kGroup, kPT, kResident, kCache>;
-  if (dynamic_smem_bytes > 48 * 1024) {  // beyond the default limit a kernel must opt in (a host-side attribute)
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(dynamic_smem_bytes)));
-  }
-  kernel<<<static_cast<unsigned>(blocks), kThreads, dynamic_smem_bytes, c10::cuda::getCurrentCUDAStream()>>>(P);
+  uncertainty_weighted_ce_kernel<scalar_t, kGroup, kPT, kResident>
+      <<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(P);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-// The largest dynamic shared memory a block of the current device may opt in to, less a margin for the kernel's
-// static shared memory (the reduction's partials). Cached per device; a device attribute query, no synchronisation.
-size_t shared_memory_budget() {
-  static std::atomic<int> cached[64] = {};  // 0: not queried yet, -1: unknown
-  const int device = c10::cuda::current_device();
-  if (device < 0 || device >= 64) return 0;
-  int bytes = cached[device].load();
-  if (bytes == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-    if (bytes <= 0) bytes = -1;
-    cached[device].store(bytes);
-  }
-  constexpr int kStaticMargin = 2048;
-  return bytes > kStaticMargin ? static_cast<size_t>(bytes - kStaticMargin) : 0;
 }
 
 // Largest C of each path (float32/float16/bfloat16); float64 has only the warp and streaming paths.
 constexpr int64_t kWarpSmallMaxC = 32 * 8;
 constexpr int64_t kWarpMaxC = 32 * 32;
 constexpr int64_t kBlock256MaxC = 256 * 16;
-constexpr int64_t kBlock1024MaxC = 1024 * 16;
 
 template <typename scalar_t, typename A>
 void launch(const Params<A>& P) {
@@ -531,16 +487,8 @@ void launch(const Params<A>& P) {
     launch_config<scalar_t, 512, 8, false>(P);  // 1024 threads would cap double at 64 registers and spill
   } else if (C <= kBlock256MaxC) {
     launch_config<scalar_t, 256, 16, true>(P);
-  } else if (C <= kBlock1024MaxC) {
-    launch_config<scalar_t, 1024, 16, true>(P);
   } else {
-    constexpr int64_t kTileCols = 1024 * 16;
-    const size_t cache_bytes = static_cast<size_t>((C + kTileCols - 1) / kTileCols) * kTileCols * sizeof(scalar_t);
-    if (cache_bytes <= shared_memory_budget()) {
-      launch_config<scalar_t, 1024, 16, false, true>(P, cache_bytes);
-    } else {
-      launch_config<scalar_t, 1024, 16, false>(P);
-    }
+    launch_config<scalar_t, 256, 16, false>(P);
   }
 }
 
@@ -641,10 +589,52 @@ at::Tensor uncertainty_weighted_ce_inplace_cuda(at::Tensor& logits, const at::Te
   return loss;
 }
 
+// grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
+// loss.backward() (grad_output = 1) then reads one number per block and writes nothing. A persistent grid of a few
+// blocks per multiprocessor strides over the rows.
+template <typename scalar_t>
+__global__ void __launch_bounds__(256) scale_grad_kernel(scalar_t* grad, int64_t num_rows, int64_t num_classes,
+                                                         int64_t row_stride, const float* factor,
+                                                         int64_t factor_stride) {
+  if (factor_stride == 0 && *factor == 1.0f) return;
+  for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
+    const float f = factor[row * factor_stride];
+    if (f == 1.0f) continue;
+    scalar_t* g = grad + row * row_stride;
+    for (int64_t c = threadIdx.x; c < num_classes; c += blockDim.x) {
+      g[c] = static_cast<scalar_t>(static_cast<float>(g[c]) * f);
+    }
+  }
+}
+
+void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor& grad_output) {
+  const char* op = "calibkernels::uncertainty_weighted_ce_scale_grad_ (CUDA): ";
+  TORCH_CHECK(grad.is_cuda() && grad_output.device() == grad.device(), op, "expected grad and grad_output on the same "
+              "CUDA device, got ", grad.device(), " and ", grad_output.device());
+  TORCH_CHECK(grad.dim() == 2 && (grad.size(1) <= 1 || grad.stride(1) == 1), op, "expected a 2-D gradient with unit "
+              "column stride, got shape ", grad.sizes(), " and strides ", grad.strides());
+  TORCH_CHECK(grad_output.numel() == 1 || (grad_output.dim() == 1 && grad_output.size(0) == grad.size(0)), op,
+              "grad_output must be a scalar or have one entry per row, got shape ", grad_output.sizes());
+  if (grad.numel() == 0) return;
+  const c10::cuda::CUDAGuard guard(grad.device());
+  const at::Tensor factor = grad_output.to(at::kFloat).reshape({-1});
+  const int64_t factor_stride = factor.numel() == 1 ? 0 : factor.stride(0);
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, grad.get_device()));
+  const int64_t blocks = std::min<int64_t>(grad.size(0), 4 * static_cast<int64_t>(sms > 0 ? sms : 1));
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "uncertainty_weighted_ce_scale_grad", [&] {
+    scale_grad_kernel<scalar_t><<<static_cast<unsigned>(blocks), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+        grad.mutable_data_ptr<scalar_t>(), grad.size(0), grad.size(1), grad.stride(0), factor.const_data_ptr<float>(),
+        factor_stride);
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 }  // namespace
 }  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, CUDA, m) {
   m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cuda);
   m.impl("uncertainty_weighted_ce_inplace_", &calibkernels::uncertainty_weighted_ce_inplace_cuda);
+  m.impl("uncertainty_weighted_ce_scale_grad_", &calibkernels::uncertainty_weighted_ce_scale_grad_cuda);
 }

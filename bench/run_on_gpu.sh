@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
+#
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune]     (stages run in the order given)
+#
+# Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
+# Meant for a fresh machine with torch + triton already installed (a lent device, a cloud box): it builds in place
+# (`setup.py build_ext --inplace`, no pip resolution) for the local GPU's compute capability only, and it installs
+# any wheels found in .whl/ (e.g. liger-kernel, for the Liger provider) into /tmp/site.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-bench/results/gpu-run-$(date +%F)}"
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY="${PYTHON:-python3}"
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+
+summary=()
+stage() { local name=$1; shift; local t0=$SECONDS; "$@"; local rc=$?; summary+=("$name: rc=$rc, $((SECONDS - t0)) s"); return $rc; }
+
+do_build() {
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
+  $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
+  local cc
+  cc=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
+  rm -rf build calibkernels/_C.*.so
+  CALIBKERNELS_CUDA_ARCHS="$cc" MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1
+  local rc=$?
+  tail -n 5 "$OUT/build.log"
+  $PY -c "import calibkernels, calibkernels._C as C; print('WITH_CUDA', C.WITH_CUDA, calibkernels.available_backends())"
+  return $rc
+}
+
+do_test() {
+  # the kernel suites (shared + per-backend) on the GPU; the whole suite is CI's job on a CPU machine
+  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+    tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
+    tests/test_uncertainty_weighted_ce_triton.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
+    >"$OUT/pytest.log" 2>&1
+  local rc=$?
+  grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
+  tail -n 3 "$OUT/pytest.log"
+  return $rc
+}
+
+do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --out "$OUT/cuda-quick" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
+do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --out "$OUT/cuda" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
+do_tune() { $PY -m bench.tune_triton --out "$OUT/tune" 2>"$OUT/tune.err"; }
+
+for s in "$@"; do
+  case $s in
+    build) stage build do_build || break ;;
+    test) stage test do_test ;;
+    quick) stage quick do_quick ;;
+    bench) stage bench do_bench ;;
+    tune) stage tune do_tune ;;
+    *) echo "unknown stage $s"; exit 2 ;;
+  esac
+done
+printf '%s\n' "${summary[@]}"

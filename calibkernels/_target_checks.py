@@ -1,0 +1,75 @@
+"""Out-of-range targets on the GPU: how the kernels' device-side flag becomes a Python error.
+
+The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
+are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, one bad value)`` records it.
+Reading that flag on the host is a synchronisation, which would stall the CPU once per call, so the policy is set by
+the environment variable ``CALIBKERNELS_VALIDATE`` (read at import; :data:`POLICY` may be changed at run time):
+
+* ``async`` (default): no synchronisation. The flag is copied to pinned host memory on the stream and checked as
+  soon as the copy has landed, without waiting: at the backward of the same loss, or at the next call of any
+  calibkernels GPU loss, whichever first finds it done. The ``ValueError`` then names the bad value (it can come
+  one training step late; the loss of the bad step is already NaN). :func:`synchronize_target_checks` waits for
+  every pending check and raises, e.g. at the end of an epoch or in tests.
+* ``sync``: read the flag back right after the kernel and raise at once (one host synchronisation per call).
+* ``0`` (or ``off``): never read the flag; bad rows stay NaN.
+
+While a CUDA graph is being captured, and under ``torch.compile``, no check is queued (the NaN rows stay). On CPU
+tensors (the Triton interpreter) the flag is read at once: there is no device to stall.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+
+import torch
+
+__all__ = ["POLICY", "submit", "poll", "synchronize_target_checks"]
+
+_POLICIES = {"async": "async", "1": "async", "sync": "sync", "0": "off", "off": "off"}
+POLICY = _POLICIES.get(os.environ.get("CALIBKERNELS_VALIDATE", "async").strip().lower(), "async")
+
+# (event, pinned host copy of the flag, number of classes, ignore_index), oldest first
+_pending: collections.deque = collections.deque()
+
+
+def _raise(flag, num_classes: int, ignore_index: int, late: bool) -> None:
+    has_bad, bad_value = (int(v) for v in flag)
+    if has_bad:
+        when = " (in an earlier call; that loss and its gradient rows are NaN)" if late else ""
+        raise ValueError(f"target value {bad_value} is out of range for {num_classes} classes "
+                         f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index}){when}")
+
+
+def submit(error: torch.Tensor, num_classes: int, ignore_index: int) -> None:
+    """Hand over a kernel's ``(any bad, bad value)`` device flag according to :data:`POLICY`."""
+    if POLICY == "off" or torch.compiler.is_compiling():
+        return
+    if error.device.type != "cuda":
+        _raise(error.tolist(), num_classes, ignore_index, late=False)
+        return
+    if torch.cuda.is_current_stream_capturing():
+        return
+    if POLICY == "sync":
+        _raise(error.tolist(), num_classes, ignore_index, late=False)
+        return
+    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host.copy_(error, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    _pending.append((event, host, num_classes, ignore_index))
+
+
+def poll() -> None:
+    """Raise for the first finished check that saw a bad target; never waits for the device."""
+    while _pending and _pending[0][0].query():
+        _, host, num_classes, ignore_index = _pending.popleft()
+        _raise(host.tolist(), num_classes, ignore_index, late=True)
+
+
+def synchronize_target_checks() -> None:
+    """Wait for every pending target check of the GPU losses and raise ``ValueError`` if one saw a bad target."""
+    while _pending:
+        event, host, num_classes, ignore_index = _pending.popleft()
+        event.synchronize()
+        _raise(host.tolist(), num_classes, ignore_index, late=True)
