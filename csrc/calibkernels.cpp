@@ -12,13 +12,15 @@ extern "C" {
 PyObject* PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   PyObject* module = PyModule_Create(&module_def);
-  // calibkernels._C.WITH_CUDA: whether this build compiled csrc/cuda/ (tests check it against the registrations).
+  // calibkernels._C.WITH_CUDA: whether this build compiled csrc/cuda/ (tests check it against the registrations);
+  // calibkernels._C.CPU_ISA: the CPU kernel's vector instruction set in this process (see cpu_vector_isa).
 #ifdef CALIBKERNELS_WITH_CUDA
   constexpr long kWithCuda = 1;
 #else
   constexpr long kWithCuda = 0;
 #endif
-  if (module != nullptr && PyModule_AddIntConstant(module, "WITH_CUDA", kWithCuda) != 0) {
+  if (module != nullptr && (PyModule_AddIntConstant(module, "WITH_CUDA", kWithCuda) != 0 ||
+                            PyModule_AddStringConstant(module, "CPU_ISA", calibkernels::cpu_vector_isa()) != 0)) {
     Py_DECREF(module);
     return nullptr;
   }

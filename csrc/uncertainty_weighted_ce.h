@@ -34,6 +34,10 @@ enum class Mode : int64_t { Loss = 0, Grad = 1 };
 // Same numbering as at::Reduction.
 enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
 
+// Vector instruction set of the CPU kernel's hot loops in this process: "avx512" (float sweeps of the
+// one-exponential path; the CPU has AVX-512 and ATen uses it), "avx2" or "default". Exposed as calibkernels._C.CPU_ISA.
+const char* cpu_vector_isa();
+
 // FLSD-53 schedule (Mukhoti et al. 2020): gamma_i = 5 if p_y < 0.2, 3 if p_y < 0.5, else `gamma`.
 constexpr double kFlsdLowThreshold = 0.2;
 constexpr double kFlsdLowGamma = 5.0;

@@ -167,6 +167,26 @@ def test_extreme_infinite_and_confident_rows(backend_device, weight, mode):
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("weight", ["none", "focal", "dual_focal", "brier"])
+def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_device, weight):
+    """A NaN logit makes its row's loss and gradient NaN (as in the reference), never a plausible number, and does not
+    leak into other rows."""
+    backend, device = backend_device
+    z = torch.randn(4, 37)
+    z[1, 5] = float("nan")  # one NaN, not the target
+    z[2, 0] = float("nan")  # the target itself
+    y = torch.tensor([3, 9, 0, 36])
+    loss, grad = _run(backend, z.to(device), y.to(device), weight=weight, reduction="none")
+    loss, grad = loss.cpu(), grad.cpu()
+    assert torch.isnan(loss[[1, 2]]).all() and torch.isnan(grad[[1, 2]]).all()
+    good = [0, 3]
+    exact_loss, exact_grad = _reference(z[good].double(), y[good], weight=weight, reduction="none")
+    low_loss, low_grad = _reference(z[good], y[good], weight=weight, reduction="none")
+    assert_within_reference_error(loss[good], exact_loss, low_loss, torch.float32, "loss of the finite rows")
+    assert_within_reference_error(grad[good], exact_grad, low_grad, torch.float32, "gradient of the finite rows")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
 def test_per_sample_gamma(backend_device):
     backend, device = backend_device
     z = (torch.randn(10, 17) * 2).to(device)

@@ -4,6 +4,11 @@
 kernel's own argument checks (the last line of defence under torch.compile, where Python-side checks are skipped).
 """
 
+import os
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -11,6 +16,8 @@ import calibkernels as ck
 from calibkernels import _backends
 from calibkernels import _validation as V
 from calibkernels import reference as R
+
+from _tolerance import assert_within_reference_error
 
 pytestmark = pytest.mark.skipif(
     _backends.unavailable_reason("cpu", torch.device("cpu")) is not None,
@@ -220,3 +227,94 @@ def test_retain_graph_backward_twice_gives_the_same_gradient():
     torch.testing.assert_close(first, second)
     expected, = torch.autograd.grad(R.bsce_gra_loss(z, y), z, torch.tensor(2.0))
     torch.testing.assert_close(first, expected)
+
+
+# ------------------------------------------------------------------------------- vector sweeps and their exponential
+def _isa():
+    import calibkernels._C
+
+    return calibkernels._C.CPU_ISA
+
+
+@pytest.mark.parametrize("mode", ["grad", "loss"])
+@pytest.mark.parametrize("weight", ["none", "brier"])
+@pytest.mark.parametrize("c", [1, 2, 15, 16, 17, 31, 33, 1000, 1031, 2049])
+def test_every_target_lane_and_row_tail(c, weight, mode):
+    """The vector sweeps leave the target column out of the sums lane by lane and mask the row's tail: the target in
+    every lane of the first, a middle and the last (partial) vector, for widths around the 8 / 16 float lanes and the
+    1024-column summation block."""
+    positions = sorted({p for p in [*range(min(c, 34)), *range(max(c - 34, 0), c), c // 2, 1023, 1024] if 0 <= p < c})
+    y = torch.tensor(positions)
+    z = torch.randn(len(positions), c) * 4
+    if c > 3:
+        z[:, -2] = float("-inf")  # masked column in the tail vector (never a target here unless c is tiny)
+        y[y == c - 2] = c - 1
+    exact = _reference_pair(z, y, weight, mode, torch.float64)
+    low = _reference_pair(z, y, weight, mode, torch.float32)
+    got = _kernel_pair(z, y, weight, mode)
+    assert_within_reference_error(got[0], exact[0], low[0], torch.float32, f"loss ({_isa()})")
+    assert_within_reference_error(got[1], exact[1], low[1], torch.float32, f"gradient ({_isa()})")
+
+
+def _reference_pair(z, y, weight, mode, dtype):
+    x = z.detach().to(dtype).clone().requires_grad_()
+    loss = R.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, gamma=3.0, reduction="none")
+    loss.sum().backward()
+    return loss.detach(), x.grad
+
+
+def _kernel_pair(z, y, weight, mode):
+    x = z.detach().clone().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, gamma=3.0, reduction="none", backend="cpu")
+    loss.sum().backward()
+    return loss.detach(), x.grad
+
+
+def test_softmax_gradient_is_accurate_element_by_element():
+    """The kernel's exponential (csrc/cpu/vec_exp.h) is about 1 ulp: every probability of a row spanning 80 nats, down
+    to e^-80, is within a few ulps of float64 (much stricter than the shared suite's bound, which is relative to the
+    largest gradient entry)."""
+    c = 4231
+    z = torch.linspace(-80.0, 0.0, c)[torch.randperm(c)].reshape(1, c)
+    y = torch.tensor([int(z.argmin())])  # the target far below the max: p_y ≈ e^-80, so 1 - p_y is exactly 1
+    x = z.clone().requires_grad_()
+    ck.uncertainty_weighted_ce(x, y, weight="none", reduction="sum", backend="cpu").backward()
+    p = torch.softmax(z.double(), dim=1)
+    expected = p - torch.nn.functional.one_hot(y, c).double()
+    others = torch.arange(c) != y
+    rel = ((x.grad.double() - expected).abs() / expected.abs())[0, others]
+    assert rel.max().item() < 8 * torch.finfo(torch.float32).eps, f"worst relative error {rel.max().item():.2e} ({_isa()})"
+
+
+def test_cpu_isa_is_reported_and_follows_aten():
+    """calibkernels._C.CPU_ISA names the vector path in use; AVX-512 is used exactly when ATen uses it."""
+    from torch.backends import cpu as torch_cpu
+
+    isa = _isa()
+    assert isa in ("avx512", "avx2", "default")
+    if torch_cpu.get_cpu_capability() != "AVX512":
+        assert isa != "avx512"
+
+
+def test_avx2_sweeps_agree_with_the_reference_in_a_subprocess():
+    """This process runs the AVX-512 sweeps when the CPU has them; the AVX2 ones (the path on CPUs without AVX-512)
+    are checked in a child process where ATEN_CPU_CAPABILITY=avx2 turns AVX-512 off, over the shared suite's CPU
+    cases and this file's lane / accuracy tests."""
+    if _isa() != "avx512":
+        pytest.skip(f"this process already runs the {_isa()} sweeps")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, ATEN_CPU_CAPABILITY="avx2")
+    probe = subprocess.run([sys.executable, "-c", "import calibkernels._C as c; print(c.CPU_ISA)"], env=env,
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == "avx2"
+    # "cpu-cpu": the C++ backend's parametrisations only (not the reference's or the interpreted Triton's)
+    selection = ("(cpu-cpu and (every_weight or odd_shapes or extreme or half_precision or nan_logits or "
+                 "non_contiguous)) or every_target_lane or accurate_element")
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
+         os.path.join(here, "test_uncertainty_weighted_ce.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"),
+         "-k", selection],
+        env=env, capture_output=True, text=True, cwd=here)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    passed = re.search(r"(\d+) passed", run.stdout)
+    assert passed and int(passed.group(1)) > 100 and " failed" not in run.stdout, run.stdout[-2000:]

@@ -10,7 +10,8 @@ Layers, in the naming of Liger-Kernel:
 * :func:`uncertainty_weighted_ce_forward` — typed wrapper around ``torch.ops.calibkernels.uncertainty_weighted_ce``;
 * ``torch.library.register_fake`` (shapes for torch.compile / meta tensors) and ``torch.library.register_autograd``
   (the backward) on the functional op;
-* :class:`UncertaintyWeightedCEInplaceFunction` — the opt-in ``inplace=True`` path, whose op mutates the logits;
+* :class:`UncertaintyWeightedCEFunction` — eager autograd (less host time than the registered one), and the opt-in
+  ``inplace=True`` path, whose op mutates the logits;
 * :func:`is_available` / :func:`run` — the backend interface of :mod:`calibkernels._backends` (``"cpu"``, ``"cuda"``).
 
 Importing this module raises ``ImportError`` if the extension ``calibkernels._C`` was not built; ``_backends``
@@ -36,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"Original error: {exc}"
     ) from exc
 
-__all__ = ["uncertainty_weighted_ce_forward", "UncertaintyWeightedCEInplaceFunction", "is_available", "run"]
+__all__ = ["uncertainty_weighted_ce_forward", "UncertaintyWeightedCEFunction", "is_available", "run"]
 
 _OP = torch.ops.calibkernels.uncertainty_weighted_ce
 _INPLACE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_
@@ -164,30 +165,44 @@ def uncertainty_weighted_ce_forward(
     )
 
 
-class UncertaintyWeightedCEInplaceFunction(torch.autograd.Function):
-    """``inplace=True``: the op overwrites ``logits`` with the gradient (zero extra ``N×C`` memory).
+class UncertaintyWeightedCEFunction(torch.autograd.Function):
+    """Eager-mode autograd around the compiled ops, for plain tensors outside ``torch.compile``.
 
-    The op is declared mutating (``Tensor(a!) logits``), so ``register_autograd`` cannot be used; this Function
-    saves the (overwritten) logits buffer and its backward scales it by ``grad_output`` in place, as
-    :func:`_scale_saved_gradient` does for the functional op. Any other autograd node that saved the logits sees
-    their version change and raises at backward instead of using garbage.
+    ``inplace=False``: the functional op. Why not its ``register_autograd`` here too: that Python glue (argument
+    normalisation and a generated Function per call) costs about as much host time as this whole Function and is paid
+    on every eager call; inside ``Function.forward`` grad mode is off, so the op's autograd kernel goes straight to the
+    device kernel. Traced code (torch.compile, opcheck, FakeTensor, make_fx) still sees the registered op and its
+    registered autograd.
+
+    ``inplace=True``: the op overwrites ``logits`` with the gradient (zero extra ``N×C`` memory). That op is declared
+    mutating (``Tensor(a!) logits``), so it has no ``register_autograd``, and this Function is its autograd in every
+    mode. Any other autograd node that saved the logits sees their version change and raises at backward instead of
+    using garbage.
+
+    Either way the backward scales the saved gradient by ``grad_output`` (:func:`_scale_saved_gradient`).
     """
 
     @staticmethod
     def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index,
-                reduction):
-        loss = _INPLACE_OP(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index,
-                           reduction)
-        # The dispatcher does not bump the version of a custom op's mutated argument here (autograd is off inside
-        # Function.forward), so do it: any other node that saved the logits then raises at backward.
-        torch.autograd.graph.increment_version(logits)
-        ctx.save_for_backward(logits)
+                reduction, inplace):
+        if inplace:
+            loss = _INPLACE_OP(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
+                               ignore_index, reduction)
+            # The dispatcher does not bump the version of a custom op's mutated argument here (autograd is off inside
+            # Function.forward), so do it: any other node that saved the logits then raises at backward.
+            torch.autograd.graph.increment_version(logits)
+            grad = logits
+        else:
+            loss, grad = _OP(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
+                             ignore_index, reduction, True)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad,) = ctx.saved_tensors
-        return _scale_saved_gradient(grad, grad_loss), None, None, None, None, None, None, None, None, None
+        return (_scale_saved_gradient(grad, grad_loss),) + (None,) * 10
 
 
 def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
@@ -247,19 +262,20 @@ def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     gamma_per_sample = inputs.gamma if isinstance(inputs.gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_per_sample is not None else float(inputs.gamma)
-    if inplace and compute_grad:
-        if _is_leaf_or_view_of_leaf(logits):
-            raise ValueError(
-                "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
-                "result (e.g. a layer's output), not a leaf tensor that requires grad; use inplace=False"
-            )
-        loss = UncertaintyWeightedCEInplaceFunction.apply(
+    eager = _is_plain_eager() and type(logits) is torch.Tensor
+    if inplace and compute_grad and _is_leaf_or_view_of_leaf(logits):
+        raise ValueError(
+            "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
+            "result (e.g. a layer's output), not a leaf tensor that requires grad; use inplace=False"
+        )
+    if compute_grad and (inplace or eager):
+        loss = UncertaintyWeightedCEFunction.apply(
             logits, inputs.target, inputs.sample_weight, gamma_per_sample, V.WEIGHT_CODES[inputs.weight],
             V.MODE_CODES[inputs.mode], gamma_value, inputs.norm, inputs.ignore_index,
-            V.REDUCTION_CODES[inputs.reduction],
+            V.REDUCTION_CODES[inputs.reduction], bool(inplace),
         )
     else:
-        # Without autograd there is nothing to overwrite: the op skips the gradient entirely.
+        # Traced code, and no autograd (then there is nothing to overwrite: the op skips the gradient entirely).
         loss, _ = uncertainty_weighted_ce_forward(
             logits, inputs.target, weight=inputs.weight, mode=inputs.mode, gamma=inputs.gamma, norm=inputs.norm,
             sample_weight=inputs.sample_weight, reduction=inputs.reduction, ignore_index=inputs.ignore_index,

@@ -82,7 +82,7 @@ __all__ = [
     "run",
 ]
 
-# Launch shapes, measured with bench/tune_triton.py on an H200 (bench/results/tune-h200-2026-11-22.*):
+# Launch shapes, measured with bench/tune_triton.py on an H200 (bench/results/tune-h200-2026-11-23.json):
 # * Rows of up to MAX_BLOCK classes (float32) or MAX_BLOCK_16BIT classes (float16/bfloat16) take the single-read
 #   path: the whole row held in registers as fp32, one program per row.
 # * Longer rows take the two-read path, streamed in chunks of TWO_READ_CHUNK classes by a few warps: many rows in
@@ -248,8 +248,13 @@ def _uncertainty_weighted_ce_fwd_kernel(
             extra_y = -cross_entropy * du * p_j
             coef_tie = cross_entropy * du * p_j / tl.maximum(n_ties, 1.0)
     else:  # WEIGHT == _BRIER, generalised Brier score
-        # Σ_{k≠y} p_k^q = Σ_{k≠y} e^{q(z-m)} / d^q, in log space so d^q cannot overflow
-        p_q_others = tl.exp2(tl.log2(sum_q_others) + (m_safe - lse) * (norm * LOG2E))
+        # Σ_{k≠y} p_k^q = Σ_{k≠y} e^{q(z-m)} / d^q. For q = 2 directly (1 ≤ d ≤ C, so d² cannot overflow): the log-space
+        # form below rounds its exponent at |log2 S| ulps, several times the reference's own error, which the loss-mode
+        # gradient then multiplies by CE. For other q in log space, so that d^q cannot overflow.
+        if NORM_IS_TWO:
+            p_q_others = sum_q_others / (d * d)
+        else:
+            p_q_others = tl.exp2(tl.log2(sum_q_others) + (m_safe - lse) * (norm * LOG2E))
         brier_q = p_q_others + _pow(one_minus_p, norm)
         u = _pow(brier_q, gamma / norm)
         coef_p = u

@@ -29,6 +29,7 @@
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/ops/empty.h>
 #include <ATen/ops/scalar_tensor.h>
+#include <ATen/Version.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -38,6 +39,7 @@
 #include <vector>
 
 #include "uncertainty_weighted_ce.h"
+#include "cpu/vec_exp.h"
 
 namespace calibkernels {
 namespace {
@@ -104,10 +106,10 @@ void accumulate(const T* z, int64_t lo, int64_t hi, T q, OnlineSoftmax<T>& acc) 
     Vec block_sum(T(0)), block_sum_pow_q(T(0));
     auto add = [&](const Vec& x) {
       const Vec shifted = x - max_vec;
-      const Vec e = shifted.exp_u20();
+      const Vec e = exp_nonpositive(shifted);
       block_sum = block_sum + e;
       if constexpr (kPow == PowQ::Square) block_sum_pow_q = at::vec::fmadd(e, e, block_sum_pow_q);
-      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + (shifted * q_vec).exp_u20();
+      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + exp_nonpositive(shifted * q_vec);
     };
     for (k = begin; k + W <= end; k += W) add(Vec::loadu(z + k));
     if (k < end) add(Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
@@ -161,7 +163,7 @@ void gradient_sweep(const T* z, T* out, int64_t C, T lse, T alpha, T beta, T q, 
       zero(T(0));
   auto grad = [&](const Vec& x) {
     const Vec shifted = x - lse_vec;
-    const Vec p = shifted.exp_u20();
+    const Vec p = exp_nonpositive(shifted);
     Vec coef = alpha_vec;
     if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
     if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp_u20() - tau_vec, coef);
@@ -174,11 +176,12 @@ void gradient_sweep(const T* z, T* out, int64_t C, T lse, T alpha, T beta, T q, 
   if (k < C) grad(Vec::loadu(z + k, C - k)).store(out + k, C - k);
 }
 
-// The one-exponential path (used whenever a gradient is written and the gradient sweep needs nothing but p_k):
-// the row max is taken first (no exponentials), then e_k = exp(z_k - m) is computed once, summed into the
-// accumulators and stored in the gradient row; the gradient sweep then only rescales e_k (p_k = e_k / denom) instead
-// of evaluating a second exponential. The row is in L1/L2 between the sweeps, and exp is what bounds the kernel on a
-// CPU (the two-exponential form was about twice as slow at C = 1000). `out` may alias `z` (in-place gradient).
+// The one-exponential path (used whenever the gradient sweep needs nothing but p_k): the row max is taken first (no
+// exponentials), then e_k = exp(z_k - m) is computed once, summed into the accumulators and, when a gradient is
+// written, stored in the gradient row; the gradient sweep then only rescales e_k (p_k = e_k / denom) instead of
+// evaluating a second exponential. The row is in L1/L2 between the sweeps, and exp is what bounds the kernel on a
+// CPU (the two-exponential form was about twice as slow at C = 1000; the online softmax of `accumulate`, which
+// rescales per block, is ≈ 1.7× slower per row without a gradient). `out` may alias `z` (in-place gradient).
 template <typename T>
 T row_max(const T* z, int64_t C) {
   using Vec = Vectorized<T>;
@@ -191,8 +194,9 @@ T row_max(const T* z, int64_t C) {
   return horizontal_max(best);
 }
 
-// out[k] = exp(z[k] - m) for k in [lo, hi); returns Σ out[k] and (kSquare) Σ out[k]², block-wise two-level sums.
-template <typename T, bool kSquare>
+// out[k] = exp(z[k] - m) for k in [lo, hi) (kStore; nothing is written otherwise); returns Σ exp(z[k] - m) and
+// (kSquare) Σ exp(z[k] - m)², block-wise two-level sums.
+template <typename T, bool kSquare, bool kStore>
 void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
@@ -204,16 +208,16 @@ void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T&
     Vec block(T(0)), block_sq(T(0));
     int64_t k = begin;
     for (; k + W <= end; k += W) {
-      const Vec e = (Vec::loadu(z + k) - max_vec).exp_u20();
-      e.store(out + k);
+      const Vec e = exp_nonpositive(Vec::loadu(z + k) - max_vec);
+      if constexpr (kStore) e.store(out + k);
       block = block + e;
       if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
     }
     if (k < end) {
       const int64_t rest = end - k;
       // lanes past `rest` are loaded as 0 by loadu(ptr, count); mask them out of the sums
-      const Vec e = Vec::set(Vec(T(0)), (Vec::loadu(z + k, rest) - max_vec).exp_u20(), rest);
-      e.store(out + k, rest);
+      const Vec e = Vec::set(Vec(T(0)), exp_nonpositive(Vec::loadu(z + k, rest) - max_vec), rest);
+      if constexpr (kStore) e.store(out + k, rest);
       block = block + e;
       if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
     }
@@ -240,6 +244,22 @@ void rescale_sweep(T* e, int64_t C, T inv_denom, T alpha, T beta, T tau) {
   if (k < C) grad(Vec::loadu(e + k, C - k)).store(e + k, C - k);
 }
 
+// base^exponent; small non-negative integer exponents (γ = 2, 3, 4, 5, q = 2, ... as in every published setting) by
+// repeated squaring, which is several times cheaper than pow and within a few ulps of it. pow costs about as much as
+// a row's whole vector sweep at small C, and a row takes up to four of them.
+template <typename T>
+T power(T base, T exponent) {
+  if (!(exponent >= 0 && exponent <= 16)) return std::pow(base, exponent);  // also NaN, before the cast
+  const int n = static_cast<int>(exponent);
+  if (exponent != static_cast<T>(n)) return std::pow(base, exponent);
+  T result = 1;
+  for (int bits = n; bits != 0; bits >>= 1) {
+    if (bits & 1) result *= base;
+    base *= base;
+  }
+  return result;
+}
+
 template <typename T>
 struct RowSpec {
   Weight weight;
@@ -248,8 +268,21 @@ struct RowSpec {
   T q;
 };
 
+// Whether the float sweeps of the one-exponential path run as AVX-512 (csrc/cpu/vec_exp.h): the CPU has it and
+// ATen uses it (ATEN_CPU_CAPABILITY=avx2 or default turns it off). Decided once per process.
+bool use_avx512_sweeps() {
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+  static const bool enabled = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
+                              at::get_cpu_capability() == "AVX512";
+  return enabled;
+#else
+  return false;
+#endif
+}
+
 // Loss of one non-ignored row; if `grad` is non-null also writes scale · dL_i/dz_i there (may alias z).
-template <typename T, PowQ kPow, bool kDual>
+// kAvx512: the one-exponential path's sweeps are the AVX-512 ones (float only).
+template <typename T, PowQ kPow, bool kDual, bool kAvx512>
 T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
               T scale) {
   const T inf = std::numeric_limits<T>::infinity();
@@ -258,13 +291,35 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
 
   // The one-exponential path needs a finite row max (an all -inf row takes the general path and its NaN rules).
   constexpr bool kCanStore = !kDual && kPow != PowQ::General;
-  T m = kCanStore && grad != nullptr ? row_max(z, C) : -inf;
-  const bool stored = kCanStore && grad != nullptr && m != -inf;
+  constexpr bool kWide = kAvx512 && kCanStore && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
+  T m = -inf;
+  if constexpr (kCanStore) {
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+    if constexpr (kWide) m = avx512::row_max(z, C);
+#endif
+    if constexpr (!kWide) m = row_max(z, C);
+  }
+  const bool one_exp = kCanStore && m != -inf;
+  const bool stored = one_exp && grad != nullptr;
   T sum_others = 0;        // Σ_{k≠y} exp(z_k - m)
   T sum_pow_q_others = 0;  // Σ_{k≠y} exp(q (z_k - m))
-  if (stored) {
-    exp_store_sweep<T, kPow == PowQ::Square>(z, grad, 0, y, m, sum_others, sum_pow_q_others);
-    exp_store_sweep<T, kPow == PowQ::Square>(z, grad, y + 1, C, m, sum_others, sum_pow_q_others);
+  if (one_exp) {
+    constexpr bool kSquare = kPow == PowQ::Square;
+    auto sweep = [&](auto store_tag, T* out) {
+      constexpr bool kStore = decltype(store_tag)::value;
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+      if constexpr (kWide) avx512::exp_store_sweep<kSquare, kStore>(z, out, C, y, m, sum_others, sum_pow_q_others);
+#endif
+      if constexpr (!kWide) {
+        exp_store_sweep<T, kSquare, kStore>(z, out, 0, y, m, sum_others, sum_pow_q_others);
+        exp_store_sweep<T, kSquare, kStore>(z, out, y + 1, C, m, sum_others, sum_pow_q_others);
+      }
+    };
+    if (stored) {
+      sweep(std::true_type{}, grad);
+    } else {
+      sweep(std::false_type{}, nullptr);
+    }
   } else {
     OnlineSoftmax<T> acc;
     accumulate<T, kPow>(z, 0, y, q, acc);
@@ -309,10 +364,10 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
       if (spec.weight == Weight::Flsd) {
         g = p_y < T(kFlsdLowThreshold) ? T(kFlsdLowGamma) : (p_y < T(kFlsdMidThreshold) ? T(kFlsdMidGamma) : gamma);
       }
-      u = std::pow(one_minus_p_y, g);
+      u = power(one_minus_p_y, g);
       // du/dz_k = -A (δ_ky - p_k), A = γ (1-p_y)^{γ-1} p_y, so the gradient is (u + CE·A)(p - e_y).
       T a = 0;
-      if (loss_mode && g != 0 && one_minus_p_y > 0) a = g * std::pow(one_minus_p_y, g - 1) * p_y;
+      if (loss_mode && g != 0 && one_minus_p_y > 0) a = g * power(one_minus_p_y, g - 1) * p_y;
       alpha = u + ce * a;
       g_y = -alpha * one_minus_p_y;
       break;
@@ -321,10 +376,10 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
       z_j = max_below(z, C, z_y);
       const T p_j = (z_j == -inf) ? T(0) : std::exp(z_j - lse);
       const T base = one_minus_p_y + p_j;
-      u = std::pow(base, gamma);
+      u = power(base, gamma);
       // du/dz_k = G [(p_y - p_j) p_k + (p_j / n_J) [k∈J] - p_y δ_ky],  G = γ (1-p_y+p_j)^{γ-1}
       T cg = 0;
-      if (loss_mode && gamma != 0 && base > 0) cg = ce * gamma * std::pow(base, gamma - 1);
+      if (loss_mode && gamma != 0 && base > 0) cg = ce * gamma * power(base, gamma - 1);
       alpha = u + cg * (p_y - p_j);
       g_y = -u * one_minus_p_y - cg * (p_y * one_minus_p_y + p_j * p_y);
       if (cg != 0 && p_j > 0) c_j = cg * p_j / static_cast<T>(count_equal(z, C, z_j));
@@ -340,16 +395,16 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
       } else {
         pow_q_others = sum_pow_q_others * std::exp(-q * log_denom);
       }
-      const T omp_q = std::pow(one_minus_p_y, q);
+      const T omp_q = power(one_minus_p_y, q);
       const T s = pow_q_others + omp_q;
-      u = std::pow(s, gamma / q);
+      u = power(s, gamma / q);
       alpha = u;
       g_y = -u * one_minus_p_y;
       if (loss_mode && gamma != 0 && s > 0) {
         // dS/dz_k = q p_k^q - p_k T (k≠y), p_y (-q (1-p_y)^{q-1} - T) (k=y), T = Σ_j p_j ∂S/∂p_j
-        const T omp_qm1 = (one_minus_p_y > 0 || q >= 1) ? std::pow(one_minus_p_y, q - 1) : T(0);
+        const T omp_qm1 = (one_minus_p_y > 0 || q >= 1) ? power(one_minus_p_y, q - 1) : T(0);
         const T t = q * pow_q_others - q * p_y * omp_qm1;
-        const T k_coef = ce * (gamma / q) * std::pow(s, gamma / q - 1);
+        const T k_coef = ce * (gamma / q) * power(s, gamma / q - 1);
         if constexpr (kPow == PowQ::Linear) {
           alpha = u + k_coef * (q - t);  // p_k^{q-1} = 1
         } else {
@@ -363,7 +418,15 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
   }
 
   if (grad != nullptr && stored) {
-    if constexpr (kCanStore) {
+    if constexpr (kWide) {
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+      if (beta != 0) {
+        avx512::rescale_sweep<kPow == PowQ::Square>(grad, C, T(1) / denom, scale * alpha, scale * beta, tau);
+      } else {
+        avx512::rescale_sweep<false>(grad, C, T(1) / denom, scale * alpha, T(0), T(0));
+      }
+#endif
+    } else if constexpr (kCanStore) {
       if (beta != 0) {
         rescale_sweep<T, kPow == PowQ::Square>(grad, C, T(1) / denom, scale * alpha, scale * beta, tau);
       } else {
@@ -449,9 +512,10 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
   const RowSpec<acc_t> spec{args.weight, args.mode, static_cast<acc_t>(args.gamma), static_cast<acc_t>(args.norm)};
 
-  auto run_rows = [&](auto pow_tag, auto dual_tag) {
+  auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
     constexpr PowQ kPow = decltype(pow_tag)::value;
     constexpr bool kDual = decltype(dual_tag)::value;
+    constexpr bool kAvx512 = decltype(avx512_tag)::value;
     // enough columns per task that scheduling is amortised
     const int64_t grain = std::max<int64_t>(1, 16384 / c);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
@@ -469,17 +533,24 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
         const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
         if constexpr (kWiden) {
           at::vec::convert(z_row, scratch.data(), c);
-          loss_ptr[i] = process_row<acc_t, kPow, kDual>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
+          loss_ptr[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
                                                         spec, gamma, ext, scale);
           if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
         } else {
-          loss_ptr[i] = process_row<acc_t, kPow, kDual>(z_row, grad_row, c, y, spec, gamma, ext, scale);
+          loss_ptr[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale);
         }
       }
     });
   };
   using F = std::false_type;
   using T = std::true_type;
+  auto run_rows = [&](auto pow_tag, auto dual_tag) {
+    if (use_avx512_sweeps()) {
+      run_rows_with(pow_tag, dual_tag, T{});
+    } else {
+      run_rows_with(pow_tag, dual_tag, F{});
+    }
+  };
   if (args.weight == Weight::Brier) {
     if (args.norm == 2.0) {
       run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
@@ -541,6 +612,16 @@ at::Tensor uncertainty_weighted_ce_inplace_cpu(at::Tensor& logits, const at::Ten
 }
 
 }  // namespace
+
+const char* cpu_vector_isa() {
+  if (use_avx512_sweeps()) return "avx512";
+#if defined(CPU_CAPABILITY_AVX2)
+  return "avx2";
+#else
+  return "default";
+#endif
+}
+
 }  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, CPU, m) {

@@ -1,0 +1,183 @@
+// Vectorised exp for non-positive arguments, and the AVX-512 form of the CPU kernel's hot row sweeps.
+//
+// Why a kernel-specific exp: every exponential the kernel takes is exp(z - m) with m ≥ z (the row max, or lse), so
+// the argument is ≤ 0 (or -inf, or NaN). Dropping the overflow branch and evaluating the polynomial with FMAs makes it
+// cheaper than ATen's exp_u20 (≈ 20 instructions per vector) and *more* accurate (≤ 1.2e-7 relative error, i.e.
+// about 1 ulp, measured on a dense grid of [-87, 0] against double exp; exp_u20 is allowed 20 ulps). The exponential
+// is what bounds the kernel on a CPU, so this is the kernel's speed.
+//
+// Algorithm (the classic Cody–Waite reduction): n = round(x log2 e), r = x - n ln2 (ln2 split in a high part with
+// trailing zero bits and a low part, so n·ln2_hi is exact), exp(r) ≈ 1 + r + r² P(r) with P the degree-5 minimax
+// polynomial of Cephes' expf (S. L. Moshier) on |r| ≤ ln2/2, then the result is scaled by 2^n.
+//   * AVX2: 2^n is added to the exponent bits; x is clamped at -86 (so 2^n·exp(r) stays a normal number) and
+//     results below exp(-86) ≈ 4.5e-38 (≈ FLT_MIN) are flushed to exactly 0, which also gives exp(-inf) = 0.
+//   * AVX-512: vscalefps scales by 2^n with IEEE underflow (denormals, then 0), after clamping x at -104 (exp(-104)
+//     is below the smallest denormal), so exp(-inf) = 0 too.
+//   * NaN propagates (the clamps take NaN from their second operand, and the AVX2 flush keeps unordered lanes), so a
+//     NaN logit gives a NaN row, as in the reference.
+//
+// Why AVX-512 sweeps with a target attribute (and not a second -march build of the whole kernel): only the three
+// float sweeps of the one-exponential path (row max, exp + store + sums, rescale) are written with AVX-512
+// intrinsics, in functions with internal linkage compiled for avx512f/avx512dq; the rest of the extension stays
+// x86-64-v3, so no inline function of a shared header is ever emitted with AVX-512 instructions (which the linker
+// could pick for a machine without them). They are used only when the CPU has AVX-512 *and* ATen uses it (so
+// ATEN_CPU_CAPABILITY=avx2 turns them off, as it does for ATen's own kernels). On Zen 4 (256-bit datapaths) they
+// are ≈ 1.35× faster than the AVX2 sweeps, which are ≈ 1.15× faster than the same sweeps with exp_u20
+// (2-core microbenchmark of the three sweeps at 4096 × 1000 fp32, 2026-11-23).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <limits>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define CALIBKERNELS_HAVE_AVX512_SWEEPS 1
+#else
+#define CALIBKERNELS_HAVE_AVX512_SWEEPS 0
+#endif
+
+namespace calibkernels {
+namespace {
+
+// exp(r) ≈ 1 + r + r² P(r) on |r| ≤ ln2/2: P's coefficients, highest degree first (Cephes expf).
+constexpr float kExpP0 = 1.9875691500e-4f;
+constexpr float kExpP1 = 1.3981999507e-3f;
+constexpr float kExpP2 = 8.3334519073e-3f;
+constexpr float kExpP3 = 4.1665795894e-2f;
+constexpr float kExpP4 = 1.6666665459e-1f;
+constexpr float kExpP5 = 5.0000001201e-1f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;  // 8 significant bits: n · kLn2Hi is exact for |n| < 2^16
+constexpr float kLn2Lo = -2.12194440e-4f;
+
+// Generic form: ATen's exp (float64, builds without AVX2). Only the float AVX2 overload below is specialised.
+template <typename T>
+at::vec::Vectorized<T> exp_nonpositive(const at::vec::Vectorized<T>& x) {
+  return x.exp_u20();
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+inline at::vec::Vectorized<float> exp_nonpositive(const at::vec::Vectorized<float>& vec) {
+  const __m256 x_in = vec;
+  const __m256 lowest = _mm256_set1_ps(-86.0f);
+  // true for x ≥ -86 and for NaN (unordered), so NaN survives the flush below
+  const __m256 keep = _mm256_cmp_ps(x_in, lowest, _CMP_NLT_UQ);
+  const __m256 x = _mm256_max_ps(lowest, x_in);  // NaN in the second operand is returned as is
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpP0), r, _mm256_set1_ps(kExpP1));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP5));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i two_to_n = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
+  const __m256 result = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), two_to_n));
+  return _mm256_and_ps(result, keep);
+}
+#endif
+
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+namespace avx512 {
+
+#define CALIBKERNELS_AVX512 __attribute__((target("avx512f,avx512dq")))
+
+constexpr int64_t kWidth = 16;
+// Two-level summation, as in the generic sweeps: per-block partial sums keep the rounding error at
+// O((block + C/block) eps) for C in the 10^5 range.
+constexpr int64_t kBlock = 64 * kWidth;
+
+CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
+  return static_cast<__mmask16>((1u << count) - 1u);
+}
+
+CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // NaN in the second operand is returned as is
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpP0), r, _mm512_set1_ps(kExpP1));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP5));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// max_k z[k] over [0, C). A NaN may or may not win the max; either way exp_store_sweep turns it into a NaN sum.
+CALIBKERNELS_AVX512 inline float row_max(const float* z, int64_t C) {
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  __m512 best = neg_inf;
+  int64_t k = 0;
+  for (; k + kWidth <= C; k += kWidth) best = _mm512_max_ps(best, _mm512_loadu_ps(z + k));
+  if (k < C) best = _mm512_max_ps(best, _mm512_mask_loadu_ps(neg_inf, tail_mask(C - k), z + k));
+  return _mm512_reduce_max_ps(best);
+}
+
+// out[k] = exp(z[k] - m) for every k in [0, C) (kStore; out may alias z); returns Σ_{k≠skip} exp(z[k] - m) and
+// (kSquare) Σ_{k≠skip} exp(z[k] - m)². The target column `skip` is left out of the sums lane-wise, so a row needs
+// one sweep and the sums carry no "total - e_y" cancellation.
+template <bool kSquare, bool kStore>
+CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, int64_t skip, float m, float& sum,
+                                         float& sum_sq) {
+  const __m512 max_vec = _mm512_set1_ps(m);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t skip_vec = skip - skip % kWidth;
+  const __mmask16 skip_lane_off = static_cast<__mmask16>(~(1u << (skip % kWidth)));
+  __m512 total = _mm512_setzero_ps(), total_sq = _mm512_setzero_ps();
+  for (int64_t begin = 0; begin < C; begin += kBlock) {
+    const int64_t end = begin + kBlock < C ? begin + kBlock : C;
+    __m512 block = _mm512_setzero_ps(), block_sq = _mm512_setzero_ps();
+    auto add = [&](__m512 e, __mmask16 lanes) CALIBKERNELS_AVX512 {
+      block = _mm512_mask_add_ps(block, lanes, block, e);
+      if constexpr (kSquare) block_sq = _mm512_mask3_fmadd_ps(e, e, block_sq, lanes);
+    };
+    int64_t k = begin;
+    for (; k + kWidth <= end; k += kWidth) {
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(z + k), max_vec));
+      if constexpr (kStore) _mm512_storeu_ps(out + k, e);
+      add(e, k == skip_vec ? skip_lane_off : static_cast<__mmask16>(0xFFFF));
+    }
+    if (k < end) {
+      // lanes past the row are -inf, so their exponential is 0 (and they are masked out of the store and sums)
+      const __mmask16 lanes = tail_mask(end - k);
+      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, lanes, z + k), max_vec));
+      if constexpr (kStore) _mm512_mask_storeu_ps(out + k, lanes, e);
+      add(e, k == skip_vec ? static_cast<__mmask16>(lanes & skip_lane_off) : lanes);
+    }
+    total = _mm512_add_ps(total, block);
+    if constexpr (kSquare) total_sq = _mm512_add_ps(total_sq, block_sq);
+  }
+  sum += _mm512_reduce_add_ps(total);
+  if constexpr (kSquare) sum_sq += _mm512_reduce_add_ps(total_sq);
+}
+
+// g_k = p_k (α + β (p_k - τ)) (kSquare) or α p_k, with p_k = e_k · inv_denom, in place over the exponentials.
+template <bool kSquare>
+CALIBKERNELS_AVX512 void rescale_sweep(float* e, int64_t C, float inv_denom, float alpha, float beta, float tau) {
+  const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
+               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau);
+  auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
+    const __m512 p = _mm512_mul_ps(x, inv_vec);
+    if constexpr (kSquare) return _mm512_mul_ps(p, _mm512_fmadd_ps(beta_vec, _mm512_sub_ps(p, tau_vec), alpha_vec));
+    return _mm512_mul_ps(p, alpha_vec);
+  };
+  int64_t k = 0;
+  for (; k + kWidth <= C; k += kWidth) _mm512_storeu_ps(e + k, grad(_mm512_loadu_ps(e + k)));
+  if (k < C) {
+    const __mmask16 lanes = tail_mask(C - k);
+    _mm512_mask_storeu_ps(e + k, lanes, grad(_mm512_maskz_loadu_ps(lanes, e + k)));
+  }
+}
+
+#undef CALIBKERNELS_AVX512
+
+}  // namespace avx512
+#endif
+
+}  // namespace
+}  // namespace calibkernels
