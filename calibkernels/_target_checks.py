@@ -24,6 +24,8 @@ import os
 
 import torch
 
+from ._validation import out_of_range_message
+
 __all__ = ["POLICY", "submit", "poll", "synchronize_target_checks"]
 
 _POLICIES = {"async": "async", "1": "async", "sync": "sync", "0": "off", "off": "off"}
@@ -37,8 +39,7 @@ def _raise(flag, num_classes: int, ignore_index: int, late: bool) -> None:
     has_bad, bad_value = (int(v) for v in flag)
     if has_bad:
         when = " (in an earlier call; that loss and its gradient rows are NaN)" if late else ""
-        raise ValueError(f"target value {bad_value} is out of range for {num_classes} classes "
-                         f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index}){when}")
+        raise ValueError(out_of_range_message(bad_value, num_classes, ignore_index) + when)
 
 
 def submit(error: torch.Tensor, num_classes: int, ignore_index: int) -> None:

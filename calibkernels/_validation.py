@@ -58,6 +58,17 @@ def check_norm(norm) -> None:
         raise ValueError(f"norm (the q of the generalised Brier score) must be > 0, got {norm}")
 
 
+def out_of_range_targets(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """Boolean mask of the targets that are neither a class index in ``[0, num_classes)`` nor ``ignore_index``."""
+    return (target != ignore_index) & ((target < 0) | (target >= num_classes))
+
+
+def out_of_range_message(value: int, num_classes: int, ignore_index: int) -> str:
+    """The ``ValueError`` text for an out-of-range target, the same from every backend."""
+    return (f"target value {value} is out of range for {num_classes} classes "
+            f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})")
+
+
 def check_logits_target(logits, target, *, ignore_index: int = -100, check_values: bool = True):
     """Validate and flatten ``logits (..., C)`` and ``target (...)``; return ``(logits2d, target1d, batch_shape)``.
 
@@ -101,13 +112,9 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
         low, high = torch.stack(torch.aminmax(target1d)).tolist()
         if low >= 0 and high < num_classes:
             return logits2d, target1d, batch_shape
-        bad = (target1d != ignore_index) & ((target1d < 0) | (target1d >= num_classes))
+        bad = out_of_range_targets(target1d, num_classes, ignore_index)
         if bool(bad.any()):
-            first = int(target1d[bad][0])
-            raise ValueError(
-                f"target value {first} is out of range for {num_classes} classes "
-                f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})"
-            )
+            raise ValueError(out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
     return logits2d, target1d, batch_shape
 
 

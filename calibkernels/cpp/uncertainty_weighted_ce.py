@@ -249,7 +249,7 @@ def _submit_cuda_target_check(inputs: V.LossInputs) -> None:
     if _target_checks.POLICY == "off" or torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
     target, num_classes = inputs.target, inputs.logits.shape[-1]
-    bad = (target != inputs.ignore_index) & ((target < 0) | (target >= num_classes))
+    bad = V.out_of_range_targets(target, num_classes, inputs.ignore_index)
     flag = torch.stack((bad.any().to(torch.int64), torch.where(bad, target, torch.iinfo(torch.int64).min).max()))
     _target_checks.submit(flag, num_classes, inputs.ignore_index)
 

@@ -418,19 +418,18 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
   }
 
   if (grad != nullptr && stored) {
-    if constexpr (kWide) {
+    if constexpr (kCanStore) {
+      auto rescale = [&](auto square_tag, T beta_scaled, T tau_value) {
+        constexpr bool kSquare = decltype(square_tag)::value;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
-      if (beta != 0) {
-        avx512::rescale_sweep<kPow == PowQ::Square>(grad, C, T(1) / denom, scale * alpha, scale * beta, tau);
-      } else {
-        avx512::rescale_sweep<false>(grad, C, T(1) / denom, scale * alpha, T(0), T(0));
-      }
+        if constexpr (kWide) avx512::rescale_sweep<kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
 #endif
-    } else if constexpr (kCanStore) {
+        if constexpr (!kWide) rescale_sweep<T, kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+      };
       if (beta != 0) {
-        rescale_sweep<T, kPow == PowQ::Square>(grad, C, T(1) / denom, scale * alpha, scale * beta, tau);
+        rescale(std::bool_constant<kPow == PowQ::Square>{}, scale * beta, tau);
       } else {
-        rescale_sweep<T, false>(grad, C, T(1) / denom, scale * alpha, T(0), T(0));
+        rescale(std::false_type{}, T(0), T(0));
       }
     }
     grad[y] = scale * g_y;
