@@ -34,6 +34,8 @@ def main(argv=None):
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
     parser.add_argument("--stages", type=int, nargs="+", default=[0], help="0: Triton's default")
+    parser.add_argument("--programs", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6],
+                        help="two-read path: programs per multiprocessor of the row-striding grid (0: one per row)")
     parser.add_argument("--grid-weights", nargs="+", default=["brier"],
                         help="weights whose launch configurations are searched (the others: default only)")
     args = parser.parse_args(argv)
@@ -70,9 +72,10 @@ def main(argv=None):
                 code = V.WEIGHT_CODES[weight]
                 common = (target, None, None, code, V.MODE_CODES["grad"], 2.0, 2.0, -100, V.REDUCTION_CODES["mean"])
 
-                def triton_fn(chunk=None, num_warps=None, num_stages=None):
+                def triton_fn(chunk=None, num_warps=None, num_stages=None, programs=None):
                     return lambda: tri.uncertainty_weighted_ce_forward(
-                        logits, *common, True, False, chunk=chunk, num_warps=num_warps, num_stages=num_stages)
+                        logits, *common, True, False, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
+                        programs_per_sm=programs)
 
                 configs = []
                 if weight not in args.grid_weights:
@@ -81,25 +84,26 @@ def main(argv=None):
                     block = triton.next_power_of_2(c)
                     for w in args.warps:
                         if w * 32 <= block:
-                            configs.append(("single", block, w, None))
+                            configs.append(("single", block, w, None, None))
                 for chunk in args.chunks if weight in args.grid_weights else []:
                     if chunk < c:
                         for w in args.warps:
                             if w * 32 * 4 <= chunk and w <= 16:
                                 for s in args.stages:
-                                    configs.append(("two-read", chunk, w, s or None))
+                                    for p in args.programs:
+                                        configs.append(("two-read", chunk, w, s or None, p))
                 best = None
-                for path, block, w, s in configs:
+                for path, block, w, s, p in configs:
                     try:
-                        ms = bench(triton_fn(None if path == "single" else block, w, s))
+                        ms = bench(triton_fn(None if path == "single" else block, w, s, p))
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
                         record(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path, block=block, warps=w,
-                               stages=s, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                               stages=s, programs_per_sm=p, error=f"{type(exc).__name__}: {str(exc)[:200]}")
                         continue
                     record(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path, block=block, warps=w,
-                           stages=s, ms=ms, gbs=nbytes / ms / 1e6)
+                           stages=s, programs_per_sm=p, ms=ms, gbs=nbytes / ms / 1e6)
                     if best is None or ms < best[0]:
-                        best = (ms, path, block, w, s)
+                        best = (ms, path, block, w, s, p)
                 default_ms = bench(triton_fn())
                 record(kind="triton-default", c=c, dtype=dtype_name, weight=weight, ms=default_ms,
                        gbs=nbytes / default_ms / 1e6, best=best)

@@ -191,6 +191,26 @@ def test_confident_and_infinite_rows_in_chunks(small_block, device):
     assert confident_loss[0] > 0, "the confident row's weight (1 - p_y)^γ must not round to 0"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunk", [None, 8], ids=["single-read", "two-read"])
+@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("none", "grad")])
+def test_row_striding_grid_gives_the_same_bits_as_one_program_per_row(device, chunk, weight, mode):
+    """A grid of fewer programs than rows (each striding over rows) computes every row exactly as one program per
+    row does: same loss and gradient bits, every row visited once (ignored and out-of-range rows included)."""
+    n, c = (11 if device == "cpu" else 1000), 37  # more rows than the grid: 3 programs (CPU), 1 per SM (GPU)
+    z = torch.randn(n, c, device=device) * 3
+    y = _targets(n, c, device)
+    y[2] = -100
+    args = _op_args(z, y, weight=weight, mode=mode, reduction="none")
+    results = [T.uncertainty_weighted_ce_forward(z, *args, True, False, chunk=chunk, programs_per_sm=programs)
+               for programs in (0, 1)]
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    exact_loss, exact_grad = _reference_loss_and_grad(z, y, torch.ones(n, device=device), weight=weight, mode=mode,
+                                                      reduction="none")
+    _close(results[1][0], exact_loss, torch.float32, "loss")
+    _close(results[1][1], exact_grad, torch.float32, "gradient")
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Inplace, no-grad, backward scaling, version counter
 # ----------------------------------------------------------------------------------------------------------------
@@ -295,6 +315,7 @@ def test_out_of_range_target_raises_on_device_check(monkeypatch, device, chunked
         y = torch.tensor([0, bad, 3, -100], device=device)
         with pytest.raises(ValueError, match=f"target value {bad} is out of range for 7 classes"):
             T.run("triton", _inputs(z, y), False)
+            _target_checks.synchronize_target_checks()  # on CUDA the default policy raises without stalling
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -425,14 +446,14 @@ from calibkernels.triton import uncertainty_weighted_ce as T
 
 assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, not interpreted ones"
 
-def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch, num_warps=None):
+def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch, num_warps=None, strided=False):
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
-                 "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
+                 "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block, SINGLE_READ=single_read,
-                      NORM_IS_TWO=weight == T.WEIGHT_BRIER)
+                      NORM_IS_TWO=weight == T.WEIGHT_BRIER, ROWS_STRIDED=strided)
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps or T._num_warps(block)})
@@ -458,6 +479,7 @@ def small_kernels(dtype, arch):
 for weight, mode in itertools.product(range(6), range(2)):       # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)
     fwd("bf16", weight, mode, 0, 4096, False, False, 90, num_warps=4)
+fwd("bf16", 4, 1, 1, 8192, False, False, 90, num_warps=8, strided=True)  # the row-striding grid
 fwd("fp32", 4, 1, 2, T.MAX_BLOCK, True, False, 90, num_warps=16)  # the largest single-read block (C = 32000)
 fwd("fp16", 1, 0, 1, 2048, True, True, 90)                         # per-sample gamma (the gamma-Net)
 fwd("bf16", 4, 1, 1, 1024, True, False, 80)

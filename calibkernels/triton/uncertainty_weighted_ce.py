@@ -90,7 +90,14 @@ __all__ = [
 #   C = 32000 bf16: 0.47 ms against 0.60 ms for the best single-read shape), and the second read mostly hits L2.
 MAX_BLOCK = 32768
 MAX_BLOCK_16BIT = 4096
-TWO_READ_CHUNK = {2: (4096, 4), 4: (4096, 8)}  # element size -> (chunk, num_warps)
+# * fp32 two-read chunks: 16384 classes by 16 warps (C = 128256: 2.76 ms against 3.03 ms for 4096 by 8;
+#   bench/results/tune-h200-2026-11-23-r2.json).
+TWO_READ_CHUNK = {2: (4096, 4), 4: (16384, 16)}  # element size -> (chunk, num_warps)
+# Two-read path: programs per multiprocessor of a row-striding grid (0: one program per row). Bounding the rows in
+# flight bounds the bytes between a row's first and second read, so that the second read could hit L2; measured on an
+# H200 it never beat one program per row (1–6 per SM, tune-h200-2026-11-23-r2.json), so it is off by default and
+# kept for `uncertainty_weighted_ce_forward(programs_per_sm=...)` and the sweep.
+TWO_READ_PROGRAMS_PER_SM = 0
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -121,7 +128,8 @@ def _pow(base, exponent):
 
 
 @triton.jit
-def _uncertainty_weighted_ce_fwd_kernel(
+def _uncertainty_weighted_ce_row(
+    row,
     logits_ptr, logits_row_stride,
     target_ptr, sample_weight_ptr, gamma_ptr,
     row_loss_ptr, grad_ptr, grad_row_stride,
@@ -131,7 +139,7 @@ def _uncertainty_weighted_ce_fwd_kernel(
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
 ):
-    """Row loss ``u_i CE_i`` (fp32) and, if COMPUTE_GRAD, the row's gradient of the reduced loss; one program per row."""
+    """Row loss ``u_i CE_i`` (fp32) of row ``row`` (int64) and, if COMPUTE_GRAD, its gradient of the reduced loss."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -140,7 +148,6 @@ def _uncertainty_weighted_ce_fwd_kernel(
     FLSD_MID_THRESHOLD: tl.constexpr = 0.5
     FLSD_MID_GAMMA: tl.constexpr = 3.0
 
-    row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row).to(tl.int64)
     is_valid = target != ignore_index
@@ -173,6 +180,9 @@ def _uncertainty_weighted_ce_fwd_kernel(
             z_below_max = tl.max(tl.where(below, z, NEG_INF), 0)
             n_ties = tl.sum(tl.where(below & (z == z_below_max), 1.0, 0.0), 0)
     else:
+        # Scalar running sums, reduced per chunk. Per-lane sums reduced once after the loop (fewer block reductions)
+        # measured slower on an H200 (C = 128256 bf16: 1.87 against 1.61 ms): two more BLOCK-wide live vectors
+        # cost occupancy, which this memory-bound loop needs more than it needs fewer barriers.
         m_safe = tl.full((), 0.0, tl.float32)
         m = tl.full((), NEG_INF, tl.float32)
         d_others = tl.full((), 0.0, tl.float32)
@@ -207,15 +217,18 @@ def _uncertainty_weighted_ce_fwd_kernel(
     d = d_others + tl.exp2((z_target - m_safe) * LOG2E)
 
     # ---- per-row scalars -------------------------------------------------------------------------------------------
-    lse = m_safe + tl.log2(d) * LN2
-    p_target = tl.exp2((z_target - lse) * LOG2E)
+    # Probabilities as p_k = 2^{(z_k - m) log2 e - log2 d}: the max is subtracted first, so z_k - m is exact for the
+    # classes that matter; 2^{(z_k - lse) log2 e} would carry the rounding of lse = m + ln d, an error of ulp(m) in
+    # the exponent (~1e-5 relative in p_k for logits of a few hundred), which a loss-mode gradient multiplies by CE.
+    log2_d = tl.log2(d)
+    p_target = tl.exp2((z_target - m_safe) * LOG2E - log2_d)
     # Confident rows: CE = -log p_y = log1p(d_¬y / e^{z_y - m}); log(d) with d ≈ 1 would keep only the rounding of d.
     # log1p by Kahan's trick (exact log of the rounded 1 + x, rescaled).
     odds_against = d_others / tl.exp2((z_target - m_safe) * LOG2E)
     one_plus = 1.0 + odds_against
     log1p_odds = tl.where(one_plus == 1.0, odds_against, tl.log(one_plus) * odds_against / (one_plus - 1.0))
-    cross_entropy = tl.where(p_target > 0.5, log1p_odds, lse - z_target)
-    one_minus_p = d_others / d  # = -expm1(z_y - lse) without cancellation
+    cross_entropy = tl.where(p_target > 0.5, log1p_odds, (m_safe - z_target) + log2_d * LN2)
+    one_minus_p = d_others / d  # = 1 - p_y without cancellation
     # gradient: grad_k = coef_p p_k + coef_tie τ_k + coef_h (p_k^q - p_k H) for k ≠ y;  grad_y = -coef_p (1-p_y) + extra_y
     coef_p = 1.0
     extra_y = 0.0
@@ -238,7 +251,7 @@ def _uncertainty_weighted_ce_fwd_kernel(
             du = tl.where(g == 0.0, 0.0, -g * _pow(one_minus_p, g - 1.0) * p_target)
             coef_p = u - cross_entropy * du
     elif WEIGHT == _DUAL_FOCAL:
-        p_j = tl.exp2((z_below_max - lse) * LOG2E)  # 0 when nothing is below z_y
+        p_j = tl.exp2((z_below_max - m_safe) * LOG2E - log2_d)  # 0 when nothing is below z_y
         base = one_minus_p + p_j
         u = _pow(base, gamma)
         coef_p = u
@@ -254,7 +267,7 @@ def _uncertainty_weighted_ce_fwd_kernel(
         if NORM_IS_TWO:
             p_q_others = sum_q_others / (d * d)
         else:
-            p_q_others = tl.exp2(tl.log2(sum_q_others) + (m_safe - lse) * (norm * LOG2E))
+            p_q_others = tl.exp2(tl.log2(sum_q_others) - norm * log2_d)
         brier_q = p_q_others + _pow(one_minus_p, norm)
         u = _pow(brier_q, gamma / norm)
         coef_p = u
@@ -288,7 +301,7 @@ def _uncertainty_weighted_ce_fwd_kernel(
                 if NORM_IS_TWO:
                     grad += coef_h * (p * p - p * h_sum)
                 else:
-                    grad += coef_h * (tl.exp2((z - lse) * (norm * LOG2E)) - p * h_sum)
+                    grad += coef_h * (tl.exp2(((z - m_safe) * LOG2E - log2_d) * norm) - p * h_sum)
             grad = tl.where(is_target_col, grad_target, grad * scale)
             grad = tl.where(is_valid, grad, 0.0)
             grad = tl.where(is_bad, float("nan"), grad)
@@ -301,7 +314,7 @@ def _uncertainty_weighted_ce_fwd_kernel(
                 col_mask = offs < num_classes
                 z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_first")
                 z = z.to(tl.float32)
-                p = tl.exp2((z - lse) * LOG2E)
+                p = tl.exp2((z - m_safe) * LOG2E - log2_d)
                 grad = coef_p * p
                 if WEIGHT == _DUAL_FOCAL and MODE == _LOSS_MODE:
                     grad += tl.where((z < z_target) & (z == z_below_max), coef_tie, 0.0)
@@ -309,11 +322,37 @@ def _uncertainty_weighted_ce_fwd_kernel(
                     if NORM_IS_TWO:
                         grad += coef_h * (p * p - p * h_sum)
                     else:
-                        grad += coef_h * (tl.exp2((z - lse) * (norm * LOG2E)) - p * h_sum)
+                        grad += coef_h * (tl.exp2(((z - m_safe) * LOG2E - log2_d) * norm) - p * h_sum)
                 grad = tl.where(offs == safe_target, grad_target, grad * scale)
                 grad = tl.where(is_valid, grad, 0.0)
                 grad = tl.where(is_bad, float("nan"), grad)
                 tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=col_mask, eviction_policy="evict_first")
+
+
+@triton.jit
+def _uncertainty_weighted_ce_fwd_kernel(
+    logits_ptr, logits_row_stride,
+    target_ptr, sample_weight_ptr, gamma_ptr,
+    row_loss_ptr, grad_ptr, grad_row_stride,
+    valid_count_ptr,
+    num_rows, num_classes, gamma, norm, ignore_index,
+    WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr, ROWS_STRIDED: tl.constexpr,
+):
+    """Row losses and gradient rows: one program per row, or (ROWS_STRIDED) a fixed grid whose programs stride over
+    the rows, which bounds the rows in flight so that the two-read path's second read finds its row still in L2."""
+    if ROWS_STRIDED:
+        for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
+            _uncertainty_weighted_ce_row(
+                tl.cast(row, tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
+                row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
+                WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
+    else:
+        _uncertainty_weighted_ce_row(
+            tl.program_id(0).to(tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
+            row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
+            WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
 
 
 @triton.jit
@@ -428,6 +467,7 @@ def uncertainty_weighted_ce_forward(
     chunk: Optional[int] = None,
     num_warps: Optional[int] = None,
     num_stages: Optional[int] = None,
+    programs_per_sm: Optional[int] = None,
     loss_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the kernels; return ``(loss, grad)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in ``loss_dtype``,
@@ -462,17 +502,21 @@ def uncertainty_weighted_ce_forward(
         target, num_rows, num_classes, int(ignore_index), valid_count, error,
         BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
     per_sample_gamma = gamma_per_sample is not None
-    _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
+    if programs_per_sm is None:
+        programs_per_sm = 0 if single_read else TWO_READ_PROGRAMS_PER_SM
+    grid = num_rows if programs_per_sm <= 0 else _persistent_programs(device, num_rows, programs_per_sm)
+    _uncertainty_weighted_ce_fwd_kernel[(grid,)](
         logits, logits.stride(0),
         target,
         sample_weight if sample_weight is not None else row_loss,  # placeholders are never read
         gamma_per_sample if per_sample_gamma else row_loss,
         row_loss, grad if compute_grad else logits, grad.stride(0) if compute_grad else 0,
         valid_count,
-        num_classes, float(gamma), float(norm), int(ignore_index),
+        num_rows, num_classes, float(gamma), float(norm), int(ignore_index),
         WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
         COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma,
         BLOCK=block, SINGLE_READ=single_read, NORM_IS_TWO=weight == WEIGHT_BRIER and float(norm) == 2.0,
+        ROWS_STRIDED=grid < num_rows,
         num_warps=default_warps if num_warps is None else int(num_warps),
         **({} if num_stages is None else {"num_stages": int(num_stages)}),
     )
@@ -491,13 +535,15 @@ _PROGRAMS_PER_SM = 4
 _sm_counts: dict = {}
 
 
-def _persistent_programs(device: torch.device, num_rows: int) -> int:
+def _persistent_programs(device: torch.device, num_rows: int, programs_per_sm: int = _PROGRAMS_PER_SM) -> int:
+    """Grid of a row-striding launch: ``programs_per_sm`` per multiprocessor (3 on a CPU tensor, so that the
+    interpreter tests exercise rows strided over fewer programs), at most one per row."""
     if device.type != "cuda":
-        return max(1, min(num_rows, 4))
+        return max(1, min(num_rows, 3))
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _sm_counts:
         _sm_counts[index] = torch.cuda.get_device_properties(index).multi_processor_count
-    return max(1, min(num_rows, _PROGRAMS_PER_SM * _sm_counts[index]))
+    return max(1, min(num_rows, programs_per_sm * _sm_counts[index]))
 
 
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
@@ -581,7 +627,9 @@ def _scaled_saved_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.T
         if factor.dim() == 1:
             factor = factor[:, None]
         return (grad.to(torch.float32) * factor).to(grad.dtype)
-    _scale_grad_op(grad, grad_output)
+    # Eager: the launcher itself. The registered op's Python dispatch (custom_op's mutation bookkeeping) cost more
+    # host time than the launch (cProfile on an H200 host: ~130 µs of a 0.55 ms step).
+    scale_grad_(grad, grad_output)
     return grad
 
 

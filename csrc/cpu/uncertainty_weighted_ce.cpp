@@ -8,7 +8,7 @@
 //   1. reduction sweep: online softmax (running max m, Σ exp(z-m)) block by block, with the target column excluded
 //      so that Σ_{k≠y} p_k and Σ_{k≠y} p_k^q (the gBS accumulator S_q, rescaled by exp(-qΔm) when m moves) come
 //      out without the cancellation of "1 - p_y" or "S_q - p_y^q"; the dual-focal p_j is a second max sweep;
-//   2. gradient sweep: p_k = exp(z_k - lse) and the gradient of the (reduced) loss for grad_output = 1, written
+//   2. gradient sweep: p_k = exp((z_k - m) - log d) and the gradient of the (reduced) loss for grad_output = 1, written
 //      once. In every weight × mode it is  g_k = p_k (α + β (p_k^{q-1} - τ)) + [k ∈ J] c_J  for k ≠ y, plus a
 //      scalar fix-up of g_y; α, β, τ, c_J and g_y are per-row scalars derived below from the SPEC §2 identities.
 // fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
@@ -152,17 +152,19 @@ int64_t count_equal(const T* z, int64_t C, T value) {
   return static_cast<int64_t>(total);
 }
 
-// g_k = p_k (α + β (p_k^{q-1} - τ)) + [z_k == z_j] c_J with p_k = exp(z_k - lse). The gBS term keeps the
+// g_k = p_k (α + β (p_k^{q-1} - τ)) + [z_k == z_j] c_J with p_k = exp((z_k - m) - log d): the max is subtracted
+// first (exact for the classes that matter), where exp(z_k - lse) would carry lse's rounding, ulp(m), into every
+// p_k (~1e-5 relative for logits of a few hundred, then multiplied by CE in "loss" mode). The gBS term keeps the
 // difference p_k^{q-1} - τ per element (it cancels exactly for a one-hot p; folding it into α would amplify the
 // rounding of α by CE·K). `out` may alias `z` (in-place gradient): each vector is loaded before it is overwritten.
 template <typename T, PowQ kPow, bool kTies>
-void gradient_sweep(const T* z, T* out, int64_t C, T lse, T alpha, T beta, T q, T tau, T z_j, T c_j) {
+void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T beta, T q, T tau, T z_j, T c_j) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const Vec lse_vec(lse), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau), zj_vec(z_j), cj_vec(c_j),
+  const Vec m_vec(m), log_denom_vec(log_denom), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau), zj_vec(z_j), cj_vec(c_j),
       zero(T(0));
   auto grad = [&](const Vec& x) {
-    const Vec shifted = x - lse_vec;
+    const Vec shifted = (x - m_vec) - log_denom_vec;
     const Vec p = exp_nonpositive(shifted);
     Vec coef = alpha_vec;
     if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
@@ -341,7 +343,6 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
   const T e_y = std::exp(z_y - m);
   const T denom = e_y + sum_others;
   const T log_denom = std::log(denom);
-  const T lse = m + log_denom;
   // CE = lse - z_y; log1p keeps full precision when the target is the max and p_y → 1.
   const T ce = (z_y == m) ? std::log1p(sum_others) : (m - z_y) + log_denom;
   const T p_y = e_y / denom;
@@ -374,7 +375,7 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
     }
     case Weight::DualFocal: {
       z_j = max_below(z, C, z_y);
-      const T p_j = (z_j == -inf) ? T(0) : std::exp(z_j - lse);
+      const T p_j = (z_j == -inf) ? T(0) : std::exp((z_j - m) - log_denom);
       const T base = one_minus_p_y + p_j;
       u = power(base, gamma);
       // du/dz_k = G [(p_y - p_j) p_k + (p_j / n_J) [k∈J] - p_y δ_ky],  G = γ (1-p_y+p_j)^{γ-1}
@@ -436,11 +437,11 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
   } else if (grad != nullptr) {
     const bool ties = kDual && c_j != 0;
     if (ties) {
-      gradient_sweep<T, PowQ::None, kDual>(z, grad, C, lse, scale * alpha, T(0), q, T(0), z_j, scale * c_j);
+      gradient_sweep<T, PowQ::None, kDual>(z, grad, C, m, log_denom, scale * alpha, T(0), q, T(0), z_j, scale * c_j);
     } else if (beta != 0) {
-      gradient_sweep<T, kPow, false>(z, grad, C, lse, scale * alpha, scale * beta, q, tau, z_j, T(0));
+      gradient_sweep<T, kPow, false>(z, grad, C, m, log_denom, scale * alpha, scale * beta, q, tau, z_j, T(0));
     } else {
-      gradient_sweep<T, PowQ::None, false>(z, grad, C, lse, scale * alpha, T(0), q, T(0), z_j, T(0));
+      gradient_sweep<T, PowQ::None, false>(z, grad, C, m, log_denom, scale * alpha, T(0), q, T(0), z_j, T(0));
     }
     grad[y] = scale * g_y;
   }

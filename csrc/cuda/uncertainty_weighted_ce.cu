@@ -271,9 +271,12 @@ __device__ __forceinline__ void accumulate(const A (&z)[kPT], ColumnOf column_of
 // Per-row scalars of the gradient: for k ≠ y
 //   g_k = scale · (coef_p p_k + [tie] (z_k < z_y ∧ z_k = zb) coef_tie + [brier_h] coef_h (p_k^q - p_k h_sum)),
 // and g_y = grad_target.
+// p_k = e^{(z_k - m) - log d}: subtracting the max first keeps z_k - m exact for the classes that matter (Sterbenz);
+// e^{z_k - lse} would carry the rounding of lse = m + log d, an absolute error of ulp(m) in the exponent, i.e. a
+// relative error of ~1e-5 in p_k for logits of a few hundred, which a loss-mode Brier gradient multiplies by CE.
 template <typename A>
 struct RowCoefs {
-  A lse, coef_p, coef_tie, coef_h, h_sum, zb, grad_target, scale, loss;
+  A m, log_d, coef_p, coef_tie, coef_h, h_sum, zb, grad_target, scale, loss;
   bool tie, brier_h;
 };
 
@@ -295,14 +298,14 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   const A e_y = exp_(z_y - m);
   const A d = e_y + d_others;
   const A log_d = log_(d);
-  const A lse = m + log_d;
   const A p_y = e_y / d;
   const A omp = d_others / d;  // 1 - p_y without cancellation
   // CE = -log p_y; for confident rows log1p(d_¬y / e_y) keeps the digits that m + log(d) - z_y would cancel.
   const A ce = (p_y > A(0.5)) ? log1p_(d_others / e_y) : (m - z_y) + log_d;
 
   RowCoefs<A> r;
-  r.lse = lse;
+  r.m = m;
+  r.log_d = log_d;
   r.coef_tie = A(0);
   r.coef_h = A(0);
   r.h_sum = A(0);
@@ -330,7 +333,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
       break;
     }
     case Weight::DualFocal: {
-      const A p_j = (s.zb == neg_inf<A>()) ? A(0) : exp_(s.zb - lse);
+      const A p_j = (s.zb == neg_inf<A>()) ? A(0) : exp_((s.zb - m) - log_d);
       const A base = omp + p_j;
       u = pow_(base, P.gamma);
       coef_p = u;
@@ -372,7 +375,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
 
 template <typename A>
 __device__ __forceinline__ A grad_element(const RowCoefs<A>& r, A z, A z_y, A q) {
-  const A shifted = z - r.lse;
+  const A shifted = (z - r.m) - r.log_d;
   const A p = exp_(shifted);
   A g = r.coef_p * p;
   if (r.tie && z < z_y && z == r.zb) g += r.coef_tie;
