@@ -167,6 +167,23 @@ def test_extreme_infinite_and_confident_rows(backend_device, weight, mode):
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("weight,norm", [("none", 2.0), ("focal", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
+                                         ("brier", 3.0)])
+def test_logits_of_a_few_thousand_keep_full_precision(backend_device, weight, norm):
+    """Rows with a large common offset: p_k must come from (z_k - max) - log d, while e^{z_k - lse} carries the
+    rounding of lse (half an ulp of 2000, ~6e-5) into every p_k, far above the reference's own error (this is what
+    failed on an H200 for the CUDA kernel). GRA mode: its gradient u (p - e_y) is well conditioned."""
+    backend, device = backend_device
+    n, c = 8, 300
+    z = torch.randn(n, c) * 3 + 2000  # a large common offset: lse ≈ 2000, ulp(2000) = 1.2e-4
+    z[1] -= 4000
+    y = torch.randint(0, c, (n,))
+    y[0] = int(z[0].argmax())  # a confident row whose target is the max
+    check_against_reference(backend, z.to(device), y.to(device), weight=weight, mode="grad", gamma=3.0, norm=norm,
+                            reduction="sum")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("weight", ["none", "focal", "dual_focal", "brier"])
 def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_device, weight):
     """A NaN logit makes its row's loss and gradient NaN (as in the reference), never a plausible number, and does not

@@ -192,6 +192,23 @@ def test_confident_and_infinite_rows_in_chunks(small_block, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", [2.0, 3.0])
+def test_chunked_path_keeps_precision_with_logits_of_a_few_thousand(small_block, device, norm):
+    """The two-read path's p_k = 2^{(z_k - m) log2 e - log2 d}, not 2^{(z_k - lse) log2 e} (see the kernel), in GRA
+    mode (well conditioned; see test_logits_of_a_few_thousand_keep_full_precision in the shared suite)."""
+    n, c = 6, 41
+    z = torch.randn(n, c, device=device) * 3 + 2000  # a large common offset, as in the shared suite
+    y = _targets(n, c, device, ignored=0)
+    one = torch.tensor(1.0, device=device)
+    for weight in ("none", "brier", "dual_focal"):
+        kw = dict(weight=weight, mode="grad", reduction="sum", gamma=3.0, norm=norm)
+        loss, grad = _triton_loss_and_grad(z, y, one, **kw)
+        exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, **kw)
+        _close(loss, exact_loss, torch.float32, f"{weight} loss")
+        _close(grad, exact_grad, torch.float32, f"{weight} gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunk", [None, 8], ids=["single-read", "two-read"])
 @pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("none", "grad")])
 def test_row_striding_grid_gives_the_same_bits_as_one_program_per_row(device, chunk, weight, mode):
