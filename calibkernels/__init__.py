@@ -9,13 +9,25 @@
 See ``SPEC.md`` §2 for the loss family and :mod:`calibkernels.reference` for the readable definitions.
 """
 
-from . import calibration, losses, metrics, reference
+import torch
+
+from . import _backends, calibration, losses, metrics, reference
 from ._backends import available_backends
 from ._target_checks import synchronize_target_checks
 from .functional import bsce_gra_loss, uncertainty_weighted_ce
 from .gamma_net import GammaNet
 
 __version__ = "0.1.0"
+
+
+def release_cpu_gradient_cache() -> int:
+    """Free the gradient buffers that the CPU kernel keeps for reuse between steps (at most two, see
+    ``csrc/cpu/gradient_buffer_cache.h``), as ``torch.cuda.empty_cache()`` does for the GPU; returns the bytes freed
+    (0 without the compiled extension). ``CALIBKERNELS_CPU_GRAD_CACHE=0`` turns the reuse off."""
+    if _backends.unavailable_reason("cpu", torch.device("cpu")) is not None:
+        return 0
+    return int(torch.ops.calibkernels.release_cpu_gradient_cache())
+
 
 __all__ = [
     "GammaNet",
@@ -26,5 +38,6 @@ __all__ = [
     "metrics",
     "reference",
     "synchronize_target_checks",
+    "release_cpu_gradient_cache",
     "uncertainty_weighted_ce",
 ]

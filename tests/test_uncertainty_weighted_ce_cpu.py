@@ -318,3 +318,59 @@ def test_avx2_sweeps_agree_with_the_reference_in_a_subprocess():
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     passed = re.search(r"(\d+) passed", run.stdout)
     assert passed and int(passed.group(1)) > 100 and " failed" not in run.stdout, run.stdout[-2000:]
+
+
+# ------------------------------------------------------------------------------------- gradient-buffer reuse (cache)
+def _gradient(ops, z, y):
+    return ops.uncertainty_weighted_ce(z, *_op_args(z, y), True)[1]
+
+
+def test_freed_gradient_buffers_are_reused_and_live_ones_never_shared():
+    ops = _op()
+    ops.release_cpu_gradient_cache()
+    n, c = 512, 1000  # 2 MB: above the cache's 1 MB floor
+    z, y = torch.randn(n, c), _targets(n, c)
+    first = _gradient(ops, z, y)
+    expected = first.clone()
+    second = _gradient(ops, z * 2, y)  # `first` is alive: a different buffer, and `first` is untouched
+    assert second.data_ptr() != first.data_ptr()
+    assert torch.equal(first, expected)
+    reused_ptr = second.data_ptr()
+    del second
+    third = _gradient(ops, z, y)  # takes the buffer `second` gave back, fully overwritten
+    assert third.data_ptr() == reused_ptr
+    assert torch.equal(third, expected)
+    del first, third
+    assert ops.release_cpu_gradient_cache() == 2 * n * c * 4  # both freed buffers were kept (at most two)
+    assert ops.release_cpu_gradient_cache() == 0
+    small = _gradient(ops, torch.randn(8, 10), _targets(8, 10))  # below the floor: an ordinary allocation
+    del small
+    assert ops.release_cpu_gradient_cache() == 0
+
+
+def test_cached_gradient_is_counted_by_the_memory_profiler():
+    """A gradient handed out from the cache shows in the profiler's memory records while it lives (allocation and
+    free, as for any CPU tensor), which the bench's peak-memory column relies on."""
+    from torch.profiler import ProfilerActivity, profile
+
+    ops = _op()
+    n, c = 512, 1000
+    z, y = torch.randn(n, c), _targets(n, c)
+    warm = _gradient(ops, z, y)
+    del warm  # back to the cache: the gradient below is a reused buffer
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        grad = _gradient(ops, z, y)
+        del grad
+    records = [event.nbytes() for event in prof.profiler.kineto_results.events() if event.name() == "[memory]"]
+    assert n * c * 4 in records and -n * c * 4 in records, records
+
+
+def test_gradient_cache_can_be_turned_off():
+    code = ("import torch, calibkernels.cpp.uncertainty_weighted_ce; ops = torch.ops.calibkernels\n"
+            "z = torch.randn(512, 1000); y = torch.randint(0, 1000, (512,))\n"
+            "g = ops.uncertainty_weighted_ce(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, True)[1]; del g\n"
+            "print(ops.release_cpu_gradient_cache())\n")
+    env = dict(os.environ, CALIBKERNELS_CPU_GRAD_CACHE="0")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "0"

@@ -40,6 +40,7 @@
 
 #include "uncertainty_weighted_ce.h"
 #include "cpu/vec_exp.h"
+#include "cpu/gradient_buffer_cache.h"
 
 namespace calibkernels {
 namespace {
@@ -582,7 +583,8 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   // Rows may be strided; columns must be contiguous for the vector loads.
   const at::Tensor z = (logits.stride(1) == 1 || logits.size(1) == 1) ? logits : logits.contiguous();
   const at::Tensor t = target.contiguous();
-  at::Tensor grad = compute_grad ? at::empty({z.size(0), z.size(1)}, z.options().memory_format(at::MemoryFormat::Contiguous))
+  // a reused buffer: no page faults for a fresh N×C each step (see gradient_buffer_cache.h)
+  at::Tensor grad = compute_grad ? GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options())
                                  : at::empty({0}, z.options());
   at::Tensor loss;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cpu", [&] {
@@ -623,6 +625,11 @@ const char* cpu_vector_isa() {
 }
 
 }  // namespace calibkernels
+
+// Frees the CPU gradient buffers kept for reuse (gradient_buffer_cache.h); returns the bytes freed.
+TORCH_LIBRARY_FRAGMENT(calibkernels, m) {
+  m.def("release_cpu_gradient_cache() -> int", [] { return calibkernels::GradientBufferCache::instance().release(); });
+}
 
 TORCH_LIBRARY_IMPL(calibkernels, CPU, m) {
   m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cpu);
