@@ -40,4 +40,7 @@ TORCH_LIBRARY(calibkernels, m) {
   // The backward of both ops: grad *= grad_output (0-dim, or (N,) per row), in place, without reading grad_output on
   // the host (CUDA only; on the CPU the wrapper reads it and skips the multiply when it is 1).
   m.def("uncertainty_weighted_ce_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
+  // Frees the gradient buffers that the CPU op keeps for reuse (csrc/cpu/gradient_buffer_cache.h); returns the bytes
+  // freed. No tensor argument, so its one kernel serves every dispatch key.
+  m.def("release_cpu_gradient_cache() -> int", &calibkernels::release_cpu_gradient_cache);
 }

@@ -38,6 +38,9 @@ enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
 // one-exponential path; the CPU has AVX-512 and ATen uses it), "avx2" or "default". Exposed as calibkernels._C.CPU_ISA.
 const char* cpu_vector_isa();
 
+// Frees the CPU op's kept gradient buffers (csrc/cpu/gradient_buffer_cache.h); returns the bytes freed.
+int64_t release_cpu_gradient_cache();
+
 // FLSD-53 schedule (Mukhoti et al. 2020): gamma_i = 5 if p_y < 0.2, 3 if p_y < 0.5, else `gamma`.
 constexpr double kFlsdLowThreshold = 0.2;
 constexpr double kFlsdLowGamma = 5.0;

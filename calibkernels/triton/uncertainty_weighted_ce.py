@@ -214,7 +214,8 @@ def _uncertainty_weighted_ce_row(
                 z_below_max = tl.maximum(z_below_max, chunk_max)
             m = m_new
             m_safe = m_new_safe
-    d = d_others + tl.exp2((z_target - m_safe) * LOG2E)
+    e_target = tl.exp2((z_target - m_safe) * LOG2E)
+    d = d_others + e_target
 
     # ---- per-row scalars -------------------------------------------------------------------------------------------
     # Probabilities as p_k = 2^{(z_k - m) log2 e - log2 d}: the max is subtracted first, so z_k - m is exact for the
@@ -224,7 +225,7 @@ def _uncertainty_weighted_ce_row(
     p_target = tl.exp2((z_target - m_safe) * LOG2E - log2_d)
     # Confident rows: CE = -log p_y = log1p(d_¬y / e^{z_y - m}); log(d) with d ≈ 1 would keep only the rounding of d.
     # log1p by Kahan's trick (exact log of the rounded 1 + x, rescaled).
-    odds_against = d_others / tl.exp2((z_target - m_safe) * LOG2E)
+    odds_against = d_others / e_target
     one_plus = 1.0 + odds_against
     log1p_odds = tl.where(one_plus == 1.0, odds_against, tl.log(one_plus) * odds_against / (one_plus - 1.0))
     cross_entropy = tl.where(p_target > 0.5, log1p_odds, (m_safe - z_target) + log2_d * LN2)
@@ -314,7 +315,8 @@ def _uncertainty_weighted_ce_row(
                 col_mask = offs < num_classes
                 z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_first")
                 z = z.to(tl.float32)
-                p = tl.exp2((z - m_safe) * LOG2E - log2_d)
+                log2_p = (z - m_safe) * LOG2E - log2_d
+                p = tl.exp2(log2_p)
                 grad = coef_p * p
                 if WEIGHT == _DUAL_FOCAL and MODE == _LOSS_MODE:
                     grad += tl.where((z < z_target) & (z == z_below_max), coef_tie, 0.0)
@@ -322,7 +324,7 @@ def _uncertainty_weighted_ce_row(
                     if NORM_IS_TWO:
                         grad += coef_h * (p * p - p * h_sum)
                     else:
-                        grad += coef_h * (tl.exp2(((z - m_safe) * LOG2E - log2_d) * norm) - p * h_sum)
+                        grad += coef_h * (tl.exp2(log2_p * norm) - p * h_sum)
                 grad = tl.where(offs == safe_target, grad_target, grad * scale)
                 grad = tl.where(is_valid, grad, 0.0)
                 grad = tl.where(is_bad, float("nan"), grad)

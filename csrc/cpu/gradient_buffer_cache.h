@@ -17,6 +17,7 @@
 #include <ATen/ops/from_blob.h>
 #include <c10/core/Allocator.h>
 #include <c10/core/impl/alloc_cpu.h>
+#include <c10/util/accumulate.h>
 
 #include <cstdlib>
 #include <cstring>
@@ -38,9 +39,7 @@ class GradientBufferCache {
 
   // A contiguous CPU tensor of `sizes` and `options`, from the cache when a freed buffer of that byte size is kept.
   at::Tensor empty(at::IntArrayRef sizes, const at::TensorOptions& options) {
-    int64_t numel = 1;
-    for (const int64_t s : sizes) numel *= s;
-    const size_t nbytes = static_cast<size_t>(numel) * options.dtype().itemsize();
+    const size_t nbytes = static_cast<size_t>(c10::multiply_integers(sizes)) * options.dtype().itemsize();
     if (!enabled_ || nbytes < kMinBytes) return at::empty(sizes, options);
     void* block = take(nbytes);
     if (block == nullptr) block = c10::alloc_cpu(nbytes);

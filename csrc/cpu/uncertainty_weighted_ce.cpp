@@ -624,12 +624,9 @@ const char* cpu_vector_isa() {
 #endif
 }
 
-}  // namespace calibkernels
+int64_t release_cpu_gradient_cache() { return GradientBufferCache::instance().release(); }
 
-// Frees the CPU gradient buffers kept for reuse (gradient_buffer_cache.h); returns the bytes freed.
-TORCH_LIBRARY_FRAGMENT(calibkernels, m) {
-  m.def("release_cpu_gradient_cache() -> int", [] { return calibkernels::GradientBufferCache::instance().release(); });
-}
+}  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, CPU, m) {
   m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cpu);
