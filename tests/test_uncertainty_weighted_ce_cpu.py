@@ -179,8 +179,10 @@ def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
     ops = _op()
     z = torch.randn(4, 5)
     y = torch.tensor([0, bad, 1, -100])
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(ValueError, match=f"target value {bad} is out of range for 5 classes"):
         ops.uncertainty_weighted_ce(z, *_op_args(z, y), True)
+    with pytest.raises(ValueError, match=f"target value {bad} is out of range for 5 classes"):
+        ops.uncertainty_weighted_ce_inplace_(z.clone(), *_op_args(z, y))
 
 
 def test_kernel_rejects_malformed_arguments():
