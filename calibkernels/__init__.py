@@ -19,6 +19,12 @@ from .gamma_net import GammaNet
 
 __version__ = "0.1.0"
 
+# Load the compiled ops (torch.ops.calibkernels.*) together with their Python halves (register_fake,
+# register_autograd) at import, as torchvision does: an op called directly, traced by torch.compile or checked by
+# opcheck must never exist without its fake kernel. A missing or broken extension is only recorded here; backend
+# "auto" falls back to the reference with one warning when it is first used.
+_backends.unavailable_reason("cpu", torch.device("cpu"))
+
 
 def release_cpu_gradient_cache() -> int:
     """Free the gradient buffers that the CPU kernel keeps for reuse between steps (at most two, see

@@ -376,3 +376,18 @@ def test_gradient_cache_can_be_turned_off():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "0"
+
+
+def test_ops_and_their_fake_kernels_exist_right_after_import():
+    # A fresh process, so no other test has imported the wrapper module: `import calibkernels` alone must load the
+    # compiled ops together with their register_fake / register_autograd halves (opcheck fails without the fake).
+    code = ("import torch, calibkernels\n"
+            "z = torch.randn(4, 5); y = torch.tensor([0, 1, 2, -100])\n"
+            "args = (z, y, None, None, 4, 1, 2.0, 2.0, -100, 1)\n"
+            "torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce.default, args + (True,))\n"
+            "torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_inplace_.default, args,\n"
+            "                      test_utils=('test_schema', 'test_faketensor'))\n"
+            "print('checked')\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip().splitlines()[-1] == "checked"
