@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune]     (stages run in the order given)
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune] [tune-cuda]   (stages run in the order given)
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
 # Meant for a fresh machine with torch + triton already installed (a lent device, a cloud box): it builds in place
@@ -50,6 +50,7 @@ do_test() {
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --out "$OUT/cuda-quick" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --out "$OUT/cuda" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune" 2>"$OUT/tune.err"; }
+do_tune_cuda() { $PY -m bench.tune_cuda --out "$OUT" 2>"$OUT/tune-cuda.err"; }
 
 for s in "$@"; do
   case $s in
@@ -58,6 +59,7 @@ for s in "$@"; do
     quick) stage quick do_quick ;;
     bench) stage bench do_bench ;;
     tune) stage tune do_tune ;;
+    tune-cuda) stage tune-cuda do_tune_cuda ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

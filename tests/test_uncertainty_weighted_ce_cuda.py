@@ -10,6 +10,8 @@
   (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
   dual-focal ties; the in-place op; no host synchronisation (CUDA-graph capture, sync debug mode); opcheck and
   torch.compile(fullgraph=True).
+* On a GPU machine: the streaming path in each of its tuning configurations (``CALIBKERNELS_CUDA_STREAM_CONFIG``,
+  read once per process, hence one pytest subprocess per configuration), and the variable's check.
 
 The shared backend-vs-reference suite (``test_uncertainty_weighted_ce.py``) runs the same checks as every other backend
 on ``("cuda", "cuda")`` too.
@@ -387,3 +389,128 @@ def test_scale_grad_op_passes_opcheck():
             op(scaled, grad_output)
             factor = grad_output.float()[:, None] if grad_output.dim() == 1 else grad_output.float()
             torch.testing.assert_close(scaled.float(), (grad.float() * factor).to(dtype).float())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Streaming-path configurations (CALIBKERNELS_CUDA_STREAM_CONFIG)
+# ----------------------------------------------------------------------------------------------------------------
+# The kernel reads the variable once per process, so each configuration runs the in-process test below in its own
+# pytest subprocess (same seed, so a failure replays with CALIBKERNELS_CUDA_STREAM_CONFIG=... and the printed seed).
+STREAM_CONFIGS = ("256x16", "256x32", "512x16", "512x32")
+STREAM_ENV = "CALIBKERNELS_CUDA_STREAM_CONFIG"
+
+
+def _streaming_rows(n, c, dtype, column_offset):
+    """Logits (a slice starting at ``column_offset`` of a sentinel-filled buffer, or the whole tensor for None) and
+    targets with ignored rows, a row half -inf whose target sits in the last column (the last tile's tail) and a row
+    whose only finite entry is its target."""
+    z = _logits(n, c, dtype)
+    z[2, : c // 2] = float("-inf")
+    z[4, 1:] = float("-inf")
+    y = torch.randint(0, c, (n,), device="cuda")
+    y[1] = y[3] = -100
+    y[2], y[4] = c - 1, 0
+    if column_offset is None:
+        return None, z, y
+    buffer = torch.full((n, c + 8), 7.0, device="cuda", dtype=dtype)
+    logits = buffer[:, column_offset:column_offset + c]
+    logits.copy_(z)
+    return buffer, logits, y
+
+
+def _streaming_kernel_names(logits, target):
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _op(logits, target)
+        torch.cuda.synchronize()
+    return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+            and "uncertainty_weighted_ce_kernel" in e.name}
+
+
+@needs_gpu
+def test_streaming_path_against_reference():
+    """The streaming path (C > 4096) in the configuration of this process (default 256x16): aligned and misaligned
+    rows (a slice from column 1, with sentinels around it), ignored and -inf rows, fp32 and bf16, the in-place op."""
+    config = os.environ.get(STREAM_ENV) or "256x16"
+    threads, per_thread = config.split("x")
+    names = _streaming_kernel_names(*_streaming_rows(6, 32000, torch.float32, None)[1:])
+    assert any(f"<float, {threads}, {per_thread}, false>" in name for name in names), (config, names)
+    n = 6
+    for c in (4097, 32000, 70000):  # one mostly-padding tile; several tiles; several tiles with a ragged tail
+        for dtype in (torch.float32, torch.bfloat16):
+            for column_offset in (None, 1):
+                buffer, logits, y = _streaming_rows(n, c, dtype, column_offset)
+                for weight, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("focal", "loss")):
+                    check_op(logits, y, weight=weight, mode=mode, gamma=3.0)
+                check_op(logits, y, weight="brier", mode="grad", reduction="none")
+                if buffer is None:
+                    continue
+                # In place: the reverse-order gradient pass overwrites only what each thread itself read.
+                exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, weight="brier", mode="grad")
+                low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
+                outside = torch.ones_like(buffer, dtype=torch.bool)
+                outside[:, column_offset:column_offset + c] = False
+                loss = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
+                    logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100,
+                    V.REDUCTION_CODES["mean"])
+                assert torch.all(buffer[outside] == 7.0), f"C={c} {dtype}: the in-place op wrote outside the logits"
+                assert_within_reference_error(loss, exact_loss, low_loss, dtype, "in-place loss")
+                assert_within_reference_error(logits, exact_grad, low_grad, dtype, "in-place gradient")
+
+
+def _subprocess_env(config):
+    from conftest import SESSION_SEED
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(ck.__file__)))  # the calibkernels this run imported
+    # not an xdist worker's variables: the child is a plain pytest run
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
+    env["CALIBKERNELS_TEST_SEED"] = str(SESSION_SEED)
+    env[STREAM_ENV] = config
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return root, env
+
+
+@needs_gpu
+@pytest.mark.parametrize("config", STREAM_CONFIGS)
+def test_every_streaming_config_against_reference(config):
+    import subprocess
+    import sys
+
+    root, env = _subprocess_env(config)
+    node = f"{os.path.relpath(os.path.abspath(__file__), root)}::test_streaming_path_against_reference"
+    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], cwd=root,
+                            env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0 and "1 passed" in result.stdout, (
+        f"{STREAM_ENV}={config}:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")
+
+
+@needs_gpu
+def test_streaming_config_is_checked_and_read_once():
+    """An invalid value fails every call, whatever C, naming the valid ones; a valid value is read at the first call
+    and later changes of the environment are ignored."""
+    import subprocess
+    import sys
+
+    code = ("import os, torch, calibkernels.cpp.uncertainty_weighted_ce\n"
+            "ops = torch.ops.calibkernels\n"
+            "z = torch.randn(4, 100, device='cuda'); y = torch.randint(0, 100, (4,), device='cuda')\n"
+            "for _ in range(2):\n"
+            "    try:\n"
+            "        ops.uncertainty_weighted_ce(z, y, None, None, 4, 1, 4.0, 2.0, -100, 1, True)\n"
+            "        print('ok')\n"
+            "    except RuntimeError as e:\n"
+            "        print('raised', str(e).splitlines()[0])\n"
+            f"    os.environ['{STREAM_ENV}'] = '1024x8'\n")
+    outputs = {}
+    for config in ("1024x8", "512x32"):
+        root, env = _subprocess_env(config)
+        result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                                timeout=300)
+        assert result.returncode == 0, result.stderr[-2000:]
+        outputs[config] = result.stdout.strip().splitlines()
+    bad = outputs["1024x8"]
+    assert len(bad) == 2 and all(line.startswith("raised") for line in bad), bad
+    assert all(f'{STREAM_ENV}="1024x8"' in line and "256x16 (the default), 256x32, 512x16, 512x32" in line
+               for line in bad), bad
+    assert outputs["512x32"] == ["ok", "ok"]
