@@ -182,22 +182,14 @@ def check_loss_inputs(
     reduction="mean",
     ignore_index=-100,
     check_values: bool = True,
-    check_target_values: bool | None = None,
 ) -> LossInputs:
-    """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
-
-    ``check_values=False`` skips the checks that read tensor values (a device synchronisation on GPU);
-    ``check_target_values`` overrides it for the target range alone (``None``: same as ``check_values``), for a
-    backend whose kernel raises the same error itself.
-    """
     check_weight(weight)
     check_mode(mode)
     check_reduction(reduction)
     check_gamma(gamma)
     check_norm(norm)
     logits2d, target1d, batch_shape = check_logits_target(
-        logits, target, ignore_index=ignore_index,
-        check_values=check_values if check_target_values is None else check_target_values,
+        logits, target, ignore_index=ignore_index, check_values=check_values
     )
     sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device)
     gamma = check_per_sample_gamma(gamma, weight, target.shape, logits.device, check_values=check_values)

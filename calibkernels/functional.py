@@ -48,13 +48,11 @@ def uncertainty_weighted_ce(
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
     name = _backends.resolve(backend, logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"))
-    # GPU kernels check target bounds on the device, which avoids a host synchronisation per call; the CPU kernel
-    # checks them in its first loop over the targets and raises the same ValueError (no extra reduction per call).
+    # GPU kernels check target bounds on the device, which avoids a host synchronisation per call.
     host_check = name == "reference" or logits.device.type == "cpu"
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check,
-        check_target_values=host_check and name != "cpu",
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")

@@ -449,9 +449,11 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
   return u * ce;
 }
 
-// Validates targets and counts the non-ignored rows for the mean. This is the CPU backend's only range check (the
-// Python wrapper skips its own for this backend: it cost a reduction and a host read, ~25 µs per call), so it raises
-// the ValueError, with the same text, that the reference and the GPU backends raise (calibkernels/_validation.py).
+// Validates targets (the kernel is the last line of defence: under torch.compile the Python range check is
+// skipped) and counts the non-ignored rows for the mean; raises the reference's ValueError, with the same text.
+// The Python check stays in eager mode: on the H200 host's torch 2.11 build (2026-11-23) any error this extension
+// raised (TORCH_CHECK included) crashed the process with a segmentation fault instead of raising; a minimal
+// TORCH_LIBRARY extension built there raised normally. Not yet understood; on torch 2.14 it raises.
 int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index) {
   const int64_t* t = target.const_data_ptr<int64_t>();
   const int64_t n = target.numel();
