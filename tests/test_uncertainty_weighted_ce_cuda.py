@@ -4,8 +4,8 @@
   and a build without one registers none (so a silently skipped ``.cu`` cannot pass for a CUDA build). Set
   ``CALIBKERNELS_EXPECT_CUDA=1`` (CI with nvcc) to also require that the build compiled the CUDA kernels.
 * On a GPU machine (skipped otherwise): values and gradients against the float64 reference on every kernel shape —
-  warp per row (C ≤ 1024), block per row with the row in registers (C ≤ 16384), the streaming online path
-  (C > 16384; the row parked in shared memory when it fits, read twice otherwise) — each with 16-byte vector and
+  warp per row (C ≤ 1024), block per row with the row in registers (C ≤ 4096), the streaming path
+  (C > 4096; 4096-column tiles, statistics pass then gradient pass) — each with 16-byte vector and
   scalar (misaligned) accesses; strided and misaligned rows with sentinels around them
   (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
   dual-focal ties; the in-place op; no host synchronisation (CUDA-graph capture, sync debug mode); opcheck and
@@ -35,10 +35,11 @@ WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
 
-# Class counts that select each kernel shape (thresholds in the .cu file) with aligned (vector) and misaligned
-# (scalar) rows: for float32, C * 4 bytes is a multiple of 16 exactly when C is a multiple of 4. The streaming path
-# parks the row in shared memory when ceil(C / 16384) * 16384 * 4 bytes fit the device's opt-in limit (227 KiB on
-# H100/H200, 163 KiB on A100), and reads HBM twice otherwise (70001 float32 columns fit no current GPU).
+# Class counts around the kernel shapes' thresholds, with aligned (vector) and misaligned (scalar) rows: for float32,
+# C * 4 bytes is a multiple of 16 exactly when C is a multiple of 4. The names are those of an earlier layout (block
+# path up to 16384, shared-memory streaming above); today's thresholds are 1024 and 4096 (the .cu header), so
+# "block-max-now"/"stream-smallest-now" sit at the block/streaming boundary and the larger "block-*" counts exercise
+# the streaming path with one to four tiles.
 SHAPE_PATHS = {
     "warp-scalar": 10,
     "warp-small-max": 256,
@@ -47,6 +48,8 @@ SHAPE_PATHS = {
     "warp-scalar-tail": 1023,
     "warp-max": 1024,
     "block-smallest": 1025,
+    "block-max-now": 4096,
+    "stream-smallest-now": 4097,
     "block-vector": 5000,
     "block-scalar": 4099,
     "block-max": 16384,
