@@ -97,9 +97,11 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(grad)
 
 
-def _is_plain_eager() -> bool:
-    """True when running real tensors outside any tracer (Dynamo, make_fx/AOTAutograd, FakeTensor mode)."""
-    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+def _is_plain_eager(*tensors: torch.Tensor) -> bool:
+    """True when running outside any tracer (Dynamo, make_fx/AOTAutograd, FakeTensor mode) and every tensor given is
+    a plain ``torch.Tensor`` (no subclass)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(type(t) is torch.Tensor for t in tensors))
 
 
 def _scale_saved_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
@@ -114,7 +116,7 @@ def _scale_saved_gradient(grad: torch.Tensor, grad_output: torch.Tensor) -> torc
     if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
         return None
     per_row = grad_output[:, None] if grad_output.dim() == 1 else grad_output
-    if not _is_plain_eager() or type(grad) is not torch.Tensor or type(grad_output) is not torch.Tensor:
+    if not _is_plain_eager(grad, grad_output):
         return (grad * per_row).to(grad.dtype)
     if grad_output.numel() == 1 and grad_output.device.type == "cpu" and grad_output.item() == 1.0:
         return grad
@@ -169,7 +171,7 @@ def uncertainty_weighted_ce_forward(
 def _below_autograd(logits: torch.Tensor):
     """Dispatch below the Autograd key in plain eager mode (see UncertaintyWeightedCEFunction.forward); a no-op
     while traced (Dynamo cannot trace the guard, and the traced op needs its registered autograd)."""
-    if _is_plain_eager() and type(logits) is torch.Tensor:
+    if _is_plain_eager(logits):
         return torch._C._AutoDispatchBelowAutograd()
     return contextlib.nullcontext()
 
@@ -275,7 +277,7 @@ def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     gamma_per_sample = inputs.gamma if isinstance(inputs.gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_per_sample is not None else float(inputs.gamma)
-    eager = _is_plain_eager() and type(logits) is torch.Tensor
+    eager = _is_plain_eager(logits)
     if inplace and compute_grad and _is_leaf_or_view_of_leaf(logits):
         raise ValueError(
             "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
