@@ -98,10 +98,11 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
     if num_classes < 1:
         raise ValueError("logits have zero classes")
     batch_shape = tuple(logits.shape[:-1])
-    logits2d = logits.reshape(-1, num_classes)
+    # (N, C) input, the common case, is used as is: a reshape would add a view and its ViewBackward node per call
+    logits2d = logits if logits.dim() == 2 else logits.reshape(-1, num_classes)
     if logits2d.shape[0] == 0:
         raise ValueError("empty batch: logits have no rows")
-    target1d = target.reshape(-1)
+    target1d = target if target.dim() == 1 else target.reshape(-1)
     if target1d.dtype != torch.int64:
         target1d = target1d.long()
     # The range check needs the values (a device sync on GPU, a graph break under torch.compile); there the kernels'
@@ -109,7 +110,7 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
     if check_values and not torch.compiler.is_compiling():
         # One reduction answers the common case (every target a class index); only a batch with ignored rows or a bad
         # value pays for the exact check. This runs on every call, and the exact check alone was ~5x the cost.
-        low, high = torch.stack(torch.aminmax(target1d)).tolist()
+        low, high = (int(v) for v in torch.aminmax(target1d))
         if low >= 0 and high < num_classes:
             return logits2d, target1d, batch_shape
         bad = out_of_range_targets(target1d, num_classes, ignore_index)

@@ -274,6 +274,19 @@ def test_inplace_gradient_matches(backend_device):
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
+def test_inplace_gradient_is_adopted_without_a_copy(backend_device):
+    """inplace=True promises no extra N×C buffer: the leaf's .grad must be the overwritten logits' own memory, also
+    while the caller still holds the logits (AccumulateGrad copies a gradient that something else references)."""
+    backend, device = backend_device
+    if backend == "reference":
+        pytest.skip("the reference does not write in place")
+    leaf = torch.randn(16, 40, device=device, requires_grad=True)
+    logits = leaf.clone()  # non-leaf; CloneBackward passes the gradient on as it is
+    ck.uncertainty_weighted_ce(logits, _targets(16, 40, device), backend=backend, inplace=True).backward()
+    assert leaf.grad.data_ptr() == logits.data_ptr()
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
 def test_out_of_range_targets_raise(backend_device):
     backend, device = backend_device
     z = torch.randn(4, 5, device=device)

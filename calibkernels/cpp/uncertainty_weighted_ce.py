@@ -209,7 +209,10 @@ class UncertaintyWeightedCEFunction(torch.autograd.Function):
             # The dispatcher does not bump the version of a custom op's mutated argument here (autograd is off inside
             # Function.forward), so do it: any other node that saved the logits then raises at backward.
             torch.autograd.graph.increment_version(logits)
-            grad = logits
+            # A new alias (own TensorImpl) of the overwritten logits: AccumulateGrad adopts a gradient as .grad only
+            # when nothing else references its TensorImpl, and the caller still holds the logits themselves; handing
+            # those back made it copy the whole N×C gradient on every step.
+            grad = logits.detach()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad)
         return loss
@@ -300,6 +303,6 @@ def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
             )
     if logits.device.type == "cuda":
         _submit_cuda_target_check(inputs)
-    if inputs.reduction == "none":
+    if inputs.reduction == "none" and loss.shape != inputs.batch_shape:
         loss = loss.reshape(inputs.batch_shape)
-    return loss.to(logits.dtype)
+    return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

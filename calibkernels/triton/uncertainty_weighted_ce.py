@@ -671,6 +671,9 @@ class UncertaintyWeightedCEFunction(torch.autograd.Function):
             True, grad_out=logits if inplace else None, loss_dtype=logits.dtype)
         if inplace:
             torch.autograd.graph.increment_version(logits)
+            # a new alias of the overwritten logits, so AccumulateGrad adopts it as .grad instead of copying it (the
+            # caller still references the logits; see calibkernels/cpp/uncertainty_weighted_ce.py)
+            grad = grad.detach()
         ctx.save_for_backward(grad)
         return loss
 

@@ -331,6 +331,8 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
     sum_pow_q_others = horizontal_sum(acc.sum_pow_q);
     m = acc.max;
   }
+  // The AVX-512 sweep stores exp(z_k - m) for the target column too (the generic sweeps skip it): reuse it.
+  const bool e_y_stored = kWide && stored && z_y <= m;
   if (!(z_y <= m)) {  // the target is the row max (or the only finite column): move the max to it
     if (m == -inf) {
       sum_others = 0;
@@ -341,9 +343,12 @@ T process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec,
     }
     m = z_y;
   }
-  const T e_y = std::exp(z_y - m);
+  const T e_y = e_y_stored ? grad[y] : std::exp(z_y - m);
   const T denom = e_y + sum_others;
-  const T log_denom = std::log(denom);
+  // log(denom) is needed by the CE unless the target is the max (log1p below), and by the paths that recompute p_k
+  // (dual focal, a general norm q, the unstored gradient sweep); a confident row of the stored path skips it.
+  const bool need_log_denom = !stored || z_y != m;
+  const T log_denom = need_log_denom ? std::log(denom) : T(0);
   // CE = lse - z_y; log1p keeps full precision when the target is the max and p_y → 1.
   const T ce = (z_y == m) ? std::log1p(sum_others) : (m - z_y) + log_denom;
   const T p_y = e_y / denom;
