@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune] [tune-cuda]   (stages run in the order given)
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune] [tune-cuda] [raise]   (stages run in the order given)
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
 # Meant for a fresh machine with torch + triton already installed (a lent device, a cloud box): it builds in place
@@ -47,6 +47,34 @@ do_test() {
   return $rc
 }
 
+do_raise() {
+  # The open crash of the torch 2.11 host (2026-11-23): an error raised by this extension's ops killed the process
+  # (SIGSEGV) instead of raising. Calls each op with a target of the wrong length (a TORCH_CHECK in the shared
+  # argument checks), plain, with C++ stack traces on, and under gdb for the native backtrace when gdb is installed.
+  local snippet='import torch, calibkernels
+x, t = torch.randn(4, 5), torch.tensor([0, 1, 2])
+for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
+    try:
+        torch.ops.calibkernels.uncertainty_weighted_ce(x.to(dev), t.to(dev), None, None, 4, 1, 4.0, 2.0, -100, 1, True)
+        print(dev, "raised nothing")
+    except Exception as exc:
+        print(dev, "raised", type(exc).__name__, str(exc).splitlines()[0])'
+  {
+    echo "== plain"; $PY -X faulthandler -c "$snippet" 2>&1 | tail -n 25; echo "rc=${PIPESTATUS[0]}"
+    echo "== TORCH_SHOW_CPP_STACKTRACES=1"
+    TORCH_SHOW_CPP_STACKTRACES=1 $PY -X faulthandler -c "$snippet" 2>&1 | tail -n 25; echo "rc=${PIPESTATUS[0]}"
+    if command -v gdb >/dev/null; then
+      # the interpreter binary itself (python3 may be a wrapper script, which gdb cannot run)
+      local exe
+      exe=$($PY -c "import sys; print(sys.executable)")
+      echo "== gdb"; gdb -q -batch -ex run -ex bt --args "$exe" -c "$snippet" 2>&1 | grep -v "^\[New Thread\|^\[Thread" | tail -n 60
+    else
+      echo "== gdb: not installed"
+    fi
+  } >"$OUT/raise.txt" 2>&1
+  tail -n 40 "$OUT/raise.txt"
+}
+
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --out "$OUT/cuda-quick" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --out "$OUT/cuda" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune" 2>"$OUT/tune.err"; }
@@ -60,6 +88,7 @@ for s in "$@"; do
     bench) stage bench do_bench ;;
     tune) stage tune do_tune ;;
     tune-cuda) stage tune-cuda do_tune_cuda ;;
+    raise) stage raise do_raise ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
