@@ -757,7 +757,7 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
             print(case.id, provider.name, unavailable_reason(provider, case) or "")
         return []
     warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    reps = args.reps if args.reps is not None else (5 if args.quick else (20 if args.device == "cpu" else 50))
+    reps = args.reps if args.reps is not None else (5 if args.quick else 60 if args.device == "cpu" else 50)
     max_time = args.max_time if args.max_time is not None else (2.0 if args.quick else 5.0)
     meta = machine_info(args.device)
     meta.update(quick=args.quick, warmup=warmup, reps=reps, max_time_s=max_time)
