@@ -184,6 +184,11 @@ def check_loss_inputs(
     ignore_index=-100,
     check_values: bool = True,
 ) -> LossInputs:
+    """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
+
+    ``check_values=False`` skips the checks that read tensor values (a device synchronisation on GPU), for backends
+    whose kernels check the targets on the device.
+    """
     check_weight(weight)
     check_mode(mode)
     check_reduction(reduction)

@@ -381,12 +381,9 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   const bool defer_ce = stored && !loss_mode;
   const T ce_offset = (z_y == m) ? T(0) : m - z_y;
   const T ce_log1p_arg = (e_y - T(1)) + sum_others;
-  // log(denom) is read by the paths that recompute p_k (dual focal, a general norm q, the unstored gradient sweep)
-  // and by an undeferred CE whose target is not the max; nothing else reads it.
-  const bool need_log_denom = !stored || (!defer_ce && z_y != m);
-  const T log_denom = need_log_denom ? std::log(denom) : T(0);
-  T ce = 0;  // deferred: finish_row_losses
-  if (!defer_ce) ce = (z_y == m) ? std::log1p(sum_others) : (m - z_y) + log_denom;
+  const T ce = defer_ce ? T(0) : ce_offset + std::log1p(ce_log1p_arg);
+  // Read only by the paths that recompute p_k: dual focal, a general norm q, the unstored gradient sweep.
+  const T log_denom = stored ? T(0) : std::log(denom);
   const T p_y = e_y / denom;
   const T one_minus_p_y = sum_others / denom;  // exact 1 - p_y, no cancellation
 
