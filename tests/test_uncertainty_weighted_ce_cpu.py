@@ -272,6 +272,31 @@ def _kernel_pair(z, y, weight, mode):
     return loss.detach(), x.grad
 
 
+@pytest.mark.parametrize("mode", ["grad", "loss"])
+@pytest.mark.parametrize("weight", ["none", "focal", "brier"])
+def test_target_reference_and_its_row_max_fallback(weight, mode):
+    """The kernel takes a row's exponentials relative to the target logit and redoes the row from its max when the sums
+    leave range (Σ_{k≠y} e^{z_k - z_y} > 2^60, a column ≈ 41.6 above the target). Rows on both sides of that limit:
+    one column 0 … 1e4 above the target (crossing 2^60, the exponential's overflow at 88.7 and the AVX2 clamp at 88),
+    and 999 columns together just below and just above it (999·e^34 < 2^60 < 999·e^36)."""
+    c = 1000
+    margins = [0.0, 5.0, 30.0, 41.0, 41.5, 42.0, 44.0, 60.0, 87.0, 88.0, 88.5, 89.0, 100.0, 1e4]
+    z = torch.randn(len(margins) + 2, c) * 2
+    y = torch.randint(0, c, (len(margins) + 2,))
+    for row, margin in enumerate(margins):
+        z[row, y[row]] = 0.0
+        z[row, (y[row] + 1) % c] = margin
+    for row, level in ((len(margins), 34.0), (len(margins) + 1, 36.0)):
+        z[row] = level + torch.rand(c) * 1e-3
+        z[row, y[row]] = 0.0
+    exact = _reference_pair(z, y, weight, mode, torch.float64)
+    low = _reference_pair(z, y, weight, mode, torch.float32)
+    got = _kernel_pair(z, y, weight, mode)
+    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
+    assert_within_reference_error(got[0], exact[0], low[0], torch.float32, f"loss ({_isa()})")
+    assert_within_reference_error(got[1], exact[1], low[1], torch.float32, f"gradient ({_isa()})")
+
+
 def test_softmax_gradient_is_accurate_element_by_element():
     """The kernel's exponential (csrc/cpu/vec_exp.h) is about 1 ulp: every probability of a row spanning 80 nats, down
     to e^-80, is within a few ulps of float64 (much stricter than the shared suite's bound, which is relative to the
@@ -311,7 +336,7 @@ def test_avx2_sweeps_agree_with_the_reference_in_a_subprocess():
     assert probe.stdout.strip() == "avx2"
     # "cpu-cpu": the C++ backend's parametrisations only (not the reference's or the interpreted Triton's)
     selection = ("(cpu-cpu and (every_weight or odd_shapes or extreme or half_precision or nan_logits or "
-                 "non_contiguous)) or every_target_lane or accurate_element")
+                 "non_contiguous)) or every_target_lane or accurate_element or target_reference")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
          os.path.join(here, "test_uncertainty_weighted_ce.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"),
