@@ -4,7 +4,9 @@
 //   ‖p - e_y‖_q^γ (gBS), w_i (external)}; mode "grad" (GRA, BSCE-GRA paper Eq. 11) detaches u_i, mode "loss"
 //   differentiates through it.
 //
-// One row at a time, rows in parallel (at::parallel_for), two sweeps over a row that stays in L1/L2 between them:
+// One row at a time, rows in parallel (at::parallel_for). The common weights (none, focal, FLSD, external, gBS with
+// q = 1 or 2) take the one-exponential path (exp_store_sweep + rescale_sweep, described at row_max below); the others
+// make two sweeps over a row that stays in L1/L2 between them:
 //   1. reduction sweep: online softmax (running max m, Σ exp(z-m)) block by block, with the target column excluded
 //      so that Σ_{k≠y} p_k and Σ_{k≠y} p_k^q (the gBS accumulator S_q, rescaled by exp(-qΔm) when m moves) come
 //      out without the cancellation of "1 - p_y" or "S_q - p_y^q"; the dual-focal p_j is a second max sweep;
@@ -179,10 +181,10 @@ void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T 
   if (k < C) grad(Vec::loadu(z + k, C - k)).store(out + k, C - k);
 }
 
-// The one-exponential path (used whenever the gradient sweep needs nothing but p_k): the row max is taken first (no
-// exponentials), then e_k = exp(z_k - m) is computed once, summed into the accumulators and, when a gradient is
-// written, stored in the gradient row; the gradient sweep then only rescales e_k (p_k = e_k / denom) instead of
-// evaluating a second exponential. The row is in L1/L2 between the sweeps, and exp is what bounds the kernel on a
+// The one-exponential path (used whenever the gradient sweep needs nothing but p_k): e_k = exp(z_k - m) is computed
+// once, with m the target logit (or, for rows where that would leave the sums' range, the row max below; see
+// process_row), summed into the accumulators and, when a gradient is written, stored in the gradient row; the
+// gradient sweep then only rescales e_k (p_k = e_k / denom) instead of evaluating a second exponential. The row is in L1/L2 between the sweeps, and exp is what bounds the kernel on a
 // CPU (the two-exponential form was about twice as slow at C = 1000; the online softmax of `accumulate`, which
 // rescales per block, is ≈ 1.7× slower per row without a gradient). `out` may alias `z` (in-place gradient).
 template <typename T>
@@ -278,7 +280,7 @@ constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 
 // How far ahead of its loads the exponential sweep prefetches the logits (launch() → process_row): 4 KiB, a row
 // ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. Measured at 4096 × 1000
-// fp32 against the former max sweep + exponential sweep, 2026-11-23: 14–32% faster, 1 and 2 threads.
+// fp32 against the former max sweep + exponential sweep, 2026-11-23: 17–32% faster, 1 and 2 threads (README).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // A row's loss as weight · (ce_offset + log1p(ce_log1p_arg)): rows whose CE logarithm can wait leave it to one

@@ -1,13 +1,13 @@
 // Vectorised exp for non-positive arguments, and the AVX-512 form of the CPU kernel's hot row sweeps.
 //
-// Why a kernel-specific exp: almost every exponential the kernel takes is exp(z - m) with m ≥ z (the row max, or
-// lse), so the argument is ≤ 0 (or -inf, or NaN). The exception is the exponential sweep referenced to the target
-// logit (process_row), whose arguments can be positive; it redoes from the row max any row where one exceeds ≈ 41,
-// so positive arguments need the same accuracy up to there and only a finite or infinite (never a wrapped) result
-// beyond: AVX-512 overflows to inf, AVX2 clamps at 88. Dropping the overflow branch and evaluating the polynomial with FMAs makes it
-// cheaper than ATen's exp_u20 (≈ 20 instructions per vector) and *more* accurate (≤ 1.2e-7 relative error, i.e.
-// about 1 ulp, measured on a dense grid of [-87, 0] against double exp; exp_u20 is allowed 20 ulps). The exponential
-// is what bounds the kernel on a CPU, so this is the kernel's speed.
+// Why a kernel-specific exp: almost every exponential the kernel takes is exp(z - m) with m ≥ z (the row max, or lse),
+// so the argument is ≤ 0 (or -inf, or NaN). The exception is the exponential sweep referenced to the target logit
+// (process_row), whose arguments can be positive; it redoes from the row max any row where one exceeds ≈ 41, so
+// positive arguments need the same accuracy up to there and only a finite or infinite (never a wrapped) result beyond:
+// AVX-512 overflows to inf, AVX2 clamps at 88. Dropping the overflow branch and evaluating the polynomial with FMAs
+// makes it cheaper than ATen's exp_u20 (≈ 20 instructions per vector) and *more* accurate (≤ 1.2e-7 relative error,
+// i.e. about 1 ulp, measured on a dense grid of [-87, 0] against double exp; exp_u20 is allowed 20 ulps). The
+// exponential is what bounds the kernel on a CPU, so this is the kernel's speed.
 //
 // Algorithm (the classic Cody–Waite reduction): n = round(x log2 e), r = x - n ln2 (ln2 split in a high part with
 // trailing zero bits and a low part, so n·ln2_hi is exact), exp(r) ≈ 1 + r + r² P(r) with P the degree-5 minimax
