@@ -184,9 +184,10 @@ void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T 
 // The one-exponential path (used whenever the gradient sweep needs nothing but p_k): e_k = exp(z_k - m) is computed
 // once, with m the target logit (or, for rows where that would leave the sums' range, the row max below; see
 // process_row), summed into the accumulators and, when a gradient is written, stored in the gradient row; the
-// gradient sweep then only rescales e_k (p_k = e_k / denom) instead of evaluating a second exponential. The row is in L1/L2 between the sweeps, and exp is what bounds the kernel on a
-// CPU (the two-exponential form was about twice as slow at C = 1000; the online softmax of `accumulate`, which
-// rescales per block, is ≈ 1.7× slower per row without a gradient). `out` may alias `z` (in-place gradient).
+// gradient sweep then only rescales e_k (p_k = e_k / denom) instead of evaluating a second exponential. The row is in
+// L1/L2 between the sweeps, and exp is what bounds the kernel on a CPU (the two-exponential form was about twice as
+// slow at C = 1000; the online softmax of `accumulate`, which rescales per block, is ≈ 1.7× slower per row without a
+// gradient). `out` may alias `z` (in-place gradient).
 template <typename T>
 T row_max(const T* z, int64_t C) {
   using Vec = Vectorized<T>;
@@ -200,8 +201,8 @@ T row_max(const T* z, int64_t C) {
 }
 
 // out[k] = exp(z[k] - m) for k in [lo, hi) (kStore; nothing is written otherwise); returns Σ exp(z[k] - m) and
-// (kSquare) Σ exp(z[k] - m)², block-wise two-level sums. kPrefetch: prefetches z[k + ahead] along the way.
-template <typename T, bool kSquare, bool kStore, bool kPrefetch>
+// (kSquare) Σ exp(z[k] - m)², block-wise two-level sums. Prefetches z[k + ahead] along the way (0: nothing new).
+template <typename T, bool kSquare, bool kStore>
 void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq, int64_t ahead) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
@@ -213,7 +214,7 @@ void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T&
     Vec block(T(0)), block_sq(T(0));
     int64_t k = begin;
     for (; k + W <= end; k += W) {
-      if constexpr (kPrefetch) __builtin_prefetch(z + k + ahead);
+      __builtin_prefetch(z + k + ahead);
       const Vec e = exp_nonpositive(Vec::loadu(z + k) - max_vec);
       if constexpr (kStore) e.store(out + k);
       block = block + e;
@@ -361,34 +362,33 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   T sum_pow_q_others = 0;  // Σ_{k≠y} exp(q (z_k - m))
   if (one_exp) {
     constexpr bool kSquare = kPow == PowQ::Square;
-    auto sweep = [&](auto store_tag, auto prefetch_tag, T* out, int64_t distance) {
+    auto sweep = [&](auto store_tag, T* out, int64_t distance) {
       constexpr bool kStore = decltype(store_tag)::value;
-      constexpr bool kPrefetch = decltype(prefetch_tag)::value;
       sum_others = 0;
       sum_pow_q_others = 0;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
       if constexpr (kWide) {
-        avx512::exp_store_sweep<kSquare, kStore, kPrefetch>(z, out, C, y, m, sum_others, sum_pow_q_others, distance);
+        avx512::exp_store_sweep<kSquare, kStore>(z, out, C, y, m, sum_others, sum_pow_q_others, distance);
       }
 #endif
       if constexpr (!kWide) {
-        exp_store_sweep<T, kSquare, kStore, kPrefetch>(z, out, 0, y, m, sum_others, sum_pow_q_others, distance);
-        exp_store_sweep<T, kSquare, kStore, kPrefetch>(z, out, y + 1, C, m, sum_others, sum_pow_q_others, distance);
+        exp_store_sweep<T, kSquare, kStore>(z, out, 0, y, m, sum_others, sum_pow_q_others, distance);
+        exp_store_sweep<T, kSquare, kStore>(z, out, y + 1, C, m, sum_others, sum_pow_q_others, distance);
       }
     };
-    auto sweep_row = [&](auto prefetch_tag) {
+    auto sweep_row = [&](int64_t distance) {
       if (stored) {
-        sweep(std::true_type{}, prefetch_tag, grad, ahead);
+        sweep(std::true_type{}, grad, distance);
       } else {
-        sweep(std::false_type{}, prefetch_tag, nullptr, ahead);
+        sweep(std::false_type{}, nullptr, distance);
       }
     };
     // Without a max sweep, the exponential sweep is the first to read the row: at one load per exponential it
     // cannot keep enough misses in flight, so it prefetches `ahead` elements on (the rest of the row and the next).
-    sweep_row(std::bool_constant<true>{});
+    sweep_row(ahead);
     if (target_reference && !(sum_others <= T(kTargetReferenceLimit))) {  // also NaN
       m = max_of_row();
-      sweep_row(std::bool_constant<false>{});
+      sweep_row(0);  // the row has just been read
     }
   } else {
     OnlineSoftmax<T> acc;

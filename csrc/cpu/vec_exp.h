@@ -126,9 +126,9 @@ CALIBKERNELS_AVX512 inline float row_max(const float* z, int64_t C) {
 // out[k] = exp(z[k] - m) for every k in [0, C) (kStore; out may alias z); returns Σ_{k≠skip} exp(z[k] - m) and
 // (kSquare) Σ_{k≠skip} exp(z[k] - m)². The target column `skip` is left out of the sums lane-wise, so a row needs
 // one sweep and the sums carry no "total - e_y" cancellation.
-// kPrefetch: z[k + ahead] is prefetched alongside (process_row's target-referenced rows, whose reads would otherwise
-// start cold; the instruction is left out of the other instantiations, where it measured 3-6% slower at C = 10).
-template <bool kSquare, bool kStore, bool kPrefetch>
+// z[k + ahead] is prefetched alongside (process_row: a row's first sweep, whose reads would otherwise start cold;
+// ahead = 0 touches only the line being loaded).
+template <bool kSquare, bool kStore>
 CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, int64_t skip, float m, float& sum,
                                          float& sum_sq, int64_t ahead) {
   const __m512 max_vec = _mm512_set1_ps(m);
@@ -145,7 +145,7 @@ CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, 
     };
     int64_t k = begin;
     for (; k + kWidth <= end; k += kWidth) {
-      if constexpr (kPrefetch) _mm_prefetch(reinterpret_cast<const char*>(z + k + ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(z + k + ahead), _MM_HINT_T0);
       const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(z + k), max_vec));
       if constexpr (kStore) _mm512_storeu_ps(out + k, e);
       add(e, k == skip_vec ? skip_lane_off : static_cast<__mmask16>(0xFFFF));
