@@ -277,10 +277,13 @@ def _kernel_pair(z, y, weight, mode):
 def test_target_reference_and_its_row_max_fallback(weight, mode):
     """The kernel takes a row's exponentials relative to the target logit and redoes the row from its max when the sums
     leave range (Σ_{k≠y} e^{z_k - z_y} > 2^60, a column ≈ 41.6 above the target). Rows on both sides of that limit:
-    one column 0 … 1e4 above the target (crossing 2^60, the exponential's overflow at 88.7 and the AVX2 clamp at 88),
-    and 999 columns together just below and just above it (999·e^34 < 2^60 < 999·e^36)."""
+    one column 0 … 1e30 above the target (crossing 2^60, the exponential's overflow at 88.7, the AVX2 clamp at 88, and
+    past ≈ 5e6 the range where its reduction x - n ln2 is accurate: the AVX-512 exponential returned garbage there, and
+    rows 1e10 above the target came out NaN, until its argument was clamped), and 999 columns together just below and
+    just above it (999·e^34 < 2^60 < 999·e^36)."""
     c = 1000
-    margins = [0.0, 5.0, 30.0, 41.0, 41.5, 42.0, 44.0, 60.0, 87.0, 88.0, 88.5, 89.0, 100.0, 1e4]
+    margins = [0.0, 5.0, 30.0, 41.0, 41.5, 42.0, 44.0, 60.0, 87.0, 88.0, 88.5, 89.0, 100.0, 1e4, 5e6, 1e7, 1e10, 1e20,
+               1e30]
     z = torch.randn(len(margins) + 2, c) * 2
     y = torch.randint(0, c, (len(margins) + 2,))
     for row, margin in enumerate(margins):
@@ -295,6 +298,35 @@ def test_target_reference_and_its_row_max_fallback(weight, mode):
     assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
     assert_within_reference_error(got[0], exact[0], low[0], torch.float32, f"loss ({_isa()})")
     assert_within_reference_error(got[1], exact[1], low[1], torch.float32, f"gradient ({_isa()})")
+
+
+@pytest.mark.parametrize("weight, mode", [("brier", "grad"), ("brier", "loss"), ("none", "grad"), ("focal", "loss")])
+def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
+    """Out of place, the AVX-512 path may write the gradient with streaming stores from a per-thread scratch row
+    (automatically for rows of 1–16 KiB and gradients of at least 4 MiB; CALIBKERNELS_CPU_STREAMING_STORES=1/0 forces
+    it on/off). The arithmetic is the same, so the gradients must agree bit for bit with ordinary stores, over rows
+    that start at every offset within a cache line (C not a multiple of 16), targets in a row's partial first and last
+    lines and in whole lines, an ignored row and a row redone from its max; and match the float64 reference."""
+    if _isa() != "avx512":
+        pytest.skip("the streaming stores are part of the AVX-512 sweeps")
+    cases = [(37, c, "1") for c in (1, 3, 16, 17, 40, 1000, 4231)] + [(1100, 1000, "")]  # "": the automatic choice
+    for n, c, flag in cases:
+        z = torch.randn(n, c) * 3
+        y = torch.randint(0, c, (n,))
+        y[0], y[1], y[2] = 0, c - 1, min(c - 1, 20)
+        y[3] = -100  # ignore_index
+        if c > 1:
+            z[4, (int(y[4]) + 1) % c] = z[4, y[4]] + 100.0  # past the target reference's range: the row-max fallback
+        monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", flag)
+        streamed = _kernel_pair(z, y, weight, mode)
+        monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")
+        ordinary = _kernel_pair(z, y, weight, mode)
+        assert torch.equal(streamed[1], ordinary[1]), f"gradients differ at C = {c}"
+        assert torch.equal(streamed[0], ordinary[0]), f"losses differ at C = {c}"
+        if n <= 64:
+            exact = _reference_pair(z, y, weight, mode, torch.float64)
+            low = _reference_pair(z, y, weight, mode, torch.float32)
+            assert_within_reference_error(streamed[1], exact[1], low[1], torch.float32, f"gradient, C = {c}")
 
 
 def test_softmax_gradient_is_accurate_element_by_element():

@@ -36,6 +36,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <type_traits>
 #include <vector>
@@ -284,6 +285,27 @@ constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 // fp32 against the former max sweep + exponential sweep, 2026-11-23: 17–32% faster, 1 and 2 threads (README).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// Streaming (non-temporal) stores for the out-of-place gradient. A fresh gradient buffer is not in the cache, so an
+// ordinary store first reads each line from DRAM and later writes it back, evicting the logits the sweep still reads;
+// a streaming store writes the line once, without reading it. The row's exponentials then go to a per-thread scratch
+// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where measured faster (fp32, out
+// of place, the bench's step after a torch.compile step, 2 threads, dev VM, 2026-11-23; README): rows of 1–16 KiB,
+// i.e. C = 256…4096 (C = 512: 19%, 1000: 8–15%, 4096: 5.5%, 256: 2% faster); not below (C = 128: 5% slower, the row
+// being mostly scalar work) nor above (C = 8192, 32000: no faster; the scratch row no longer fits L1); and only for
+// gradients of at least 4 MiB, since a smaller one would still be in the cache for whatever reads it next.
+// CALIBKERNELS_CPU_STREAMING_STORES=0 turns them off, =1 on for every out-of-place float row the AVX-512 path stores.
+constexpr int64_t kStreamMinRowBytes = 1024;
+constexpr int64_t kStreamMaxRowBytes = 16384;
+constexpr int64_t kStreamMinGradientBytes = int64_t(4) << 20;
+
+bool use_streaming_stores(int64_t n, int64_t c, int64_t element_bytes) {
+  if (const char* flag = std::getenv("CALIBKERNELS_CPU_STREAMING_STORES"); flag != nullptr && flag[0] != '\0') {
+    return flag[0] != '0';
+  }
+  const int64_t row_bytes = c * element_bytes;
+  return row_bytes >= kStreamMinRowBytes && row_bytes <= kStreamMaxRowBytes && n * row_bytes >= kStreamMinGradientBytes;
+}
+
 // A row's loss as weight · (ce_offset + log1p(ce_log1p_arg)): rows whose CE logarithm can wait leave it to one
 // vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, which took about 15% of
 // the op at C = 64 (perf, 2026-11-23). A row that computed its loss already stores {1, loss, 0}.
@@ -330,7 +352,7 @@ bool use_avx512_sweeps() {
 // `ahead`: how many elements past its loads the exponential sweep prefetches (0 when z is an L1-resident scratch row).
 template <typename T, PowQ kPow, bool kDual, bool kAvx512>
 RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
-                       T scale, int64_t ahead) {
+                       T scale, int64_t ahead, T* stream_scratch = nullptr) {
   const T inf = std::numeric_limits<T>::infinity();
   const T q = spec.q;
   const T z_y = z[y];
@@ -358,6 +380,8 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   }
   const bool one_exp = kCanStore && m != -inf;
   const bool stored = one_exp && grad != nullptr;
+  const bool streamed = kWide && stored && stream_scratch != nullptr;
+  T* const exps = streamed ? stream_scratch : grad;
   T sum_others = 0;        // Σ_{k≠y} exp(z_k - m)
   T sum_pow_q_others = 0;  // Σ_{k≠y} exp(q (z_k - m))
   if (one_exp) {
@@ -378,7 +402,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
     };
     auto sweep_row = [&](int64_t distance) {
       if (stored) {
-        sweep(std::true_type{}, grad, distance);
+        sweep(std::true_type{}, exps, distance);
       } else {
         sweep(std::false_type{}, nullptr, distance);
       }
@@ -410,7 +434,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
     }
     m = z_y;
   }
-  const T e_y = e_y_stored ? grad[y] : std::exp(z_y - m);
+  const T e_y = e_y_stored ? exps[y] : std::exp(z_y - m);
   const T denom = e_y + sum_others;
   const bool loss_mode = spec.mode == Mode::Loss;
   // CE = lse - z_y = (m - z_y) + log1p(denom - 1); denom - 1 = Σ_{k≠y} e_k exactly when the target is the max, so
@@ -499,7 +523,14 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
       auto rescale = [&](auto square_tag, T beta_scaled, T tau_value) {
         constexpr bool kSquare = decltype(square_tag)::value;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
-        if constexpr (kWide) avx512::rescale_sweep<kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+        if constexpr (kWide) {
+          if (streamed) {
+            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value,
+                                                  y, scale * g_y);
+          } else {
+            avx512::rescale_sweep<kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+          }
+        }
 #endif
         if constexpr (!kWide) rescale_sweep<T, kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
       };
@@ -509,7 +540,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
         rescale(std::false_type{}, T(0), T(0));
       }
     }
-    grad[y] = scale * g_y;
+    if (!streamed) grad[y] = scale * g_y;
   } else if (grad != nullptr) {
     const bool ties = kDual && c_j != 0;
     if (ties) {
@@ -596,10 +627,24 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
     constexpr PowQ kPow = decltype(pow_tag)::value;
     constexpr bool kDual = decltype(dual_tag)::value;
     constexpr bool kAvx512 = decltype(avx512_tag)::value;
+    // only the AVX-512 float sweeps of the one-exponential path have the streaming form; in place the lines are the
+    // logits', already in the cache
+    constexpr bool kCanStream = kAvx512 && std::is_same_v<scalar_t, float> && !kDual && kPow != PowQ::General &&
+                                CALIBKERNELS_HAVE_AVX512_SWEEPS;
+    const bool stream = kCanStream && grad_ptr != nullptr &&
+                        static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
+                        use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
     // enough columns per task that scheduling is amortised
     const int64_t grain = std::max<int64_t>(1, 16384 / c);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> scratch(kWiden ? c : 0);
+      // the streamed rows' exponentials, 64-byte aligned
+      std::vector<acc_t> stream_row(stream ? c + 64 / sizeof(acc_t) : 0);
+      acc_t* stream_ptr = nullptr;
+      if (stream) {
+        const auto misalign = reinterpret_cast<uintptr_t>(stream_row.data()) % 64;
+        stream_ptr = stream_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
+      }
       RowLoss<acc_t>* parts = row_parts.data();
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
@@ -619,9 +664,16 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
           if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
         } else {
           parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale,
-                                                              kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
+                                                              kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
+                                                              stream_ptr);
         }
       }
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+      // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
+      if constexpr (kCanStream) {
+        if (stream) avx512::stream_fence();
+      }
+#endif
       finish_row_losses(parts, loss_ptr, begin, end);
     });
   };

@@ -3,19 +3,24 @@
 // Why a kernel-specific exp: almost every exponential the kernel takes is exp(z - m) with m ≥ z (the row max, or lse),
 // so the argument is ≤ 0 (or -inf, or NaN). The exception is the exponential sweep referenced to the target logit
 // (process_row), whose arguments can be positive; it redoes from the row max any row where one exceeds ≈ 41, so
-// positive arguments need the same accuracy up to there and only a finite or infinite (never a wrapped) result beyond:
-// AVX-512 overflows to inf, AVX2 clamps at 88. Dropping the overflow branch and evaluating the polynomial with FMAs
-// makes it cheaper than ATen's exp_u20 (≈ 20 instructions per vector) and *more* accurate (≤ 1.2e-7 relative error,
-// i.e. about 1 ulp, measured on a dense grid of [-87, 0] against double exp; exp_u20 is allowed 20 ulps). The
-// exponential is what bounds the kernel on a CPU, so this is the kernel's speed.
+// positive arguments need the same accuracy up to there and only a finite or infinite (never a wrapped or garbage)
+// result beyond: both forms clamp the argument (AVX-512 at ±104, so exp overflows to inf; AVX2 at 88). The exponential
+// bounds the kernel on a CPU (the sweep is limited by the FMA pipes), so its instruction count is the kernel's speed:
+// 11 vector instructions, against ≈ 20 for ATen's exp_u20. Maximum relative error, measured against double exp on
+// 2^24-point grids (normal results only; both ISAs, 2026-11-23): 2.0e-7 on [-20, 0], 3.0e-7 on [0, 42], 3.9e-7 on
+// [-87, 0], i.e. at most about 3 ulps, where exp_u20 is allowed 20. The largest errors are on the smallest results
+// (below e^-20, where they are negligible against the row's sum) and on the positive side of target-referenced rows.
 //
-// Algorithm (the classic Cody–Waite reduction): n = round(x log2 e), r = x - n ln2 (ln2 split in a high part with
-// trailing zero bits and a low part, so n·ln2_hi is exact), exp(r) ≈ 1 + r + r² P(r) with P the degree-5 minimax
-// polynomial of Cephes' expf (S. L. Moshier) on |r| ≤ ln2/2, then the result is scaled by 2^n.
+// Algorithm: n = round(x log2 e), r = x - n ln2 in one FMA (the product n·ln2 is exact inside it, so r is off only
+// by n times the rounding of ln2 to float, ≤ 3e-7 relative for |n| ≤ 150), exp(r) ≈ 1 + r + c2 r² + … + c5 r⁵ on
+// |r| ≤ ln2/2 (Horner, five FMAs), then scaled by 2^n. This replaced Cephes' expf form (a two-FMA reduction and a
+// degree-7 polynomial, ≤ 1.2e-7): three fewer FMAs per vector, 16% faster op alone at C = 1000 (AVX-512) and 20%
+// (AVX2), single thread, 2026-11-23.
 //   * AVX2: 2^n is added to the exponent bits; x is clamped to [-86, 88] (so 2^n·exp(r) stays a normal number) and
 //     results below exp(-86) ≈ 4.5e-38 (≈ FLT_MIN) are flushed to exactly 0, which also gives exp(-inf) = 0.
-//   * AVX-512: vscalefps scales by 2^n with IEEE underflow (denormals, then 0), after clamping x at -104 (exp(-104)
-//     is below the smallest denormal), so exp(-inf) = 0 too, and with IEEE overflow (inf) past exp(88.7).
+//   * AVX-512: vscalefps scales by 2^n with IEEE underflow (denormals, then 0) and overflow (inf past exp(88.7)),
+//     after clamping x to [-104, 104] (exp(-104) is below the smallest denormal), so exp(-inf) = 0 and exp(+inf) =
+//     inf too.
 //   * NaN propagates (the clamps take NaN from their second operand, and the AVX2 flush keeps unordered lanes), so a
 //     NaN logit gives a NaN row, as in the reference.
 //
@@ -31,6 +36,7 @@
 
 #include <ATen/cpu/vec/vec.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
@@ -44,16 +50,15 @@
 namespace calibkernels {
 namespace {
 
-// exp(r) ≈ 1 + r + r² P(r) on |r| ≤ ln2/2: P's coefficients, highest degree first (Cephes expf).
-constexpr float kExpP0 = 1.9875691500e-4f;
-constexpr float kExpP1 = 1.3981999507e-3f;
-constexpr float kExpP2 = 8.3334519073e-3f;
-constexpr float kExpP3 = 4.1665795894e-2f;
-constexpr float kExpP4 = 1.6666665459e-1f;
-constexpr float kExpP5 = 5.0000001201e-1f;
+// exp(r) ≈ 1 + r + c2 r² + c3 r³ + c4 r⁴ + c5 r⁵ on |r| ≤ ln2/2: the minimax polynomial for relative error with the
+// constant and linear terms held at 1 (so exp(0) = 1 exactly), computed by linear programming (scipy linprog) on 4001
+// points of the interval and rounded to float; its own error is 7.4e-8.
+constexpr float kExpC2 = 0.49999040365219116f;
+constexpr float kExpC3 = 0.16666938364505768f;
+constexpr float kExpC4 = 0.041908301413059235f;
+constexpr float kExpC5 = 0.008325801230967045f;
 constexpr float kLog2e = 1.44269504088896341f;
-constexpr float kLn2Hi = 0.693359375f;  // 8 significant bits: n · kLn2Hi is exact for |n| < 2^16
-constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kLn2 = 0.693147180559945309f;
 
 // Generic form: ATen's exp (float64, builds without AVX2). Only the float AVX2 overload below is specialised.
 template <typename T>
@@ -71,14 +76,12 @@ inline at::vec::Vectorized<float> exp_nonpositive(const at::vec::Vectorized<floa
   // arguments of target-referenced rows (exp(88) ≈ 1.7e38 is past their range check, so it decides nothing).
   const __m256 x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lowest, x_in));
   const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Hi), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2Lo), r);
-  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpP0), r, _mm256_set1_ps(kExpP1));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP2));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP3));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP4));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpP5));
-  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpC5), r, _mm256_set1_ps(kExpC4));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC3));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC2));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
   const __m256i two_to_n = _mm256_slli_epi32(_mm256_cvtps_epi32(n), 23);
   const __m256 result = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(p), two_to_n));
   return _mm256_and_ps(result, keep);
@@ -100,16 +103,19 @@ CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
 }
 
 CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);  // NaN in the second operand is returned as is
+  // x clamped to [-104, 104]: exp(-104) is below the smallest denormal and exp(104) past FLT_MAX, so nothing changes
+  // but -inf → 0 and +inf or any huge argument → inf. Without the upper clamp, an argument too large for the range
+  // reduction (past ≈ 5e6; ≈ 4.5e4 with the former two-FMA reduction) left |r| in the hundreds and the "exponential"
+  // came out finite, negative or NaN: a column 1e10 above the target gave a NaN row. Both clamps return NaN from
+  // their second operand; vrangeps, which clamps both sides in one instruction, does not propagate NaN.
+  x = _mm512_min_ps(_mm512_set1_ps(104.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Hi), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2Lo), r);
-  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpP0), r, _mm512_set1_ps(kExpP1));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP2));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP3));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP4));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpP5));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC5), r, _mm512_set1_ps(kExpC4));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   return _mm512_scalef_ps(p, n);
 }
 
@@ -181,6 +187,40 @@ CALIBKERNELS_AVX512 void rescale_sweep(float* e, int64_t C, float inv_denom, flo
     _mm512_mask_storeu_ps(e + k, lanes, grad(_mm512_maskz_loadu_ps(lanes, e + k)));
   }
 }
+
+// rescale_sweep from the exponentials in `e` (a scratch row) to `out`, with column `target` set to `target_value`:
+// streaming stores for the 64-byte lines wholly inside the row, masked ordinary stores for the partial lines at its
+// ends (shared with the neighbouring rows, possibly another thread's). Callers fence with stream_fence().
+template <bool kSquare>
+CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha,
+                                              float beta, float tau, int64_t target, float target_value) {
+  const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
+               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), target_vec = _mm512_set1_ps(target_value);
+  auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
+    const __m512 p = _mm512_mul_ps(x, inv_vec);
+    if constexpr (kSquare) return _mm512_mul_ps(p, _mm512_fmadd_ps(beta_vec, _mm512_sub_ps(p, tau_vec), alpha_vec));
+    return _mm512_mul_ps(p, alpha_vec);
+  };
+  auto with_target = [&](__m512 g, int64_t k) CALIBKERNELS_AVX512 {
+    const uint64_t lane = static_cast<uint64_t>(target - k);  // wraps to a huge value for target < k
+    return lane < static_cast<uint64_t>(kWidth) ? _mm512_mask_mov_ps(g, static_cast<__mmask16>(1u << lane), target_vec) : g;
+  };
+  const int64_t misalign = static_cast<int64_t>((reinterpret_cast<uintptr_t>(out) & 63) / sizeof(float));
+  int64_t k = 0;
+  if (misalign != 0) {
+    const int64_t head = std::min<int64_t>(C, kWidth - misalign);
+    const __mmask16 lanes = tail_mask(head);
+    _mm512_mask_storeu_ps(out, lanes, with_target(grad(_mm512_maskz_loadu_ps(lanes, e)), 0));
+    k = head;
+  }
+  for (; k + kWidth <= C; k += kWidth) _mm512_stream_ps(out + k, with_target(grad(_mm512_loadu_ps(e + k)), k));
+  if (k < C) {
+    const __mmask16 lanes = tail_mask(C - k);
+    _mm512_mask_storeu_ps(out + k, lanes, with_target(grad(_mm512_maskz_loadu_ps(lanes, e + k)), k));
+  }
+}
+
+CALIBKERNELS_AVX512 inline void stream_fence() { _mm_sfence(); }
 
 #undef CALIBKERNELS_AVX512
 
