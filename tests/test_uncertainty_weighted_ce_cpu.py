@@ -331,8 +331,8 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
 
 def test_softmax_gradient_is_accurate_element_by_element():
     """The kernel's exponential (csrc/cpu/vec_exp.h) is within about 3 ulps: every probability of a row spanning 80
-    nats, down to e^-80, is within a few ulps of float64 (much stricter than the shared suite's bound, which is relative to the
-    largest gradient entry)."""
+    nats, down to e^-80, is within a few ulps of float64 (much stricter than the shared suite's bound, which is
+    relative to the largest gradient entry)."""
     c = 4231
     z = torch.linspace(-80.0, 0.0, c)[torch.randperm(c)].reshape(1, c)
     y = torch.tensor([int(z.argmin())])  # the target far below the max: p_y ≈ e^-80, so 1 - p_y is exactly 1

@@ -347,6 +347,15 @@ bool use_avx512_sweeps() {
 #endif
 }
 
+// Whether a row takes the one-exponential path (exp_store_sweep + rescale_sweep: every weight but dual focal and gBS
+// norms other than 1 and 2), and whether that path runs as the AVX-512 sweeps (float rows, when kAvx512 was chosen at
+// run time; only these have the streaming-store form).
+template <PowQ kPow, bool kDual>
+constexpr bool kOneExponentialPath = !kDual && kPow != PowQ::General;
+template <typename T, PowQ kPow, bool kDual, bool kAvx512>
+constexpr bool kAvx512OneExponentialPath =
+    kAvx512 && kOneExponentialPath<kPow, kDual> && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
+
 // Loss of one non-ignored row, as RowLoss parts (see finish_row_losses); if `grad` is non-null also writes
 // scale · dL_i/dz_i there (may alias z). kAvx512: the one-exponential path's sweeps are the AVX-512 ones (float only).
 // `ahead`: how many elements past its loads the exponential sweep prefetches (0 when z is an L1-resident scratch row).
@@ -359,8 +368,8 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 
   // The one-exponential path needs a finite reference point m (an all -inf row takes the general path and its NaN
   // rules).
-  constexpr bool kCanStore = !kDual && kPow != PowQ::General;
-  constexpr bool kWide = kAvx512 && kCanStore && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
+  constexpr bool kCanStore = kOneExponentialPath<kPow, kDual>;
+  constexpr bool kWide = kAvx512OneExponentialPath<T, kPow, kDual, kAvx512>;
   auto max_of_row = [&]() -> T {
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
     if constexpr (kWide) return avx512::row_max(z, C);
@@ -629,8 +638,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
     constexpr bool kAvx512 = decltype(avx512_tag)::value;
     // only the AVX-512 float sweeps of the one-exponential path have the streaming form; in place the lines are the
     // logits', already in the cache
-    constexpr bool kCanStream = kAvx512 && std::is_same_v<scalar_t, float> && !kDual && kPow != PowQ::General &&
-                                CALIBKERNELS_HAVE_AVX512_SWEEPS;
+    constexpr bool kCanStream = kAvx512OneExponentialPath<scalar_t, kPow, kDual, kAvx512>;
     const bool stream = kCanStream && grad_ptr != nullptr &&
                         static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
                         use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));

@@ -170,15 +170,23 @@ CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, 
   if constexpr (kSquare) sum_sq += _mm512_reduce_add_ps(total_sq);
 }
 
-// g_k = p_k (α + β (p_k - τ)) (kSquare) or α p_k, with p_k = e_k · inv_denom, in place over the exponentials.
+// g_k = p_k (α + β (p_k - τ)) (kSquare) or α p_k, with p_k = e_k · inv_denom: the gradient that both rescale sweeps
+// write, in one place so that their results are bit-identical (test_streaming_stores_agree_with_ordinary_stores).
+template <bool kSquare>
+CALIBKERNELS_AVX512 inline __m512 gradient_of_exponential(__m512 e, __m512 inv_denom, __m512 alpha, __m512 beta,
+                                                          __m512 tau) {
+  const __m512 p = _mm512_mul_ps(e, inv_denom);
+  if constexpr (kSquare) return _mm512_mul_ps(p, _mm512_fmadd_ps(beta, _mm512_sub_ps(p, tau), alpha));
+  return _mm512_mul_ps(p, alpha);
+}
+
+// gradient_of_exponential in place over the exponentials.
 template <bool kSquare>
 CALIBKERNELS_AVX512 void rescale_sweep(float* e, int64_t C, float inv_denom, float alpha, float beta, float tau) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
                beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
-    const __m512 p = _mm512_mul_ps(x, inv_vec);
-    if constexpr (kSquare) return _mm512_mul_ps(p, _mm512_fmadd_ps(beta_vec, _mm512_sub_ps(p, tau_vec), alpha_vec));
-    return _mm512_mul_ps(p, alpha_vec);
+    return gradient_of_exponential<kSquare>(x, inv_vec, alpha_vec, beta_vec, tau_vec);
   };
   int64_t k = 0;
   for (; k + kWidth <= C; k += kWidth) _mm512_storeu_ps(e + k, grad(_mm512_loadu_ps(e + k)));
@@ -188,18 +196,17 @@ CALIBKERNELS_AVX512 void rescale_sweep(float* e, int64_t C, float inv_denom, flo
   }
 }
 
-// rescale_sweep from the exponentials in `e` (a scratch row) to `out`, with column `target` set to `target_value`:
-// streaming stores for the 64-byte lines wholly inside the row, masked ordinary stores for the partial lines at its
-// ends (shared with the neighbouring rows, possibly another thread's). Callers fence with stream_fence().
+// gradient_of_exponential from the exponentials in `e` (a scratch row) to `out`, with column `target` set to
+// `target_value` (blended in: a later ordinary store into a streamed line would defeat the streaming): streaming
+// stores for the 64-byte lines wholly inside the row, masked ordinary stores for the partial lines at its ends (shared
+// with the neighbouring rows, possibly another thread's). Callers fence with stream_fence().
 template <bool kSquare>
 CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha,
                                               float beta, float tau, int64_t target, float target_value) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
                beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), target_vec = _mm512_set1_ps(target_value);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
-    const __m512 p = _mm512_mul_ps(x, inv_vec);
-    if constexpr (kSquare) return _mm512_mul_ps(p, _mm512_fmadd_ps(beta_vec, _mm512_sub_ps(p, tau_vec), alpha_vec));
-    return _mm512_mul_ps(p, alpha_vec);
+    return gradient_of_exponential<kSquare>(x, inv_vec, alpha_vec, beta_vec, tau_vec);
   };
   auto with_target = [&](__m512 g, int64_t k) CALIBKERNELS_AVX512 {
     const uint64_t lane = static_cast<uint64_t>(target - k);  // wraps to a huge value for target < k
