@@ -8,9 +8,21 @@
 
 // Importing calibkernels._C loads this library, which runs the registrations below; the module itself is empty
 // (the pytorch/extension-cpp pattern: no pybind11, ops reached through torch.ops.calibkernels).
+namespace {
+// calibkernels._C.release_cpu_gradient_cache(): a module function rather than an op, since it takes no tensor.
+PyObject* release_cpu_gradient_cache(PyObject*, PyObject*) {
+  return PyLong_FromLongLong(static_cast<long long>(calibkernels::release_cpu_gradient_cache()));
+}
+
+PyMethodDef methods[] = {
+    {"release_cpu_gradient_cache", release_cpu_gradient_cache, METH_NOARGS,
+     "Free the CPU op's kept gradient buffers; return the bytes freed."},
+    {nullptr, nullptr, 0, nullptr}};
+}  // namespace
+
 extern "C" {
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* module = PyModule_Create(&module_def);
   // calibkernels._C.WITH_CUDA: whether this build compiled csrc/cuda/ (tests check it against the registrations);
   // calibkernels._C.CPU_ISA: the CPU kernel's vector instruction set in this process (see cpu_vector_isa).
@@ -29,18 +41,13 @@ PyObject* PyInit__C(void) {
 }
 
 TORCH_LIBRARY(calibkernels, m) {
+  // One op for both ways of returning the gradient: out of place (grad_out None: a fresh buffer is returned) or into
+  // a caller's buffer (grad_out given, e.g. the logits themselves for inplace=True; an empty tensor is returned).
   m.def(
       "uncertainty_weighted_ce(Tensor logits, Tensor target, Tensor? sample_weight, Tensor? gamma_per_sample, "
-      "int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad) "
-      "-> (Tensor, Tensor)");
-  m.def(
-      "uncertainty_weighted_ce_inplace_(Tensor(a!) logits, Tensor target, Tensor? sample_weight, "
-      "Tensor? gamma_per_sample, int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction) "
-      "-> Tensor");
-  // The backward of both ops: grad *= grad_output (0-dim, or (N,) per row), in place, without reading grad_output on
-  // the host (CUDA only; on the CPU the wrapper reads it and skips the multiply when it is 1).
+      "int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad, "
+      "Tensor(a!)? grad_out) -> (Tensor, Tensor)");
+  // The backward on CUDA tensors in eager mode: grad *= grad_output (0-dim, or (N,) per row), in place, without
+  // reading grad_output on the host.
   m.def("uncertainty_weighted_ce_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");
-  // Frees the gradient buffers that the CPU op keeps for reuse (csrc/cpu/gradient_buffer_cache.h); returns the bytes
-  // freed. No tensor argument, so its one kernel serves every dispatch key.
-  m.def("release_cpu_gradient_cache() -> int", &calibkernels::release_cpu_gradient_cache);
 }

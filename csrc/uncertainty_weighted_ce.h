@@ -1,27 +1,28 @@
-// Shared contract of the fused uncertainty-weighted cross-entropy op (SPEC §2, §8).
+// Shared contract of the fused uncertainty-weighted cross-entropy op (formulas: docs/losses.md).
 //
 // The schema is declared once, in csrc/calibkernels.cpp (TORCH_LIBRARY); each device registers its kernel with
-// TORCH_LIBRARY_IMPL in csrc/<device>/uncertainty_weighted_ce.*. The integer codes mirror
-// calibkernels/_validation.py (WEIGHT_CODES, MODE_CODES, REDUCTION_CODES) and must stay in sync with it.
+// TORCH_LIBRARY_IMPL in csrc/<device>/uncertainty_weighted_ce.*. The integer codes are declared once, in
+// calibkernels/_codes.py; tests/test_codes.py checks the enums below against it.
 //
 //   calibkernels::uncertainty_weighted_ce(
-//       Tensor logits (N, C) float32/float16/bfloat16 (float64 for gradcheck), any row stride,
+//       Tensor logits (N, C) float32/float16/bfloat16 (float64 for gradcheck), any strides,
 //       Tensor target (N,) int64, values in [0, C) or ignore_index,
 //       Tensor? sample_weight (N,) float (weight == External; used detached),
 //       Tensor? gamma_per_sample (N,) float (weight == Focal only; overrides gamma; never differentiated),
-//       int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad)
+//       int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad,
+//       Tensor(a!)? grad_out (N, C) in the logits' dtype, any strides; may be the logits themselves (in place))
 //     -> (Tensor loss, Tensor grad)
 //
-//   loss: float32 (float64 for float64 logits); 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none), (N,) for none.
-//   grad: the gradient of `loss` w.r.t. logits for grad_output = 1 (so already divided by the number of
-//         non-ignored rows for mean), in the logits' dtype, contiguous (N, C); ignored rows are 0.
-//         Shape (0,) when compute_grad is false (inference: no N x C write).
-//
-//   calibkernels::uncertainty_weighted_ce_inplace_(Tensor(a!) logits, <same arguments, no compute_grad>) -> Tensor
-//     Same loss; the gradient overwrites the logits buffer (zero extra memory).
+//   loss: float32 (float64 for float64 logits); 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none),
+//         (N,) for none.
+//   the gradient of `loss` w.r.t. logits for grad_output = 1 (already divided by the number of non-ignored rows for
+//         mean), in the logits' dtype; ignored rows are 0. It is written into grad_out when given (then `grad` is an
+//         empty (0,) tensor), else returned as `grad`, contiguous (N, C). Neither when compute_grad is false
+//         (inference: no N x C write; `grad` is (0,)).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
@@ -80,6 +81,20 @@ inline void check_arguments(const char* op, const at::Tensor& logits, const at::
               "sample_weight is required by, and only allowed with, the external weight");
   TORCH_CHECK(!gamma_per_sample.has_value() || w == Weight::Focal, op,
               "a per-sample gamma is only supported with the focal weight");
+}
+
+// Checks a caller's gradient buffer (the op's grad_out argument). It may be the logits themselves (in place) but must not partially overlap them.
+inline void check_grad_out(const char* op, const at::Tensor& logits, const at::Tensor& grad_out) {
+  TORCH_CHECK(grad_out.sizes() == logits.sizes(), op, "grad_out must have the logits' shape ", logits.sizes(),
+              ", got ", grad_out.sizes());
+  TORCH_CHECK(grad_out.scalar_type() == logits.scalar_type() && grad_out.device() == logits.device(), op,
+              "grad_out must have the logits' dtype and device (", logits.scalar_type(), " on ", logits.device(),
+              "), got ", grad_out.scalar_type(), " on ", grad_out.device());
+  const bool same_view = grad_out.is_same(logits) ||
+                         (grad_out.data_ptr() == logits.data_ptr() && grad_out.strides() == logits.strides());
+  TORCH_CHECK(same_view || !grad_out.is_alias_of(logits) ||
+                  at::get_overlap_status(grad_out, logits) == at::MemOverlapStatus::No,
+              op, "grad_out partially overlaps the logits; pass the logits themselves or a separate buffer");
 }
 
 }  // namespace calibkernels

@@ -719,40 +719,38 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
 std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad) {
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out) {
   const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
                                ignore_index, reduction);
+  const char* op = "calibkernels::uncertainty_weighted_ce: ";
+  const bool into_caller_buffer = compute_grad && grad_out.has_value();
+  if (into_caller_buffer) check_grad_out(op, logits, *grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
-  const at::Tensor z = (logits.stride(1) == 1 || logits.size(1) == 1) ? logits : logits.contiguous();
+  const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
+  const at::Tensor z = direct ? logits : logits.contiguous();
   const at::Tensor t = target.contiguous();
-  // a reused buffer: no page faults for a fresh N×C each step (see gradient_buffer_cache.h)
-  at::Tensor grad = compute_grad ? GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options())
-                                 : at::empty({0}, z.options());
+  // Where the kernel writes the gradient: the caller's buffer when its columns are contiguous (the logits themselves
+  // in place: each row is read before it is overwritten), else a contiguous buffer copied into it afterwards; without
+  // grad_out, a reused buffer (no page faults for a fresh N×C each step, see gradient_buffer_cache.h).
+  at::Tensor dest;
+  if (!compute_grad) {
+    dest = at::empty({0}, z.options());
+  } else if (!into_caller_buffer) {
+    dest = GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options());
+  } else if (grad_out->stride(1) == 1 || grad_out->size(1) == 1) {
+    dest = *grad_out;
+  } else {
+    // column-strided caller buffer: when it is the logits, their contiguous copy z is ours to overwrite
+    dest = (!direct && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
+  }
   at::Tensor loss;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cpu", [&] {
-    loss = launch<scalar_t>(z, compute_grad ? grad.mutable_data_ptr<scalar_t>() : nullptr, z.size(1), t,
-                            sample_weight, gamma_per_sample, args);
+    loss = launch<scalar_t>(z, compute_grad ? dest.mutable_data_ptr<scalar_t>() : nullptr,
+                            compute_grad ? dest.stride(0) : 0, t, sample_weight, gamma_per_sample, args);
   });
-  return {loss, grad};
-}
-
-at::Tensor uncertainty_weighted_ce_inplace_cpu(at::Tensor& logits, const at::Tensor& target,
-                                               const std::optional<at::Tensor>& sample_weight,
-                                               const std::optional<at::Tensor>& gamma_per_sample, int64_t weight,
-                                               int64_t mode, double gamma, double norm, int64_t ignore_index,
-                                               int64_t reduction) {
-  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                               ignore_index, reduction);
-  const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
-  // Column-strided logits: compute in a contiguous copy, then write the gradient back (correct, not zero-copy).
-  at::Tensor z = direct ? logits : logits.contiguous();
-  const at::Tensor t = target.contiguous();
-  at::Tensor loss;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_inplace_cpu", [&] {
-    loss = launch<scalar_t>(z, z.mutable_data_ptr<scalar_t>(), z.stride(0), t, sample_weight, gamma_per_sample, args);
-  });
-  if (!direct) logits.copy_(z);
-  return loss;
+  if (!into_caller_buffer) return {loss, dest};
+  if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
+  return {loss, at::empty({0}, z.options())};
 }
 
 }  // namespace
@@ -772,5 +770,4 @@ int64_t release_cpu_gradient_cache() { return GradientBufferCache::instance().re
 
 TORCH_LIBRARY_IMPL(calibkernels, CPU, m) {
   m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cpu);
-  m.impl("uncertainty_weighted_ce_inplace_", &calibkernels::uncertainty_weighted_ce_inplace_cpu);
 }

@@ -611,33 +611,34 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
 std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad) {
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out) {
   const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
                                ignore_index, reduction);
+  const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
+  const bool into_caller_buffer = compute_grad && grad_out.has_value();
+  if (into_caller_buffer) check_grad_out(op, logits, *grad_out);
   const c10::cuda::CUDAGuard guard(logits.device());
   // Rows may be strided; columns must be contiguous for the vector loads.
-  const at::Tensor z = (logits.stride(1) == 1 || logits.size(1) == 1) ? logits : logits.contiguous();
-  at::Tensor grad = compute_grad ? at::empty({z.size(0), z.size(1)}, z.options()) : at::empty({0}, z.options());
-  const at::Tensor loss = run(z, compute_grad ? grad.data_ptr() : nullptr, z.size(1), target, sample_weight,
-                              gamma_per_sample, args);
-  return {loss, grad};
-}
-
-at::Tensor uncertainty_weighted_ce_inplace_cuda(at::Tensor& logits, const at::Tensor& target,
-                                                const std::optional<at::Tensor>& sample_weight,
-                                                const std::optional<at::Tensor>& gamma_per_sample, int64_t weight,
-                                                int64_t mode, double gamma, double norm, int64_t ignore_index,
-                                                int64_t reduction) {
-  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                               ignore_index, reduction);
-  const c10::cuda::CUDAGuard guard(logits.device());
   const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
-  // Column-strided logits: compute in a contiguous copy, then write the gradient back (correct, not zero-copy).
-  at::Tensor z = direct ? logits : logits.contiguous();
-  // Each thread overwrites only the elements it read itself, after the row's reduction (see the kernel).
-  const at::Tensor loss = run(z, z.data_ptr(), z.stride(0), target, sample_weight, gamma_per_sample, args);
-  if (!direct) logits.copy_(z);
-  return loss;
+  const at::Tensor z = direct ? logits : logits.contiguous();
+  // Where the kernel writes the gradient: the caller's buffer when its columns are contiguous (the logits themselves
+  // in place: each thread overwrites only the elements it read itself, after the row's reduction), else a contiguous
+  // buffer copied into it afterwards.
+  at::Tensor dest;
+  if (!compute_grad) {
+    dest = at::empty({0}, z.options());
+  } else if (!into_caller_buffer) {
+    dest = at::empty({z.size(0), z.size(1)}, z.options());
+  } else if (grad_out->stride(1) == 1 || grad_out->size(1) == 1) {
+    dest = *grad_out;
+  } else {
+    dest = (!direct && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
+  }
+  const at::Tensor loss = run(z, compute_grad ? dest.data_ptr() : nullptr, compute_grad ? dest.stride(0) : 0, target,
+                              sample_weight, gamma_per_sample, args);
+  if (!into_caller_buffer) return {loss, dest};
+  if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
+  return {loss, at::empty({0}, z.options())};
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
@@ -686,6 +687,5 @@ void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor&
 
 TORCH_LIBRARY_IMPL(calibkernels, CUDA, m) {
   m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cuda);
-  m.impl("uncertainty_weighted_ce_inplace_", &calibkernels::uncertainty_weighted_ce_inplace_cuda);
   m.impl("uncertainty_weighted_ce_scale_grad_", &calibkernels::uncertainty_weighted_ce_scale_grad_cuda);
 }
