@@ -6,7 +6,7 @@
 >>> loss = ck.bsce_gra_loss(logits, target)        # BSCE-GRA, γ = 4, q = 2, mean reduction
 >>> loss.backward()
 
-See ``SPEC.md`` §2 for the loss family and :mod:`calibkernels.reference` for the readable definitions.
+See ``docs/losses.md`` for the loss family and :mod:`calibkernels.reference` for the readable definitions.
 """
 
 import torch
@@ -19,9 +19,8 @@ from .gamma_net import GammaNet
 
 __version__ = "0.1.0"
 
-# Load the compiled ops (torch.ops.calibkernels.*) together with their Python halves (register_fake,
-# register_autograd) at import, as torchvision does: an op called directly, traced by torch.compile or checked by
-# opcheck must never exist without its fake kernel. A missing or broken extension is only recorded here; backend
+# Load the compiled op (torch.ops.calibkernels.*) together with its fake kernel at import, as torchvision does: an op
+# called directly, traced by torch.compile or checked by opcheck must never exist without it. A missing or broken extension is only recorded here; backend
 # "auto" falls back to the reference with one warning when it is first used.
 _backends.unavailable_reason("cpu", torch.device("cpu"))
 
@@ -32,7 +31,9 @@ def release_cpu_gradient_cache() -> int:
     (0 without the compiled extension). ``CALIBKERNELS_CPU_GRAD_CACHE=0`` turns the reuse off."""
     if _backends.unavailable_reason("cpu", torch.device("cpu")) is not None:
         return 0
-    return int(torch.ops.calibkernels.release_cpu_gradient_cache())
+    from . import _C
+
+    return int(_C.release_cpu_gradient_cache())
 
 
 __all__ = [

@@ -1,8 +1,9 @@
 """Which implementations of the loss family this install can run, and how ``backend="auto"`` chooses one.
 
-Each backend is a module exposing ``is_available(device) -> str | None`` (``None`` when it can run on that device,
-otherwise the reason it cannot) and ``run(inputs: LossInputs, inplace: bool) -> Tensor``.  Backends are imported
-lazily: ``import calibkernels`` never fails and stays fast when Triton or the compiled extension is missing.
+Each compiled backend is a module exposing ``is_available(name, device) -> str | None`` (``None`` when it can run on
+that device, otherwise the reason it cannot) and the ``forward`` of :mod:`calibkernels._autograd`, which runs all of
+them through one autograd definition; the reference runs its own PyTorch graph. Backends are imported lazily:
+``import calibkernels`` never fails and stays fast when Triton or the compiled extension is missing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,12 @@ import warnings
 
 import torch
 
+from . import _autograd
 from . import _validation as V
+from .reference import _uncertainty_weighted_ce as _reference_loss
 
 # backend name -> module implementing it (relative to the calibkernels package)
 _BACKEND_MODULES = {
-    "reference": "._reference_backend",
     "cpu": ".cpp.uncertainty_weighted_ce",
     "cuda": ".cpp.uncertainty_weighted_ce",
     "triton": ".triton.uncertainty_weighted_ce",
@@ -43,6 +45,8 @@ def _module(name: str):
 
 def unavailable_reason(name: str, device: torch.device) -> str | None:
     """``None`` if backend ``name`` can run on ``device``, else a human-readable reason."""
+    if name == "reference":
+        return None  # pure PyTorch: every device and dtype
     module, reason = _module(name)
     if module is None:
         return reason
@@ -94,6 +98,13 @@ def resolve(backend: str, device: torch.device) -> str:
     return "reference"
 
 
+def module(name: str):
+    """The module of backend ``name`` (``None`` if it failed to import; :func:`resolve` checks that first)."""
+    return _loaded_modules[name][0] if name in _loaded_modules else _module(name)[0]
+
+
 def run(backend: str, inputs: V.LossInputs, inplace: bool):
-    module, _ = _module(backend)
-    return module.run(backend, inputs, inplace)
+    if backend == "reference":
+        # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
+        return _reference_loss(inputs)
+    return _autograd.run(backend, inputs, inplace)

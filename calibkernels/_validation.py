@@ -1,8 +1,7 @@
 """Input checking shared by every backend, so all of them reject bad input with the same clear message.
 
-Logits of shape ``(..., C)`` are flattened to rows ``(N, C)`` (class dimension last, SPEC §1); targets of shape ``(...)``
-to ``(N,)``.  The integer codes below are the ones the compiled and Triton kernels receive; they mirror
-``csrc/uncertainty_weighted_ce.h`` and must stay in sync with it.
+Logits of shape ``(..., C)`` are flattened to rows ``(N, C)`` (class dimension last, docs/losses.md); targets of shape
+``(...)`` to ``(N,)``. The integer codes the kernels receive are declared in :mod:`calibkernels._codes`.
 """
 
 from __future__ import annotations
@@ -11,12 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-# Codes shared with the kernels (csrc/uncertainty_weighted_ce.h, calibkernels/triton/uncertainty_weighted_ce.py).
-WEIGHT_CODES = {"none": 0, "focal": 1, "flsd": 2, "dual_focal": 3, "brier": 4, "external": 5}
-MODE_CODES = {"loss": 0, "grad": 1}
-# Same numbering as torch's internal Reduction enum (at::Reduction).
-REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
-BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+from ._codes import BACKENDS, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES  # noqa: F401  (re-exported)
 
 
 def _check_choice(kind: str, value, choices) -> None:
@@ -47,15 +41,15 @@ def check_gamma(gamma) -> None:
         return  # values are checked once the rows are known (check_per_sample_gamma)
     if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
         raise TypeError(f"gamma must be a number or a per-sample tensor, got {type(gamma).__name__}")
-    if not gamma >= 0:  # also rejects NaN
-        raise ValueError(f"gamma must be >= 0, got {gamma}")
+    if not 0 <= gamma < float("inf"):  # also rejects NaN
+        raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
 
 
 def check_norm(norm) -> None:
     if isinstance(norm, bool) or not isinstance(norm, (int, float)):
         raise TypeError(f"norm must be a number, got {type(norm).__name__}")
-    if not norm > 0:
-        raise ValueError(f"norm (the q of the generalised Brier score) must be > 0, got {norm}")
+    if not 0 < norm < float("inf"):
+        raise ValueError(f"norm (the q of the generalised Brier score) must be finite and > 0, got {norm}")
 
 
 def out_of_range_targets(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
@@ -119,7 +113,8 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
     return logits2d, target1d, batch_shape
 
 
-def check_sample_weight(sample_weight, weight: str, target_shape, device) -> torch.Tensor | None:
+def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
+                        check_values: bool = True) -> torch.Tensor | None:
     """``sample_weight`` is required by, and only allowed with, ``weight="external"``; returned flattened."""
     if weight != "external":
         if sample_weight is not None:
@@ -137,6 +132,9 @@ def check_sample_weight(sample_weight, weight: str, target_shape, device) -> tor
         )
     if sample_weight.device != device:
         raise ValueError(f"sample_weight is on {sample_weight.device} but logits are on {device}")
+    if check_values and not torch.compiler.is_compiling() and not bool(
+            ((sample_weight >= 0) & sample_weight.isfinite()).all()):
+        raise ValueError("sample_weight must be finite and >= 0 everywhere (it scales each row's loss and gradient)")
     return sample_weight.reshape(-1)
 
 
@@ -150,8 +148,8 @@ def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_va
         raise ValueError(f"per-sample gamma shape {tuple(gamma.shape)} does not match target shape {tuple(target_shape)}")
     if gamma.device != device:
         raise ValueError(f"per-sample gamma is on {gamma.device} but logits are on {device}")
-    if check_values and not torch.compiler.is_compiling() and bool((gamma < 0).any() | gamma.isnan().any()):
-        raise ValueError("per-sample gamma must be >= 0 everywhere")
+    if check_values and not torch.compiler.is_compiling() and not bool(((gamma >= 0) & gamma.isfinite()).all()):
+        raise ValueError("per-sample gamma must be finite and >= 0 everywhere")
     return gamma.reshape(-1)
 
 
@@ -197,7 +195,7 @@ def check_loss_inputs(
     logits2d, target1d, batch_shape = check_logits_target(
         logits, target, ignore_index=ignore_index, check_values=check_values
     )
-    sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device)
+    sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device, check_values=check_values)
     gamma = check_per_sample_gamma(gamma, weight, target.shape, logits.device, check_values=check_values)
     return LossInputs(
         logits2d, target1d, weight, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape

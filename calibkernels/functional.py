@@ -1,4 +1,4 @@
-"""Functional API (SPEC §8): validate once, pick a backend, run it."""
+"""Functional API: validate once, pick a backend, run it (docs/losses.md)."""
 
 from __future__ import annotations
 

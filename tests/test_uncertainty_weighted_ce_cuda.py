@@ -1,6 +1,7 @@
 """The CUDA C++ kernel (``csrc/cuda/uncertainty_weighted_ce.cu``, backend ``"cuda"``).
 
-* Everywhere: a build made with a CUDA toolkit (``calibkernels._C.WITH_CUDA``) registers the CUDA kernel of both ops,
+* Everywhere: a build made with a CUDA toolkit (``calibkernels._C.WITH_CUDA``) registers the CUDA kernels of the op
+  and of the backward's scaling,
   and a build without one registers none (so a silently skipped ``.cu`` cannot pass for a CUDA build). Set
   ``CALIBKERNELS_EXPECT_CUDA=1`` (CI with nvcc) to also require that the build compiled the CUDA kernels.
 * On a GPU machine (skipped otherwise): values and gradients against the float64 reference on every kernel shape —
@@ -8,10 +9,8 @@
   (C > 4096; 4096-column tiles, statistics pass then gradient pass) — each with 16-byte vector and
   scalar (misaligned) accesses; strided and misaligned rows with sentinels around them
   (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
-  dual-focal ties; the in-place op; no host synchronisation (CUDA-graph capture, sync debug mode); opcheck and
-  torch.compile(fullgraph=True).
-* On a GPU machine: the streaming path in each of its tuning configurations (``CALIBKERNELS_CUDA_STREAM_CONFIG``,
-  read once per process, hence one pytest subprocess per configuration), and the variable's check.
+  dual-focal ties; in place (``grad_out`` = the logits); no host synchronisation (CUDA-graph capture, sync debug
+  mode); opcheck and torch.compile(fullgraph=True).
 
 The shared backend-vs-reference suite (``test_uncertainty_weighted_ce.py``) runs the same checks as every other backend
 on ``("cuda", "cuda")`` too.
@@ -30,7 +29,7 @@ from _tolerance import assert_within_reference_error
 
 _C = pytest.importorskip("calibkernels._C", reason="the compiled extension is not built")
 
-OPS = ("calibkernels::uncertainty_weighted_ce", "calibkernels::uncertainty_weighted_ce_inplace_")
+OPS = ("calibkernels::uncertainty_weighted_ce", "calibkernels::uncertainty_weighted_ce_scale_grad_")
 WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
@@ -79,24 +78,23 @@ def test_cuda_kernel_registered_exactly_when_built_with_cuda():
 
 
 def test_target_check_of_the_cuda_wrapper(monkeypatch):
-    """The check the "cuda" backend queues after the kernel (which only NaN-poisons bad rows) names the bad value, lets
-    ignore_index through, and is off with CALIBKERNELS_VALIDATE=0 (calibkernels._target_checks.POLICY). On CPU
+    """The flag the "cuda" backend computes after the kernel (which only NaN-poisons bad rows) names the bad value
+    through calibkernels._target_checks, lets ignore_index through, and is ignored with CALIBKERNELS_VALIDATE=0. On CPU
     tensors the flag is read at once, which lets this run without a GPU."""
     wrapper = pytest.importorskip("calibkernels.cpp.uncertainty_weighted_ce")
     from calibkernels import _target_checks
 
-    if not torch.cuda.is_available():
-        # the check only ever sees CUDA tensors; without a GPU, asking whether a capture is running would raise
-        monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    logits = torch.randn(4, 6)
+    def submit(target):
+        _target_checks.submit(wrapper._target_flag(target, 6, -100), 6, -100)
+
     for bad in (6, -1, 1000):
-        inputs = V.check_loss_inputs(logits, torch.tensor([0, -100, bad, 5]), check_values=False)
+        target = torch.tensor([0, -100, bad, 5])
         with pytest.raises(ValueError, match=f"target value {bad} is out of range for 6 classes"):
-            wrapper._submit_cuda_target_check(inputs)
+            submit(target)
         monkeypatch.setattr(_target_checks, "POLICY", "off")
-        wrapper._submit_cuda_target_check(inputs)
+        submit(target)
         monkeypatch.setattr(_target_checks, "POLICY", "async")
-    wrapper._submit_cuda_target_check(V.check_loss_inputs(logits, torch.tensor([0, -100, 3, 5])))
+    submit(torch.tensor([0, -100, 3, 5]))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -109,10 +107,17 @@ needs_gpu = pytest.mark.skipif(
 
 
 def _op(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
-        gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True):
+        gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None):
     return torch.ops.calibkernels.uncertainty_weighted_ce(
         logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], float(gamma),
-        float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad)
+        float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad, grad_out)
+
+
+def _inplace(logits, target, *, reduction="mean"):
+    """The op in place (the gradient of BSCE-GRA overwrites ``logits``); returns the loss."""
+    loss, grad = _op(logits, target, reduction=reduction, grad_out=logits)
+    assert grad.shape == (0,)
+    return loss
 
 
 def _reference(logits, target, *, dtype, sample_weight=None, gamma=4.0, **kw):
@@ -203,8 +208,7 @@ def test_strided_and_misaligned_rows_read_and_write_in_bounds(c, dtype, column_o
     low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
     outside = torch.ones_like(buffer, dtype=torch.bool)
     outside[:, column_offset:column_offset + c] = False
-    loss = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
-        logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"])
+    loss = _inplace(logits, y, reduction="mean")
     assert torch.all(buffer[outside] == sentinel), "the in-place op wrote outside the logits"
     assert_within_reference_error(loss, exact_loss, low_loss, dtype, "in-place loss")
     assert_within_reference_error(logits, exact_grad, low_grad, dtype, "in-place gradient")
@@ -246,8 +250,7 @@ def test_out_of_range_targets_poison_only_their_row(c):
     mean_loss, _ = _op(logits, y, reduction="mean")
     assert torch.isnan(mean_loss), "a reduced loss over a bad target must not look finite"
     # The in-place op poisons the bad rows too, and writes nowhere outside the logits.
-    torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
-        logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["sum"])
+    _inplace(logits, y, reduction="sum")
     assert torch.all(buffer[:, :8] == 3.0) and torch.all(buffer[:, 8 + c:] == 3.0)
     assert torch.isnan(logits[bad_rows]).all()
 
@@ -345,7 +348,7 @@ def test_no_host_synchronisation_and_cuda_graph_capture():
 
 
 @needs_gpu
-def test_opcheck_both_ops():
+def test_opcheck():
     n, c = 8, 300
     samples = [
         (_logits(n, c), _targets(n, c), None, None, 4, 1, 4.0, 2.0, -100, 1, True),
@@ -354,10 +357,11 @@ def test_opcheck_both_ops():
         (_logits(n, c), _targets(n, c), torch.rand(n, device="cuda"), None, 5, 1, 0.0, 2.0, -100, 1, False),
         (_logits(n, 20000), _targets(n, 20000), None, None, 2, 0, 3.0, 2.0, -100, 1, True),
     ]
+    op = torch.ops.calibkernels.uncertainty_weighted_ce.default
     for args in samples:
-        torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce.default, args)
-        torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_inplace_.default, args[:-1],
-                              test_utils=("test_schema", "test_faketensor"))
+        torch.library.opcheck(op, args + (None,))
+        logits = args[0].clone()
+        torch.library.opcheck(op, (logits,) + args[1:-1] + (True, logits))  # in place
 
 
 @needs_gpu
@@ -395,32 +399,8 @@ def test_scale_grad_op_passes_opcheck():
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Streaming-path configurations (CALIBKERNELS_CUDA_STREAM_CONFIG)
+# The streaming path (C > 4096)
 # ----------------------------------------------------------------------------------------------------------------
-# The kernel reads the variable once per process, so each configuration runs the in-process test below in its own
-# pytest subprocess (same seed, so a failure replays with CALIBKERNELS_CUDA_STREAM_CONFIG=... and the printed seed).
-STREAM_CONFIGS = ("256x16", "256x32", "512x16", "512x32")
-STREAM_ENV = "CALIBKERNELS_CUDA_STREAM_CONFIG"
-
-
-def _streaming_rows(n, c, dtype, column_offset):
-    """Logits (a slice starting at ``column_offset`` of a sentinel-filled buffer, or the whole tensor for None) and
-    targets with ignored rows, a row half -inf whose target sits in the last column (the last tile's tail) and a row
-    whose only finite entry is its target."""
-    z = _logits(n, c, dtype)
-    z[2, : c // 2] = float("-inf")
-    z[4, 1:] = float("-inf")
-    y = torch.randint(0, c, (n,), device="cuda")
-    y[1] = y[3] = -100
-    y[2], y[4] = c - 1, 0
-    if column_offset is None:
-        return None, z, y
-    buffer = torch.full((n, c + 8), 7.0, device="cuda", dtype=dtype)
-    logits = buffer[:, column_offset:column_offset + c]
-    logits.copy_(z)
-    return buffer, logits, y
-
-
 def _streaming_kernel_names(logits, target):
     from torch.profiler import ProfilerActivity, profile
 
@@ -433,12 +413,10 @@ def _streaming_kernel_names(logits, target):
 
 @needs_gpu
 def test_streaming_path_against_reference():
-    """The streaming path (C > 4096) in the configuration of this process (default 256x16): aligned and misaligned
-    rows (a slice from column 1, with sentinels around it), ignored and -inf rows, fp32 and bf16, the in-place op."""
-    config = os.environ.get(STREAM_ENV) or "256x16"
-    threads, per_thread = config.split("x")
+    """The streaming path (C > 4096): aligned and misaligned rows (a slice from column 1, with sentinels around it),
+    ignored and -inf rows, fp32 and bf16, in place."""
     names = _streaming_kernel_names(*_streaming_rows(6, 32000, torch.float32, None)[1:])
-    assert any(f"<float, {threads}, {per_thread}, false>" in name for name in names), (config, names)
+    assert names, "no calibkernels CUDA kernel ran"
     n = 6
     for c in (4097, 32000, 70000):  # one mostly-padding tile; several tiles; several tiles with a ragged tail
         for dtype in (torch.float32, torch.bfloat16):
@@ -454,66 +432,7 @@ def test_streaming_path_against_reference():
                 low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
                 outside = torch.ones_like(buffer, dtype=torch.bool)
                 outside[:, column_offset:column_offset + c] = False
-                loss = torch.ops.calibkernels.uncertainty_weighted_ce_inplace_(
-                    logits, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100,
-                    V.REDUCTION_CODES["mean"])
+                loss = _inplace(logits, y, reduction="mean")
                 assert torch.all(buffer[outside] == 7.0), f"C={c} {dtype}: the in-place op wrote outside the logits"
                 assert_within_reference_error(loss, exact_loss, low_loss, dtype, "in-place loss")
                 assert_within_reference_error(logits, exact_grad, low_grad, dtype, "in-place gradient")
-
-
-def _subprocess_env(config):
-    from conftest import SESSION_SEED
-
-    root = os.path.dirname(os.path.dirname(os.path.abspath(ck.__file__)))  # the calibkernels this run imported
-    # not an xdist worker's variables: the child is a plain pytest run
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_XDIST", "PYTEST_CURRENT_TEST"))}
-    env["CALIBKERNELS_TEST_SEED"] = str(SESSION_SEED)
-    env[STREAM_ENV] = config
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    return root, env
-
-
-@needs_gpu
-@pytest.mark.parametrize("config", STREAM_CONFIGS)
-def test_every_streaming_config_against_reference(config):
-    import subprocess
-    import sys
-
-    root, env = _subprocess_env(config)
-    node = f"{os.path.relpath(os.path.abspath(__file__), root)}::test_streaming_path_against_reference"
-    result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", node], cwd=root,
-                            env=env, capture_output=True, text=True, timeout=600)
-    assert result.returncode == 0 and "1 passed" in result.stdout, (
-        f"{STREAM_ENV}={config}:\n{result.stdout[-4000:]}\n{result.stderr[-2000:]}")
-
-
-@needs_gpu
-def test_streaming_config_is_checked_and_read_once():
-    """An invalid value fails every call, whatever C, naming the valid ones; a valid value is read at the first call
-    and later changes of the environment are ignored."""
-    import subprocess
-    import sys
-
-    code = ("import os, torch, calibkernels.cpp.uncertainty_weighted_ce\n"
-            "ops = torch.ops.calibkernels\n"
-            "z = torch.randn(4, 100, device='cuda'); y = torch.randint(0, 100, (4,), device='cuda')\n"
-            "for _ in range(2):\n"
-            "    try:\n"
-            "        ops.uncertainty_weighted_ce(z, y, None, None, 4, 1, 4.0, 2.0, -100, 1, True)\n"
-            "        print('ok')\n"
-            "    except RuntimeError as e:\n"
-            "        print('raised', str(e).splitlines()[0])\n"
-            f"    os.environ['{STREAM_ENV}'] = '1024x8'\n")
-    outputs = {}
-    for config in ("1024x8", "512x32"):
-        root, env = _subprocess_env(config)
-        result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                                timeout=300)
-        assert result.returncode == 0, result.stderr[-2000:]
-        outputs[config] = result.stdout.strip().splitlines()
-    bad = outputs["1024x8"]
-    assert len(bad) == 2 and all(line.startswith("raised") for line in bad), bad
-    assert all(f'{STREAM_ENV}="1024x8"' in line and "256x16 (the default), 256x32, 512x16, 512x32" in line
-               for line in bad), bad
-    assert outputs["512x32"] == ["ok", "ok"]

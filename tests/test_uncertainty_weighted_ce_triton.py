@@ -1,5 +1,5 @@
 """Triton backend internals: the chunked two-read path, inplace, the device-side target check, the backward's
-scaling and version-counter guard, opcheck, torch.compile.
+scaling, opcheck, torch.compile.
 
 Runs on CPU tensors through ``TRITON_INTERPRET=1`` (set by conftest.py when no GPU is present; small shapes only, the
 interpreter is slow) and again on CUDA tensors when a GPU is present. The value checks against the reference for every
@@ -12,7 +12,7 @@ import os
 import pytest
 import torch
 
-from calibkernels import _backends, _target_checks
+from calibkernels import _autograd, _backends, _target_checks
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
@@ -67,6 +67,11 @@ def _op_args(z, y, *, weight="brier", mode="grad", gamma=None, norm=2.0, sample_
             0.0 if per_sample is not None else float(gamma), float(norm), ignore_index, V.REDUCTION_CODES[reduction])
 
 
+def _run(inputs, inplace):
+    """The loss through the Triton backend and the shared autograd (below the public API's host-side checks)."""
+    return _autograd.run("triton", inputs, inplace)
+
+
 def _reference_loss_and_grad(z, y, grad_out, **kw):
     """float64 reference: the loss and the gradient of ``loss·grad_out``."""
     x = z.detach().double().requires_grad_()
@@ -81,7 +86,7 @@ def _reference_loss_and_grad(z, y, grad_out, **kw):
 
 def _triton_loss_and_grad(z, y, grad_out, **kw):
     x = z.detach().clone().requires_grad_()
-    loss = T.run("triton", _inputs(x, y, **kw), False)
+    loss = _run(_inputs(x, y, **kw), False)
     loss.backward(grad_out.to(loss.dtype).expand_as(loss))
     return loss.detach(), x.grad
 
@@ -208,26 +213,6 @@ def test_chunked_path_keeps_precision_with_logits_of_a_few_thousand(small_block,
         _close(grad, exact_grad, torch.float32, f"{weight} gradient")
 
 
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("chunk", [None, 8], ids=["single-read", "two-read"])
-@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("none", "grad")])
-def test_row_striding_grid_gives_the_same_bits_as_one_program_per_row(device, chunk, weight, mode):
-    """A grid of fewer programs than rows (each striding over rows) computes every row exactly as one program per
-    row does: same loss and gradient bits, every row visited once (ignored and out-of-range rows included)."""
-    n, c = (11 if device == "cpu" else 1000), 37  # more rows than the grid: 3 programs (CPU), 1 per SM (GPU)
-    z = torch.randn(n, c, device=device) * 3
-    y = _targets(n, c, device)
-    y[2] = -100
-    args = _op_args(z, y, weight=weight, mode=mode, reduction="none")
-    results = [T.uncertainty_weighted_ce_forward(z, *args, True, False, chunk=chunk, programs_per_sm=programs)
-               for programs in (0, 1)]
-    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
-    exact_loss, exact_grad = _reference_loss_and_grad(z, y, torch.ones(n, device=device), weight=weight, mode=mode,
-                                                      reduction="none")
-    _close(results[1][0], exact_loss, torch.float32, "loss")
-    _close(results[1][1], exact_grad, torch.float32, "gradient")
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # Inplace, no-grad, backward scaling, version counter
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,7 +228,7 @@ def test_inplace_overwrites_logits_with_gradient(monkeypatch, device, chunked, w
     leaf = z.clone().requires_grad_()
     logits = leaf * 1.0  # an activation, as a model's output is
     storage = logits.data_ptr()
-    loss = T.run("triton", _inputs(logits, y, weight=weight, mode=mode), True)
+    loss = _run(_inputs(logits, y, weight=weight, mode=mode), True)
     grad_out = torch.tensor(0.5, device=device)
     loss.backward(grad_out)
     exact_loss, exact_grad = _reference_loss_and_grad(z, y, grad_out, weight=weight, mode=mode)
@@ -263,8 +248,8 @@ def test_inplace_writes_stay_inside_a_strided_view(device):
     view.copy_(torch.randn(n, c, device=device))
     y = _targets(n, c, device)
     expected_grad = _reference_loss_and_grad(view.clone(), y, torch.tensor(1.0, device=device))[1]
-    loss = torch.ops.calibkernels.uncertainty_weighted_ce_triton_inplace_(view, *_op_args(view, y), True)
-    assert torch.isfinite(loss)
+    loss, grad = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
+    assert torch.isfinite(loss) and grad.shape == (0,)
     assert (buffer[:, c:] == 123.0).all(), "padding between rows was written"
     _close(view, expected_grad, torch.float32, "in-place gradient")
 
@@ -273,13 +258,13 @@ def test_inplace_writes_stay_inside_a_strided_view(device):
 def test_no_gradient_buffer_without_grad(device):
     z = torch.randn(6, 13, device=device)
     y = _targets(6, 13, device)
-    loss, grad = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, True)
+    loss, grad = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, None)
     assert grad.shape == (0,), "compute_grad=False must not write an N×C gradient"
     torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y), rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # requires_grad logits under no_grad: no gradient either, and inplace leaves them intact
         x = z.clone().requires_grad_()
         before = x.detach().clone()
-        T.run("triton", _inputs(x, y), True)
+        _run(_inputs(x, y), True)
         assert torch.equal(x.detach(), before)
 
 
@@ -291,7 +276,7 @@ def test_second_backward_through_a_retained_graph_gives_the_same_gradient(device
     z = torch.randn(4, 9, device=device)
     y = _targets(4, 9, device, ignored=0)
     leaf = z.clone().requires_grad_()
-    loss = T.run("triton", _inputs(leaf * 1.0, y), inplace)
+    loss = _run(_inputs(leaf * 1.0, y), inplace)
     loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
     first = leaf.grad.clone()
     _close(first, _reference_loss_and_grad(z, y, torch.tensor(2.0, device=device))[1], torch.float32, "gradient")
@@ -309,12 +294,12 @@ def test_backward_with_broadcast_and_unit_grad_output(device):
                                 ("none", torch.ones(7, device=device)),
                                 ("none", torch.tensor(3.0, device=device).expand(7))):
         x = z.clone().requires_grad_()
-        loss = T.run("triton", _inputs(x, y, weight="focal", mode="loss", reduction=reduction), False)
+        loss = _run(_inputs(x, y, weight="focal", mode="loss", reduction=reduction), False)
         loss.backward(grad_out)
         exact = _reference_loss_and_grad(z, y, grad_out, weight="focal", mode="loss", reduction=reduction)[1]
         _close(x.grad, exact, torch.float32, f"{reduction} gradient")
     x = z.clone().requires_grad_()
-    T.run("triton", _inputs(x, y, reduction="none"), False).sum().backward()
+    _run(_inputs(x, y, reduction="none"), False).sum().backward()
     _close(x.grad, _reference_loss_and_grad(z, y, torch.ones(7, device=device), reduction="none")[1],
            torch.float32, "gradient of .sum()")
 
@@ -331,7 +316,7 @@ def test_out_of_range_target_raises_on_device_check(monkeypatch, device, chunked
     for bad in (7, -1, 10**9):
         y = torch.tensor([0, bad, 3, -100], device=device)
         with pytest.raises(ValueError, match=f"target value {bad} is out of range for 7 classes"):
-            T.run("triton", _inputs(z, y), False)
+            _run(_inputs(z, y), False)
             _target_checks.synchronize_target_checks()  # on CUDA the default policy raises without stalling
 
 
@@ -344,11 +329,11 @@ def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch
     buffer[:, :c] = torch.randn(n, c, device=device)
     view = buffer[:, :c]
     y = torch.tensor([1, 10**6, 2, -5, -100], device=device)
-    rows_loss = T.run("triton", _inputs(view, y, reduction="none"), False)
+    rows_loss = _run(_inputs(view, y, reduction="none"), False)
     good = torch.tensor([0, 2, 4], device=device)
     assert torch.isnan(rows_loss[1]) and torch.isnan(rows_loss[3])
     torch.testing.assert_close(rows_loss[good], R.uncertainty_weighted_ce(view[good], y[good], reduction="none"))
-    loss = torch.ops.calibkernels.uncertainty_weighted_ce_triton_inplace_(view, *_op_args(view, y), False)
+    loss, _ = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
     assert torch.isnan(loss), "a bad target must never give a plausible-looking loss"
     assert (buffer[:, c:] == 7.0).all(), "out-of-range target wrote outside its row"
     assert torch.isnan(view[1]).all() and torch.isnan(view[3]).all() and (view[4] == 0).all()
@@ -361,14 +346,18 @@ def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch
 @pytest.mark.parametrize("weight,mode,reduction", [("brier", "loss", "mean"), ("focal", "grad", "none"),
                                                    ("dual_focal", "loss", "sum")])
 def test_opcheck(device, weight, mode, reduction):
-    z = torch.randn(5, 11, device=device, requires_grad=True)
+    # The op mutates its grad_out argument, so it has no registered autograd (calibkernels._autograd is its autograd
+    # in every mode): opcheck it on inputs that do not require grad, returning the gradient, writing it into a
+    # separate buffer, and in place.
+    z = torch.randn(5, 11, device=device)
     y = _targets(5, 11, device, ignored=1)
     args = _op_args(z, y, weight=weight, mode=mode, reduction=reduction)
-    torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_triton.default, (z, *args, True, True))
-    torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_triton_inplace_.default,
-                          (z.detach().clone(), *args, True))
-    torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_triton_scale_grad_.default,
-                          (torch.randn(5, 11, device=device), torch.rand(5, device=device)))
+    op = torch.ops.calibkernels.uncertainty_weighted_ce_triton.default
+    torch.library.opcheck(op, (z, *args, True, None))
+    torch.library.opcheck(op, (z, *args, False, None))
+    torch.library.opcheck(op, (z, *args, True, torch.empty_like(z)))
+    logits = z.clone()
+    torch.library.opcheck(op, (logits, *args, True, logits))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -381,7 +370,7 @@ def test_compiles_with_fullgraph(device, inplace):
 
     def step(features, target):
         inputs = V.check_loss_inputs(model(features), target, weight="brier", mode="loss", check_values=False)
-        return T.run("triton", inputs, inplace)
+        return _run(inputs, inplace)
 
     # Inductor on GPU; on CPU the graph is checked with aot_eager (Inductor's C++ build adds nothing here)
     compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
@@ -401,7 +390,7 @@ def test_backend_interface():
         assert T.is_available("triton", torch.device("cpu")) is None
         assert "triton" in _backends.available_backends()
     with pytest.raises(TypeError, match="float64"):
-        T.run("triton", _inputs(torch.randn(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.long)), False)
+        _run(_inputs(torch.randn(3, 4, dtype=torch.float64), torch.zeros(3, dtype=torch.long)), False)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -433,12 +422,12 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.stream(side):  # warm up (Triton compiles) outside the capture
         for _ in range(2):
             x.grad = None
-            T.run("triton", _inputs(x, y), False).backward()
+            _run(_inputs(x, y), False).backward()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     x.grad = None
     with torch.cuda.graph(graph):
-        loss = T.run("triton", _inputs(x, y), False)
+        loss = _run(_inputs(x, y), False)
         loss.backward()
     new_z = torch.randn(32, 1000, device="cuda")
     with torch.no_grad():
@@ -463,14 +452,14 @@ from calibkernels.triton import uncertainty_weighted_ce as T
 
 assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, not interpreted ones"
 
-def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch, num_warps=None, strided=False):
+def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch, num_warps=None):
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block, SINGLE_READ=single_read,
-                      NORM_IS_TWO=weight == T.WEIGHT_BRIER, ROWS_STRIDED=strided)
+                      NORM_IS_TWO=weight == T.WEIGHT_BRIER)
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps or T._num_warps(block)})
@@ -496,7 +485,7 @@ def small_kernels(dtype, arch):
 for weight, mode in itertools.product(range(6), range(2)):       # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)
     fwd("bf16", weight, mode, 0, 4096, False, False, 90, num_warps=4)
-fwd("bf16", 4, 1, 1, 8192, False, False, 90, num_warps=8, strided=True)  # the row-striding grid
+fwd("bf16", 4, 1, 1, 8192, False, False, 90, num_warps=8)         # a long two-read chunk
 fwd("fp32", 4, 1, 2, T.MAX_BLOCK, True, False, 90, num_warps=16)  # the largest single-read block (C = 32000)
 fwd("fp16", 1, 0, 1, 2048, True, True, 90)                         # per-sample gamma (the gamma-Net)
 fwd("bf16", 4, 1, 1, 1024, True, False, 80)

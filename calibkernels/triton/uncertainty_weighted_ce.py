@@ -1,4 +1,4 @@
-"""Triton kernel of the fused uncertainty-weighted cross-entropy (SPEC §2, §7, §8): the default GPU backend.
+"""Triton kernel of the fused uncertainty-weighted cross-entropy (docs/losses.md): the default GPU backend.
 
 Per row ``i`` with logits ``z_i (C,)``, target ``y_i`` and ``p_i = softmax(z_i)``, one program computes
 
@@ -18,7 +18,7 @@ Brier score / external), and, in the same launch, the gradient of the *reduced* 
 
 (Lin et al. 2017; Mukhoti et al. 2020; Tao, Dong & Xu, ICML 2023; the BSCE-GRA paper, Eq. 3/11.)
 
-Kernel design (SPEC §7):
+Kernel design (docs/performance.md):
 
 * One program per row; online softmax with ``exp2``; the running max ``m``, the sum ``d = Σ e^{z-m}``, the sum over the
   non-target classes ``d_¬y`` (so ``1 - p_y = d_¬y / d`` never cancels), the gBS accumulator ``Σ_{k≠y} e^{q(z-m)}``
@@ -30,18 +30,15 @@ Kernel design (SPEC §7):
   logits once, write the gradient once, in the loss launch) and a two-read path beyond that (statistics pass, then
   gradient pass, over ``TWO_READ_CHUNK`` chunks; the statistics pass asks L2 to keep the row and the gradient pass
   walks the chunks backwards, so the second read mostly hits L2).
-* Gradient in the forward: backward only multiplies the saved gradient by ``grad_output`` with
-  ``_uncertainty_weighted_ce_scale_grad_kernel``, which reads ``grad_output`` on the device and leaves the buffer
-  untouched when it is exactly 1 (so ``loss.backward()`` costs one read and one write of N×C in total). The scaling is
-  in place in eager mode; autograd's version counter then makes a second backward through the same graph
-  (``retain_graph=True``) raise instead of returning a rescaled gradient. Under tracing (torch.compile, AOTAutograd,
-  opcheck) the scaling is out of place.
-* Opt-in ``inplace=True``: the gradient overwrites the logits buffer (zero extra N×C memory).
+* Gradient in the forward: the backward (:mod:`calibkernels._autograd`, shared with the compiled backends) only
+  multiplies the saved gradient by ``grad_output`` with ``_uncertainty_weighted_ce_scale_grad_kernel``, which reads
+  ``grad_output`` on the device and leaves the buffer untouched when it is exactly 1 (so ``loss.backward()`` costs one
+  read and one write of N×C in total).
+* ``inplace=True``: the gradient overwrites the logits buffer (zero extra N×C memory).
 * No host synchronisation on the hot path, and few launches: a one-program kernel counts the non-ignored rows (read
   by the loss kernel for the mean's scale) and flags bad targets, the loss kernel, a one-program reduction that
   writes the loss in the logits' dtype; backward is one persistent-grid scaling launch (a no-op for ``grad_output``
-  exactly 1). In eager mode the launches are made from a plain ``autograd.Function`` (see
-  :class:`UncertaintyWeightedCEFunction` for why).
+  exactly 1).
 
 Target-check policy: an out-of-range target (not in ``[0, C)`` and not ``ignore_index``) never makes the kernel read
 or write out of bounds: the kernel reads class 0 instead and writes NaN to that row's loss and gradient (so a wrong
@@ -50,15 +47,15 @@ device-side flag, which :mod:`calibkernels._target_checks` turns into a ``ValueE
 (``CALIBKERNELS_VALIDATE=async``, the default; ``sync`` raises at once at the cost of one synchronisation per call;
 ``0`` never reads the flag).
 
-Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` (+ ``..._inplace_`` and the backward's
-``..._scale_grad_``) with ``torch.library.custom_op`` + ``register_fake`` + ``register_autograd``, so
-``torch.compile(fullgraph=True)`` keeps the op in the graph and ``torch.library.opcheck`` passes. (``triton_op`` /
-``wrap_triton`` would let Inductor look inside, but it cannot trace kernels that run through the Triton interpreter,
-which is how this backend is tested on CPU; the opaque custom op behaves the same on both.)
+Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` with ``torch.library.custom_op`` (the same
+schema as the compiled op: in place is its mutable ``grad_out`` argument) and ``register_fake``, so
+``torch.compile(fullgraph=True)`` keeps it in the graph and ``torch.library.opcheck`` passes; eager calls launch the
+kernels directly (:func:`forward`). (``triton_op`` / ``wrap_triton`` would let Inductor look inside, but it cannot
+trace kernels that run through the Triton interpreter, which is how this backend is tested on CPU.)
 
 Naming ladder: ``_uncertainty_weighted_ce_fwd_kernel`` / ``_uncertainty_weighted_ce_scale_grad_kernel`` →
-``uncertainty_weighted_ce_forward`` / ``scale_grad_`` → the registered ops and autograd → the backend interface
-``is_available(name, device)`` / ``run(name, inputs, inplace)`` used by :mod:`calibkernels._backends`.
+``uncertainty_weighted_ce_forward`` / ``scale_grad_`` → the registered op → the backend interface ``is_available`` /
+``forward`` used by :mod:`calibkernels._backends` and :mod:`calibkernels._autograd`.
 """
 
 from __future__ import annotations
@@ -70,19 +67,18 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import _target_checks
 from .. import _validation as V
 
 __all__ = [
     "MAX_BLOCK",
     "MAX_BLOCK_16BIT",
     "uncertainty_weighted_ce_forward",
+    "forward",
     "scale_grad_",
     "is_available",
-    "run",
 ]
 
-# Launch shapes, measured with bench/tune_triton.py on an H200 (bench/results/tune-h200-2026-11-23.json):
+# Launch shapes, chosen with bench/tune_triton.py on an H200 (docs/performance.md):
 # * Rows of up to MAX_BLOCK classes (float32) or MAX_BLOCK_16BIT classes (float16/bfloat16) take the single-read
 #   path: the whole row held in registers as fp32, one program per row.
 # * Longer rows take the two-read path, streamed in chunks of TWO_READ_CHUNK classes by a few warps: many rows in
@@ -90,14 +86,8 @@ __all__ = [
 #   C = 32000 bf16: 0.47 ms against 0.60 ms for the best single-read shape), and the second read mostly hits L2.
 MAX_BLOCK = 32768
 MAX_BLOCK_16BIT = 4096
-# * fp32 two-read chunks: 16384 classes by 16 warps (C = 128256: 2.76 ms against 3.03 ms for 4096 by 8;
-#   bench/results/tune-h200-2026-11-23-r2.json).
+# * fp32 two-read chunks: 16384 classes by 16 warps (faster than 4096 by 8 at C = 128256).
 TWO_READ_CHUNK = {2: (4096, 4), 4: (16384, 16)}  # element size -> (chunk, num_warps)
-# Two-read path: programs per multiprocessor of a row-striding grid (0: one program per row). Bounding the rows in
-# flight bounds the bytes between a row's first and second read, so that the second read could hit L2; measured on an
-# H200 it never beat one program per row (1–6 per SM, tune-h200-2026-11-23-r2.json), so it is off by default and
-# kept for `uncertainty_weighted_ce_forward(programs_per_sm=...)` and the sweep.
-TWO_READ_PROGRAMS_PER_SM = 0
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -340,21 +330,13 @@ def _uncertainty_weighted_ce_fwd_kernel(
     num_rows, num_classes, gamma, norm, ignore_index,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
-    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr, ROWS_STRIDED: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
 ):
-    """Row losses and gradient rows: one program per row, or (ROWS_STRIDED) a fixed grid whose programs stride over
-    the rows, which bounds the rows in flight so that the two-read path's second read finds its row still in L2."""
-    if ROWS_STRIDED:
-        for row in range(tl.program_id(0), num_rows, tl.num_programs(0)):
-            _uncertainty_weighted_ce_row(
-                tl.cast(row, tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
-                row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
-                WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
-    else:
-        _uncertainty_weighted_ce_row(
-            tl.program_id(0).to(tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
-            row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
-            WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
+    """Row losses and gradient rows, one program per row."""
+    _uncertainty_weighted_ce_row(
+        tl.program_id(0).to(tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
+        row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
+        WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
 
 
 @triton.jit
@@ -435,9 +417,9 @@ def _num_warps(block: int) -> int:
     return max(4, min(32, block // 1024))
 
 
-def _launch_config(num_classes: int, element_size: int, max_block: Optional[int] = None) -> tuple[bool, int, int]:
+def _launch_config(num_classes: int, element_size: int) -> tuple[bool, int, int]:
     """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` (see the launch-shape notes at the top)."""
-    cap = MAX_BLOCK if max_block is None else int(max_block)
+    cap = MAX_BLOCK
     if element_size <= 2:
         cap = min(cap, MAX_BLOCK_16BIT)
     if num_classes <= cap:
@@ -446,7 +428,7 @@ def _launch_config(num_classes: int, element_size: int, max_block: Optional[int]
         per_thread = 256 if element_size <= 2 else 128
         return True, block, max(1, min(16, block // per_thread)) if block >= 128 else 1
     chunk, warps = TWO_READ_CHUNK.get(element_size, (4096, 8))
-    chunk = min(chunk, max(1, triton.next_power_of_2(cap) // 2))  # tests force tiny chunks through max_block
+    chunk = min(chunk, max(1, triton.next_power_of_2(cap) // 2))  # tests force tiny chunks through a small MAX_BLOCK
     return False, chunk, max(1, min(warps, chunk // 128))
 
 
@@ -462,24 +444,18 @@ def uncertainty_weighted_ce_forward(
     ignore_index: int,
     reduction: int,
     compute_grad: bool,
-    check_targets: bool,
-    *,
     grad_out: Optional[torch.Tensor] = None,
-    max_block: Optional[int] = None,
-    chunk: Optional[int] = None,
-    num_warps: Optional[int] = None,
-    num_stages: Optional[int] = None,
-    programs_per_sm: Optional[int] = None,
     loss_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the kernels; return ``(loss, grad)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in ``loss_dtype``,
-    fp32 by default). Three launches: the target count/check, the fused loss + gradient, the reduction (mean/sum).
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the kernels; return ``(loss, grad, target_flag)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in
+    ``loss_dtype``). Three launches: the target count/check, the fused loss + gradient, the reduction (mean/sum).
 
     ``logits (N, C)`` with unit column stride and any row stride; ``target (N,)`` int64. ``loss`` is 0-dim for
-    mean/sum, ``(N,)`` for none. ``grad`` is ``(N, C)`` in the logits' dtype (written into ``grad_out`` when given,
-    e.g. the logits themselves for inplace), or shape ``(0,)`` when ``compute_grad`` is false. ``max_block`` overrides
-    ``MAX_BLOCK`` (tests force the chunked two-read path with a small one); ``chunk`` forces the two-read path with that
-    chunk size; ``num_warps`` / ``num_stages`` override the launch configuration (bench/tune_triton.py searches them).
+    mean/sum, ``(N,)`` for none. The gradient is written into ``grad_out`` when given (``(N, C)``, unit column stride,
+    e.g. the logits themselves; ``grad`` is then empty), else returned as a new ``(N, C)`` tensor; neither when
+    ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
+    Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
+    bench/tune_triton.py and the tests override.
     """
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
@@ -489,48 +465,42 @@ def uncertainty_weighted_ce_forward(
                          f"stride {logits.stride()}")
     num_rows, num_classes = logits.shape
     device = logits.device
-    single_read, block, default_warps = _launch_config(num_classes, logits.element_size(), max_block)
-    if chunk is not None:  # tuning: force the two-read path with this chunk
-        single_read, block = False, triton.next_power_of_2(int(chunk))
+    single_read, block, num_warps = _launch_config(num_classes, logits.element_size())
 
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
-    if compute_grad:
-        grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device) if grad_out is None else grad_out
+    empty = torch.empty((0,), dtype=logits.dtype, device=device)
+    if not compute_grad:
+        dest, grad = None, empty
+    elif grad_out is None:
+        dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:
-        grad = torch.empty((0,), dtype=logits.dtype, device=device)
+        dest, grad = grad_out, empty
     counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
     valid_count, error = counts[:1], counts[1:]
     _uncertainty_weighted_ce_targets_kernel[(1,)](
         target, num_rows, num_classes, int(ignore_index), valid_count, error,
         BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
     per_sample_gamma = gamma_per_sample is not None
-    if programs_per_sm is None:
-        programs_per_sm = 0 if single_read else TWO_READ_PROGRAMS_PER_SM
-    grid = num_rows if programs_per_sm <= 0 else _persistent_programs(device, num_rows, programs_per_sm)
-    _uncertainty_weighted_ce_fwd_kernel[(grid,)](
+    _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
         logits, logits.stride(0),
         target,
         sample_weight if sample_weight is not None else row_loss,  # placeholders are never read
         gamma_per_sample if per_sample_gamma else row_loss,
-        row_loss, grad if compute_grad else logits, grad.stride(0) if compute_grad else 0,
+        row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
         valid_count,
         num_rows, num_classes, float(gamma), float(norm), int(ignore_index),
         WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
         COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma,
         BLOCK=block, SINGLE_READ=single_read, NORM_IS_TWO=weight == WEIGHT_BRIER and float(norm) == 2.0,
-        ROWS_STRIDED=grid < num_rows,
-        num_warps=default_warps if num_warps is None else int(num_warps),
-        **({} if num_stages is None else {"num_stages": int(num_stages)}),
+        num_warps=num_warps,
     )
-    if check_targets:
-        _target_checks.submit(error, num_classes, int(ignore_index))
     if reduction == REDUCTION_NONE:
-        return row_loss if loss_dtype == torch.float32 else row_loss.to(loss_dtype), grad
+        return (row_loss if loss_dtype == torch.float32 else row_loss.to(loss_dtype)), grad, error
     loss = torch.empty((), dtype=loss_dtype, device=device)
     _uncertainty_weighted_ce_reduce_kernel[(1,)](
         row_loss, num_rows, valid_count, loss, MEAN=reduction == REDUCTION_MEAN,
         BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
-    return loss, grad
+    return loss, grad, error
 
 
 _PROGRAMS_PER_SM = 4
@@ -560,133 +530,66 @@ def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Registered ops, fake kernels, autograd
+# The registered op (the tracer's view) and the backend interface (calibkernels._backends, calibkernels._autograd)
 # ---------------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton", mutates_args=())
+@torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton", mutates_args=("grad_out",))
 def uncertainty_weighted_ce_triton(
     logits: torch.Tensor, target: torch.Tensor, sample_weight: Optional[torch.Tensor],
     gamma_per_sample: Optional[torch.Tensor], weight: int, loss_mode: int, gamma: float, norm: float, ignore_index: int,
-    reduction: int, compute_grad: bool, check_targets: bool,
+    reduction: int, compute_grad: bool, grad_out: Optional[torch.Tensor],
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(loss, grad)`` of the fused loss (see :func:`uncertainty_weighted_ce_forward`)."""
-    return uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
-                                           norm, ignore_index, reduction, compute_grad, check_targets)
+    """The compiled op's contract (``csrc/uncertainty_weighted_ce.h``) on the Triton kernels: ``(loss, grad)``, the
+    gradient written into ``grad_out`` when given. No target check is queued from here (traced code never reads the
+    flag back; the bad rows are NaN)."""
+    loss, grad, _ = uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode,
+                                                    gamma, norm, ignore_index, reduction, compute_grad, grad_out)
+    return loss, grad
 
 
 @uncertainty_weighted_ce_triton.register_fake
 def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index, reduction,
-      compute_grad, check_targets):
+      compute_grad, grad_out):
     loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_NONE else (), dtype=torch.float32)
-    grad = logits.new_empty(logits.shape if compute_grad else (0,))
-    return loss, grad
+    return loss, logits.new_empty(tuple(logits.shape) if compute_grad and grad_out is None else (0,))
 
 
-@torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton_inplace_", mutates_args=("logits",))
-def uncertainty_weighted_ce_triton_inplace_(
-    logits: torch.Tensor, target: torch.Tensor, sample_weight: Optional[torch.Tensor],
-    gamma_per_sample: Optional[torch.Tensor], weight: int, loss_mode: int, gamma: float, norm: float, ignore_index: int,
-    reduction: int, check_targets: bool,
-) -> torch.Tensor:
-    """The loss; the gradient (for grad_output = 1) overwrites ``logits``."""
-    loss, _ = uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
-                                              norm, ignore_index, reduction, True, check_targets, grad_out=logits)
-    return loss
+def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
+            compute_grad, grad_out):
+    """``(loss, grad, target_flag)``: the backend forward of :mod:`calibkernels._autograd`. Eager calls launch the
+    kernels directly (a ``custom_op`` call pays dispatcher and mutation bookkeeping in Python, more host time than the
+    launches); traced calls go through the registered op."""
+    if logits.dtype not in _SUPPORTED_DTYPES:
+        raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
+                        "(use backend='reference' for float64)")
+    if sample_weight is not None:
+        sample_weight = sample_weight.detach().contiguous()
+    if gamma_per_sample is not None:
+        gamma_per_sample = gamma_per_sample.detach().contiguous()
+    target = target.contiguous()
+    write_back = None
+    if logits.stride(-1) != 1:
+        # the kernels take any row stride but need unit column stride: compute in a contiguous copy
+        if grad_out is not None and grad_out.data_ptr() == logits.data_ptr():
+            write_back, logits = grad_out, logits.contiguous()
+            grad_out = logits
+        else:
+            logits = logits.contiguous()
+    if grad_out is not None and grad_out.stride(-1) != 1 and write_back is None:
+        write_back, grad_out = grad_out, torch.empty_like(logits, memory_format=torch.contiguous_format)
+    args = (logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
+            compute_grad, grad_out)
+    if torch.compiler.is_compiling() or type(logits) is not torch.Tensor:
+        loss, grad = uncertainty_weighted_ce_triton(*args)
+        flag = None
+    else:
+        loss, grad, flag = uncertainty_weighted_ce_forward(*args)
+        if logits.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            flag = None
+    if write_back is not None:
+        write_back.copy_(grad_out)
+    return loss, grad, flag
 
 
-@uncertainty_weighted_ce_triton_inplace_.register_fake
-def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index, reduction,
-      check_targets):
-    return logits.new_empty((logits.shape[0],) if reduction == REDUCTION_NONE else (), dtype=torch.float32)
-
-
-@torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton_scale_grad_", mutates_args=("grad",))
-def _scale_grad_op(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """``grad *= grad_output`` in place (the backward of the fused loss)."""
-    scale_grad_(grad, grad_output)
-
-
-@_scale_grad_op.register_fake
-def _(grad, grad_output):
-    return None
-
-
-def _is_traced(tensor: torch.Tensor) -> bool:
-    # FakeTensor / FunctionalTensor (AOTAutograd, opcheck, make_fx) or Dynamo: mutate nothing, stay functional
-    return torch.compiler.is_compiling() or type(tensor) is not torch.Tensor
-
-
-def _scaled_saved_grad(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
-    """The saved gradient times ``grad_output``: in place in eager mode, out of place when traced."""
-    if grad.numel() == 0:
-        raise RuntimeError("calibkernels: the fused loss was computed without a gradient (grad mode was off or the "
-                           "logits did not require grad), so it cannot be differentiated")
-    if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
-        return None
-    # Traced, or retain_graph=True (gradcheck, several backwards through one graph; the saved buffer must survive):
-    # out of place.
-    if _is_traced(grad) or _is_traced(grad_output) or torch._C._autograd._get_current_graph_task_keep_graph():
-        factor = grad_output.to(torch.float32)
-        if factor.dim() == 1:
-            factor = factor[:, None]
-        return (grad.to(torch.float32) * factor).to(grad.dtype)
-    # Eager: the launcher itself. The registered op's Python dispatch (custom_op's mutation bookkeeping) cost more
-    # host time than the launch (cProfile on an H200 host: ~130 µs of a 0.55 ms step).
-    scale_grad_(grad, grad_output)
-    return grad
-
-
-def _setup_context(ctx, inputs, output):
-    _, grad = output
-    ctx.mark_non_differentiable(grad)
-    # The gradient output is never differentiated; without this autograd would materialise an N×C zero tensor as
-    # its incoming gradient on every backward (a full extra write of the logits' size).
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(grad)
-
-
-def _backward(ctx, grad_loss, _grad_of_grad):
-    (grad,) = ctx.saved_tensors
-    return (_scaled_saved_grad(grad, grad_loss),) + (None,) * 11
-
-
-uncertainty_weighted_ce_triton.register_autograd(_backward, setup_context=_setup_context)
-
-
-class UncertaintyWeightedCEFunction(torch.autograd.Function):
-    """Eager-mode autograd straight around the launcher, for plain tensors outside ``torch.compile``.
-
-    Why not the registered op here too: a ``custom_op`` call in eager mode goes through the dispatcher and
-    ``register_autograd``'s Python glue, several times the cost of this Function, and on a fast GPU that host time,
-    not the kernel, bounds small and medium steps. The registered ops (above) are what ``torch.compile`` and
-    ``opcheck`` see; both paths launch the same kernels. The loss comes out in the logits' dtype from the reduction
-    kernel (no cast launch). ``inplace=True``: the gradient overwrites ``logits``, whose version is bumped so that
-    any other node that saved them raises at backward instead of reading the gradient.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                reduction, inplace):
-        loss, grad = uncertainty_weighted_ce_forward(
-            logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction, True,
-            True, grad_out=logits if inplace else None, loss_dtype=logits.dtype)
-        if inplace:
-            torch.autograd.graph.increment_version(logits)
-            # a new alias of the overwritten logits, so AccumulateGrad adopts it as .grad instead of copying it (the
-            # caller still references the logits; see calibkernels/cpp/uncertainty_weighted_ce.py)
-            grad = grad.detach()
-        ctx.save_for_backward(grad)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        _target_checks.poll()
-        (grad,) = ctx.saved_tensors
-        return (_scaled_saved_grad(grad, grad_loss),) + (None,) * 10
-
-
-# ---------------------------------------------------------------------------------------------------------------------
-# Backend interface (calibkernels._backends)
-# ---------------------------------------------------------------------------------------------------------------------
 def is_available(name: str, device: torch.device) -> str | None:
     """``None`` if the Triton kernels can run on ``device``: CUDA tensors, or CPU tensors under the interpreter."""
     device = torch.device(device)
@@ -697,38 +600,3 @@ def is_available(name: str, device: torch.device) -> str | None:
             return None
         return "Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 (set before calibkernels is imported)"
     return f"Triton kernels do not run on {device.type} tensors"
-
-
-def run(name: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
-    """The fused loss for validated inputs, in the logits' dtype (``inputs.batch_shape``-shaped for "none")."""
-    logits = inputs.logits
-    if logits.dtype not in _SUPPORTED_DTYPES:
-        raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
-                        "(use backend='reference' for float64)")
-    sample_weight = inputs.sample_weight
-    if sample_weight is not None:
-        sample_weight = sample_weight.detach().contiguous()
-    gamma_per_sample = None
-    gamma = inputs.gamma
-    if isinstance(gamma, torch.Tensor):
-        gamma_per_sample, gamma = gamma.detach().contiguous(), 0.0
-    target = inputs.target.contiguous()
-    args = (target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode],
-            float(gamma), float(inputs.norm), int(inputs.ignore_index), V.REDUCTION_CODES[inputs.reduction])
-    compute_grad = torch.is_grad_enabled() and logits.requires_grad
-    if logits.stride(-1) != 1:
-        logits = logits.contiguous()  # the kernels take any row stride but need unit column stride
-        inplace = False  # the copy is ours: overwriting it saves no memory
-    if torch.compiler.is_compiling():
-        # the registered op, which Dynamo keeps in the graph; no host read-back of the target flag while tracing
-        loss, _ = uncertainty_weighted_ce_triton(logits, *args, compute_grad, False)
-        loss = loss.to(inputs.logits.dtype)
-    else:
-        _target_checks.poll()  # raise for a bad target that an earlier call flagged
-        if compute_grad:
-            loss = UncertaintyWeightedCEFunction.apply(logits, *args, inplace)
-        else:
-            loss, _ = uncertainty_weighted_ce_forward(logits, *args, False, True, loss_dtype=logits.dtype)
-    if inputs.reduction == "none":
-        loss = loss.reshape(inputs.batch_shape)
-    return loss

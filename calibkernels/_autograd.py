@@ -1,0 +1,190 @@
+"""The one autograd definition of the fused loss, shared by every compiled backend (C++ CPU, CUDA C++, Triton).
+
+Each backend module provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight,
+mode, gamma, norm, ignore_index, reduction, compute_grad, grad_out) -> (loss, grad, target_flag)``:
+
+* ``loss``: float32 (float64 for float64 logits), 0-dim for mean/sum, ``(N,)`` for none;
+* the gradient of the reduced loss for ``grad_output = 1`` ("gradient in the forward"), written into ``grad_out`` when
+  given (the logits themselves for ``inplace=True``; ``grad`` is then empty) or returned as ``grad``;
+* ``target_flag``: ``None``, or a two-slot int64 device tensor ``(any bad target, a bad value)`` that
+  :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host.
+
+In plain eager mode a backend's forward goes straight to its kernel (the C++ op below the Autograd key, the Triton
+launcher itself), so an eager call pays no ``custom_op`` dispatch glue; under tracing (torch.compile, opcheck,
+FakeTensor) it calls the registered op, which the tracer keeps as one node. The backward only scales the saved
+gradient by ``grad_output``, so one :class:`UncertaintyWeightedCE` serves all backends, eager and traced.
+
+Contracts (docs/losses.md, "Contracts"):
+
+* ``inplace=True`` needs logits that are an intermediate result: a leaf that requires grad (or a view of one) is
+  refused with ``ValueError`` on every backend; other autograd nodes that saved the logits raise at backward.
+* Double backward raises: with ``create_graph=True`` the gradient comes back usable as a value, but differentiating
+  it (a gradient penalty, a look-ahead step) raises ``RuntimeError`` naming the reference backend, which supports it.
+* A per-sample ``gamma`` tensor that requires grad (focal, ``mode="loss"``) gets its gradient
+  ``dL_i/dγ_i = L_i · log(1 - p_{i,y})``; in ``mode="grad"`` the weight is detached, so γ gets none (as in the
+  reference). ``sample_weight`` is always used detached.
+* Memory: the saved gradient is the only ``N×C`` buffer (none with ``inplace=True``); the backward scales it in place
+  unless the graph is retained, in which case it returns a fresh tensor (the saved one stays valid).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import _target_checks
+from . import _validation as V
+
+__all__ = ["UncertaintyWeightedCE", "run", "scale_saved_gradient", "is_plain_eager"]
+
+
+def is_plain_eager(*tensors: torch.Tensor) -> bool:
+    """True outside any tracer (Dynamo, make_fx/AOTAutograd, FakeTensor mode) when every tensor given is a plain
+    ``torch.Tensor`` (no subclass)."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(type(t) is torch.Tensor for t in tensors))
+
+
+def scale_saved_gradient(grad: torch.Tensor, grad_output, scale_inplace=None) -> torch.Tensor | None:
+    """``grad · grad_output`` (a scalar, or ``(N,)`` per row), reusing the saved buffer when that is safe.
+
+    Traced, or with the graph retained (``retain_graph=True``: gradcheck, several backwards through one graph): a
+    fresh tensor, so the saved buffer stays valid and the caller may edit the result. Plain eager otherwise: in place,
+    skipped on the CPU when ``grad_output`` is the scalar 1; on a GPU ``scale_inplace(grad, grad_output)`` reads
+    ``grad_output`` on the device (no host synchronisation) and leaves rows whose factor is 1 untouched.
+    """
+    if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
+        return None
+    factor = grad_output[:, None] if grad_output.dim() == 1 else grad_output
+    if factor.dtype != grad.dtype:
+        factor = factor.to(grad.dtype)
+    if not is_plain_eager(grad, grad_output) or torch._C._autograd._get_current_graph_task_keep_graph():
+        return grad * factor
+    if grad_output.device.type == "cpu":
+        if grad_output.numel() == 1 and grad_output.item() == 1.0:
+            return grad
+        return grad.mul_(factor)
+    if scale_inplace is not None:
+        scale_inplace(grad, grad_output)
+        return grad
+    return grad.mul_(factor)
+
+
+def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) -> torch.Tensor:
+    """Per row, ``d(reduced loss)/dγ_i`` for ``grad_output = 1`` of the focal loss ``(1 - p_y)^γ_i · CE_i``:
+    ``u_i CE_i log(1 - p_y) · scale`` (scale 1/#valid for mean), 0 on ignored and saturated rows (the limit)."""
+    with torch.no_grad():
+        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+        valid = target != ignore_index
+        z_y = z.gather(1, torch.where(valid, target, 0)[:, None])[:, 0]
+        log_p_y = (z_y - torch.logsumexp(z, dim=1)).clamp(max=0)
+        log_one_minus = torch.log(-torch.expm1(log_p_y))
+        g = gamma.to(z.dtype)
+        weighted_ce = torch.exp(g * log_one_minus) * (-log_p_y)
+        factor = torch.where(valid & (weighted_ce != 0), weighted_ce * log_one_minus, 0.0)
+        if reduction_code == V.REDUCTION_CODES["mean"]:
+            factor = factor / valid.sum().clamp(min=1)
+        return factor
+
+
+class UncertaintyWeightedCE(torch.autograd.Function):
+    """Autograd of the fused loss for every compiled backend: the forward computes the loss and the gradient of the
+    reduced loss in one kernel; the backward scales that gradient by ``grad_output``."""
+
+    @staticmethod
+    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                reduction, inplace, backend):
+        from . import _backends  # a cycle at import time; resolved once the package is loaded
+
+        module = _backends.module(backend)
+        gamma_factor = None
+        if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == V.MODE_CODES["loss"]:
+            # read the logits before an in-place kernel overwrites them
+            gamma_factor = _gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
+        loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                                          ignore_index, reduction, True, logits if inplace else None)
+        if flag is not None:
+            _target_checks.submit(flag, logits.shape[-1], ignore_index)
+        if inplace:
+            # Autograd is off in here, so the dispatcher does not bump the mutated logits' version: do it, so that
+            # any other node that saved the logits raises at backward instead of reading the gradient.
+            torch.autograd.graph.increment_version(logits)
+            # A new alias of the overwritten logits: AccumulateGrad adopts a gradient as .grad without a copy only
+            # when nothing else references its TensorImpl, and the caller still holds the logits.
+            grad = logits.detach()
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad, gamma_factor)
+        ctx.scale_inplace = getattr(module, "scale_grad_", None)
+        ctx.on_gpu = logits.device.type == "cuda"
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.on_gpu and not torch.compiler.is_compiling():
+            _target_checks.poll()  # raise for a bad target that this or an earlier call flagged
+        grad, gamma_factor = ctx.saved_tensors
+        d_logits = scale_saved_gradient(grad, grad_loss, ctx.scale_inplace)
+        d_gamma = None
+        if gamma_factor is not None and grad_loss is not None:
+            d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
+        if torch.is_grad_enabled() and is_plain_eager(grad):
+            # create_graph=True: the gradients are usable as values, and differentiating them raises (a gradient
+            # penalty through them must not silently contribute nothing)
+            d_logits, d_gamma = (_raise_if_differentiated(t) for t in (d_logits, d_gamma))
+        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None
+
+
+_DOUBLE_BACKWARD_MESSAGE = (
+    b"calibkernels: the fused kernels do not support double backward (differentiating a gradient of the loss, e.g. "
+    b"a gradient penalty or a look-ahead step); use backend='reference' for that loss"
+)
+
+
+def _raise_if_differentiated(tensor):
+    if tensor is None:
+        return None
+    alias = tensor.detach().requires_grad_(True)
+    return torch._C._functions.DelayedError(_DOUBLE_BACKWARD_MESSAGE, 1)(alias)
+
+
+def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
+    if tensor.is_leaf:
+        return True
+    base = tensor._base
+    return base is not None and base.is_leaf and base.requires_grad
+
+
+def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
+    """The loss of validated ``inputs`` through compiled backend ``backend``, in the logits' dtype and batch shape."""
+    from . import _backends
+
+    logits = inputs.logits
+    grad_enabled = torch.is_grad_enabled()
+    compute_grad = grad_enabled and logits.requires_grad
+    gamma = inputs.gamma
+    gamma_per_sample = gamma if isinstance(gamma, torch.Tensor) else None
+    gamma_value = 0.0 if gamma_per_sample is not None else float(gamma)
+    if inplace and compute_grad and _is_leaf_or_view_of_leaf(logits):
+        raise ValueError(
+            "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
+            "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
+            "use inplace=False"
+        )
+    on_gpu = logits.device.type == "cuda"
+    eager = is_plain_eager(logits)
+    if on_gpu and eager:
+        _target_checks.poll()  # raise for a bad target that an earlier call flagged
+    codes = (V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode], gamma_value, inputs.norm,
+             inputs.ignore_index, V.REDUCTION_CODES[inputs.reduction])
+    gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
+    if compute_grad or gamma_needs_grad:
+        loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
+                                           bool(inplace and compute_grad), backend)
+    else:
+        # no autograd: the kernel skips the gradient entirely (no N×C write)
+        loss, _, flag = _backends.module(backend).forward(logits, inputs.target, inputs.sample_weight,
+                                                          gamma_per_sample, *codes, False, None)
+        if flag is not None:
+            _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
+    if inputs.reduction == "none" and loss.shape != inputs.batch_shape:
+        loss = loss.reshape(inputs.batch_shape)
+    return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

@@ -1,0 +1,29 @@
+"""The loss family's constants, declared once for Python, Triton and C++.
+
+The integer codes are what the kernels receive; ``csrc/uncertainty_weighted_ce.h`` declares the same enums and FLSD
+constants for the C++ and CUDA kernels, and ``tests/test_codes.py`` checks the header against this file. Formulas and
+sources: ``docs/losses.md``.
+"""
+
+from __future__ import annotations
+
+WEIGHT_CODES = {"none": 0, "focal": 1, "flsd": 2, "dual_focal": 3, "brier": 4, "external": 5}
+MODE_CODES = {"loss": 0, "grad": 1}
+# Same numbering as torch's internal Reduction enum (at::Reduction).
+REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
+BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+
+# FLSD-53 (Mukhoti et al. 2020): gamma_i = 5 if p_y < 0.2, 3 if p_y < 0.5, else the loss's gamma. Every implementation
+# compares the float32 value of p_y with the float32 thresholds, so all of them pick the same band.
+FLSD_LOW_THRESHOLD = 0.2
+FLSD_LOW_GAMMA = 5.0
+FLSD_MID_THRESHOLD = 0.5
+FLSD_MID_GAMMA = 3.0
+
+# Defaults of ck.uncertainty_weighted_ce: BSCE-GRA as run in the BSCE-GRA paper.
+DEFAULT_WEIGHT = "brier"
+DEFAULT_MODE = "grad"
+DEFAULT_GAMMA = 4.0
+DEFAULT_NORM = 2.0
+DEFAULT_REDUCTION = "mean"
+DEFAULT_IGNORE_INDEX = -100
