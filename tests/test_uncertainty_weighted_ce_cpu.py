@@ -1,6 +1,6 @@
 """The compiled CPU op ``calibkernels::uncertainty_weighted_ce`` beyond value agreement (which the shared suite
 ``test_uncertainty_weighted_ce.py`` checks): float64 gradcheck of its loss-mode gradient against finite differences,
-``torch.library.opcheck`` of both ops, ``torch.compile(fullgraph=True)``, autocast, in-place semantics and the
+``torch.library.opcheck`` of the op (out of place, into a buffer, in place), ``torch.compile(fullgraph=True)``, autocast, in-place semantics and the
 kernel's own argument checks (the last line of defence under torch.compile, where Python-side checks are skipped).
 """
 
@@ -83,12 +83,18 @@ def test_gra_gradient_is_the_detached_weight_times_softmax_minus_onehot():
 @pytest.mark.parametrize("weight", WEIGHTS)
 @pytest.mark.parametrize("mode,reduction", [("loss", "mean"), ("grad", "none"), ("loss", "sum")])
 def test_opcheck(dtype, weight, mode, reduction):
+    """The one op in its three uses: gradient returned (grad_out None), written into a caller's buffer, and in place
+    (grad_out is the logits). Inputs do not require grad: the op is mutable (grad_out is Tensor(a!)?), so its
+    autograd lives in calibkernels/_autograd.py, not in a register_autograd formula that opcheck could test."""
     ops = _op()
-    z = torch.randn(5, 11, dtype=dtype, requires_grad=True)
+    z = torch.randn(5, 11, dtype=dtype)
     args = _op_args(z, _targets(5, 11), weight=weight, mode=mode, reduction=reduction)
-    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z, *args, True))
-    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z.detach(), *args, False))
-    torch.library.opcheck(ops.uncertainty_weighted_ce_inplace_.default, (z.detach().clone(), *args))
+    op = ops.uncertainty_weighted_ce.default
+    torch.library.opcheck(op, (z, *args, True, None))
+    torch.library.opcheck(op, (z, *args, False, None))
+    torch.library.opcheck(op, (z, *args, True, torch.empty_like(z)))
+    buffer = z.clone()
+    torch.library.opcheck(op, (buffer, *args, True, buffer))
 
 
 def test_opcheck_per_sample_gamma():
@@ -97,7 +103,9 @@ def test_opcheck_per_sample_gamma():
     y = _targets(6, 5)
     gammas = torch.rand(6) * 4
     args = (y, None, gammas, V.WEIGHT_CODES["focal"], V.MODE_CODES["loss"], 0.0, 2.0, -100, V.REDUCTION_CODES["mean"])
-    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z, *args, True))
+    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z.detach(), *args, True, None))
+    buffer = z.detach().clone()
+    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (buffer, *args, True, buffer))
 
 
 # ---------------------------------------------------------------------------------------------------- torch.compile
@@ -143,10 +151,16 @@ def test_inplace_writes_the_gradient_into_the_logits_buffer():
     z = torch.randn(7, 33)
     y = _targets(7, 33)
     buffer = z.clone()
-    loss = ops.uncertainty_weighted_ce_inplace_(buffer, *_op_args(z, y, reduction="sum"))
-    exact_loss, exact_grad = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True)
+    loss, returned = ops.uncertainty_weighted_ce(buffer, *_op_args(z, y, reduction="sum"), True, buffer)
+    assert returned.numel() == 0
+    exact_loss, exact_grad = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, None)
     torch.testing.assert_close(loss, exact_loss)
     torch.testing.assert_close(buffer, exact_grad)
+    into = torch.full_like(z, float("nan"))
+    loss, returned = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, into)
+    assert returned.numel() == 0
+    torch.testing.assert_close(loss, exact_loss)
+    torch.testing.assert_close(into, exact_grad)
 
 
 def test_inplace_on_column_strided_logits_writes_back():
@@ -154,8 +168,8 @@ def test_inplace_on_column_strided_logits_writes_back():
     base = torch.randn(9, 6)
     view = base.t()  # (6, 9), column stride 6
     y = _targets(6, 9)
-    expected_loss, expected_grad = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True)
-    loss = ops.uncertainty_weighted_ce_inplace_(view, *_op_args(view, y))
+    expected_loss, expected_grad = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True, None)
+    loss, _ = ops.uncertainty_weighted_ce(view, *_op_args(view, y), True, view)
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(base.t(), expected_grad)
 
@@ -180,28 +194,36 @@ def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
     z = torch.randn(4, 5)
     y = torch.tensor([0, bad, 1, -100])
     with pytest.raises(ValueError, match=f"target value {bad} is out of range for 5 classes"):
-        ops.uncertainty_weighted_ce(z, *_op_args(z, y), True)
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, None)
+    buffer = z.clone()
     with pytest.raises(ValueError, match=f"target value {bad} is out of range for 5 classes"):
-        ops.uncertainty_weighted_ce_inplace_(z.clone(), *_op_args(z, y))
+        ops.uncertainty_weighted_ce(buffer, *_op_args(z, y), True, buffer)
 
 
 def test_kernel_rejects_malformed_arguments():
     ops = _op()
     z, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
     with pytest.raises(RuntimeError, match="2-D"):
-        ops.uncertainty_weighted_ce(torch.randn(4), *_op_args(z, y), True)
+        ops.uncertainty_weighted_ce(torch.randn(4), *_op_args(z, y), True, None)
     with pytest.raises(RuntimeError, match="int64"):
-        ops.uncertainty_weighted_ce(z, *_op_args(z, y.int()), True)
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y.int()), True, None)
     with pytest.raises(RuntimeError, match="target must have shape"):
-        ops.uncertainty_weighted_ce(z, *_op_args(z, y[:3]), True)
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y[:3]), True, None)
     with pytest.raises(RuntimeError, match="float32, float64"):
-        ops.uncertainty_weighted_ce(z.int(), *_op_args(z, y), True)
+        ops.uncertainty_weighted_ce(z.int(), *_op_args(z, y), True, None)
     with pytest.raises(RuntimeError, match="gamma must be >= 0"):
-        ops.uncertainty_weighted_ce(z, *_op_args(z, y, gamma=-1.0), True)
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y, gamma=-1.0), True, None)
     with pytest.raises(RuntimeError, match="norm must be > 0"):
-        ops.uncertainty_weighted_ce(z, *_op_args(z, y, norm=0.0), True)
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y, norm=0.0), True, None)
     with pytest.raises(RuntimeError, match="sample_weight"):
-        ops.uncertainty_weighted_ce(z, y, None, None, V.WEIGHT_CODES["external"], 1, 1.0, 2.0, -100, 1, True)
+        ops.uncertainty_weighted_ce(z, y, None, None, V.WEIGHT_CODES["external"], 1, 1.0, 2.0, -100, 1, True, None)
+    with pytest.raises(RuntimeError, match="grad_out must have the logits' shape"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, torch.empty(4, 4))
+    with pytest.raises(RuntimeError, match="grad_out must have the logits' dtype"):
+        ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, torch.empty(4, 5, dtype=torch.float64))
+    wide = torch.randn(4, 6)
+    with pytest.raises(RuntimeError, match="partially overlaps"):
+        ops.uncertainty_weighted_ce(wide[:, :5], *_op_args(z, y), True, wide[:, 1:])
 
 
 def test_large_row_count_uses_every_thread_and_stays_exact():
@@ -272,32 +294,72 @@ def _kernel_pair(z, y, weight, mode):
     return loss.detach(), x.grad
 
 
+# (weight, norm q): every weight, and the gBS norms of the kernel's three p^q forms (q = 2, 1, other)
+RANGE_WEIGHTS = [("none", 2.0), ("focal", 2.0), ("flsd", 2.0), ("dual_focal", 2.0), ("brier", 2.0), ("brier", 1.0),
+                 ("brier", 3.0), ("external", 2.0)]
+# what each logits dtype can hold: fp16 stops at 65504
+RANGE_MARGINS = [0.0, 5.0, 30.0, 41.0, 41.5, 42.0, 44.0, 50.0, 60.0, 87.0, 88.0, 88.5, 89.0, 100.0, 1e3, 1e4]
+RANGE_MARGINS_WIDE = [5e6, 1e7, 1e10, 1e20, 1e30]
+
+
+def _assert_rows_close(got, exact, at_precision, dtype, what):
+    """assert_within_reference_error row by row, so that a row with a loss of 1e30 does not set the bound of the
+    others. For float64 the reference at the input's precision is the exact one (no own error to scale by), and two
+    float64 evaluations of a loss-mode gradient (CE of up to 1e3 times du/dz) differ by more than 64 ulps: 4096."""
+    ulps = 4096 if dtype == torch.float64 else 64
+    for row in range(exact.shape[0]):
+        assert_within_reference_error(got[row:row + 1], exact[row:row + 1], at_precision[row:row + 1], dtype,
+                                      f"{what}, row {row}", ulps=ulps)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
 @pytest.mark.parametrize("mode", ["grad", "loss"])
-@pytest.mark.parametrize("weight", ["none", "focal", "brier"])
-def test_target_reference_and_its_row_max_fallback(weight, mode):
+@pytest.mark.parametrize("weight,norm", RANGE_WEIGHTS, ids=[f"{w}-q{q:g}" for w, q in RANGE_WEIGHTS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_target_reference_and_its_row_max_fallback(dtype, weight, norm, mode, inplace):
     """The kernel takes a row's exponentials relative to the target logit and redoes the row from its max when the sums
     leave range (Σ_{k≠y} e^{z_k - z_y} > 2^60, a column ≈ 41.6 above the target). Rows on both sides of that limit:
-    one column 0 … 1e30 above the target (crossing 2^60, the exponential's overflow at 88.7, the AVX2 clamp at 88, and
-    past ≈ 5e6 the range where its reduction x - n ln2 is accurate: the AVX-512 exponential returned garbage there, and
-    rows 1e10 above the target came out NaN, until its argument was clamped), and 999 columns together just below and
-    just above it (999·e^34 < 2^60 < 999·e^36)."""
+    one column 0 … 1e4 above the target (1e30 where the dtype holds it), crossing 2^60, the exponential's overflow at
+    88.7, the AVX2 clamp at 88, and past ≈ 5e6 the range where its reduction x - n ln2 is accurate; and 999 columns
+    together just below and just above it (999·e^34 < 2^60 < 999·e^36). The redo re-reads the logits, so the first
+    sweep must not have overwritten them: widened fp16/bf16 rows and in-place rows once gave e^margin (NaN past 89).
+    Every dtype, weight, mode, in and out of place, op level, against the float64 reference of the same logits."""
+    ops = _op()
     c = 1000
-    margins = [0.0, 5.0, 30.0, 41.0, 41.5, 42.0, 44.0, 60.0, 87.0, 88.0, 88.5, 89.0, 100.0, 1e4, 5e6, 1e7, 1e10, 1e20,
-               1e30]
-    z = torch.randn(len(margins) + 2, c) * 2
-    y = torch.randint(0, c, (len(margins) + 2,))
+    margins = RANGE_MARGINS + ([] if dtype == torch.float16 else RANGE_MARGINS_WIDE)
+    rows = len(margins) + 2
+    z = torch.randn(rows, c) * 2
+    y = torch.randint(0, c, (rows,))
     for row, margin in enumerate(margins):
         z[row, y[row]] = 0.0
         z[row, (y[row] + 1) % c] = margin
     for row, level in ((len(margins), 34.0), (len(margins) + 1, 36.0)):
         z[row] = level + torch.rand(c) * 1e-3
         z[row, y[row]] = 0.0
-    exact = _reference_pair(z, y, weight, mode, torch.float64)
-    low = _reference_pair(z, y, weight, mode, torch.float32)
-    got = _kernel_pair(z, y, weight, mode)
-    assert torch.isfinite(got[0]).all() and torch.isfinite(got[1]).all()
-    assert_within_reference_error(got[0], exact[0], low[0], torch.float32, f"loss ({_isa()})")
-    assert_within_reference_error(got[1], exact[1], low[1], torch.float32, f"gradient ({_isa()})")
+    z = z.to(dtype)
+    sample_weight = torch.rand(rows) + 0.5 if weight == "external" else None
+    codes = (V.WEIGHT_CODES[weight], V.MODE_CODES[mode], 3.0, norm, -100, V.REDUCTION_CODES["none"])
+    buffer = z.clone()
+    loss, grad = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True, buffer if inplace else None)
+    if inplace:
+        grad = buffer
+
+    def reference(precision):
+        x = z.to(precision, copy=True).requires_grad_()
+        w = sample_weight.to(precision) if sample_weight is not None else None
+        ref = R.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, gamma=3.0, norm=norm, sample_weight=w,
+                                        reduction="none")
+        ref.sum().backward()
+        return ref.detach(), x.grad
+
+    exact = reference(torch.float64)
+    # the kernel accumulates fp16/bf16 in float32 and returns a float32 loss; its gradient is rounded to the dtype
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    low = reference(accumulate)
+    what = f"{weight} q={norm:g} {mode} {dtype} {'in place' if inplace else 'out of place'} ({_isa()})"
+    assert torch.isfinite(loss).all() and torch.isfinite(grad.double()).all(), what
+    _assert_rows_close(loss, exact[0], low[0], accumulate, f"loss, {what}")
+    _assert_rows_close(grad, exact[1], low[1].to(dtype), dtype, f"gradient, {what}")
 
 
 @pytest.mark.parametrize("weight, mode", [("brier", "grad"), ("brier", "loss"), ("none", "grad"), ("focal", "loss")])
@@ -380,13 +442,19 @@ def test_avx2_sweeps_agree_with_the_reference_in_a_subprocess():
 
 
 # ------------------------------------------------------------------------------------- gradient-buffer reuse (cache)
+def _release_cache():
+    import calibkernels._C
+
+    return calibkernels._C.release_cpu_gradient_cache()
+
+
 def _gradient(ops, z, y):
-    return ops.uncertainty_weighted_ce(z, *_op_args(z, y), True)[1]
+    return ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, None)[1]
 
 
 def test_freed_gradient_buffers_are_reused_and_live_ones_never_shared():
     ops = _op()
-    ops.release_cpu_gradient_cache()
+    _release_cache()
     n, c = 512, 1000  # 2 MB: above the cache's 1 MB floor
     z, y = torch.randn(n, c), _targets(n, c)
     first = _gradient(ops, z, y)
@@ -400,11 +468,11 @@ def test_freed_gradient_buffers_are_reused_and_live_ones_never_shared():
     assert third.data_ptr() == reused_ptr
     assert torch.equal(third, expected)
     del first, third
-    assert ops.release_cpu_gradient_cache() == 2 * n * c * 4  # both freed buffers were kept (at most two)
-    assert ops.release_cpu_gradient_cache() == 0
+    assert _release_cache() == 2 * n * c * 4  # both freed buffers were kept (at most two)
+    assert _release_cache() == 0
     small = _gradient(ops, torch.randn(8, 10), _targets(8, 10))  # below the floor: an ordinary allocation
     del small
-    assert ops.release_cpu_gradient_cache() == 0
+    assert _release_cache() == 0
 
 
 def test_cached_gradient_is_counted_by_the_memory_profiler():
@@ -427,8 +495,8 @@ def test_cached_gradient_is_counted_by_the_memory_profiler():
 def test_gradient_cache_can_be_turned_off():
     code = ("import torch, calibkernels.cpp.uncertainty_weighted_ce; ops = torch.ops.calibkernels\n"
             "z = torch.randn(512, 1000); y = torch.randint(0, 1000, (512,))\n"
-            "g = ops.uncertainty_weighted_ce(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, True)[1]; del g\n"
-            "print(ops.release_cpu_gradient_cache())\n")
+            "g = ops.uncertainty_weighted_ce(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, True, None)[1]; del g\n"
+            "import calibkernels._C; print(calibkernels._C.release_cpu_gradient_cache())\n")
     env = dict(os.environ, CALIBKERNELS_CPU_GRAD_CACHE="0")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -441,9 +509,10 @@ def test_ops_and_their_fake_kernels_exist_right_after_import():
     code = ("import torch, calibkernels\n"
             "z = torch.randn(4, 5); y = torch.tensor([0, 1, 2, -100])\n"
             "args = (z, y, None, None, 4, 1, 2.0, 2.0, -100, 1)\n"
-            "torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce.default, args + (True,))\n"
-            "torch.library.opcheck(torch.ops.calibkernels.uncertainty_weighted_ce_inplace_.default, args,\n"
-            "                      test_utils=('test_schema', 'test_faketensor'))\n"
+            "op = torch.ops.calibkernels.uncertainty_weighted_ce.default\n"
+            "torch.library.opcheck(op, args + (True, None))\n"
+            "b = z.clone(); torch.library.opcheck(op, (b,) + args[1:] + (True, b),\n"
+            "                                     test_utils=('test_schema', 'test_faketensor'))\n"
             "print('checked')\n")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

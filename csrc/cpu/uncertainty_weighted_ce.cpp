@@ -236,9 +236,9 @@ void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T&
   if constexpr (kSquare) sum_sq += horizontal_sum(total_sq);
 }
 
-// g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, in place over the stored exponentials.
+// out_k = g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, from the stored exponentials `e` (out may be e).
 template <typename T, bool kSquare>
-void rescale_sweep(T* e, int64_t C, T inv_denom, T alpha, T beta, T tau) {
+void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, T tau) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec inv_vec(inv_denom), alpha_vec(alpha), beta_vec(beta), tau_vec(tau);
@@ -248,8 +248,8 @@ void rescale_sweep(T* e, int64_t C, T inv_denom, T alpha, T beta, T tau) {
     return p * alpha_vec;
   };
   int64_t k = 0;
-  for (; k + W <= C; k += W) grad(Vec::loadu(e + k)).store(e + k);
-  if (k < C) grad(Vec::loadu(e + k, C - k)).store(e + k, C - k);
+  for (; k + W <= C; k += W) grad(Vec::loadu(e + k)).store(out + k);
+  if (k < C) grad(Vec::loadu(e + k, C - k)).store(out + k, C - k);
 }
 
 // base^exponent; small non-negative integer exponents (γ = 2, 3, 4, 5, q = 2, ... as in every published setting) by
@@ -359,9 +359,12 @@ constexpr bool kAvx512OneExponentialPath =
 // Loss of one non-ignored row, as RowLoss parts (see finish_row_losses); if `grad` is non-null also writes
 // scale · dL_i/dz_i there (may alias z). kAvx512: the one-exponential path's sweeps are the AVX-512 ones (float only).
 // `ahead`: how many elements past its loads the exponential sweep prefetches (0 when z is an L1-resident scratch row).
+// `exp_row`: a scratch row of C elements for the exponentials, required when `grad` aliases `z` or `stream` is set:
+// the row-max fallback re-reads z after the first exponential sweep, so that sweep must not overwrite it.
+// `stream`: write the gradient with streaming stores (AVX-512 sweeps only; see use_streaming_stores).
 template <typename T, PowQ kPow, bool kDual, bool kAvx512>
 RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
-                       T scale, int64_t ahead, T* stream_scratch = nullptr) {
+                       T scale, int64_t ahead, T* exp_row, bool stream) {
   const T inf = std::numeric_limits<T>::infinity();
   const T q = spec.q;
   const T z_y = z[y];
@@ -389,8 +392,11 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   }
   const bool one_exp = kCanStore && m != -inf;
   const bool stored = one_exp && grad != nullptr;
-  const bool streamed = kWide && stored && stream_scratch != nullptr;
-  T* const exps = streamed ? stream_scratch : grad;
+  const bool streamed = kWide && stored && stream;
+  // The exponentials go to the scratch row when they must not overwrite z (in place, or a widened row whose scratch
+  // copy is also its gradient) or when the gradient is streamed out of it.
+  const bool via_scratch = stored && (streamed || static_cast<const void*>(grad) == static_cast<const void*>(z));
+  T* const exps = via_scratch ? exp_row : grad;
   T sum_others = 0;        // Σ_{k≠y} exp(z_k - m)
   T sum_pow_q_others = 0;  // Σ_{k≠y} exp(q (z_k - m))
   if (one_exp) {
@@ -537,11 +543,13 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
             avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value,
                                                   y, scale * g_y);
           } else {
-            avx512::rescale_sweep<kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+            avx512::rescale_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
           }
         }
 #endif
-        if constexpr (!kWide) rescale_sweep<T, kSquare>(grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+        if constexpr (!kWide) {
+          rescale_sweep<T, kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+        }
       };
       if (beta != 0) {
         rescale(std::bool_constant<kPow == PowQ::Square>{}, scale * beta, tau);
@@ -646,12 +654,15 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
     const int64_t grain = std::max<int64_t>(1, 16384 / c);
     at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
       std::vector<acc_t> scratch(kWiden ? c : 0);
-      // the streamed rows' exponentials, 64-byte aligned
-      std::vector<acc_t> stream_row(stream ? c + 64 / sizeof(acc_t) : 0);
-      acc_t* stream_ptr = nullptr;
-      if (stream) {
-        const auto misalign = reinterpret_cast<uintptr_t>(stream_row.data()) % 64;
-        stream_ptr = stream_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
+      // the exponentials of rows whose gradient row aliases the logits row (in place, widened) or is streamed,
+      // 64-byte aligned
+      const bool aliased = kWiden || static_cast<const void*>(grad_ptr) == static_cast<const void*>(z_ptr);
+      const bool need_exp_row = grad_ptr != nullptr && (stream || aliased);
+      std::vector<acc_t> exp_row(need_exp_row ? c + 64 / sizeof(acc_t) : 0);
+      acc_t* exp_ptr = nullptr;
+      if (need_exp_row) {
+        const auto misalign = reinterpret_cast<uintptr_t>(exp_row.data()) % 64;
+        exp_ptr = exp_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
       }
       RowLoss<acc_t>* parts = row_parts.data();
       for (int64_t i = begin; i < end; ++i) {
@@ -668,12 +679,12 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
         if constexpr (kWiden) {
           at::vec::convert(z_row, scratch.data(), c);
           parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
-                                                              spec, gamma, ext, scale, 0);
+                                                              spec, gamma, ext, scale, 0, exp_ptr, false);
           if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
         } else {
           parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale,
                                                               kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                                                              stream_ptr);
+                                                              exp_ptr, stream);
         }
       }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS

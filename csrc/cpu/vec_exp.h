@@ -180,19 +180,20 @@ CALIBKERNELS_AVX512 inline __m512 gradient_of_exponential(__m512 e, __m512 inv_d
   return _mm512_mul_ps(p, alpha);
 }
 
-// gradient_of_exponential in place over the exponentials.
+// out = gradient_of_exponential(e) (out may be e).
 template <bool kSquare>
-CALIBKERNELS_AVX512 void rescale_sweep(float* e, int64_t C, float inv_denom, float alpha, float beta, float tau) {
+CALIBKERNELS_AVX512 void rescale_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha, float beta,
+                                       float tau) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
                beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
     return gradient_of_exponential<kSquare>(x, inv_vec, alpha_vec, beta_vec, tau_vec);
   };
   int64_t k = 0;
-  for (; k + kWidth <= C; k += kWidth) _mm512_storeu_ps(e + k, grad(_mm512_loadu_ps(e + k)));
+  for (; k + kWidth <= C; k += kWidth) _mm512_storeu_ps(out + k, grad(_mm512_loadu_ps(e + k)));
   if (k < C) {
     const __mmask16 lanes = tail_mask(C - k);
-    _mm512_mask_storeu_ps(e + k, lanes, grad(_mm512_maskz_loadu_ps(lanes, e + k)));
+    _mm512_mask_storeu_ps(out + k, lanes, grad(_mm512_maskz_loadu_ps(lanes, e + k)));
   }
 }
 
