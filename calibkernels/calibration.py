@@ -1,4 +1,5 @@
-"""Temperature scaling (SPEC §4; Guo et al., "On Calibration of Modern Neural Networks", ICML 2017).
+"""Temperature scaling (docs/metrics.md, 'Temperature scaling'; Guo et al., "On Calibration of Modern Neural
+Networks", ICML 2017).
 
 Calibrated probabilities are ``softmax(z / T)`` with one scalar ``T > 0`` fitted on a held-out split (never the test
 split). ``T`` does not change the arg-max, so accuracy is unchanged. Two objectives:
@@ -10,6 +11,11 @@ split). ``T`` does not change the arg-max, so accuracy is unchanged. Two objecti
 * ``"nll"``: ``T* = argmin_T NLL(z / T)`` by L-BFGS on ``log T`` (so T stays positive), in float64.
 
 Report "pre-T" and "post-T" metrics with the same T for every metric (:func:`evaluate_temperature_scaling`).
+
+Non-finite logits follow the metrics' policy (:mod:`calibkernels.metrics._inputs`), for both objectives: ``-inf`` is
+a masked class, probability 0 at every T (the fit equals the fit with the class's logit made very negative); ``+inf``
+or NaN logits, and rows whose every class is ``-inf``, raise ``ValueError``. A label on a masked class is a wrong
+prediction for the ECE objective; for the NLL objective it makes the NLL infinite at every T and raises ``ValueError``.
 """
 
 from __future__ import annotations
@@ -20,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .metrics._inputs import check_n_bins, compute_dtype
+from .metrics._inputs import check_logits, check_n_bins, compute_dtype
 from .metrics.binned import bin_sums, calibration_error_from_sums, equal_width_edges
 
 __all__ = [
@@ -72,8 +78,7 @@ def _check_logits_labels(logits, labels):
         raise ValueError("cannot fit a temperature on zero samples")
     if bool(((y < 0) | (y >= num_classes)).any()):
         raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes")
-    if bool(z.isnan().any()):
-        raise ValueError("logits contain NaN")
+    check_logits(z)  # -inf (masked) is fine; +inf, NaN and fully masked rows raise
     return z, y
 
 
@@ -122,15 +127,27 @@ def ece_over_temperatures(logits, labels, temperatures, n_bins: int = 15, *,
 
 
 def _fit_nll_temperature(z: torch.Tensor, y: torch.Tensor, max_iter: int = 100) -> float:
-    """argmin_T mean CE(z / T, y) by L-BFGS (strong Wolfe line search) on log T, from T = 1, in float64."""
-    z64 = z.to(torch.float64)
+    """argmin_T mean CE(z / T, y) by L-BFGS (strong Wolfe line search) on log T, from T = 1, in float64.
+
+    ``-inf`` logits (masked classes) stay ``-inf`` at every T: they are scaled as 0 and put back afterwards, because
+    ``-inf · exp(-log T)`` has a NaN derivative in ``log T``.
+    """
+    masked = z == -math.inf
+    label_masked = masked.gather(1, y[:, None]).squeeze(1)
+    if bool(label_masked.any()):
+        row = int(label_masked.nonzero()[0, 0])
+        raise ValueError(f"the label of row {row} is a masked class (logit -inf): its NLL is +inf at every "
+                         "temperature, so there is no NLL-optimal T. Drop such rows or use objective='ece'")
+    any_masked = bool(masked.any())
+    z64 = z.to(torch.float64).masked_fill(masked, 0.0)
     log_temperature = torch.zeros((), dtype=torch.float64, device=z.device, requires_grad=True)
     optimizer = torch.optim.LBFGS([log_temperature], lr=1.0, max_iter=max_iter, line_search_fn="strong_wolfe",
                                   tolerance_grad=1e-12, tolerance_change=1e-14)
 
     def closure():
         optimizer.zero_grad()
-        loss = F.cross_entropy(z64 * torch.exp(-log_temperature), y)
+        scaled = z64 * torch.exp(-log_temperature)
+        loss = F.cross_entropy(scaled.masked_fill(masked, -math.inf) if any_masked else scaled, y)
         loss.backward()
         return loss
 
@@ -149,6 +166,9 @@ def fit_temperature(logits, labels, objective: str = "ece", grid=None, n_bins: i
     ``objective="ece"``: the grid point (default 0.01…10.00, step 0.01; any 1-D positive ``grid`` accepted) with the
     lowest ECE (``n_bins`` bins), the smallest such T on ties. ``objective="nll"``: L-BFGS on ``log T`` (``grid`` and
     ``n_bins`` unused). Returns a Python float.
+
+    ``-inf`` logits are masked classes (probability 0); ``+inf`` or NaN logits, a row of only ``-inf``, and (NLL
+    objective) a label on a masked class raise ``ValueError``.
     """
     if not isinstance(objective, str) or objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
@@ -179,11 +199,15 @@ class TemperatureScaler(nn.Module):
         self.register_buffer("temperature", torch.tensor(float(temperature), dtype=torch.float64))
 
     def fit(self, logits, labels, objective: str = "ece", grid=None, n_bins: int = 15) -> "TemperatureScaler":
-        """Fit ``T`` with :func:`fit_temperature` and store it; returns ``self``."""
+        """Fit ``T`` with :func:`fit_temperature` (same checks: ``+inf`` / NaN logits raise) and store it.
+
+        Returns ``self``. ``forward`` is the elementwise ``logits / T``: it keeps ``-inf`` (masked) logits ``-inf``.
+        """
         self.temperature.fill_(fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins))
         return self
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits / T`` (no checks here, to keep inference free of host syncs)."""
         return logits / self.temperature
 
     def extra_repr(self) -> str:
@@ -195,7 +219,8 @@ def evaluate_temperature_scaling(calibration_logits, calibration_labels, test_lo
     """Fit T on the calibration split, then every metric on the test split before and after scaling by that same T.
 
     Returns ``{"temperature": T, "pre": {...}, "post": {...}}`` with the keys of
-    :data:`calibkernels.metrics.METRIC_KEYS` (fractions). The two splits must be different data (SPEC §4).
+    :data:`calibkernels.metrics.METRIC_KEYS` (fractions). The two splits must be different data (docs/metrics.md,
+    'Temperature scaling').
     """
     from .metrics import calibration_metrics
 

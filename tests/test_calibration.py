@@ -139,3 +139,64 @@ def test_fit_temperature_rejects_bad_inputs():
         fit_temperature(torch.randn(10, 3), torch.zeros(10))
     with pytest.raises(ValueError):
         fit_temperature(torch.randn(10, 3), torch.zeros(9, dtype=torch.long))
+
+
+# ------------------------------------------------------------------------------------------------ infinities
+def _masked_logits(n, c, masked_share=0.3):
+    """Logits with a random share of classes masked (never the label, never a whole row), as -inf and as -1e30."""
+    logits, labels = _synthetic_with_known_temperature(n, c, 2.0)
+    masked = torch.rand(n, c) < masked_share
+    masked[torch.arange(n), labels] = False
+    return logits.masked_fill(masked, -math.inf), logits.masked_fill(masked, -1e30), labels
+
+
+@pytest.mark.parametrize("objective", ["nll", "ece"])
+def test_masked_logits_fit_the_temperature_of_very_negative_logits(objective):
+    with_minus_inf, very_negative, labels = _masked_logits(3000, 8)
+    fitted = fit_temperature(with_minus_inf, labels, objective=objective)
+    assert math.isfinite(fitted) and fitted > 0
+    assert fitted == pytest.approx(fit_temperature(very_negative, labels, objective=objective), rel=1e-9)
+    assert fitted == pytest.approx(2.0, rel=0.2)
+    scaler = TemperatureScaler().fit(with_minus_inf, labels, objective=objective)
+    assert float(scaler.temperature) == pytest.approx(fitted, rel=1e-9)
+
+
+def test_masked_logits_ece_grid_matches_the_metric():
+    with_minus_inf, _, labels = _masked_logits(400, 6)
+    grid = torch.tensor([0.5, 1.0, 2.0, 4.0], dtype=torch.float64)
+    looped = torch.tensor([metrics.ece(with_minus_inf.double() / float(t), labels) for t in grid],
+                          dtype=torch.float64)
+    torch.testing.assert_close(ece_over_temperatures(with_minus_inf.double(), labels, grid), looped,
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("value, message", [(math.inf, r"\+inf"), (math.nan, "NaN")])
+@pytest.mark.parametrize("objective", ["nll", "ece"])
+def test_positive_infinite_or_nan_logits_raise_for_both_objectives(objective, value, message):
+    logits, labels = _synthetic_with_known_temperature(200, 5, 2.0)
+    logits[7, 2] = value
+    with pytest.raises(ValueError, match=message):
+        fit_temperature(logits, labels, objective=objective)
+    with pytest.raises(ValueError, match=message):
+        TemperatureScaler().fit(logits, labels, objective=objective)
+    with pytest.raises(ValueError, match=message):
+        evaluate_temperature_scaling(logits, labels, logits, labels, objective=objective)
+    with pytest.raises(ValueError, match=message):
+        metrics.ece(logits, labels)
+
+
+@pytest.mark.parametrize("objective", ["nll", "ece"])
+def test_a_row_of_only_masked_logits_raises_for_both_objectives(objective):
+    logits, labels = _synthetic_with_known_temperature(200, 5, 2.0)
+    logits[11] = -math.inf
+    with pytest.raises(ValueError, match="every class"):
+        fit_temperature(logits, labels, objective=objective)
+
+
+def test_nll_fit_rejects_a_label_on_a_masked_class():
+    # The NLL is +inf at every temperature: there is nothing to minimise. (The ECE objective counts it as a miss.)
+    logits, labels = _synthetic_with_known_temperature(200, 5, 2.0)
+    logits[4, labels[4]] = -math.inf
+    with pytest.raises(ValueError, match="masked"):
+        fit_temperature(logits, labels, objective="nll")
+    assert math.isfinite(fit_temperature(logits, labels, objective="ece"))

@@ -9,6 +9,7 @@ import math
 import os
 import socket
 import sys
+import warnings
 
 import numpy as np
 import pytest
@@ -65,6 +66,25 @@ def brute_adaptive_ece(probs, labels, n_bins):
     edges = np.interp(np.linspace(0, n, n_bins + 1), np.arange(n), np.sort(x))
     _, edges = np.histogram(x, edges)  # the reference passes them through np.histogram (and uses only the edges)
     return _loop_binned_error(confidence, correct, edges[:-1], edges[1:])
+
+
+def brute_adaptive_ece_with_tied_minimum(probs, labels, n_bins):
+    """The published loop, except that when two or more samples share the minimum confidence the first bin is closed
+    on the left ([lo, hi]) so they are counted in it instead of falling in no bin."""
+    confidence, correct = _confidence_correct(probs, labels)
+    x = confidence.numpy()
+    n = len(x)
+    edges = np.interp(np.linspace(0, n, n_bins + 1), np.arange(n), np.sort(x))
+    lowest = confidence.eq(float(confidence.min()))
+    tied = int(lowest.sum()) >= 2
+    total = 0.0
+    for b, (lo, hi) in enumerate(zip(edges[:-1], edges[1:])):
+        in_bin = confidence.gt(float(lo)) * confidence.le(float(hi))
+        if b == 0 and tied:
+            in_bin = in_bin | lowest
+        if bool(in_bin.any()):
+            total += abs(float(correct[in_bin].double().sum() - confidence[in_bin].double().sum())) / n
+    return total
 
 
 def brute_classwise_ece(probs, labels, n_bins):
@@ -136,7 +156,9 @@ def test_binned_metrics_match_brute_force(name, n_bins, given):
 def test_binned_metrics_on_confidences_at_bin_edges(name):
     probs, labels = _quantised_probs(300, 3)
     got = FUNCTIONAL_BINNED[name](probs, labels, 15, inputs_are="probs")
-    assert got == pytest.approx(BRUTE_BINNED[name](probs, labels, 15), abs=1e-6)
+    # Quantised confidences tie, usually at the minimum too: AdaECE then follows the documented tie rule.
+    brute = brute_adaptive_ece_with_tied_minimum if name == "adaece" else BRUTE_BINNED[name]
+    assert got == pytest.approx(brute(probs, labels, 15), abs=1e-6)
 
 
 def test_confidences_exactly_on_float32_edges_belong_to_the_bin_below():
@@ -247,6 +269,177 @@ def test_leading_dimensions_ignore_index_and_half_precision():
 def test_bad_inputs_raise_clear_errors(call, error):
     with pytest.raises(error):
         call()
+
+
+def test_adaptive_ece_counts_samples_tied_at_the_minimum_confidence():
+    # Four rows at confidence 1.0, all wrong: every edge is 1.0, and (1, 1] bins would hold nobody.
+    probs = torch.tensor([[1.0, 0.0]] * 4)
+    labels = torch.ones(4, dtype=torch.long)
+    assert metrics.ece(probs, labels) == 1.0
+    assert metrics.adaptive_ece(probs, labels) == 1.0
+    assert metrics.calibration_metrics(probs, labels)["adaece"] == 1.0
+    # All confidences equal (0.6), 7 of 10 right: one equal-count group, |0.7 - 0.6|.
+    probs = torch.tensor([[0.6, 0.4]] * 10)
+    labels = torch.tensor([0] * 7 + [1] * 3)
+    assert metrics.adaptive_ece(probs, labels, 15) == pytest.approx(0.1, abs=1e-6)
+    assert metrics.adaptive_ece(probs, labels, 15) == pytest.approx(metrics.ece(probs, labels, 15), abs=1e-12)
+
+
+@pytest.mark.parametrize("n_bins", [1, 4, 15])
+@pytest.mark.parametrize("tied", [2, 5, 60])
+def test_adaptive_ece_with_a_tied_minimum_matches_the_documented_rule(n_bins, tied):
+    probs, labels = _quantised_probs(200, 3)
+    top = probs.max(dim=1).values
+    lowest = float(top.min())
+    probs[:tied] = torch.tensor([lowest, (1 - lowest) / 2, (1 - lowest) / 2])  # `tied` rows at the minimum
+    labels[:tied] = torch.arange(tied) % 2  # some right, some wrong
+    confidence = probs.max(dim=1).values
+    assert int((confidence == confidence.min()).sum()) >= tied
+    got = metrics.adaptive_ece(probs, labels, n_bins, inputs_are="probs")
+    assert got == pytest.approx(brute_adaptive_ece_with_tied_minimum(probs, labels, n_bins), abs=1e-9)
+    meter = CalibrationMeter(n_bins, inputs_are="probs")
+    for chunk_probs, chunk_labels in zip(probs.split(64), labels.split(64)):
+        meter.update(chunk_probs, chunk_labels)
+    assert meter.compute()["adaece"] == pytest.approx(got, abs=1e-12)
+
+
+def test_adaptive_ece_rule_is_the_published_one_when_the_minimum_is_unique():
+    logits, labels = _overconfident_logits(300, 5)
+    probs = torch.softmax(logits, dim=1)
+    assert int((probs.max(1).values == probs.max(1).values.min()).sum()) == 1
+    for n_bins in (1, 7, 15):
+        expected = brute_adaptive_ece(probs, labels, n_bins)
+        assert brute_adaptive_ece_with_tied_minimum(probs, labels, n_bins) == pytest.approx(expected, abs=1e-12)
+        assert metrics.adaptive_ece(probs, labels, n_bins) == pytest.approx(expected, abs=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ probabilities
+LOW_AND_HIGH_PRECISION = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", LOW_AND_HIGH_PRECISION)
+def test_auto_detects_probabilities_rounded_to_their_dtype(dtype, recwarn):
+    logits, labels = _overconfident_logits(2000, 10)
+    probs = torch.softmax(logits.double(), dim=1)
+    rounded = probs.to(dtype)
+    expected = brute_ece(rounded.float(), labels, 15)
+    for name, fn in FUNCTIONAL_BINNED.items():
+        assert fn(rounded, labels) == fn(rounded, labels, inputs_are="probs"), name
+    assert metrics.ece(rounded, labels) == pytest.approx(expected, abs=1e-6)
+    assert metrics.ece(rounded, labels) == pytest.approx(metrics.ece(logits, labels), abs=2e-2)
+    assert not [w for w in recwarn if "inputs_are" in str(w.message)]
+
+
+def test_bfloat16_probabilities_whose_rows_miss_1e_3_are_still_probabilities():
+    logits, labels = _overconfident_logits(2000, 10)
+    rounded = torch.softmax(logits, dim=1).bfloat16()
+    assert float((rounded.float().sum(1) - 1).abs().max()) > 1e-3  # the old fixed tolerance would call them logits
+    assert metrics.ece(rounded, labels) == pytest.approx(metrics.ece(logits, labels), abs=1e-2)
+    assert metrics.calibration_metrics(rounded, labels)["ece"] == pytest.approx(metrics.ece(logits, labels), abs=1e-2)
+    from calibkernels.metrics import sece
+
+    assert float(sece(rounded, labels)) == float(sece(rounded, labels, inputs_are="probs"))
+
+
+def test_float16_probabilities_that_lost_subnormal_mass_are_still_probabilities():
+    # A distribution whose 60000 smallest entries are each just under half fp16's smallest subnormal: rounding to
+    # fp16 flushes them to 0 and the row loses ~1.7e-3 of its mass (more than a fixed 1e-3 allows).
+    tail = 60000
+    row = torch.full((tail + 1,), 2.9e-8, dtype=torch.float64)
+    row[0] = 1 - tail * 2.9e-8
+    probs = row.expand(3, -1).to(torch.float16)
+    assert float((probs.double().sum(1) - 1).abs().max()) > 1e-3
+    labels = torch.tensor([0, 1, 0])
+    assert metrics.ece(probs, labels) == pytest.approx(brute_ece(probs.float(), labels, 15), abs=1e-6)
+    assert metrics.accuracy(probs, labels, inputs_are="probs") == pytest.approx(2 / 3)
+
+
+def test_probability_tolerance_follows_the_dtype():
+    from calibkernels.metrics._inputs import probability_sum_tolerance
+
+    tolerances = {dtype: probability_sum_tolerance(dtype, 10) for dtype in LOW_AND_HIGH_PRECISION}
+    assert tolerances[torch.bfloat16] > tolerances[torch.float16] > tolerances[torch.float32] > 0
+    assert tolerances[torch.bfloat16] >= torch.finfo(torch.bfloat16).eps  # a bf16 row may be off by eps / 2
+    assert tolerances[torch.float64] <= 1e-3 and tolerances[torch.float32] <= 1e-3
+    # fp16 subnormals: each entry below fp16's normal range can lose up to half a subnormal step
+    assert probability_sum_tolerance(torch.float16, 100000) > probability_sum_tolerance(torch.float16, 10)
+
+
+def test_auto_warns_when_values_in_0_1_do_not_sum_to_1():
+    inputs = torch.rand(50, 4)  # in [0, 1], rows summing to ~2: logits or broken probabilities?
+    labels = torch.randint(0, 4, (50,))
+    with pytest.warns(UserWarning, match="inputs_are='logits'"):
+        got = metrics.ece(inputs, labels)
+    assert got == metrics.ece(inputs, labels, inputs_are="logits")
+    with pytest.warns(UserWarning, match="treated as logits"):
+        CalibrationMeter().update(inputs, labels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics.ece(inputs, labels, inputs_are="logits")  # explicit: no warning
+        metrics.ece(inputs - 0.5, labels)  # negative entries: plainly logits, no warning
+        metrics.ece(torch.softmax(inputs, 1), labels)  # plainly probabilities
+
+
+@pytest.mark.parametrize(
+    "probs, message",
+    [
+        (torch.tensor([[2.0, 0.5], [0.3, 0.7]]), "above 1"),
+        (torch.tensor([[1.2, -0.2], [0.3, 0.7]]), "negative"),
+        (torch.tensor([[0.5, 0.4], [0.3, 0.7]]), "sum to 1"),
+        (torch.tensor([[math.inf, 0.0], [0.3, 0.7]]), "above 1"),
+        (torch.tensor([[math.nan, 0.5], [0.3, 0.7]]), "NaN"),
+        (torch.tensor([[0.5, 0.5], [0.6, 0.6]]).bfloat16(), "sum to 1"),
+    ],
+)
+def test_explicit_probabilities_are_checked(probs, message):
+    labels = torch.tensor([0, 1])
+    for fn in (*FUNCTIONAL_BINNED.values(), metrics.nll, metrics.brier_score, metrics.accuracy,
+               metrics.calibration_metrics, metrics.reliability_bins, metrics.sece, metrics.dece):
+        with pytest.raises(ValueError, match=message):
+            fn(probs, labels, inputs_are="probs")
+
+
+def test_explicit_probabilities_within_rounding_of_1_are_accepted():
+    # Normalising in float32 can leave a confidence a few ulps above 1; it counts as 1 (the last bin), not as no bin.
+    probs = torch.tensor([[1.0000001, 0.0], [0.0, 1.0000001]])
+    labels = torch.tensor([0, 0])
+    assert metrics.ece(probs, labels, inputs_are="probs") == pytest.approx(0.5)
+    assert metrics.reliability_bins(probs, labels, inputs_are="probs")["count"].sum() == 2
+
+
+# ------------------------------------------------------------------------------------------------ infinities
+def test_masked_logits_are_probability_zero():
+    logits, labels = _overconfident_logits(300, 6)
+    masked = torch.rand(300, 6) < 0.3
+    masked[torch.arange(300), labels] = False  # never the label
+    with_minus_inf = logits.masked_fill(masked, -math.inf)
+    very_negative = logits.masked_fill(masked, -1e30)
+    for name, fn in {**FUNCTIONAL_BINNED, "nll": metrics.nll, "brier": metrics.brier_score}.items():
+        assert fn(with_minus_inf, labels) == pytest.approx(fn(very_negative, labels), abs=1e-12), name
+    result = metrics.calibration_metrics(with_minus_inf, labels)
+    assert all(math.isfinite(v) for v in result.values())
+
+
+@pytest.mark.parametrize("value, message", [(math.inf, r"\+inf"), (math.nan, "NaN")])
+def test_positive_infinite_or_nan_logits_raise(value, message):
+    logits, labels = _overconfident_logits(20, 4)
+    logits[3, 1] = value
+    for fn in (*FUNCTIONAL_BINNED.values(), metrics.nll, metrics.brier_score, metrics.accuracy,
+               metrics.calibration_metrics, metrics.reliability_bins, metrics.sece, metrics.dece):
+        for inputs_are in ("auto", "logits"):
+            with pytest.raises(ValueError, match=message):
+                fn(logits, labels, inputs_are=inputs_are)
+    with pytest.raises(ValueError, match="row 3"):
+        metrics.ece(logits, labels)
+
+
+def test_a_row_of_only_masked_logits_raises():
+    logits, labels = _overconfident_logits(20, 4)
+    logits[5] = -math.inf
+    with pytest.raises(ValueError, match="every class"):
+        metrics.ece(logits, labels)
+    labels[5] = -100  # an ignored row may be anything
+    assert math.isfinite(metrics.ece(logits, labels))
 
 
 # ------------------------------------------------------------------------------------------------ streaming

@@ -20,7 +20,8 @@ def _confidence_and_correct(logits, labels):
 
 
 def _sece_loop(logits, labels, bandwidth):
-    """SPEC §5 literally: sACC_i = Σ_j acc_j k(c_i, c_j) / Σ_j k(c_i, c_j); SECE = mean_i |sACC_i - c_i|."""
+    """docs/metrics.md, 'SECE', literally: sACC_i = Σ_j acc_j k(c_i, c_j) / Σ_j k(c_i, c_j);
+    SECE = mean_i |sACC_i - c_i|."""
     _, conf, acc = _confidence_and_correct(logits, labels)
     total = 0.0
     for c_i in conf:

@@ -1,4 +1,4 @@
-"""Calibration metrics (SPEC §3): functional metrics, a streaming DDP-aware meter, reliability diagrams.
+"""Calibration metrics (docs/metrics.md): functional metrics, a streaming DDP-aware meter, reliability diagrams.
 
 >>> import torch, calibkernels as ck
 >>> logits, labels = torch.randn(1000, 10), torch.randint(0, 10, (1000,))
@@ -7,9 +7,12 @@
 
 * :mod:`.binned` — ``ece``, ``adaptive_ece``, ``classwise_ece``, ``mce``, ``nll``, ``brier_score``, ``accuracy``.
   Inputs are logits or probabilities ``(..., C)`` (``inputs_are="auto"|"logits"|"probs"``); results are Python floats
-  (fractions, not %). Conventions match the reference code of the published tables exactly: ``(lo, hi]`` bins on a
-  float32 ``linspace(0, 1, 16)``, ``|B_b|/N`` over all N, and the AdaECE edge rule under which the minimum confidence
-  falls in no bin (documented in :mod:`.binned`).
+  (fractions, not %). Conventions match the reference code of the published tables: ``(lo, hi]`` bins on a float32
+  ``linspace(0, 1, 16)``, ``|B_b|/N`` over all N, and the AdaECE edge rule under which a unique minimum confidence
+  falls in no bin. The one departure: samples *tied* at the minimum AdaECE confidence, which the reference drops,
+  count in the first bin (see :mod:`.binned`).
+  ``"auto"`` takes rows of entries >= 0 summing to 1 within a dtype-dependent tolerance for probabilities; ``-inf``
+  logits are masked classes, ``+inf``/NaN logits raise ``ValueError`` (see :mod:`._inputs`).
 * :mod:`.streaming` — ``CalibrationMeter`` (update / compute / reset; merged across DDP ranks) and
   ``calibration_metrics`` (all metrics of one tensor in one pass).
 * :mod:`.reliability` — ``reliability_diagram`` (matplotlib, optional) and ``reliability_bins``.

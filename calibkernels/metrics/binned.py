@@ -1,4 +1,4 @@
-"""Binned calibration metrics (SPEC §3): ECE, AdaECE, classwise ECE, MCE, plus NLL, Brier score and accuracy.
+"""Binned calibration metrics (docs/metrics.md): ECE, AdaECE, classwise ECE, MCE, plus NLL, Brier score and accuracy.
 
 Confidence is the maximum probability ``c_i = max_k p_ik``, the prediction its arg-max, ``acc_i = 1[pred_i = y_i]``.
 With bins ``B_1..B_M`` (default M = 15):
@@ -19,10 +19,19 @@ BSCE-GRA paper) exactly:
   of exactly 1.0 to the last bin).  A value of exactly 0 falls in no bin (it cannot be a max-probability, but a
   classwise ``p_ik`` can underflow to 0; such entries then count in N but in no bin, as in the reference).
 * ``|B_b|/N`` divides by all N samples, including any that fall in no bin.
-* AdaECE edges are ``np.interp(linspace(0, N, M + 1), arange(N), sort(c))`` computed in float64 and compared in the
-  confidences' dtype; membership is ``(lo, hi]`` too, so **the minimum confidence (edge 0) falls in no bin** and is
-  missing from the sum (while still counted in N). This is the reference's behaviour and we keep it on purpose so the
-  numbers match; it changes AdaECE by at most ``|acc - c|/N`` for that one sample.
+* AdaECE edges ``e_0..e_M`` are ``np.interp(linspace(0, N, M + 1), arange(N), sort(c))`` computed in float64 and
+  compared in the confidences' dtype; membership is ``(lo, hi]`` too. ``e_0`` is the minimum confidence, so under
+  the reference's rule every sample *equal to* the minimum falls in no bin (while still counted in N); every other
+  sample lands in exactly one bin, ties or not (a value tied at ``v > e_0`` goes to the bin ``(e_j, v]``, and the
+  degenerate ``(v, v]`` bins stay empty). See docs/metrics.md, 'AdaECE' / 'Ties'.
+
+  - **Unique minimum** (the usual case with continuous confidences): we keep the reference's rule on purpose, so the
+    numbers match the published code exactly; the one left-out sample moves AdaECE by at most ``|acc_i - c_i|/N``.
+  - **Minimum shared by k >= 2 samples** (e.g. a saturated model whose confidences are all 1.0: every edge is 1.0,
+    every bin ``(1, 1]`` is empty, and the reference returns AdaECE 0 for four wrong predictions at confidence 1):
+    we count those k samples in the first bin, closed on the left, ``[e_0, e_1]`` (when ``e_1 = e_0`` it holds just
+    the tied group). This is the only place where we differ from the published code, which silently drops all k;
+    the two values then differ by at most ``k/N``.
 * Classwise ECE averages over all C columns of ``inputs`` (the reference uses ``max(labels) + 1`` classes, which is the
   same whenever the last class occurs in the labels).
 
@@ -56,7 +65,8 @@ __all__ = [
 def equal_width_edges(n_bins: int = 15, *, dtype=torch.float32, device=None) -> torch.Tensor:
     """The ``n_bins + 1`` equal-width edges on [0, 1]: ``torch.linspace(0, 1, n_bins + 1)`` in float32, cast to ``dtype``.
 
-    The float32 values are the convention (SPEC §3): e.g. the 4th edge of 15 bins is ``0.20000002``, not ``0.2``.
+    The float32 values are the convention (docs/metrics.md, 'ECE'): e.g. the 4th edge of 15 bins is ``0.20000002``,
+    not ``0.2``.
     """
     check_n_bins(n_bins)
     return torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float32, device=device).to(dtype)
@@ -126,8 +136,19 @@ def confidence_and_correct(prepared: PreparedInputs):
 
 
 def adaptive_calibration_error(confidence: torch.Tensor, correct: torch.Tensor, n_bins: int) -> torch.Tensor:
-    """AdaECE of 1-D confidences/correctness (float64 0-dim tensor); see the module docstring for the edge rule."""
-    _, value_sum, target_sum = bin_sums(confidence, correct, equal_count_edges(confidence, n_bins))
+    """AdaECE of 1-D confidences/correctness (float64 0-dim tensor).
+
+    ``(1/N) Σ_b |Σ_{i∈B_b} (acc_i - c_i)|`` over the equal-count ``(lo, hi]`` bins of :func:`equal_count_edges`,
+    except that samples tied at the minimum confidence (two or more) count in the first bin, ``[e_0, e_1]``; a unique
+    minimum stays in no bin, as in the reference (module docstring).
+    """
+    edges = equal_count_edges(confidence, n_bins)
+    _, value_sum, target_sum = bin_sums(confidence, correct, edges)
+    at_minimum = confidence == edges[0]  # e_0 is the minimum exactly (interpolation at position 0)
+    tied = (at_minimum.sum() >= 2).to(torch.float64)  # 0 or 1, so no host sync
+    weight = at_minimum.to(torch.float64) * tied
+    value_sum[0] += (weight * confidence.to(torch.float64)).sum()
+    target_sum[0] += (weight * correct.to(torch.float64)).sum()
     return calibration_error_from_sums(value_sum, target_sum, confidence.numel())
 
 
@@ -156,7 +177,10 @@ def ece(inputs, labels, n_bins: int = 15, *, inputs_are: str = "auto", ignore_in
 def adaptive_ece(inputs, labels, n_bins: int = 15, *, inputs_are: str = "auto", ignore_index: int = -100) -> float:
     """Adaptive ECE on ``n_bins`` equal-count bins (Mukhoti et al. 2020's AdaECE), a fraction.
 
-    The minimum confidence falls in no bin (reference convention, see the module docstring).
+    ``(1/N) Σ_b |Σ_{i∈B_b} (acc_i - c_i)|`` with ``(lo, hi]`` bins between the equal-count edges of
+    :func:`equal_count_edges`. A unique minimum confidence falls in no bin (the reference's convention, kept so the
+    published numbers are reproduced); two or more samples tied at the minimum count in the first bin ``[e_0, e_1]``
+    instead of vanishing (the reference drops them). See the module docstring and docs/metrics.md, 'AdaECE' / 'Ties'.
     """
     check_n_bins(n_bins)
     prepared = prepare(inputs, labels, inputs_are, ignore_index)

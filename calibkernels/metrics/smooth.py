@@ -1,7 +1,10 @@
-"""Differentiable calibration errors for meta-regularisation (SPEC §5): SECE and DECE.
+"""Differentiable calibration errors for meta-regularisation: SECE and DECE (docs/metrics.md, 'Differentiable
+calibration errors').
 
-Both are batch-level, differentiable surrogates of ECE (SPEC §3) that a meta-learner can descend. They take logits or
-probabilities ``(N, C)`` and integer labels ``(N,)``; confidence ``c_i = max_k p_ik``; fractions in [0, 1].
+Both are batch-level, differentiable surrogates of ECE (docs/metrics.md, 'ECE') that a meta-learner can descend. They
+take logits or probabilities ``(N, C)`` and integer labels ``(N,)``; confidence ``c_i = max_k p_ik``; fractions in
+[0, 1]. Inputs are resolved and checked as for every metric (:mod:`._inputs`): -inf logits are masked classes, +inf or
+NaN logits and invalid probabilities raise ``ValueError``.
 
 * :func:`sece` — smooth ECE of Wang & Golebiowski (the slides' "sECE"): every sample is its own bin centre,
   ``sACC_i = Σ_j acc_j k(c_i, c_j) / Σ_j k(c_i, c_j)`` with a Gaussian kernel ``k(c, c') = exp(-(c - c')² / (2h²))``,
@@ -20,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from ._inputs import looks_like_probabilities
+from ._inputs import resolve_inputs_kind
 
 __all__ = ["sece", "dece", "SECE_DEFAULT_BANDWIDTH", "DECE_DEFAULT_BINS", "DECE_DEFAULT_T_A", "DECE_DEFAULT_T_B"]
 
@@ -35,14 +38,12 @@ DECE_DEFAULT_T_B = 0.01
 _SECE_ROW_CHUNK = 2048
 
 
-def _probabilities(inputs: torch.Tensor, inputs_are: str) -> torch.Tensor:
-    """Probabilities of ``inputs`` (N, C) in float32/float64, by the metrics' ``inputs_are`` convention (``_inputs``)."""
-    if inputs_are not in ("auto", "logits", "probs"):
-        raise ValueError(f"inputs_are must be 'auto', 'logits' or 'probs', got {inputs_are!r}")
+def _probabilities(inputs: torch.Tensor, inputs_are: str, rows: torch.Tensor | None) -> torch.Tensor:
+    """Probabilities of ``inputs`` (N, C) in float32/float64, by the metrics' ``inputs_are`` convention and checks
+    (:mod:`._inputs`: -inf logits are masked classes, +inf / NaN logits and invalid probabilities raise)."""
     x = inputs if inputs.dtype == torch.float64 else inputs.float()
-    if inputs_are == "auto":
-        with torch.no_grad():
-            inputs_are = "probs" if looks_like_probabilities(x) else "logits"
+    with torch.no_grad():
+        inputs_are = resolve_inputs_kind(x.detach(), inputs_are, inputs.dtype, rows)
     return x if inputs_are == "probs" else torch.softmax(x, dim=-1)
 
 
@@ -84,8 +85,8 @@ def _check(inputs, labels, ignore_index):
         raise ValueError(f"labels out of range for {inputs.shape[1]} classes (valid: 0..{inputs.shape[1] - 1} "
                          f"or ignore_index={ignore_index})")
     if bool(keep.all()):
-        return inputs, labels.long()
-    return inputs[keep], labels[keep].long()
+        return inputs, labels.long(), None
+    return inputs[keep], labels[keep].long(), keep.nonzero().squeeze(1)
 
 
 def sece(
@@ -96,15 +97,15 @@ def sece(
     inputs_are: str = "auto",
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Smooth ECE (Wang & Golebiowski; SPEC §5), differentiable through the confidences.
+    """Smooth ECE (Wang & Golebiowski; docs/metrics.md, 'SECE'), differentiable through the confidences.
 
     ``SECE = (1/N) Σ_i |sACC_i - c_i|``, ``sACC_i = Σ_j acc_j k_ij / Σ_j k_ij``, ``k_ij = exp(-(c_i - c_j)² / (2h²))``
     (j runs over all samples, i included, so the denominator is ≥ 1). The normalised kernel row is computed as a
     softmax of ``-(c_i - c_j)² / (2h²)``, which is exact and cannot underflow to 0/0.
 
     Args:
-        inputs: ``(N, C)`` logits or probabilities (``inputs_are="auto"``: non-negative rows summing to 1 → probs),
-            or ``(N,)`` confidences in [0, 1].
+        inputs: ``(N, C)`` logits or probabilities (``inputs_are``: the metrics' rule and checks, see
+            :mod:`calibkernels.metrics._inputs`), or ``(N,)`` confidences in [0, 1].
         labels: ``(N,)`` integer labels (rows equal to ``ignore_index`` are left out); with 1-D confidences, the
             ``(N,)`` correctness instead (bool or 0/1).
         bandwidth: h, the kernel's standard deviation on the confidence scale (default 0.05, see
@@ -118,8 +119,8 @@ def sece(
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 1:
         confidence, correct = _check_confidences(inputs, labels)
     else:
-        inputs, labels = _check(inputs, labels, ignore_index)
-        probs = _probabilities(inputs, inputs_are)
+        inputs, labels, rows = _check(inputs, labels, ignore_index)
+        probs = _probabilities(inputs, inputs_are, rows)
         confidence, prediction = probs.max(dim=-1)
         correct = (prediction == labels).to(probs.dtype)
     if confidence.shape[0] == 0:
@@ -143,7 +144,8 @@ def dece(
     inputs_are: str = "auto",
     ignore_index: int = -100,
 ) -> torch.Tensor:
-    """Differentiable ECE (Bohdal, Yang & Hospedales, "Meta-Calibration"; SPEC §5), soft bins and soft accuracy.
+    """Differentiable ECE (Bohdal, Yang & Hospedales, "Meta-Calibration"; docs/metrics.md, 'DECE'), soft bins and
+    soft accuracy.
 
     ``DECE = (1/N) Σ_m |Σ_i o_im (a_i - c_i)|`` with soft bin membership ``o_i = softmax((c_i w + b) / t_b)``
     (``w = [1..M]``, ``b = cumsum(-[0, 1/M, …, (M-1)/M])``) and soft accuracy ``a_i = relu(2 - r_i)``,
@@ -167,8 +169,8 @@ def dece(
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 1:
         confidence, soft_accuracy = _check_confidences(inputs, labels)  # no probabilities to rank: hard accuracy
     else:
-        inputs, labels = _check(inputs, labels, ignore_index)
-        probs = _probabilities(inputs, inputs_are)
+        inputs, labels, rows = _check(inputs, labels, ignore_index)
+        probs = _probabilities(inputs, inputs_are, rows)
         confidence = probs.amax(dim=-1)
         p_target = probs.gather(1, labels[:, None])
         soft_rank = 0.5 + torch.sigmoid(t_a * (probs - p_target)).sum(dim=-1)

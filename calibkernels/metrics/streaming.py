@@ -55,7 +55,7 @@ def _distributed_world_size() -> int:
 
 
 class CalibrationMeter:
-    """Accumulates ECE, AdaECE, classwise ECE, MCE, NLL, Brier score and accuracy over batches (SPEC §3).
+    """Accumulates ECE, AdaECE, classwise ECE, MCE, NLL, Brier score and accuracy over batches (docs/metrics.md).
 
     Args:
         n_bins: bins of every binned metric (equal-width ``(lo, hi]`` bins on float32 ``linspace(0, 1, n_bins + 1)``,
