@@ -1,0 +1,220 @@
+"""The autograd contracts of the fused loss, the same on every backend (docs/losses.md, "Contracts").
+
+In place on a leaf, double backward, gradients of a per-sample ``gamma``, retained graphs, memory per reduction and
+the hyper-parameter checks: each either works as the reference does or raises a clear error, never a plausible wrong
+answer. Parametrised over every (backend, device) pair this install can run (Triton on CPU tensors under
+``TRITON_INTERPRET=1``).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import calibkernels as ck
+from calibkernels import _backends
+from calibkernels import reference as R
+
+FUSED = [
+    pytest.param((name, dev), id=f"{name}-{dev}")
+    for name in ("cpu", "cuda", "triton")
+    for dev in (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+    if _backends.unavailable_reason(name, torch.device(dev)) is None
+]
+EVERY = [pytest.param(("reference", "cpu"), id="reference-cpu")] + FUSED
+
+
+def _targets(n, c, device, ignored=1):
+    y = torch.randint(0, c, (n,), device=device)
+    y[:ignored] = -100
+    return y
+
+
+# ---------------------------------------------------------------------------------------------------------- in place
+@pytest.mark.parametrize("backend_device", FUSED)
+def test_inplace_on_a_leaf_or_a_view_of_one_is_refused(backend_device):
+    backend, device = backend_device
+    leaf = torch.randn(4, 6, device=device, requires_grad=True)
+    y = torch.randint(0, 5, (4,), device=device)
+    before = leaf.detach().clone()
+    for logits in (leaf, leaf[:, :5], leaf.view(2, 2, 6)):
+        target = y if logits.dim() == 2 else y.view(2, 2)
+        with pytest.raises(ValueError, match="inplace=True.*leaf"):
+            ck.uncertainty_weighted_ce(logits, target, backend=backend, inplace=True)
+    assert torch.equal(leaf.detach(), before), "a refused in-place call must leave the leaf untouched"
+
+
+@pytest.mark.parametrize("backend_device", FUSED)
+def test_inplace_protects_other_users_of_the_logits(backend_device):
+    """Another node that saved the logits raises at backward instead of reading the gradient written over them."""
+    backend, device = backend_device
+    leaf = torch.randn(5, 7, device=device, requires_grad=True)
+    logits = leaf * 2.0
+    other = (logits * logits).sum()  # MulBackward saved the logits
+    loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=backend, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
+# -------------------------------------------------------------------------------------------------- double backward
+@pytest.mark.parametrize("backend_device", FUSED)
+def test_double_backward_raises_instead_of_contributing_nothing(backend_device):
+    backend, device = backend_device
+    x = torch.randn(6, 5, device=device, requires_grad=True)
+    y = _targets(6, 5, device)
+    loss = ck.uncertainty_weighted_ce(x, y, backend=backend)
+    (grad,) = torch.autograd.grad(loss, x, create_graph=True)
+    # the first-order gradient is still right and usable as a value
+    (exact,) = torch.autograd.grad(R.uncertainty_weighted_ce(x, y), x)
+    torch.testing.assert_close(grad.detach(), exact, rtol=1e-5, atol=1e-6)
+    penalty = grad.pow(2).sum()
+    with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
+        (loss + penalty).backward()
+
+
+def test_double_backward_works_on_the_reference():
+    # mode="loss" only: in mode="grad" the weight is detached, so the gradient is not the derivative of any function
+    # of the logits and a finite-difference check of its derivative does not apply
+    x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    y = _targets(6, 5, "cpu")
+    for weight in ("brier", "focal", "none"):
+        torch.autograd.gradgradcheck(lambda z: R.uncertainty_weighted_ce(z, y, weight=weight, mode="loss"), (x,))
+
+
+# ------------------------------------------------------------------------------------------------ gamma as a tensor
+@pytest.mark.parametrize("backend_device", EVERY)
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction):
+    backend, device = backend_device
+    n, c = 7, 6
+    z = torch.randn(n, c, device=device) * 3
+    z[3] = torch.tensor([200.0, 0, 0, 0, 0, 0])  # a saturated row: p_y = 1, the limit of the gradient is 0
+    y = _targets(n, c, device)
+    y[3] = 0
+    gamma = (torch.rand(n, device=device) * 3).requires_grad_()
+    grad_out = torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.7, device=device)
+    kw = dict(weight="focal", mode="loss", reduction=reduction)
+    x = z.clone().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(x, y, gamma=gamma, backend=backend, **kw)
+    d_logits, d_gamma = torch.autograd.grad(loss, (x, gamma), grad_out)
+    x64, g64 = z.double().requires_grad_(), gamma.detach().double().requires_grad_()
+    exact = torch.autograd.grad(R.uncertainty_weighted_ce(x64, y, gamma=g64, **kw), (x64, g64), grad_out.double())
+    assert torch.isfinite(d_gamma).all() and d_gamma[3] == 0 and d_gamma[0] == 0  # saturated and ignored rows
+    torch.testing.assert_close(d_gamma.double(), exact[1], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(d_logits.double(), exact[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend_device", FUSED)
+def test_per_sample_gamma_in_grad_mode_gets_no_gradient_as_in_the_reference(backend_device):
+    backend, device = backend_device
+    x = torch.randn(5, 4, device=device, requires_grad=True)
+    y = _targets(5, 4, device)
+    for impl in (backend, "reference"):
+        gamma = torch.full((5,), 2.0, device=device, requires_grad=True)
+        ck.uncertainty_weighted_ce(x, y, weight="focal", mode="grad", gamma=gamma, backend=impl).backward()
+        assert gamma.grad is None or not gamma.grad.any()
+
+
+def test_gamma_learned_through_the_fused_loss_matches_the_reference():
+    """A gamma-Net style loop that learns gamma from the training loss itself (first order) gets the same gradient
+    for its parameters on every backend."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(8, 1)
+    feats, logits, y = torch.randn(16, 8), torch.randn(16, 10), torch.randint(0, 10, (16,))
+    grads = {}
+    for pair in EVERY:
+        backend, device = pair.values[0]
+        if device != "cpu":
+            continue
+        net.zero_grad()
+        gamma = torch.nn.functional.softplus(net(feats)).squeeze(1)
+        ck.uncertainty_weighted_ce(logits, y, weight="focal", mode="loss", gamma=gamma, backend=backend).backward()
+        grads[backend] = net.weight.grad.clone()
+    for backend, grad in grads.items():
+        torch.testing.assert_close(grad, grads["reference"], rtol=1e-4, atol=1e-7, msg=backend)
+
+
+# ------------------------------------------------------------------------------------------------- retained graphs
+@pytest.mark.parametrize("backend_device", FUSED)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_retained_graph_returns_a_fresh_gradient(backend_device, reduction):
+    """autograd.grad(retain_graph=True), the result edited in place, then a second grad: the second is unaffected."""
+    backend, device = backend_device
+    x = torch.randn(6, 9, device=device, requires_grad=True)
+    y = _targets(6, 9, device)
+    loss = ck.uncertainty_weighted_ce(x, y, backend=backend, reduction=reduction)
+    grad_out = torch.ones_like(loss)
+    (first,) = torch.autograd.grad(loss, x, grad_out, retain_graph=True)
+    expected = first.clone()
+    first.mul_(10)
+    (second,) = torch.autograd.grad(loss, x, grad_out)
+    torch.testing.assert_close(second, expected)
+
+
+# --------------------------------------------------------------------------------------------------------- memory
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import gc, json, sys
+    import torch
+    import calibkernels as ck
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key):
+                return int(line.split()[1]) * 1024
+
+    n, c = 2048, 4096
+    dtype, reduction = getattr(torch, sys.argv[1]), sys.argv[2]
+    z = torch.randn(n, c).to(dtype).requires_grad_()
+    y = torch.randint(0, c, (n,))
+    peaks = []
+    for _ in range(2):
+        z.grad = None
+        gc.collect()
+        loss = ck.uncertainty_weighted_ce(z, y, reduction=reduction, backend="cpu")
+        open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
+        before = status("VmRSS")
+        (loss.sum() if reduction == "none" else loss).backward()
+        peaks.append((status("VmHWM") - before) / (n * c * z.element_size()))
+        del loss
+    print(json.dumps(max(peaks)))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(_backends.unavailable_reason("cpu", torch.device("cpu")) is not None, reason="no CPU kernel")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_backward_allocates_no_logits_sized_buffer(dtype, reduction):
+    """The backward scales the gradient saved by the forward in place: its peak extra memory is far below one N×C
+    buffer of the logits' dtype, for every reduction and dtype (measured in a child process)."""
+    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, dtype, reduction], capture_output=True, text=True,
+                            timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    peak = float(result.stdout.strip().splitlines()[-1])
+    assert peak < 0.25, f"backward peak {peak:.2f} x the logits' size"
+
+
+# ------------------------------------------------------------------------------------------- hyper-parameter checks
+@pytest.mark.parametrize("backend_device", EVERY)
+def test_bad_hyper_parameters_raise(backend_device):
+    backend, device = backend_device
+    z = torch.randn(4, 5, device=device)
+    y = _targets(4, 5, device, ignored=0)
+    for gamma in (float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="gamma"):
+            ck.uncertainty_weighted_ce(z, y, weight="focal", gamma=gamma, backend=backend)
+    for bad in (float("inf"), float("nan"), -1.0):
+        gamma = torch.full((4,), 2.0, device=device)
+        gamma[1] = bad
+        with pytest.raises(ValueError, match="gamma"):
+            ck.uncertainty_weighted_ce(z, y, weight="focal", gamma=gamma, backend=backend)
+        sample_weight = torch.ones(4, device=device)
+        sample_weight[2] = bad
+        with pytest.raises(ValueError, match="sample_weight"):
+            ck.uncertainty_weighted_ce(z, y, weight="external", sample_weight=sample_weight, backend=backend)
+    for norm in (float("inf"), float("nan"), 0.0):
+        with pytest.raises(ValueError, match="norm"):
+            ck.uncertainty_weighted_ce(z, y, weight="brier", norm=norm, backend=backend)
