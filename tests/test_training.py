@@ -375,7 +375,10 @@ def test_sigterm_mid_epoch_saves_and_resume_matches_uninterrupted(tmp_path, monk
 
     monkeypatch.setattr(train, "build_criterion", build_and_signal)
     out = tmp_path / "interrupted"
-    assert run_main(common + ["--output-dir", str(out)]) is None
+    # Exit code 143 = 128 + SIGTERM, after the checkpoint is saved: a scheduler tells a preempted run from a finished
+    # one.
+    assert train.cli(common + ["--output-dir", str(out)]) == 128 + signal.SIGTERM
+    assert not (out / "report.json").exists()
     saved = _state(out / "checkpoint.pt")
     assert (saved["epoch"], saved["batches_done"]) == (0, 3)
     assert signal.getsignal(signal.SIGTERM) is not None  # handler restored, process alive

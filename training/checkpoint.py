@@ -60,8 +60,15 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu") -> dict:
     ``weights_only=False``: only load checkpoints you trust)."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint {str(path)!r} does not exist")
-    checkpoint = torch.load(path, map_location=map_location, weights_only=False)
+        raise FileNotFoundError(f"checkpoint {str(path)!r} " + ("is not a file" if path.exists() else "does not exist"))
+    try:
+        checkpoint = torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as exc:  # torch.load of a truncated, empty or foreign file raises many kinds of error
+        reason = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+        raise ValueError(f"{path} is not a readable checkpoint ({type(exc).__name__}"
+                         + (f": {reason})" if reason else ")")) from exc
+    if not isinstance(checkpoint, dict):
+        raise ValueError(f"{path} is not a training checkpoint (it holds a {type(checkpoint).__name__}, not a dict)")
     missing = [k for k in ("model", "epoch", "args") if k not in checkpoint]
     if missing:
         raise ValueError(f"{path} is not a training checkpoint (missing {', '.join(missing)})")

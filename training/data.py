@@ -1,4 +1,4 @@
-"""Datasets for the recipes, read from disk without downloads (SPEC §6 splits).
+"""Datasets for the recipes, read from disk without downloads (the papers' splits, docs/papers.md).
 
 ``build_datasets(recipe, data_root, seed, meta_fraction=0.0) -> Splits(train, val, test, meta)``:
 
@@ -11,8 +11,8 @@
 | ``imagenet`` | ``train/<class>/*`` and ``val/<class>/*`` (ImageFolder) | train minus 10 per class / those 10 per class / val |
 
 Validation (used to fit the temperature) and test are always different images. ``meta`` (meta-regularisation's
-held-out batch source, SPEC §5) is carved from train when ``meta_fraction > 0`` and overlaps neither validation nor
-test. A missing or malformed data directory raises :class:`DataError` saying what was expected.
+held-out batch source, docs/papers.md) is carved from train when ``meta_fraction > 0`` and overlaps neither
+validation nor test. A missing or malformed data directory raises :class:`DataError` saying what was expected.
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def main(args) -> dict:
 def cli(argv=None) -> int:
     try:
         main(get_args_parser().parse_args(argv))
-    except (DataError, ValueError, FileNotFoundError) as exc:
+    except (DataError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -1,4 +1,5 @@
-"""Meta-regularised calibration (Wang & Golebiowski, "Towards Unbiased Calibration using Meta-Regularization"; SPEC §5).
+"""Meta-regularised calibration (Wang & Golebiowski, "Towards Unbiased Calibration using Meta-Regularization";
+docs/papers.md).
 
 ``--method meta-sece`` / ``--method meta-dece`` train any recipe with a focal loss whose exponent is predicted per sample
 by a γ-Net (:class:`calibkernels.GammaNet`, parameters φ) from the penultimate features, while φ is meta-learned to
@@ -73,7 +74,7 @@ _CLIP_ALIASES = ("clip_grad_norm", "grad_clip", "clip")
 
 def add_meta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the ``--meta-*`` options (used by ``--method meta-sece|meta-dece``) to ``parser``; returns it."""
-    group = parser.add_argument_group("meta-regularisation (--method meta-sece | meta-dece; SPEC §5)")
+    group = parser.add_argument_group("meta-regularisation (--method meta-sece | meta-dece; docs/papers.md)")
     d = META_DEFAULTS
     group.add_argument("--meta-k", type=int, default=d["meta_k"],
                        help="γ-Net prototypes k (columns of A ∈ R^{d×k}) (default: %(default)s)")

@@ -1,17 +1,17 @@
 """Named training recipes (``python -m training.train --list-recipes``).
 
-The CIFAR and Tiny-ImageNet recipes are the calibration papers' (Mukhoti et al. 2020; the BSCE-GRA paper, SPEC §6):
-SGD momentum 0.9, weight decay 5e-4, **sum** reduction over the batch, gradient-norm clipping at 2,
+The CIFAR and Tiny-ImageNet recipes are the calibration papers' (Mukhoti et al. 2020; the BSCE-GRA paper;
+docs/papers.md): SGD momentum 0.9, weight decay 5e-4, **sum** reduction over the batch, gradient-norm clipping at 2,
 lr 0.1 → 0.01 → 0.001 at epochs 150/250 of 350 (CIFAR, batch 128, 45k/5k train/validation split) or 40/60 of 100
 (Tiny-ImageNet, batch 64, 50 train images per class held out as validation, the official val set as test).
 
 The fine-tuning recipes' optimiser settings beyond "Adam, cosine, 90 epochs" (ImageNet) and "50 epochs" (ViT) are not
 published; the values below are this project's choice and are marked as such.
 
-``digits`` is the embedded CPU demo (SPEC §6 "regime matters"): 200 training images of scikit-learn's 8×8 digits,
-a small CNN without batch norm or weight decay and 300 epochs at lr 0.05 — an over-fitting regime in which plain
+``digits`` is the embedded CPU demo (docs/papers.md, "regime matters"): 200 training images of scikit-learn's 8×8
+digits, a small CNN without batch norm or weight decay and 300 epochs at lr 0.05 — an over-fitting regime in which plain
 cross-entropy becomes over-confident (on easy data with batch norm and weight decay it is not, and the calibration
-losses then make the model under-confident; SPEC §6).
+losses then make the model under-confident; docs/papers.md).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ RECIPES["digits"] = Recipe(
     notes="embedded CPU demo: scikit-learn's 8x8 digits, 200 training images, 500 validation, 1097 test; a small "
           "CNN without batch norm (width 16), 300 epochs of SGD lr 0.05 (constant, momentum 0.9, no weight decay), "
           "mean reduction, clip 2: the training loss goes to ~0 and cross-entropy becomes over-confident (T > 1), "
-          "the regime SPEC §6 asks the demo to exhibit; one CPU thread (a model this small only loses from "
+          "the over-fitting regime the demo is meant to show; one CPU thread (a model this small only loses from "
           "intra-op threading), validation metrics every 10 epochs")
 
 

@@ -1,5 +1,5 @@
 """Calibration report: fit the temperature on the validation split, then accuracy, ECE, AdaECE, classwise ECE, MCE,
-NLL and Brier score of the test split before ("pre-T") and after ("post-T") temperature scaling (SPEC §3–4).
+NLL and Brier score of the test split before ("pre-T") and after ("post-T") temperature scaling (docs/metrics.md).
 
 The same T (``calibkernels.calibration.fit_temperature``, ECE objective over a grid, fitted on validation logits)
 is used for every metric; validation and test are always different splits. Metrics come from

@@ -8,14 +8,16 @@
 
 Flat torchvision-references style: :func:`get_args_parser`, :func:`train_one_epoch`, :func:`evaluate`, :func:`main`,
 :func:`cli`. Per epoch it writes ``log.csv`` / ``log.jsonl`` and an atomic ``checkpoint.pt`` (model, optimizer,
-scheduler, GradScaler, epoch, RNG states); ``--resume`` continues bit-for-bit (same seed, ``--workers 0``), and
-SIGTERM/SIGINT saves a mid-epoch checkpoint and exits cleanly. After the last epoch the temperature is fitted on the
+scheduler, GradScaler, epoch, RNG states); ``--resume`` continues bit-for-bit (same seed, ``--workers 0``) with the
+checkpoint's settings, except the flags given again on its command line; SIGTERM/SIGINT saves a mid-epoch checkpoint
+and exits with code 128 + the signal number (143 for SIGTERM). After the last epoch the temperature is fitted on the
 validation split and the pre-T / post-T table of the test split is printed and saved (``report.json``,
 ``reliability_pre_T.png``, ``reliability_post_T.png``).
 
-Batch size and loss reduction follow the recipe (SPEC §6: the papers *sum* the loss over a batch of 128, lr 0.1,
-clip 2). ``--batch-size`` is the global batch: under DDP each of K ranks takes batch/K and, for the sum reduction,
-the loss is multiplied by K so that DDP's gradient averaging yields exactly the gradient of the global batch sum.
+Batch size and loss reduction follow the recipe (docs/papers.md: the papers *sum* the loss over a batch of 128,
+lr 0.1, clip 2). ``--batch-size`` is the global batch: under DDP each of K ranks takes batch/K and, for the sum
+reduction, the loss is multiplied by K so that DDP's gradient averaging yields exactly the gradient of the global batch
+sum.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import ast
 import copy
 import csv
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -36,7 +39,6 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
-from tqdm import tqdm
 
 import calibkernels as ck
 
@@ -49,10 +51,28 @@ from .report import calibration_report, collect_logits, format_comparison, forma
 
 METHODS = ("standard", "meta-sece", "meta-dece")
 
+# The import names of the `train` extra (pyproject.toml) and their pip names; checked before anything runs.
+TRAIN_EXTRA = {"tqdm": "tqdm", "torchvision": "torchvision", "matplotlib": "matplotlib", "sklearn": "scikit-learn"}
+
+# Settings of an invocation, not of the run: --resume never takes them from the checkpoint.
+_PER_INVOCATION = {"list_recipes", "compare", "resume", "output_dir", "download", "pretrained", "device", "compile",
+                   "channels_last", "workers", "stop_after", "threads", "log_every", "tensorboard", "no_progress"}
+# Values derived from the others (resolve_run_config, run_training), and the record of which flags were given.
+_DERIVED = {"num_classes", "model_kwargs", "reduction", "clip_grad_norm", "explicit"}
+# They fix the model or the data splits, so a resumed run cannot change them.
+_FIXED_BY_CHECKPOINT = ("recipe", "arch", "loss", "method", "seed", "image_size", "meta_fraction")
+
 
 # ------------------------------------------------------------------------------------------------------ arguments
+class _ArgumentParser(argparse.ArgumentParser):
+    """argparse whose usage errors are one ``error: …`` line with exit code 2, like every other error of the CLI."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message} (see --help)\n")
+
+
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _ArgumentParser(
         description="Train a calibrated classifier (calibkernels training recipes); with no arguments, trains the "
                     "embedded `digits` demo with BSCE-GRA on the CPU and prints its pre-T / post-T calibration.",
         add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -88,7 +108,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--amp", default=None, choices=["bf16", "fp16"],
                         help="autocast dtype (fp16 uses a GradScaler)")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format")
-    parser.add_argument("--resume", default=None, metavar="CHECKPOINT", help="continue from this checkpoint")
+    parser.add_argument("--resume", default=None, metavar="CHECKPOINT",
+                        help="continue from this checkpoint with its settings; flags given again override them "
+                             "(--lr, --epochs, …; not those that fix the model or the data splits)")
     parser.add_argument("--workers", type=int, default=None,
                         help="data-loading workers per process (default 0 for digits, else 4)")
     parser.add_argument("--max-steps-per-epoch", type=int, default=None,
@@ -105,7 +127,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="print an epoch summary line every this many epochs (default: about 15 lines per run)")
     parser.add_argument("--tensorboard", action="store_true",
                         help="also log to TensorBoard (<output-dir>/tb; needs the tensorboard package)")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress output (a bar on a terminal, else one stderr line per epoch)")
     return parser
 
 
@@ -155,9 +178,11 @@ def resolve_run_config(args) -> argparse.Namespace:
     args.threads = recipe.num_threads if args.threads is None else args.threads
     args.reduction = recipe.reduction
     args.clip_grad_norm = recipe.clip_grad_norm
-    for name in ("epochs", "batch_size", "eval_every"):
-        if getattr(args, name) < 1:
+    for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0, got {args.workers}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, got {args.lr}")
     if args.max_steps_per_epoch is not None and args.max_steps_per_epoch < 1:
@@ -169,7 +194,67 @@ def resolve_run_config(args) -> argparse.Namespace:
                          "(a local torchvision checkpoint)")
     if args.output_dir is None:
         args.output_dir = str(Path("runs") / f"{args.recipe}-{loss_tag(args.loss)}")
-    parse_loss_spec(args.loss)
+    _check_output_dir(Path(args.output_dir))
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
+    check_loss_spec(args.loss)
+    return args
+
+
+def check_loss_spec(spec: str) -> None:
+    """Raise a ValueError naming ``spec`` if it does not build a loss (unknown name, misspelt hyperparameter, …)."""
+    try:
+        build_criterion(spec, reduction="mean", backend="auto")
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"bad loss {spec!r}: {exc}") from exc
+
+
+def _check_output_dir(path: Path) -> None:
+    """An output folder must be a folder, or creatable: its nearest existing ancestor must be a folder."""
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            if not candidate.is_dir():
+                raise ValueError(f"--output-dir {path}: {candidate} is a file, not a folder")
+            return
+
+
+def explicit_options(args) -> set[str]:
+    """The options given on the command line (recorded by :func:`parse_args`; for a namespace built in code, those
+    that differ from the parser's defaults)."""
+    if getattr(args, "explicit", None) is not None:
+        return set(args.explicit)
+    defaults = vars(get_args_parser().parse_args([]))
+    return {key for key, value in vars(args).items() if key in defaults and value != defaults[key]}
+
+
+def args_from_checkpoint(args, checkpoint: dict) -> argparse.Namespace:
+    """``args`` for continuing ``checkpoint``: the run's settings are the checkpoint's, except the flags given on the
+    command line, which override them (``--lr``, ``--epochs``, ``--batch-size``, …); the output folder defaults to
+    the checkpoint's. Raises ValueError for flags that contradict the checkpoint: those that fix the model or the data
+    splits, fewer epochs than it has trained, or another batch size or process count in the middle of an epoch."""
+    args = copy.copy(args)
+    saved = checkpoint["args"]
+    explicit = explicit_options(args)
+    args.explicit = sorted(explicit)  # decided here, before the recipe's values fill in what was not given
+    for key in _FIXED_BY_CHECKPOINT:
+        if key in explicit and key in saved and saved[key] != getattr(args, key):
+            raise ValueError(f"--resume {args.resume}: checkpoint has {key}={saved[key]!r} but this run has "
+                             f"{getattr(args, key)!r} (it fixes the model or the data splits)")
+    for key, value in saved.items():
+        if key not in explicit and key not in _PER_INVOCATION and key not in _DERIVED:
+            setattr(args, key, value)
+    if "output_dir" not in explicit:
+        args.output_dir = str(Path(args.resume).parent)
+    done, batches_done = int(checkpoint["epoch"]), int(checkpoint.get("batches_done", 0))
+    if args.epochs is not None and args.epochs < done + (1 if batches_done else 0):
+        raise ValueError(f"--resume {args.resume}: --epochs {args.epochs} but the checkpoint has already trained "
+                         f"{done} epoch(s)" + (f" and {batches_done} batch(es) of the next" if batches_done else ""))
+    world, saved_world = dist_utils.world_size(), int(checkpoint.get("world_size", dist_utils.world_size()))
+    if batches_done and (args.batch_size != saved.get("batch_size") or world != saved_world):
+        raise ValueError(f"--resume {args.resume}: the checkpoint was saved mid-epoch (epoch {done + 1}, after batch "
+                         f"{batches_done}) with --batch-size {saved.get('batch_size')} on {saved_world} process(es); "
+                         f"resume it with that batch size and process count (change them at an epoch boundary, "
+                         f"after a --stop-after 1 run)")
     return args
 
 
@@ -179,6 +264,7 @@ class _StopRequest:
 
     def __init__(self):
         self.signal_name = None
+        self.signum = None
         self._previous = {}
 
     def __bool__(self):
@@ -191,13 +277,13 @@ class _StopRequest:
         flag = torch.tensor([1 if self else 0])
         torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MAX)
         if flag.item() and self.signal_name is None:
-            self.signal_name = "SIGTERM (on another rank)"
+            self.signal_name, self.signum = "SIGTERM (on another rank)", int(signal.SIGTERM)
         return bool(flag.item())
 
     def _handle(self, signum, frame):
         if self.signal_name is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # a second Ctrl-C aborts at once
-        self.signal_name = signal.Signals(signum).name
+        self.signal_name, self.signum = signal.Signals(signum).name, int(signum)
 
     def install(self):
         if threading_is_main():
@@ -209,6 +295,15 @@ class _StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+class TrainingInterrupted(Exception):
+    """Raised once a signalled run has saved its checkpoint; :func:`cli` exits with 128 + the signal number, so that a
+    scheduler can tell a preempted run (143 for SIGTERM) from a finished one (0)."""
+
+    def __init__(self, signal_name: str, signum: int):
+        super().__init__(f"stopped by {signal_name}")
+        self.signum = signum
 
 
 def threading_is_main() -> bool:
@@ -252,8 +347,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     step = first_step
     lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
-    bar = tqdm(total=total_steps, initial=first_step, desc=f"epoch {epoch + 1}/{args.epochs}", leave=False,
-               dynamic_ncols=True, disable=args.no_progress or not dist_utils.is_main_process())
+    progress = _EpochProgress(f"epoch {epoch + 1}/{args.epochs}", total_steps, first_step,
+                              enabled=not args.no_progress and dist_utils.is_main_process())
     for images, targets in loader:
         if step >= total_steps:
             break
@@ -288,23 +383,52 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
             correct += (logits.detach().argmax(dim=1) == targets).sum()
         samples += images.shape[0]
         step += 1
-        if not bar.disable and (step % 10 == 0 or step == total_steps):
+        if progress.bar is not None and (step % 10 == 0 or step == total_steps):
             elapsed = time.perf_counter() - start
-            bar.set_postfix(loss=f"{loss_sum.item() / samples:.4f}", lr=f"{lr:.3g}",
-                            img_s=f"{samples * dist_utils.world_size() / max(elapsed, 1e-9):.0f}")
-        bar.update(1)
+            progress.bar.set_postfix(loss=f"{loss_sum.item() / samples:.4f}", lr=f"{lr:.3g}",
+                                     img_s=f"{samples * dist_utils.world_size() / max(elapsed, 1e-9):.0f}")
+        progress.update()
         if stop.requested():
             break
-    bar.close()
     elapsed = time.perf_counter() - start
     totals = torch.stack([loss_sum, correct.double(), torch.tensor(float(samples), dtype=torch.float64,
                                                                    device=device)])
     if dist_utils.is_distributed():
         torch.distributed.all_reduce(totals)
     n = max(totals[2].item(), 1.0)
-    return {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n, "samples": int(totals[2].item()),
-            "images_per_s": totals[2].item() / max(elapsed, 1e-9), "steps_done": step,
-            "interrupted": bool(stop) and step < total_steps}
+    stats = {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n, "samples": int(totals[2].item()),
+             "images_per_s": totals[2].item() / max(elapsed, 1e-9), "steps_done": step,
+             "interrupted": bool(stop) and step < total_steps}
+    progress.close(f"{step - first_step} steps  loss {stats['loss']:.4f}  lr {lr:.3g}  "
+                   f"{stats['images_per_s']:.0f} img/s  {elapsed:.1f} s")
+    return stats
+
+
+class _EpochProgress:
+    """Progress of one epoch on stderr: a tqdm bar when stderr is a terminal; otherwise (a log file, a pipe, CI) no
+    bar, whose redraws would fill the log, but one plain line when the epoch ends."""
+
+    def __init__(self, desc: str, total: int, initial: int, enabled: bool):
+        self.desc, self.enabled, self.bar = desc, enabled, None
+        if enabled and _stderr_is_a_terminal():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True)
+
+    def update(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self, summary: str) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            print(f"{self.desc}  {summary}", file=sys.stderr, flush=True)
+
+
+def _stderr_is_a_terminal() -> bool:
+    isatty = getattr(sys.stderr, "isatty", None)
+    return bool(isatty and isatty())
 
 
 @torch.no_grad()
@@ -337,6 +461,16 @@ def _make_scheduler(recipe, optimizer, epochs):
     if recipe.scheduler == "cosine":
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
     return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(recipe.milestones), gamma=0.1)
+
+
+def _override_lr(optimizer, scheduler, lr: float) -> None:
+    """Make ``lr`` the base learning rate of a resumed run: each group keeps the schedule's current factor (the
+    MultiStep decays or the cosine already applied) times the new base, and the scheduler continues from it."""
+    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+        group["lr"] = lr * (group["lr"] / base)
+        group["initial_lr"] = lr
+    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
 
 
 def _sync_buffers(model: nn.Module) -> None:
@@ -396,9 +530,13 @@ def _truncate_log(output_dir: Path, completed_epochs: int) -> None:
         path.write_text("".join(header + rows[:completed_epochs]))
 
 
-def run_training(args) -> dict | None:
-    """Train one loss per ``args`` (resolved by :func:`resolve_run_config`); return the calibration report with the
-    test logits on rank 0 (``None`` elsewhere, or when the run stopped before its last epoch)."""
+def run_training(args, checkpoint: dict | None = None) -> dict | None:
+    """Train one loss per ``args`` (resolved by :func:`resolve_run_config`; with ``--resume``, from ``checkpoint``,
+    whose settings :func:`args_from_checkpoint` merged into ``args``); return the calibration report with the test
+    logits on rank 0 (``None`` elsewhere, or when ``--stop-after`` stopped the run before its last epoch).
+
+    Raises :class:`TrainingInterrupted` after saving a checkpoint when SIGTERM/SIGINT stopped the run. The output
+    folder is created only once the data, the model and the checkpoint have loaded, so a failed start leaves none."""
     recipe = get_recipe(args.recipe)
     if args.image_size is not None:
         recipe = dataclasses.replace(recipe, image_size=args.image_size)
@@ -409,8 +547,6 @@ def run_training(args) -> dict | None:
     if args.batch_size % world:
         raise ValueError(f"--batch-size {args.batch_size} must be divisible by the {world} DDP processes")
     output_dir = Path(args.output_dir)
-    if main_process:
-        output_dir.mkdir(parents=True, exist_ok=True)
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
@@ -468,18 +604,28 @@ def run_training(args) -> dict | None:
         meta = meta_module.MetaRegularizer(model, num_classes, args.method.split("-", 1)[1], args, device)
 
     start_epoch, first_step = 0, 0
-    checkpoint = None
     if args.resume:
-        checkpoint = load_checkpoint(args.resume, map_location="cpu")
+        if checkpoint is None:
+            checkpoint = load_checkpoint(args.resume, map_location="cpu")
         saved = checkpoint["args"]
         for key in ("recipe", "arch", "num_classes", "loss"):
             if saved.get(key) != getattr(args, key):
                 raise ValueError(f"--resume {args.resume}: checkpoint has {key}={saved.get(key)!r} but this run has "
                                  f"{getattr(args, key)!r}")
-        model_without_ddp.load_state_dict(checkpoint["model"])
-        optimizer.load_state_dict(checkpoint["optimizer"])
-        scheduler.load_state_dict(checkpoint["scheduler"])
-        scaler.load_state_dict(checkpoint["scaler"])
+        try:
+            model_without_ddp.load_state_dict(checkpoint["model"])
+            optimizer.load_state_dict(checkpoint["optimizer"])
+            scheduler.load_state_dict(checkpoint["scheduler"])
+        except (KeyError, RuntimeError, ValueError) as exc:
+            raise ValueError(f"--resume {args.resume}: the checkpoint does not fit this run's model or optimizer "
+                             f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
+        if scaler.is_enabled() and checkpoint.get("scaler"):  # an --amp fp16 GradScaler's state
+            scaler.load_state_dict(checkpoint["scaler"])
+        explicit = explicit_options(args)
+        if "lr" in explicit:
+            _override_lr(optimizer, scheduler, args.lr)
+        if "epochs" in explicit and isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
+            scheduler.T_max = args.epochs  # from the current lr, the cosine now reaches 0 at the new last epoch
         if meta is not None and checkpoint.get("meta") is not None:
             meta.load_state_dict(checkpoint["meta"])
         start_epoch, first_step = int(checkpoint["epoch"]), int(checkpoint.get("batches_done", 0))
@@ -493,8 +639,11 @@ def run_training(args) -> dict | None:
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
             "batches_done": batches_done, "args": {k: v for k, v in vars(args).items()},
             "recipe": recipe.to_dict(), "rng": rng_state(), "meta": meta.state_dict() if meta is not None else None,
+            "world_size": world,
         }
 
+    if main_process:
+        output_dir.mkdir(parents=True, exist_ok=True)
     log = _EpochLog(output_dir, args.tensorboard) if main_process else None
     log_every = args.log_every or max(1, math.ceil(args.epochs / 15))
     checkpoint_path = output_dir / "checkpoint.pt"
@@ -523,7 +672,7 @@ def run_training(args) -> dict | None:
                     save_checkpoint(make_checkpoint(epoch, stats["steps_done"]), checkpoint_path)
                     print(f"{stop.signal_name}: saved {checkpoint_path} at epoch {epoch + 1}, batch "
                           f"{stats['steps_done']}; continue with --resume {checkpoint_path}", flush=True)
-                return None
+                raise TrainingInterrupted(stop.signal_name, stop.signum)
             scheduler.step()
             _sync_buffers(model_without_ddp)
             last = epoch + 1 == args.epochs
@@ -545,13 +694,15 @@ def run_training(args) -> dict | None:
                     if val:
                         summary += (f"  val acc {100 * val['accuracy']:.2f}%  val ECE {100 * val['ece']:.2f}%  "
                                     f"val NLL {val['nll']:.4f}")
-                    tqdm.write(summary)
+                    print(summary, flush=True)
             if stop.requested() or (args.stop_after is not None and epochs_this_run >= args.stop_after
                         and epoch + 1 < args.epochs):
                 if main_process:
                     why = stop.signal_name or f"--stop-after {args.stop_after}"
                     print(f"{why}: stopped after epoch {epoch + 1}; continue with --resume {checkpoint_path}",
                           flush=True)
+                if stop:
+                    raise TrainingInterrupted(stop.signal_name, stop.signum)
                 return None
     finally:
         stop.restore()
@@ -576,16 +727,25 @@ def run_training(args) -> dict | None:
 
 
 # ----------------------------------------------------------------------------------------------------------- main
+_UNSET = object()
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     """Parse the CLI; the meta-regularisation flags exist only with ``--method meta-*`` (their module is imported
-    only then)."""
+    only then). ``args.explicit`` lists the options given on the command line (``--resume`` lets them override the
+    checkpoint's settings)."""
     parser = get_args_parser()
     known, _ = parser.parse_known_args(argv)
     if known.method != "standard":
         from . import meta as meta_module
 
         meta_module.add_meta_args(parser)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    # Parsing again into a namespace whose every attribute is already set keeps argparse from filling in defaults:
+    # what it overwrites is what the command line gave.
+    given = parser.parse_args(argv, namespace=argparse.Namespace(**{key: _UNSET for key in vars(args)}))
+    args.explicit = sorted(key for key, value in vars(given).items() if value is not _UNSET)
+    return args
 
 
 def main(args) -> dict | None:
@@ -598,20 +758,24 @@ def main(args) -> dict | None:
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     try:
         if not args.compare:
-            return run_training(resolve_run_config(args))
+            checkpoint = None
+            if args.resume:
+                checkpoint = load_checkpoint(args.resume, map_location="cpu")
+                args = args_from_checkpoint(args, checkpoint)
+            return run_training(resolve_run_config(args), checkpoint)
         specs = [s.strip() for s in args.compare.split(",") if s.strip()]
         if len(specs) < 2:
             raise ValueError(f"--compare needs at least two losses, got {args.compare!r}")
-        for spec in specs:
-            parse_loss_spec(spec)
         base = Path(args.output_dir or Path("runs") / f"{args.recipe}-compare")
         if args.resume:
             raise ValueError("--resume resumes one run; resume a --compare member with --loss and its --output-dir")
+        # Every member is checked before the first one trains.
+        members = [resolve_run_config(argparse.Namespace(**{**vars(args), "loss": spec, "compare": None,
+                                                             "output_dir": str(base / loss_tag(spec))}))
+                   for spec in specs]
         reports, outputs = {}, {}
         start = time.perf_counter()
-        for spec in specs:
-            run_args = resolve_run_config(argparse.Namespace(**{**vars(args), "loss": spec, "compare": None,
-                                                                "output_dir": str(base / loss_tag(spec))}))
+        for spec, run_args in zip(specs, members):
             result = run_training(run_args)
             if result is not None:
                 reports[spec] = result["report"]
@@ -629,14 +793,46 @@ def main(args) -> dict | None:
         dist_utils.cleanup()
 
 
+def missing_train_extra() -> list[str]:
+    """The pip names of the `train` extra's packages that are not installed."""
+    missing = []
+    for module, package in TRAIN_EXTRA.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            missing.append(package)
+    return missing
+
+
+def _error(message) -> int:
+    """Print ``message`` as the one line ``error: …`` on stderr; return the exit code 2."""
+    lines = [line.strip() for line in str(message).splitlines() if line.strip()]
+    print(f"error: {'; '.join(lines) or type(message).__name__}", file=sys.stderr, flush=True)
+    return 2
+
+
 def cli(argv=None) -> int:
-    """Console entry point (``calib-train``): clear one-line errors for bad data paths and arguments."""
+    """Console entry point (``calib-train``, ``python -m training.train``). Exit code 0 when the run finished or
+    ``--stop-after`` stopped it; 2 with one ``error: …`` line on stderr for a bad argument, data path or checkpoint,
+    or a missing `train` extra; 128 + N once signal N stopped the run and its checkpoint is saved (143 for SIGTERM,
+    130 for SIGINT)."""
+    args = parse_args(argv)  # a usage error exits here: one error line, exit code 2
+    install = 'pip install "calibkernels[train]"'
     try:
-        args = parse_args(argv)
+        missing = [] if args.list_recipes else missing_train_extra()
+        if missing:
+            return _error(f"the training CLI needs the `train` extra ({', '.join(missing)} missing): {install}")
         main(args)
-    except (DataError, ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except TrainingInterrupted as exc:
+        return 128 + exc.signum
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] not in TRAIN_EXTRA:
+            raise
+        return _error(f"the training CLI needs the `train` extra ({exc.name} missing): {install}")
+    except (DataError, ValueError, OSError) as exc:
+        return _error(exc)
     return 0
 
 

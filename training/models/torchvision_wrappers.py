@@ -11,8 +11,10 @@ from __future__ import annotations
 import os
 
 import torch
-import torchvision
 from torch import nn
+
+# torchvision (the `train` extra) is imported where a model is built, so that importing the model zoo, and with it the
+# training CLI, works without it; the CLI then names the missing extra.
 
 # Keys of torchvision's own classification heads, which a fine-tune replaces.
 _HEAD_PREFIXES = ("fc.", "heads.")
@@ -45,6 +47,8 @@ class TorchvisionResNet50(nn.Module):
         super().__init__()
         if in_channels != 3:
             raise ValueError("torchvision ResNet-50 takes 3-channel images")
+        import torchvision
+
         net = torchvision.models.resnet50(weights=None)
         if pretrained:
             _load_backbone_weights(net, pretrained)
@@ -59,7 +63,7 @@ class TorchvisionResNet50(nn.Module):
 class _ViTFeatures(nn.Module):
     """Everything in torchvision's VisionTransformer up to (not including) ``heads``: the class-token embedding."""
 
-    def __init__(self, vit: torchvision.models.VisionTransformer):
+    def __init__(self, vit: nn.Module):  # a torchvision.models.VisionTransformer
         super().__init__()
         self.vit = vit
         del self.vit.heads
@@ -79,6 +83,8 @@ class TorchvisionViTB16(nn.Module):
         super().__init__()
         if in_channels != 3:
             raise ValueError("torchvision ViT-B/16 takes 3-channel images")
+        import torchvision
+
         vit = torchvision.models.vit_b_16(weights=None, image_size=image_size)
         if pretrained:
             _load_backbone_weights(vit, pretrained)

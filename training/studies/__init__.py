@@ -1,4 +1,4 @@
-"""Analyses from the BSCE-GRA paper that judge an uncertainty weight (SPEC §6; paper §4.1, §4.3, §5.2).
+"""Analyses from the BSCE-GRA paper that judge an uncertainty weight (docs/papers.md; paper §4.1, §4.3, §5.2).
 
 * :mod:`training.studies.toy_posterior` — Gaussian toy problem with a known posterior: how well does each weight
   (focal, dual focal, generalised Brier score) track the true per-sample calibration error? (paper §4.3)

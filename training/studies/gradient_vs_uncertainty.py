@@ -6,7 +6,7 @@ per-sample gradient of the loss with respect to the last linear layer is ``∂L_
 
     ‖∂L_i/∂(W, b)‖ = ‖g_i‖ · sqrt(‖h_i‖² + 1)        (without the bias term: ‖g_i‖ · ‖h_i‖).
 
-``g_i`` per loss (SPEC §2):
+``g_i`` per loss (docs/losses.md):
 
 * CE: ``p_i - e_{y_i}``;
 * BSCE-GRA (``mode="grad"``): ``u_i (p_i - e_{y_i})`` with ``u_i = ‖p_i - e_{y_i}‖_q^γ`` (γ = 4, q = 2);
@@ -146,7 +146,7 @@ def collect_features_and_logits(model, loader, device, max_samples=None, progres
                             f"{type(model).__name__} has no .{name}")
     features, logits, targets = [], [], []
     seen = 0
-    for images, labels in tqdm(loader, desc="features", disable=not progress, leave=False):
+    for images, labels in tqdm(loader, desc="features", disable=(not progress) or None, leave=False):
         h = model.features(images.to(device))
         features.append(h.float().cpu())
         logits.append(model.classifier(h).float().cpu())
@@ -287,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def load_split(checkpoint: dict, split: str, data_root, seed):
     """The ``split`` dataset of the checkpoint's recipe, with its training run's seed unless ``seed`` is given."""
-    from training.data import build_datasets
+    from ..data import build_datasets
 
     args = checkpoint["args"]
     if "recipe" not in args:
@@ -311,11 +311,11 @@ def main(argv=None) -> dict:
     if not args.checkpoint:
         return result
 
-    from training.checkpoint import load_model_from_checkpoint
+    from ..checkpoint import load_model_from_checkpoint
 
     specs = loss_specs(args.focal_gamma, args.dual_focal_gamma, args.bsce_gamma, args.bsce_norm)
     analyses, labels = [], []
-    for path in tqdm(args.checkpoint, desc="checkpoints"):
+    for path in tqdm(args.checkpoint, desc="checkpoints", disable=None):  # a bar on a terminal only
         model, checkpoint = load_model_from_checkpoint(path, map_location=args.device)
         dataset = load_split(checkpoint, args.split, args.data_root, args.seed)
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False)

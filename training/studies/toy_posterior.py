@@ -1,4 +1,5 @@
-"""Toy study: does an uncertainty weight track the *true* per-sample calibration error? (BSCE-GRA paper §4.3, SPEC §6)
+"""Toy study: does an uncertainty weight track the *true* per-sample calibration error? (BSCE-GRA paper §4.3,
+docs/papers.md)
 
 Setup (paper §4.3; the unpublished details are options here, defaults documented below):
 
@@ -127,7 +128,7 @@ def train_classifier(x, y, num_classes, *, hidden, epochs, lr, batch_size, seed,
     model = ToyMLP(num_classes, hidden)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr)
     x32 = x.to(torch.float32)
-    for _ in tqdm(range(epochs), desc=f"seed {seed}: train", leave=False, disable=not progress):
+    for _ in tqdm(range(epochs), desc=f"seed {seed}: train", leave=False, disable=(not progress) or None):
         order = torch.randperm(x32.shape[0], generator=generator)
         for start in range(0, x32.shape[0], batch_size):
             batch = order[start:start + batch_size]
@@ -364,7 +365,7 @@ def _run_study(args, argv) -> dict:
     grid = weight_grid(args.gammas, args.norms)
     started = time.perf_counter()
     records, first_arrays = [], None
-    for seed in tqdm(args.seeds, desc="toy study runs"):
+    for seed in tqdm(args.seeds, desc="toy study runs", disable=None):  # bars on a terminal only
         record, arrays = run_seed(seed, args, grid, progress=True)
         records.append(record)
         first_arrays = first_arrays or arrays

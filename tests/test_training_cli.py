@@ -1,0 +1,166 @@
+"""The training command line as a user and a batch scheduler meet it: every error is one ``error:`` line on stderr with
+exit code 2 and leaves no run folder behind, ``--resume`` honours the flags given on its command line, a missing
+``train`` extra is named, and progress written to a file is one line per epoch (SIGTERM's exit code 143 is checked by
+tests/test_training.py's SIGTERM test).
+
+Runs are one or two optimiser steps of the embedded ``digits`` recipe (its small CNN, one thread).
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from training import checkpoint as ckpt_utils
+from training import train
+
+ROOT = Path(__file__).resolve().parents[1]
+FAST = ["--no-progress", "--workers", "0", "--threads", "1"]
+
+
+def _one_error_line(err: str) -> str:
+    """The single line of stderr, which must start with ``error:``."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _log_rows(output_dir: Path) -> list[dict]:
+    with (output_dir / "log.csv").open() as handle:
+        return list(csv.DictReader(handle))
+
+
+def _stopped_run(output_dir: Path, *extra) -> Path:
+    """A digits run of 2 epochs (one step each) stopped after its first epoch; returns its checkpoint."""
+    assert train.cli(["--epochs", "2", "--max-steps-per-epoch", "1", "--stop-after", "1",
+                      "--output-dir", str(output_dir), *extra] + FAST) == 0
+    return output_dir / "checkpoint.pt"
+
+
+# ------------------------------------------------------------------------------------------------------------ resume
+def test_resume_trains_with_the_lr_given_on_its_command_line(tmp_path, capsys):
+    checkpoint = _stopped_run(tmp_path / "run")
+    capsys.readouterr()
+    assert train.cli(["--resume", str(checkpoint), "--lr", "0.2", "--output-dir", str(tmp_path / "run")] + FAST) == 0
+    assert "lr 0.2," in capsys.readouterr().out
+    rows = _log_rows(tmp_path / "run")
+    assert [float(row["lr"]) for row in rows] == [0.05, 0.2]  # digits: constant lr 0.05, then the new one
+    saved = ckpt_utils.load_checkpoint(checkpoint)
+    assert [group["lr"] for group in saved["optimizer"]["param_groups"]] == [0.2]
+    assert saved["scheduler"]["base_lrs"] == [0.2] and saved["args"]["lr"] == 0.2
+
+
+def test_resume_keeps_the_checkpoint_settings_not_given_again(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a default runs/ folder would land here, not in the checkout
+    checkpoint = _stopped_run(tmp_path / "run", "--lr", "0.2", "--seed", "3")
+    capsys.readouterr()
+    # Neither --lr, --epochs nor --max-steps-per-epoch again: the run continues with the checkpoint's values, and
+    # without --output-dir it writes next to its checkpoint.
+    assert train.cli(["--resume", str(checkpoint)] + FAST) == 0
+    assert "2 epochs, batch 50, lr 0.2," in capsys.readouterr().out
+    assert [float(row["lr"]) for row in _log_rows(tmp_path / "run")] == [0.2, 0.2]
+    saved = ckpt_utils.load_checkpoint(checkpoint)
+    assert (saved["epoch"], saved["args"]["seed"], saved["args"]["max_steps_per_epoch"]) == (2, 3, 1)
+
+
+def test_resume_refuses_a_different_seed(tmp_path, capsys):
+    checkpoint = _stopped_run(tmp_path / "run")
+    capsys.readouterr()
+    assert train.cli(["--resume", str(checkpoint), "--seed", "1"] + FAST) == 2
+    assert "seed" in _one_error_line(capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("batch_size", [25, 200])
+def test_mid_epoch_checkpoint_with_another_batch_size_is_refused_in_one_line(tmp_path, capsys, batch_size):
+    checkpoint = _stopped_run(tmp_path / "run", "--batch-size", "50", "--max-steps-per-epoch", "4")
+    state = ckpt_utils.load_checkpoint(checkpoint)
+    state.update(epoch=1, batches_done=3)  # as if SIGTERM had come after the third of four batches of epoch 2
+    ckpt_utils.save_checkpoint(state, checkpoint)
+    capsys.readouterr()
+    rc = train.cli(["--resume", str(checkpoint), "--batch-size", str(batch_size)] + FAST)
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and "--batch-size 50" in line and "mid-epoch" in line
+
+
+@pytest.mark.parametrize("content", ["truncated", "empty", "random", "tensor"])
+def test_unreadable_checkpoint_is_one_error_line(tmp_path, capsys, content):
+    checkpoint = _stopped_run(tmp_path / "run")
+    data = checkpoint.read_bytes()
+    bad = tmp_path / "bad.pt"
+    if content == "tensor":
+        torch.save(torch.zeros(3), bad)
+    else:
+        bad.write_bytes({"truncated": data[:len(data) // 2], "empty": b"",
+                         "random": os.urandom(4096)}[content])
+    capsys.readouterr()
+    assert train.cli(["--resume", str(bad), "--output-dir", str(tmp_path / "new")] + FAST) == 2
+    assert str(bad) in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "new").exists()
+
+
+# ---------------------------------------------------------------------------------------- errors, one line, no folder
+@pytest.mark.parametrize("case", ["output-dir-is-a-file", "threads-0", "loss-typo", "missing-data", "n-bins-0",
+                                  "log-every-0", "workers-negative"])
+def test_bad_arguments_are_one_error_line_and_leave_no_run_folder(tmp_path, capsys, case):
+    out = tmp_path / "runs" / "x"
+    argv = {
+        "output-dir-is-a-file": ["--output-dir", str(tmp_path / "a-file")],
+        "threads-0": ["--threads", "0"],
+        "loss-typo": ["--loss", "focal_loss:gama=2"],
+        "missing-data": ["--recipe", "cifar10-resnet110", "--data-root", str(tmp_path / "nowhere")],
+        "n-bins-0": ["--n-bins", "0"],
+        "log-every-0": ["--log-every", "0"],
+        "workers-negative": ["--workers", "-1"],
+    }[case]
+    (tmp_path / "a-file").write_text("not a folder")
+    expected = {"output-dir-is-a-file": "a-file", "threads-0": "--threads", "loss-typo": "gama",
+                "missing-data": "cifar-10-batches-py", "n-bins-0": "--n-bins", "log-every-0": "--log-every",
+                "workers-negative": "--workers"}[case]
+    rc = train.cli(["--epochs", "1", "--max-steps-per-epoch", "1", "--no-progress", "--output-dir", str(out)] + argv)
+    assert rc == 2 and expected in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_argument_parser_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        train.cli(["--threads", "two"])
+    assert exit_info.value.code == 2
+    assert "--threads" in _one_error_line(capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------------------------------ missing extra, progress
+def _run(code_or_args, tmp_path, **kwargs):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run([sys.executable, *code_or_args], cwd=ROOT, env=env, timeout=600, **kwargs)
+
+
+def test_missing_train_extra_names_the_install_command(tmp_path):
+    code = ("import sys; sys.modules['tqdm'] = None\n"  # `import tqdm` now fails as if tqdm were not installed
+            "from training.train import cli\n"
+            f"sys.exit(cli(['--epochs', '1', '--output-dir', {str(tmp_path / 'run')!r}]))\n")
+    result = _run(["-c", code], tmp_path, capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    line = _one_error_line(result.stderr)
+    assert 'pip install "calibkernels[train]"' in line and "tqdm" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_progress_to_a_file_is_one_line_per_epoch(tmp_path):
+    err_path = tmp_path / "stderr.txt"
+    with err_path.open("w") as err:
+        result = _run(["-m", "training.train", "--epochs", "3", "--max-steps-per-epoch", "2", "--workers", "0",
+                       "--output-dir", str(tmp_path / "run")], tmp_path, stdout=subprocess.PIPE, stderr=err,
+                      text=True)
+    text = err_path.read_bytes().decode()  # not read_text(): it would turn "\r" into "\n"
+    assert result.returncode == 0, text
+    assert "\r" not in text and "\x1b" not in text  # no bar redrawn in place, no terminal escapes
+    lines = [line for line in text.splitlines() if line.strip()]
+    progress = [line for line in lines if line.startswith("epoch ")]
+    assert [line.split()[1] for line in progress] == ["1/3", "2/3", "3/3"], text
+    assert len(lines) <= 2 * 3, text
