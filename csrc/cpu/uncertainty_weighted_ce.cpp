@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "uncertainty_weighted_ce.h"
+#include "uncertainty_weights.h"
 #include "cpu/vec_exp.h"
 #include "cpu/gradient_buffer_cache.h"
 
@@ -252,22 +253,6 @@ void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, 
   if (k < C) grad(Vec::loadu(e + k, C - k)).store(out + k, C - k);
 }
 
-// base^exponent; small non-negative integer exponents (γ = 2, 3, 4, 5, q = 2, ... as in every published setting) by
-// repeated squaring, which is several times cheaper than pow and within a few ulps of it. pow costs about as much as
-// a row's whole vector sweep at small C, and a row takes up to four of them.
-template <typename T>
-T power(T base, T exponent) {
-  if (!(exponent >= 0 && exponent <= 16)) return std::pow(base, exponent);  // also NaN, before the cast
-  const int n = static_cast<int>(exponent);
-  if (exponent != static_cast<T>(n)) return std::pow(base, exponent);
-  T result = 1;
-  for (int bits = n; bits != 0; bits >>= 1) {
-    if (bits & 1) result *= base;
-    base *= base;
-  }
-  return result;
-}
-
 template <typename T>
 struct RowSpec {
   Weight weight;
@@ -464,74 +449,26 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   const T p_y = e_y / denom;
   const T one_minus_p_y = sum_others / denom;  // exact 1 - p_y, no cancellation
 
-  // Per-row weight u and, in "loss" mode, the coefficients of CE · du/dz (see the file header).
-  T u = 1, alpha = 0, beta = 0, tau = 0, g_y = 0, c_j = 0, z_j = -inf;
-  switch (spec.weight) {
-    case Weight::None:
-    case Weight::External: {
-      u = spec.weight == Weight::External ? external_weight : T(1);
-      alpha = u;
-      g_y = -u * one_minus_p_y;
-      break;
-    }
-    case Weight::Focal:
-    case Weight::Flsd: {
-      T g = gamma;
-      if (spec.weight == Weight::Flsd) {
-        g = p_y < T(kFlsdLowThreshold) ? T(kFlsdLowGamma) : (p_y < T(kFlsdMidThreshold) ? T(kFlsdMidGamma) : gamma);
-      }
-      u = power(one_minus_p_y, g);
-      // du/dz_k = -A (δ_ky - p_k), A = γ (1-p_y)^{γ-1} p_y, so the gradient is (u + CE·A)(p - e_y).
-      T a = 0;
-      if (loss_mode && g != 0 && one_minus_p_y > 0) a = g * power(one_minus_p_y, g - 1) * p_y;
-      alpha = u + ce * a;
-      g_y = -alpha * one_minus_p_y;
-      break;
-    }
-    case Weight::DualFocal: {
-      z_j = max_below(z, C, z_y);
-      const T p_j = (z_j == -inf) ? T(0) : std::exp((z_j - m) - log_denom);
-      const T base = one_minus_p_y + p_j;
-      u = power(base, gamma);
-      // du/dz_k = G [(p_y - p_j) p_k + (p_j / n_J) [k∈J] - p_y δ_ky],  G = γ (1-p_y+p_j)^{γ-1}
-      T cg = 0;
-      if (loss_mode && gamma != 0 && base > 0) cg = ce * gamma * power(base, gamma - 1);
-      alpha = u + cg * (p_y - p_j);
-      g_y = -u * one_minus_p_y - cg * (p_y * one_minus_p_y + p_j * p_y);
-      if (cg != 0 && p_j > 0) c_j = cg * p_j / static_cast<T>(count_equal(z, C, z_j));
-      break;
-    }
-    case Weight::Brier: {
-      // S = Σ_{k≠y} p_k^q + (1-p_y)^q,  u = S^{γ/q}
-      T pow_q_others;
-      if constexpr (kPow == PowQ::Square) {
-        pow_q_others = sum_pow_q_others / (denom * denom);
-      } else if constexpr (kPow == PowQ::Linear) {
-        pow_q_others = one_minus_p_y;
-      } else {
-        pow_q_others = sum_pow_q_others * std::exp(-q * log_denom);
-      }
-      const T omp_q = power(one_minus_p_y, q);
-      const T s = pow_q_others + omp_q;
-      u = power(s, gamma / q);
-      alpha = u;
-      g_y = -u * one_minus_p_y;
-      if (loss_mode && gamma != 0 && s > 0) {
-        // dS/dz_k = q p_k^q - p_k T (k≠y), p_y (-q (1-p_y)^{q-1} - T) (k=y), T = Σ_j p_j ∂S/∂p_j
-        const T omp_qm1 = (one_minus_p_y > 0 || q >= 1) ? power(one_minus_p_y, q - 1) : T(0);
-        const T t = q * pow_q_others - q * p_y * omp_qm1;
-        const T k_coef = ce * (gamma / q) * power(s, gamma / q - 1);
-        if constexpr (kPow == PowQ::Linear) {
-          alpha = u + k_coef * (q - t);  // p_k^{q-1} = 1
-        } else {
-          beta = k_coef * q;
-          tau = t / q;
-        }
-        g_y = -u * one_minus_p_y + k_coef * p_y * (-q * omp_qm1 - t);
-      }
-      break;
+  // Per-row weight u and, in "loss" mode, the coefficients of CE · du/dz (csrc/uncertainty_weights.h).
+  RowQuantities<T> row{p_y, one_minus_p_y, ce, gamma, q, external_weight, T(0), T(1), T(0)};
+  T z_j = -inf;
+  if (spec.weight == Weight::Flsd) row.gamma = flsd_gamma(flsd_band_probability(z_y, m + std::log(denom)), gamma);
+  if constexpr (kDual) {
+    z_j = max_below(z, C, z_y);
+    row.p_j = (z_j == -inf) ? T(0) : std::exp((z_j - m) - log_denom);
+    if (loss_mode && row.p_j > 0) row.tie_count = static_cast<T>(count_equal(z, C, z_j));
+  }
+  if (spec.weight == Weight::Brier) {
+    if constexpr (kPow == PowQ::Square) {
+      row.pow_q_others = sum_pow_q_others / (denom * denom);
+    } else if constexpr (kPow == PowQ::Linear) {
+      row.pow_q_others = one_minus_p_y;
+    } else {
+      row.pow_q_others = sum_pow_q_others * std::exp(-q * log_denom);
     }
   }
+  const WeightCoefficients<T> coefs = weight_coefficients(spec.weight, loss_mode, row, kPow == PowQ::Linear);
+  const T u = coefs.u, alpha = coefs.alpha, beta = coefs.beta, tau = coefs.tau, g_y = coefs.g_y, c_j = coefs.c_tie;
 
   if (grad != nullptr && stored) {
     if constexpr (kCanStore) {

@@ -51,6 +51,7 @@
 #include <type_traits>
 
 #include "uncertainty_weighted_ce.h"
+#include "uncertainty_weights.h"
 
 namespace calibkernels {
 namespace {
@@ -66,8 +67,6 @@ __device__ __forceinline__ float log_(float x) { return logf(x); }
 __device__ __forceinline__ double log_(double x) { return log(x); }
 __device__ __forceinline__ float log1p_(float x) { return log1pf(x); }
 __device__ __forceinline__ double log1p_(double x) { return log1p(x); }
-__device__ __forceinline__ float pow_(float b, float e) { return powf(b, e); }  // powf(x, 0) == 1, also for x = 0
-__device__ __forceinline__ double pow_(double b, double e) { return pow(b, e); }
 
 template <typename A>
 __device__ __forceinline__ A neg_inf() {
@@ -272,16 +271,17 @@ __device__ __forceinline__ void accumulate(const A (&z)[kPT], ColumnOf column_of
   }
 }
 
-// Per-row scalars of the gradient: for k ≠ y
-//   g_k = scale · (coef_p p_k + [tie] (z_k < z_y ∧ z_k = zb) coef_tie + [brier_h] coef_h (p_k^q - p_k h_sum)),
+// Per-row scalars of the gradient (csrc/uncertainty_weights.h): for k ≠ y
+//   g_k = scale · (p_k (α + β (p_k^{q-1} - τ)) + [tie] (z_k < z_y ∧ z_k = zb) c_J),
 // and g_y = grad_target.
 // p_k = e^{(z_k - m) - log d}: subtracting the max first keeps z_k - m exact for the classes that matter (Sterbenz);
 // e^{z_k - lse} would carry the rounding of lse = m + log d, an absolute error of ulp(m) in the exponent, i.e. a
 // relative error of ~1e-5 in p_k for logits of a few hundred, which a loss-mode Brier gradient multiplies by CE.
 template <typename A>
 struct RowCoefs {
-  A m, log_d, coef_p, coef_tie, coef_h, h_sum, zb, grad_target, scale, loss;
-  bool tie, brier_h;
+  WeightCoefficients<A> c;
+  A m, log_d, zb, grad_target, scale, loss;
+  bool tie;
 };
 
 template <typename A>
@@ -307,73 +307,29 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   // CE = -log p_y; for confident rows log1p(d_¬y / e_y) keeps the digits that m + log(d) - z_y would cancel.
   const A ce = (p_y > A(0.5)) ? log1p_(d_others / e_y) : (m - z_y) + log_d;
 
+  const auto weight = static_cast<Weight>(P.weight);
+  RowQuantities<A> w{p_y, omp, ce, P.gamma, q, A(1), A(0), A(1), A(0)};
+  if (weight == Weight::External) w.external = P.sample_weight[row];
+  if (weight == Weight::Focal && P.gamma_per_sample != nullptr) w.gamma = P.gamma_per_sample[row];
+  if (weight == Weight::Flsd) w.gamma = flsd_gamma(flsd_band_probability(z_y, m + log_d), P.gamma);
+  if (weight == Weight::DualFocal) {
+    w.p_j = (s.zb == neg_inf<A>()) ? A(0) : exp_((s.zb - m) - log_d);
+    w.tie_count = static_cast<A>(s.nt > 1 ? s.nt : 1);
+  }
+  // Σ_{k≠y} p_k^q = Σ_{k≠y} e^{q(z-m)} / d^q, with d ≥ 1 so d^{-q} cannot overflow
+  if (weight == Weight::Brier) w.pow_q_others = sq_others == A(0) ? A(0) : sq_others * exp_(-q * log_d);
+
   RowCoefs<A> r;
+  r.c = weight_coefficients(weight, loss_mode, w, q == A(1));
   r.m = m;
   r.log_d = log_d;
-  r.coef_tie = A(0);
-  r.coef_h = A(0);
-  r.h_sum = A(0);
   r.zb = s.zb;
-  r.tie = false;
-  r.brier_h = false;
-  A u = A(1), coef_p = A(1), extra_y = A(0);
-  switch (static_cast<Weight>(P.weight)) {
-    case Weight::None:
-      break;
-    case Weight::External:
-      u = P.sample_weight[row];
-      coef_p = u;
-      break;
-    case Weight::Focal:
-    case Weight::Flsd: {
-      A g = P.gamma_per_sample != nullptr ? P.gamma_per_sample[row] : P.gamma;
-      if (P.weight == static_cast<int>(Weight::Flsd)) {
-        g = p_y < A(kFlsdLowThreshold) ? A(kFlsdLowGamma) : (p_y < A(kFlsdMidThreshold) ? A(kFlsdMidGamma) : P.gamma);
-      }
-      u = pow_(omp, g);
-      coef_p = u;
-      // (u + CE·A)(p - e_y) with A = γ (1-p_y)^{γ-1} p_y
-      if (loss_mode && g != A(0) && omp > A(0)) coef_p = u + ce * g * pow_(omp, g - A(1)) * p_y;
-      break;
-    }
-    case Weight::DualFocal: {
-      const A p_j = (s.zb == neg_inf<A>()) ? A(0) : exp_((s.zb - m) - log_d);
-      const A base = omp + p_j;
-      u = pow_(base, P.gamma);
-      coef_p = u;
-      if (loss_mode && P.gamma != A(0) && base > A(0)) {
-        const A cg = ce * P.gamma * pow_(base, P.gamma - A(1));
-        coef_p = u + cg * (p_y - p_j);
-        extra_y = -cg * p_j;
-        r.coef_tie = cg * p_j / static_cast<A>(s.nt > 1 ? s.nt : 1);
-        r.tie = p_j > A(0);
-      }
-      break;
-    }
-    case Weight::Brier: {
-      // Σ_{k≠y} p_k^q = Σ_{k≠y} e^{q(z-m)} / d^q, with d ≥ 1 so d^{-q} cannot overflow
-      const A pq_others = sq_others == A(0) ? A(0) : sq_others * exp_(-q * log_d);
-      const A S = pq_others + pow_(omp, q);
-      u = pow_(S, P.gamma / q);
-      coef_p = u;
-      if (loss_mode && P.gamma != A(0) && S > A(0)) {
-        const A du = P.gamma * pow_(S, P.gamma / q - A(1));
-        const A omp_qm1 = (omp > A(0) || q >= A(1)) ? pow_(omp, q - A(1)) : A(0);
-        r.h_sum = pq_others - p_y * omp_qm1;
-        // the bracket p_k^q - p_k H is formed before the (possibly huge) CE factor multiplies it
-        r.coef_h = ce * du;
-        extra_y = -r.coef_h * p_y * S;  // du/dz_y = -γ S^{γ/q-1} p_y S, cancellation-free
-        r.brier_h = true;
-      }
-      break;
-    }
-  }
+  r.tie = r.c.c_tie != A(0);
   r.scale = (P.reduction == static_cast<int>(Reduction::Mean))
                 ? A(1) / static_cast<A>(*P.valid_count > 1 ? *P.valid_count : int64_t(1))
                 : A(1);
-  r.coef_p = coef_p;
-  r.grad_target = (-coef_p * omp + extra_y) * r.scale;
-  r.loss = u * ce;
+  r.grad_target = r.c.g_y * r.scale;
+  r.loss = r.c.u * ce;
   return r;
 }
 
@@ -381,13 +337,9 @@ template <typename A>
 __device__ __forceinline__ A grad_element(const RowCoefs<A>& r, A z, A z_y, A q) {
   const A shifted = (z - r.m) - r.log_d;
   const A p = exp_(shifted);
-  A g = r.coef_p * p;
-  if (r.tie && z < z_y && z == r.zb) g += r.coef_tie;
-  if (r.brier_h) {
-    const A p_q = (q == A(2)) ? p * p : (q == A(1) ? p : exp_(q * shifted));
-    g += r.coef_h * (p_q - p * r.h_sum);
-  }
-  return g * r.scale;
+  // p_k^{q-1}, read only when β ≠ 0 (Brier, loss mode, q ≠ 1)
+  const A p_qm1 = r.c.beta == A(0) ? A(0) : (q == A(2) ? p : exp_((q - A(1)) * shifted));
+  return gradient_element(r.c, p, p_qm1, r.tie && z < z_y && z == r.zb) * r.scale;
 }
 
 // kGroup threads per row (32: a warp per row, 8 rows per block; > 32: the whole block), kPT values per thread per

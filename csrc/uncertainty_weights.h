@@ -1,0 +1,155 @@
+// The uncertainty weights and their gradient coefficients, written once for every C++ kernel (csrc/cpu, csrc/cuda):
+// a new weight is added here, and each kernel's sweeps apply the coefficients. Formulas: docs/losses.md.
+//
+// Per row, with p = softmax(z), p_y the target's probability, 1 - p_y computed without cancellation (Σ_{k≠y} p_k),
+// CE = lse - z_y, the kernels compute u and the gradient of u·CE (mode "loss") or sg[u]·CE (mode "grad") as
+//
+//     g_k = p_k (α + β (p_k^{q-1} - τ)) + [k ∈ J] c_J     (k ≠ y),      g_y given separately,
+//
+// with the per-row scalars below (J: the dual-focal classes tied at p_j = max{p_k : z_k < z_y}):
+//   none / external  u = 1 / w_i;  α = u,  g_y = -u (1-p_y)
+//   focal / FLSD     u = (1-p_y)^γ;  α = u + CE·A,  A = γ (1-p_y)^{γ-1} p_y (loss mode; du/dz_k = -A (δ_ky - p_k)),
+//                    g_y = -α (1-p_y)
+//   dual focal       u = (1-p_y+p_j)^γ;  G = CE·γ (1-p_y+p_j)^{γ-1} (loss mode),
+//                    du/dz_k = G/CE [(p_y - p_j) p_k + (p_j / n_J) [k∈J] - p_y δ_ky]:
+//                    α = u + G (p_y - p_j),  c_J = G p_j / n_J,  g_y = -u (1-p_y) - G (p_y (1-p_y) + p_j p_y)
+//   Brier (gBS)      S = Σ_{k≠y} p_k^q + (1-p_y)^q,  u = S^{γ/q};  K = CE (γ/q) S^{γ/q-1} (loss mode),
+//                    dS/dz_k = q p_k^q - p_k T (k≠y), p_y (-q (1-p_y)^{q-1} - T) (k=y), T = q Σ_{k≠y} p_k^q -
+//                    q p_y (1-p_y)^{q-1}: α = u, β = K q, τ = T / q, g_y = -u (1-p_y) + K p_y (-q (1-p_y)^{q-1} - T);
+//                    for q = 1 (p_k^{q-1} = 1) the β term folds into α = u + K (q - T), β = 0.
+// In mode "grad" every CE term is 0 (α = u, g_y = -u (1-p_y), β = c_J = 0).
+#pragma once
+
+#include <c10/macros/Macros.h>
+
+#include <math.h>
+
+#include "uncertainty_weighted_ce.h"
+
+namespace calibkernels {
+
+C10_HOST_DEVICE inline float pow_of(float base, float exponent) { return ::powf(base, exponent); }
+C10_HOST_DEVICE inline double pow_of(double base, double exponent) { return ::pow(base, exponent); }
+C10_HOST_DEVICE inline float exp_of(float x) { return ::expf(x); }
+C10_HOST_DEVICE inline double exp_of(double x) { return ::exp(x); }
+
+// base^exponent; small non-negative integer exponents (γ = 2, 3, 4, 5, q = 2, ... as in every published setting) by
+// repeated squaring, which is several times cheaper than pow and within a few ulps of it (pow costs about as much
+// as a row's whole vector sweep at small C on a CPU, and a row takes up to four of them).
+template <typename A>
+C10_HOST_DEVICE inline A weight_power(A base, A exponent) {
+  if (!(exponent >= A(0) && exponent <= A(16))) return pow_of(base, exponent);  // also NaN, before the cast
+  const int n = static_cast<int>(exponent);
+  if (exponent != static_cast<A>(n)) return pow_of(base, exponent);
+  A result = 1;
+  for (int bits = n; bits != 0; bits >>= 1) {
+    if (bits & 1) result *= base;
+    base *= base;
+  }
+  return result;
+}
+
+// FLSD-53's band value of p_y, the same in every implementation: float32(exp(z_y - lse)), evaluated at the
+// accumulation precision A (float for float32/float16/bfloat16 logits, double for float64) and rounded to float32.
+// The kernels' own p_y = e_y / Σ e can differ from it in the last ulp (at z = [0, 0, 0, 0, 0]: 0.2f exactly,
+// against exp(-logf(5)) = 0.19999999f), which would put a row at the boundary in the other band.
+template <typename A>
+C10_HOST_DEVICE inline float flsd_band_probability(A z_y, A lse) {
+  return static_cast<float>(exp_of(z_y - lse));
+}
+
+// γ_i = 5 if p_y < 0.2f, 3 if p_y < 0.5f, else γ: float32 p_y against the float32 thresholds.
+template <typename A>
+C10_HOST_DEVICE inline A flsd_gamma(float p_band, A gamma) {
+  return p_band < static_cast<float>(kFlsdLowThreshold)
+             ? A(kFlsdLowGamma)
+             : (p_band < static_cast<float>(kFlsdMidThreshold) ? A(kFlsdMidGamma) : gamma);
+}
+
+// What a row's weight needs from the row (the kernels' reductions).
+template <typename A>
+struct RowQuantities {
+  A p_y;
+  A one_minus_p_y;  // Σ_{k≠y} p_k, no cancellation
+  A ce;             // CE = lse - z_y; read only in "loss" mode
+  A gamma;          // γ of the row: the argument, a per-sample γ (focal), or flsd_gamma (FLSD)
+  A q;              // the Brier norm
+  A external;       // w_i (external)
+  A p_j;            // dual focal: max{p_k : z_k < z_y}, 0 if none
+  A tie_count;      // dual focal: how many classes attain p_j (≥ 1)
+  A pow_q_others;   // Brier: Σ_{k≠y} p_k^q
+};
+
+template <typename A>
+struct WeightCoefficients {
+  A u = 1, alpha = 0, beta = 0, tau = 0, c_tie = 0, g_y = 0;
+};
+
+// The weight u and the gradient coefficients of the file header (for grad_output = 1, unscaled). `fold_linear`:
+// q = 1 and the caller applies no β term (p_k^{q-1} = 1 is folded into α).
+template <typename A>
+C10_HOST_DEVICE inline WeightCoefficients<A> weight_coefficients(Weight weight, bool loss_mode, const RowQuantities<A>& r,
+                                                                 bool fold_linear) {
+  WeightCoefficients<A> c;
+  const A omp = r.one_minus_p_y;
+  switch (weight) {
+    case Weight::None:
+    case Weight::External: {
+      c.u = weight == Weight::External ? r.external : A(1);
+      c.alpha = c.u;
+      c.g_y = -c.u * omp;
+      break;
+    }
+    case Weight::Focal:
+    case Weight::Flsd: {
+      const A g = r.gamma;
+      c.u = weight_power(omp, g);
+      A a = 0;
+      if (loss_mode && g != A(0) && omp > A(0)) a = g * weight_power(omp, g - A(1)) * r.p_y;
+      c.alpha = c.u + r.ce * a;
+      c.g_y = -c.alpha * omp;
+      break;
+    }
+    case Weight::DualFocal: {
+      const A base = omp + r.p_j;
+      c.u = weight_power(base, r.gamma);
+      A cg = 0;
+      if (loss_mode && r.gamma != A(0) && base > A(0)) cg = r.ce * r.gamma * weight_power(base, r.gamma - A(1));
+      c.alpha = c.u + cg * (r.p_y - r.p_j);
+      c.g_y = -c.u * omp - cg * (r.p_y * omp + r.p_j * r.p_y);
+      if (cg != A(0) && r.p_j > A(0)) c.c_tie = cg * r.p_j / r.tie_count;
+      break;
+    }
+    case Weight::Brier: {
+      const A q = r.q;
+      const A s = r.pow_q_others + weight_power(omp, q);
+      c.u = weight_power(s, r.gamma / q);
+      c.alpha = c.u;
+      c.g_y = -c.u * omp;
+      if (loss_mode && r.gamma != A(0) && s > A(0)) {
+        const A omp_qm1 = (omp > A(0) || q >= A(1)) ? weight_power(omp, q - A(1)) : A(0);
+        const A t = q * r.pow_q_others - q * r.p_y * omp_qm1;
+        const A k = r.ce * (r.gamma / q) * weight_power(s, r.gamma / q - A(1));
+        if (fold_linear) {
+          c.alpha = c.u + k * (q - t);
+        } else {
+          c.beta = k * q;
+          c.tau = t / q;
+        }
+        c.g_y = -c.u * omp + k * r.p_y * (-q * omp_qm1 - t);
+      }
+      break;
+    }
+  }
+  return c;
+}
+
+// g_k (k ≠ y) of one element from p_k and p_k^{q-1} (the scalar form of the kernels' sweeps).
+template <typename A>
+C10_HOST_DEVICE inline A gradient_element(const WeightCoefficients<A>& c, A p, A p_qm1, bool tied) {
+  A g = p * (c.alpha + c.beta * (p_qm1 - c.tau));
+  if (tied) g += c.c_tie;
+  return g;
+}
+
+}  // namespace calibkernels
