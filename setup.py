@@ -40,8 +40,16 @@ def _extensions():
     # location wins unless the user set CUDA_HOME.
     if "CUDA_HOME" not in os.environ and "CUDA_PATH" not in os.environ and os.path.exists("/usr/local/cuda/bin/nvcc"):
         os.environ["CUDA_HOME"] = "/usr/local/cuda"
-    import torch
-    from torch.utils import cpp_extension
+    try:
+        import torch
+        from torch.utils import cpp_extension
+    except ImportError as error:
+        # pip's default build isolation builds in a fresh environment without the user's torch (and torch is not a
+        # build requirement on purpose: the extension must be compiled against the torch it will run with).
+        raise SystemExit(
+            f"calibkernels: building the C++/CUDA extension needs PyTorch ({error}); run `pip install torch` first, "
+            "then `pip install --no-build-isolation .` (or set CALIBKERNELS_SKIP_EXT=1 for a pure-Python install)."
+        ) from None
 
     debug = _truthy("CALIBKERNELS_DEBUG")
     cpu_arch = _flag("CALIBKERNELS_CPU_ARCH", "x86-64-v3" if platform.machine() in ("x86_64", "AMD64") else "")
