@@ -1,4 +1,4 @@
-// Fused CPU kernel of the uncertainty-weighted cross-entropy family (SPEC §2; contract in ../uncertainty_weighted_ce.h).
+// Fused CPU kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in ../uncertainty_weighted_ce.h).
 //
 //   L_i = u_i · CE_i,  CE_i = logsumexp(z_i) - z_{i,y_i},  u_i ∈ {1, (1-p_y)^γ, (1-p_y)^γ_i (FLSD), (1-p_y+p_j)^γ,
 //   ‖p - e_y‖_q^γ (gBS), w_i (external)}; mode "grad" (GRA, BSCE-GRA paper Eq. 11) detaches u_i, mode "loss"
@@ -12,7 +12,7 @@
 //      out without the cancellation of "1 - p_y" or "S_q - p_y^q"; the dual-focal p_j is a second max sweep;
 //   2. gradient sweep: p_k = exp((z_k - m) - log d) and the gradient of the (reduced) loss for grad_output = 1, written
 //      once. In every weight × mode it is  g_k = p_k (α + β (p_k^{q-1} - τ)) + [k ∈ J] c_J  for k ≠ y, plus a
-//      scalar fix-up of g_y; α, β, τ, c_J and g_y are per-row scalars derived below from the SPEC §2 identities.
+//      scalar fix-up of g_y; α, β, τ, c_J and g_y are per-row scalars from csrc/uncertainty_weights.h (docs/losses.md).
 // fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
 // float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
 
@@ -266,19 +266,21 @@ struct RowSpec {
 constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 
 // How far ahead of its loads the exponential sweep prefetches the logits (launch() → process_row): 4 KiB, a row
-// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. Measured at 4096 × 1000
-// fp32 against the former max sweep + exponential sweep, 2026-11-23: 17–32% faster, 1 and 2 threads (README).
+// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. At 4096 × 1000 fp32 this
+// made the target-referenced sweep 17–32% faster than a max sweep followed by the exponential sweep (1 and 2 threads).
 constexpr int64_t kPrefetchBytes = 4096;
 
 // Streaming (non-temporal) stores for the out-of-place gradient. A fresh gradient buffer is not in the cache, so an
 // ordinary store first reads each line from DRAM and later writes it back, evicting the logits the sweep still reads;
 // a streaming store writes the line once, without reading it. The row's exponentials then go to a per-thread scratch
-// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where measured faster (fp32, out
-// of place, the bench's step after a torch.compile step, 2 threads, dev VM, 2026-11-23; README): rows of 1–16 KiB,
+// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where they were faster (fp32, out
+// of place, a training step after a torch.compile'd model, 2 threads, AVX-512): rows of 1–16 KiB,
 // i.e. C = 256…4096 (C = 512: 19%, 1000: 8–15%, 4096: 5.5%, 256: 2% faster); not below (C = 128: 5% slower, the row
 // being mostly scalar work) nor above (C = 8192, 32000: no faster; the scratch row no longer fits L1); and only for
 // gradients of at least 4 MiB, since a smaller one would still be in the cache for whatever reads it next.
-// CALIBKERNELS_CPU_STREAMING_STORES=0 turns them off, =1 on for every out-of-place float row the AVX-512 path stores.
+// CALIBKERNELS_CPU_STREAMING_STORES=0 / =1 forces them off / on for every out-of-place float row the AVX-512 path
+// stores: a testing hook (tests/test_uncertainty_weighted_ce_cpu.py compares both forms bit for bit over rows the
+// automatic choice would not stream), not a user setting; read on every call so that one process can test both.
 constexpr int64_t kStreamMinRowBytes = 1024;
 constexpr int64_t kStreamMaxRowBytes = 16384;
 constexpr int64_t kStreamMinGradientBytes = int64_t(4) << 20;
@@ -293,7 +295,7 @@ bool use_streaming_stores(int64_t n, int64_t c, int64_t element_bytes) {
 
 // A row's loss as weight · (ce_offset + log1p(ce_log1p_arg)): rows whose CE logarithm can wait leave it to one
 // vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, which took about 15% of
-// the op at C = 64 (perf, 2026-11-23). A row that computed its loss already stores {1, loss, 0}.
+// the op at C = 64 in a profile. A row that computed its loss already stores {1, loss, 0}.
 template <typename T>
 struct RowLoss {
   T weight;
@@ -366,7 +368,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   };
   // The exponentials are taken relative to the target logit, e_k = exp(z_k - z_y), rather than to the row max: any
   // reference point gives the same p_k = e_k / Σ e, and this one needs no max sweep before the exponential sweep
-  // (11% of the three sweeps' time at C = 1000, AVX-512, measured 2026-11-23). It is kept only while the sums stay in
+  // (11% of the three sweeps' time at C = 1000, AVX-512). It is kept only while the sums stay in
   // range (Σ_{k≠y} e_k ≤ kTargetReferenceLimit, i.e. no column more than ≈ 41 above the target); past that, or for a
   // non-finite target logit or NaN, the row is done again from its max, as every row used to be.
   T m = -inf;
@@ -512,9 +514,6 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 
 // Validates targets (the kernel is the last line of defence: under torch.compile the Python range check is
 // skipped) and counts the non-ignored rows for the mean; raises the reference's ValueError, with the same text.
-// The Python check stays in eager mode: on the H200 host's torch 2.11 build (2026-11-23) any error this extension
-// raised (TORCH_CHECK included) crashed the process with a segmentation fault instead of raising; a minimal
-// TORCH_LIBRARY extension built there raised normally. Not yet understood; on torch 2.14 it raises.
 int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index) {
   const int64_t* t = target.const_data_ptr<int64_t>();
   const int64_t n = target.numel();

@@ -7,7 +7,7 @@
 // result beyond: both forms clamp the argument (AVX-512 at ±104, so exp overflows to inf; AVX2 at 88). The exponential
 // bounds the kernel on a CPU (the sweep is limited by the FMA pipes), so its instruction count is the kernel's speed:
 // 11 vector instructions, against ≈ 20 for ATen's exp_u20. Maximum relative error, measured against double exp on
-// 2^24-point grids (normal results only; both ISAs, 2026-11-23): 2.0e-7 on [-20, 0], 3.0e-7 on [0, 42], 3.9e-7 on
+// 2^24-point grids (normal results only; both ISAs): 2.0e-7 on [-20, 0], 3.0e-7 on [0, 42], 3.9e-7 on
 // [-87, 0], i.e. at most about 3 ulps, where exp_u20 is allowed 20. The largest errors are on the smallest results
 // (below e^-20, where they are negligible against the row's sum) and on the positive side of target-referenced rows.
 //
@@ -15,7 +15,7 @@
 // by n times the rounding of ln2 to float, ≤ 3e-7 relative for |n| ≤ 150), exp(r) ≈ 1 + r + c2 r² + … + c5 r⁵ on
 // |r| ≤ ln2/2 (Horner, five FMAs), then scaled by 2^n. This replaced Cephes' expf form (a two-FMA reduction and a
 // degree-7 polynomial, ≤ 1.2e-7): three fewer FMAs per vector, 16% faster op alone at C = 1000 (AVX-512) and 20%
-// (AVX2), single thread, 2026-11-23.
+// (AVX2), single thread.
 //   * AVX2: 2^n is added to the exponent bits; x is clamped to [-86, 88] (so 2^n·exp(r) stays a normal number) and
 //     results below exp(-86) ≈ 4.5e-38 (≈ FLT_MIN) are flushed to exactly 0, which also gives exp(-inf) = 0.
 //   * AVX-512: vscalefps scales by 2^n with IEEE underflow (denormals, then 0) and overflow (inf past exp(88.7)),
@@ -31,7 +31,7 @@
 // could pick for a machine without them). They are used only when the CPU has AVX-512 *and* ATen uses it (so
 // ATEN_CPU_CAPABILITY=avx2 turns them off, as it does for ATen's own kernels). On Zen 4 (256-bit datapaths) they
 // are ≈ 1.35× faster than the AVX2 sweeps, which are ≈ 1.15× faster than the same sweeps with exp_u20
-// (2-core microbenchmark of the three sweeps at 4096 × 1000 fp32, 2026-11-23).
+// (2-core microbenchmark of the three sweeps at 4096 × 1000 fp32).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>

@@ -1,4 +1,4 @@
-// Fused CUDA kernel of the uncertainty-weighted cross-entropy family (SPEC §2, §7; contract in
+// Fused CUDA kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in
 // ../uncertainty_weighted_ce.h). Registered for the CUDA dispatch key of the schema in ../calibkernels.cpp.
 //
 //   L_i = u_i · CE_i,  CE_i = lse_i - z_{i,y_i},  p_i = softmax(z_i),
@@ -22,9 +22,8 @@
 //                 with evict-first loads and stores, so the tiles read last in the first pass (the likeliest still in
 //                 L2) are re-read first and the gradient does not push the row out of L2. Small blocks keep several
 //                 rows in flight per multiprocessor, which hides memory latency better than one register- or
-//                 shared-memory-resident row of a 1024-thread block (measured on an H200: bench/results/).
-//                 CALIBKERNELS_CUDA_STREAM_CONFIG (256x16, 256x32, 512x16, 512x32: threads × values per thread, read
-//                 once per process) exists for tuning this path; the default, 256x16, is the best measured so far.
+//                 shared-memory-resident row of a 1024-thread block (on an H200, 256 threads × 16 values per thread
+//                 was the fastest of 256/512 threads × 16/32 values).
 //   float64 (gradcheck/opcheck only) has the two warp paths and, above C = 1024, the streaming path (512 threads).
 // Every path: 16-byte vector loads/stores for a row whose address is 16-byte aligned (a scalar fallback otherwise and
 // for the row's tail), fp32 accumulation for fp16/bf16 (float64 stays float64, for gradcheck), exp2f, int64 offsets,
@@ -45,9 +44,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <limits>
-#include <string>
 #include <type_traits>
 
 #include "uncertainty_weighted_ce.h"
@@ -435,36 +432,9 @@ constexpr int64_t kWarpSmallMaxC = 32 * 8;
 constexpr int64_t kWarpMaxC = 32 * 32;
 constexpr int64_t kBlock256MaxC = 256 * 16;
 
-// Threads per row × values per thread per tile of the float32/float16/bfloat16 streaming path. The default is the
-// shape measured best so far; the others are compiled in so that a tuning run compares them on one build
-// (bench/tune_cuda.py) instead of one rebuild per shape.
-enum class StreamConfig { k256x16, k256x32, k512x16, k512x32 };
-
-// Read once per process: the shape must not change between the launches of one run (or between a captured CUDA
-// graph and its replays). A throwing initialiser leaves the static uninitialised, so an invalid value fails every
-// call rather than falling back to the default on the second one.
-StreamConfig stream_config() {
-  static const StreamConfig config = [] {
-    const char* name = "CALIBKERNELS_CUDA_STREAM_CONFIG";
-    const char* raw = std::getenv(name);
-    const std::string value = raw == nullptr ? "" : raw;
-    TORCH_CHECK(value.empty() || value == "256x16" || value == "256x32" || value == "512x16" || value == "512x32",
-                "calibkernels::uncertainty_weighted_ce (CUDA): ", name, "=\"", value, "\" is not a valid "
-                "streaming configuration; expected one of 256x16 (the default), 256x32, 512x16, 512x32 (threads "
-                "per row x values per thread), or unset");
-    if (value == "256x32") return StreamConfig::k256x32;
-    if (value == "512x16") return StreamConfig::k512x16;
-    if (value == "512x32") return StreamConfig::k512x32;
-    return StreamConfig::k256x16;
-  }();
-  return config;
-}
-
 template <typename scalar_t, typename A>
 void launch(const Params<A>& P) {
   const int64_t C = P.num_classes;
-  // Before the choice of path, so that an invalid value fails on the first call whatever C is.
-  [[maybe_unused]] const StreamConfig stream = stream_config();
   if (C <= kWarpSmallMaxC) {
     launch_config<scalar_t, 32, 8, true>(P);
   } else if (C <= kWarpMaxC) {
@@ -474,24 +444,7 @@ void launch(const Params<A>& P) {
   } else if (C <= kBlock256MaxC) {
     launch_config<scalar_t, 256, 16, true>(P);
   } else {
-    // 32 values per thread: twice the 16-byte loads in flight per thread before the first use (Triton's best
-    // configuration holds 32). 512 threads: more loads in flight per row, but the launch bound halves the registers
-    // a thread may use (128), and a 512 × 32 tile is 16384 columns, mostly padding in the last tile of a C just
-    // above 4096.
-    switch (stream) {
-      case StreamConfig::k256x16:
-        launch_config<scalar_t, 256, 16, false>(P);
-        break;
-      case StreamConfig::k256x32:
-        launch_config<scalar_t, 256, 32, false>(P);
-        break;
-      case StreamConfig::k512x16:
-        launch_config<scalar_t, 512, 16, false>(P);
-        break;
-      case StreamConfig::k512x32:
-        launch_config<scalar_t, 512, 32, false>(P);
-        break;
-    }
+    launch_config<scalar_t, 256, 16, false>(P);
   }
 }
 
