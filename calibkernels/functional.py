@@ -47,6 +47,11 @@ def uncertainty_weighted_ce(
     Returns:
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
+    if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and not inplace
+            and logits.dim() == 2 and logits.device.type == "cpu" and not torch.compiler.is_compiling()):
+        loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend)
+        if loss is not None:
+            return loss
     name = _backends.resolve(backend, logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"))
     # GPU kernels check target bounds on the device, which avoids a host synchronisation per call.
     host_check = name == "reference" or logits.device.type == "cpu"
@@ -57,6 +62,40 @@ def uncertainty_weighted_ce(
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     return _backends.run(name, inputs, inplace)
+
+
+def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend):
+    """The common eager call on CPU tensors, straight into the compiled op and its C++ autograd: the per-call host
+    time of the general path (argument normalisation, the host-side target check) is as large as the whole step of
+    ``F.cross_entropy`` at small shapes. ``None`` when any argument needs the general path, which also makes every
+    error message. The kernel checks the target values itself (the same ValueError as the general path)."""
+    weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
+    mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
+    reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
+    if (weight_code is None or mode_code is None or reduction_code is None or weight == "external"
+            or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
+            or not 0 < norm < _INF or type(ignore_index) is not int or backend not in ("auto", "cpu")
+            or target.dtype != torch.int64 or target.shape != logits.shape[:1] or logits.shape[0] == 0
+            or not logits.is_floating_point() or not _cpu_kernel_available()):
+        return None
+    return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index, reduction_code)
+
+
+_INF = float("inf")
+_CPU_OP = None
+
+
+def _cpu_kernel_available() -> bool:
+    global _CPU_OP
+    if _CPU_OP is None:
+        available = _backends.unavailable_reason("cpu", torch.device("cpu")) is None
+        if available:
+            from . import _C
+
+            _CPU_OP = _C.eager_loss
+        else:
+            _CPU_OP = False
+    return _CPU_OP is not False
 
 
 def bsce_gra_loss(

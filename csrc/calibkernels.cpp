@@ -1,13 +1,14 @@
 // Op schemas of calibkernels, declared once for every device (see uncertainty_weighted_ce.h for the contract).
-// The device kernels register themselves in csrc/cpu/ and csrc/cuda/; the fake (meta) kernels and autograd
-// formulas are registered from Python, next to the typed wrappers in calibkernels/cpp/.
+// The device kernels register themselves in csrc/cpu/ and csrc/cuda/, the eager autograd kernel in
+// csrc/uncertainty_weighted_ce_autograd.cpp; the fake (meta) kernel is registered from Python, next to the typed
+// wrapper in calibkernels/cpp/, and traced code uses the autograd of calibkernels/_autograd.py.
 #include <Python.h>
 #include <torch/library.h>
 
 #include "uncertainty_weighted_ce.h"
 
-// Importing calibkernels._C loads this library, which runs the registrations below; the module itself is empty
-// (the pytorch/extension-cpp pattern: no pybind11, ops reached through torch.ops.calibkernels).
+// Importing calibkernels._C loads this library, which runs the registrations below (the pytorch/extension-cpp
+// pattern: no pybind11, ops reached through torch.ops.calibkernels); the module holds two plain functions.
 namespace {
 // calibkernels._C.release_cpu_gradient_cache(): a module function rather than an op, since it takes no tensor.
 PyObject* release_cpu_gradient_cache(PyObject*, PyObject*) {
@@ -17,6 +18,9 @@ PyObject* release_cpu_gradient_cache(PyObject*, PyObject*) {
 PyMethodDef methods[] = {
     {"release_cpu_gradient_cache", release_cpu_gradient_cache, METH_NOARGS,
      "Free the CPU op's kept gradient buffers; return the bytes freed."},
+    {"eager_loss", calibkernels::eager_loss, METH_VARARGS,
+     "eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction): the fused loss of an eager call "
+     "without per-sample tensors, in the logits' dtype (csrc/uncertainty_weighted_ce_autograd.cpp)."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 

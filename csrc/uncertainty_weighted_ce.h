@@ -28,6 +28,8 @@
 #include <cstdint>
 #include <optional>
 
+typedef struct _object PyObject;  // CPython's, declared here so that the CUDA sources need no Python headers
+
 namespace calibkernels {
 
 enum class Weight : int64_t { None = 0, Focal = 1, Flsd = 2, DualFocal = 3, Brier = 4, External = 5 };
@@ -38,6 +40,9 @@ enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
 // Vector instruction set of the CPU kernel's hot loops in this process: "avx512" (float sweeps of the
 // one-exponential path; the CPU has AVX-512 and ATen uses it), "avx2" or "default". Exposed as calibkernels._C.CPU_ISA.
 const char* cpu_vector_isa();
+
+// calibkernels._C.eager_loss (csrc/uncertainty_weighted_ce_autograd.cpp); a CPython function.
+PyObject* eager_loss(PyObject* module, PyObject* args);
 
 // Frees the CPU op's kept gradient buffers (csrc/cpu/gradient_buffer_cache.h); returns the bytes freed.
 int64_t release_cpu_gradient_cache();

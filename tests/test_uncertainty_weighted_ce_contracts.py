@@ -218,3 +218,23 @@ def test_bad_hyper_parameters_raise(backend_device):
     for norm in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="norm"):
             ck.uncertainty_weighted_ce(z, y, weight="brier", norm=norm, backend=backend)
+
+
+# ---------------------------------------------------------------------------------------------------- limits
+@pytest.mark.parametrize("backend_device", FUSED)
+@pytest.mark.parametrize("weight,norm", [("focal", 2.0), ("flsd", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
+                                         ("brier", 0.5)])
+def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend_device, weight, norm):
+    """mode="loss", p_y = 1 exactly: CE du/dz is 0 · inf for gamma < 1 (or gamma < q); the gradient is its limit, 0
+    on that row, on every backend as on the reference."""
+    backend, device = backend_device
+    z = torch.tensor([[200.0, 0.0, 0.0], [0.5, 0.1, -0.3], [0.0, 90.0, -90.0]], device=device)
+    y = torch.tensor([0, 1, 1], device=device)
+    for gamma in (0.3, 0.5, 1.0, 1.5):
+        kw = dict(weight=weight, mode="loss", gamma=gamma, norm=norm, reduction="sum")
+        x = z.clone().requires_grad_()
+        ck.uncertainty_weighted_ce(x, y, backend=backend, **kw).backward()
+        x64 = z.double().requires_grad_()
+        R.uncertainty_weighted_ce(x64, y, **kw).backward()
+        assert torch.isfinite(x.grad).all(), (gamma, x.grad)
+        torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)

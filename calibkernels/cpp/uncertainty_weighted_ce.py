@@ -81,6 +81,21 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     return loss, grad, flag
 
 
+# Eager calls go through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp).
+HAS_CPP_AUTOGRAD = True
+
+
+def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                          reduction, compute_grad, inplace):
+    """``(loss, target_flag)`` through the op's C++ autograd kernel (plain eager tensors only)."""
+    loss, _ = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
+                  compute_grad, logits if inplace else None)
+    flag = None
+    if logits.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
+        flag = _target_flag(target, logits.shape[-1], ignore_index)
+    return loss, flag
+
+
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """In place ``grad *= grad_output`` on CUDA tensors, reading ``grad_output`` on the device (rows whose factor is
     exactly 1 are not touched, so ``loss.backward()`` costs one tiny launch)."""

@@ -223,6 +223,9 @@ def _uncertainty_weighted_ce_row(
     # gradient: grad_k = coef_p p_k + coef_tie τ_k + coef_h (p_k^q - p_k H) for k ≠ y;  grad_y = -coef_p (1-p_y) + extra_y
     coef_p = 1.0
     extra_y = 0.0
+    # Loss mode on a saturated row (1 - p_y = 0, so CE = 0): the CE du/dz terms tend to 0 for every gamma > 0, while
+    # du alone is infinite for gamma below 1 (focal, dual focal) or below q (Brier); 0 · inf would give NaN.
+    saturated = one_minus_p == 0.0
     if WEIGHT == _NONE:
         u = 1.0
     elif WEIGHT == _EXTERNAL:
@@ -240,14 +243,14 @@ def _uncertainty_weighted_ce_row(
         coef_p = u
         if MODE == _LOSS_MODE:
             du = tl.where(g == 0.0, 0.0, -g * _pow(one_minus_p, g - 1.0) * p_target)
-            coef_p = u - cross_entropy * du
+            coef_p = u - tl.where(saturated, 0.0, cross_entropy * du)
     elif WEIGHT == _DUAL_FOCAL:
         p_j = tl.exp2((z_below_max - m_safe) * LOG2E - log2_d)  # 0 when nothing is below z_y
         base = one_minus_p + p_j
         u = _pow(base, gamma)
         coef_p = u
         if MODE == _LOSS_MODE:
-            du = tl.where(gamma == 0.0, 0.0, gamma * _pow(base, gamma - 1.0))
+            du = tl.where((gamma == 0.0) | saturated, 0.0, gamma * _pow(base, gamma - 1.0))
             coef_p = u + cross_entropy * du * (p_target - p_j)
             extra_y = -cross_entropy * du * p_j
             coef_tie = cross_entropy * du * p_j / tl.maximum(n_ties, 1.0)
@@ -263,10 +266,12 @@ def _uncertainty_weighted_ce_row(
         u = _pow(brier_q, gamma / norm)
         coef_p = u
         if MODE == _LOSS_MODE:
-            du = tl.where(gamma == 0.0, 0.0, gamma * _pow(brier_q, gamma / norm - 1.0))
+            # S can underflow to 0 before 1 - p_y does (S ~ (1 - p_y)^q): there too the limit of the terms is 0
+            du = tl.where((gamma == 0.0) | saturated | (brier_q == 0.0), 0.0,
+                          gamma * _pow(brier_q, gamma / norm - 1.0))
             # du/dz_k = γ S^{γ/q-1} (p_k^q - p_k H) is formed before the CE factor (which can be huge) multiplies
             # it: for a dominant non-target class the bracket cancels to ~0 and must stay ~0.
-            h_sum = p_q_others - p_target * _pow(one_minus_p, norm - 1.0)
+            h_sum = tl.where(saturated, 0.0, p_q_others - p_target * _pow(one_minus_p, norm - 1.0))
             coef_h = cross_entropy * du
             extra_y = -coef_h * p_target * brier_q  # du/dz_y = -γ S^{γ/q-1} p_y S, cancellation-free
 

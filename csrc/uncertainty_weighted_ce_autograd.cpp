@@ -1,0 +1,233 @@
+// Autograd of calibkernels::uncertainty_weighted_ce for eager calls, in C++.
+//
+// The same contract as calibkernels/_autograd.py (docs/losses.md, "Contracts"), which serves the Triton backend and
+// traced code: the forward computes the gradient of the reduced loss for grad_output = 1, the backward scales it.
+// It is written in C++ because a Python autograd.Function costs about as much host time per training step as the
+// whole of F.cross_entropy's step at classification shapes; registered under the Autograd key, an eager call with
+// logits that require grad goes from the dispatcher straight here.
+//
+//   - in place (grad_out is the logits): the logits' version is bumped, so any other node that saved them raises at
+//     backward; the gradient handed to autograd is a new alias of the overwritten logits, so AccumulateGrad adopts it
+//     without a copy;
+//   - a per-sample gamma that requires grad (focal, mode "loss"): dL_i/dgamma_i = u_i CE_i log(1 - p_y);
+//   - backward in place on the saved gradient, except with the graph retained (a fresh tensor) or under a tracer;
+//     on the CPU it skips the multiply when grad_output is the scalar 1; on CUDA the scaling op reads grad_output on
+//     the device;
+//   - create_graph=True: the gradients come back usable as values, and differentiating them raises.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/csrc/Exceptions.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/utils/pybind.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+#include "uncertainty_weighted_ce.h"
+
+namespace calibkernels {
+namespace {
+
+using at::Tensor;
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+using OpSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                               const std::optional<Tensor>&, int64_t, int64_t, double, double,
+                                               int64_t, int64_t, bool, const std::optional<Tensor>&);
+
+const c10::TypedOperatorHandle<OpSignature>& fused_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("calibkernels::uncertainty_weighted_ce", "")
+                                 .typed<OpSignature>();
+  return handle;
+}
+
+const c10::TypedOperatorHandle<void(Tensor&, const Tensor&)>& scale_op() {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("calibkernels::uncertainty_weighted_ce_scale_grad_", "")
+                                 .typed<void(Tensor&, const Tensor&)>();
+  return handle;
+}
+
+// torch::autograd::Function records every tensor argument (it needs a device), so an absent optional argument is
+// passed as this placeholder.
+const Tensor& absent() {
+  static const Tensor placeholder = at::empty({0});
+  return placeholder;
+}
+
+std::optional<Tensor> detached_or_none(const Tensor& t) {
+  return t.is_same(absent()) ? std::nullopt : std::optional<Tensor>(t.detach());
+}
+
+// Per row, d(reduced loss)/dgamma_i for grad_output = 1 of the focal loss (1 - p_y)^gamma_i CE_i, 0 on ignored rows
+// and where u_i CE_i = 0 (the limit at p_y = 1). Computed before an in-place kernel overwrites the logits.
+Tensor gamma_gradient_factor(const Tensor& logits, const Tensor& target, const Tensor& gamma, int64_t ignore_index,
+                             int64_t reduction) {
+  const at::NoGradGuard no_grad;
+  const Tensor z = (logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16)
+                       ? logits.to(at::kFloat)
+                       : logits;
+  const Tensor valid = target.ne(ignore_index);
+  const Tensor z_y = z.gather(1, at::where(valid, target, 0).unsqueeze(1)).squeeze(1);
+  const Tensor log_p_y = (z_y - at::logsumexp(z, {1})).clamp_max(0);
+  const Tensor log_one_minus = at::log(-at::expm1(log_p_y));
+  const Tensor weighted_ce = at::exp(gamma.to(z.scalar_type()) * log_one_minus) * log_p_y.neg();
+  Tensor factor = at::where(valid.logical_and(weighted_ce.ne(0)), weighted_ce * log_one_minus, at::zeros_like(z_y));
+  if (static_cast<Reduction>(reduction) == Reduction::Mean) factor = factor / valid.sum().clamp_min(1);
+  return factor;
+}
+
+bool is_plain(const Tensor& t) {
+  // not a FakeTensor / functional tensor / other subclass: its values can be read and it can be written in place
+  return !t.key_set().has_any(c10::DispatchKeySet({c10::DispatchKey::Python, c10::DispatchKey::Functionalize}));
+}
+
+// grad_output == 1, read without a dispatcher round trip (item()): the usual loss.backward()
+bool scalar_is_one(const Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return *t.const_data_ptr<float>() == 1.0f;
+    case at::kDouble: return *t.const_data_ptr<double>() == 1.0;
+    case at::kHalf: return static_cast<float>(*t.const_data_ptr<at::Half>()) == 1.0f;
+    case at::kBFloat16: return static_cast<float>(*t.const_data_ptr<at::BFloat16>()) == 1.0f;
+    default: return t.item<double>() == 1.0;
+  }
+}
+
+Tensor scale_saved_gradient(Tensor grad, const Tensor& grad_output) {
+  Tensor factor = grad_output.dim() == 1 ? grad_output.unsqueeze(1) : grad_output;
+  if (factor.scalar_type() != grad.scalar_type()) factor = factor.to(grad.scalar_type());
+  if (!is_plain(grad) || !is_plain(grad_output) || torch::autograd::get_current_graph_task_keep_graph()) {
+    return grad * factor;  // the saved buffer must survive, or a tracer needs a functional op
+  }
+  if (grad_output.is_cpu()) {
+    if (grad_output.numel() == 1 && scalar_is_one(grad_output)) return grad;
+    return grad.mul_(factor);
+  }
+  if (grad.is_cuda() && grad.scalar_type() != at::kDouble) {
+    scale_op().call(grad, grad_output);
+    return grad;
+  }
+  return grad.mul_(factor);
+}
+
+constexpr const char* kDoubleBackwardMessage =
+    "calibkernels: the fused kernels do not support double backward (differentiating a gradient of the loss, e.g. a "
+    "gradient penalty or a look-ahead step); use backend='reference' for that loss";
+
+Tensor raise_if_differentiated(const Tensor& t) {
+  if (!t.defined()) return t;
+  auto alias = t.detach();
+  alias.set_requires_grad(true);
+  auto error = std::make_shared<torch::autograd::DelayedError>(kDoubleBackwardMessage, 1);
+  return (*error)({alias})[0];
+}
+
+struct FusedLoss : public torch::autograd::Function<FusedLoss> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target,
+                               const Tensor& sample_weight, const Tensor& gamma_per_sample, int64_t weight,
+                               int64_t mode, double gamma, double norm, int64_t ignore_index, int64_t reduction,
+                               bool inplace) {
+    const bool logits_grad = ctx->needs_input_grad(0);
+    Tensor gamma_factor;
+    if (!gamma_per_sample.is_same(absent()) && ctx->needs_input_grad(3) && static_cast<Mode>(mode) == Mode::Loss) {
+      gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction);
+    }
+    const bool write_logits = inplace && logits_grad;
+    Tensor loss, grad;
+    {
+      const at::AutoDispatchBelowADInplaceOrView below;
+      std::tie(loss, grad) =
+          fused_op().call(logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight,
+                          mode, gamma, norm, ignore_index, reduction, logits_grad,
+                          write_logits ? std::optional<Tensor>(logits) : std::nullopt);
+    }
+    Tensor saved = grad;
+    if (write_logits) {
+      torch::autograd::impl::bump_version(logits);
+      saved = logits.detach();
+    }
+    ctx->set_materialize_grads(false);
+    ctx->save_for_backward({logits_grad ? saved : Tensor(), gamma_factor});
+    ctx->mark_non_differentiable({grad});
+    return {loss, grad};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const auto saved = ctx->get_saved_variables();
+    const Tensor& grad_loss = grad_outputs[0];
+    variable_list grads(11);
+    if (!grad_loss.defined()) return grads;
+    if (saved[0].defined()) grads[0] = scale_saved_gradient(saved[0], grad_loss);
+    if (saved[1].defined()) grads[3] = saved[1] * grad_loss.to(saved[1].scalar_type());
+    if (at::GradMode::is_enabled()) {
+      grads[0] = raise_if_differentiated(grads[0]);
+      grads[3] = raise_if_differentiated(grads[3]);
+    }
+    return grads;
+  }
+};
+
+std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
+    const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
+    const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out) {
+  const bool grad_mode = at::GradMode::is_enabled();
+  const bool logits_grad = grad_mode && compute_grad && logits.requires_grad();
+  const bool gamma_grad = grad_mode && gamma_per_sample.has_value() && gamma_per_sample->requires_grad();
+  if (!logits_grad && !gamma_grad) {
+    const at::AutoDispatchBelowADInplaceOrView below;
+    return fused_op().call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                           reduction, compute_grad, grad_out);
+  }
+  const bool inplace = grad_out.has_value();
+  TORCH_CHECK_VALUE(!inplace || grad_out->is_same(logits),
+                    "calibkernels::uncertainty_weighted_ce: with logits that require grad, grad_out must be the "
+                    "logits themselves (in place) or None");
+  auto outputs = FusedLoss::apply(logits, target, sample_weight.has_value() ? *sample_weight : absent(),
+                                  gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm, ignore_index,
+                                  reduction, inplace);
+  return {outputs[0], outputs[1]};
+}
+
+}  // namespace
+
+// calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction): the loss of the
+// common eager call (no sample weight, no per-sample gamma, out of place) in the logits' dtype, through the op and
+// its autograd above. A plain function rather than torch.ops: the boxed call of a twelve-argument op from Python
+// costs microseconds that a small training step notices.
+PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
+  HANDLE_TH_ERRORS
+  PyObject* logits_obj = nullptr;
+  PyObject* target_obj = nullptr;
+  long long weight = 0, mode = 0, ignore_index = 0, reduction = 0;
+  double gamma = 0, norm = 0;
+  if (!PyArg_ParseTuple(args, "OOLLddLL", &logits_obj, &target_obj, &weight, &mode, &gamma, &norm, &ignore_index,
+                        &reduction)) {
+    return nullptr;
+  }
+  TORCH_CHECK_TYPE(THPVariable_Check(logits_obj) && THPVariable_Check(target_obj),
+                   "eager_loss: logits and target must be tensors");
+  const Tensor& logits = THPVariable_Unpack(logits_obj);
+  const Tensor& target = THPVariable_Unpack(target_obj);
+  const bool compute_grad = at::GradMode::is_enabled() && logits.requires_grad();
+  Tensor loss;
+  {
+    const pybind11::gil_scoped_release no_gil;
+    loss = std::get<0>(fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm,
+                                       ignore_index, reduction, compute_grad, std::nullopt));
+    if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
+  }
+  return THPVariable_Wrap(std::move(loss));
+  END_HANDLE_TH_ERRORS
+}
+
+}  // namespace calibkernels
+
+TORCH_LIBRARY_IMPL(calibkernels, Autograd, m) {
+  m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_autograd);
+}
