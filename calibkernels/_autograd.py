@@ -1,7 +1,7 @@
-"""The one autograd definition of the fused loss, shared by every compiled backend (C++ CPU, CUDA C++, Triton).
+"""The autograd of the fused loss: one contract, two implementations of it.
 
-Each backend module provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight,
-mode, gamma, norm, ignore_index, reduction, compute_grad, grad_out) -> (loss, grad, target_flag)``:
+Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight, mode,
+gamma, norm, ignore_index, reduction, compute_grad, grad_out) -> (loss, grad, target_flag)``:
 
 * ``loss``: float32 (float64 for float64 logits), 0-dim for mean/sum, ``(N,)`` for none;
 * the gradient of the reduced loss for ``grad_output = 1`` ("gradient in the forward"), written into ``grad_out`` when
@@ -9,10 +9,12 @@ mode, gamma, norm, ignore_index, reduction, compute_grad, grad_out) -> (loss, gr
 * ``target_flag``: ``None``, or a two-slot int64 device tensor ``(any bad target, a bad value)`` that
   :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host.
 
-In plain eager mode a backend's forward goes straight to its kernel (the C++ op below the Autograd key, the Triton
-launcher itself), so an eager call pays no ``custom_op`` dispatch glue; under tracing (torch.compile, opcheck,
-FakeTensor) it calls the registered op, which the tracer keeps as one node. The backward only scales the saved
-gradient by ``grad_output``, so one :class:`UncertaintyWeightedCE` serves all backends, eager and traced.
+The backward only scales the saved gradient by ``grad_output``. :class:`UncertaintyWeightedCE` implements it for the
+Triton backend and for all traced code (torch.compile, opcheck, FakeTensor), where the backend's forward calls the
+registered op as one graph node. Eager calls of the compiled op (C++ CPU, CUDA C++) use the op's own autograd kernel,
+``csrc/uncertainty_weighted_ce_autograd.cpp``, the same contract in C++: a Python ``autograd.Function`` alone costs
+about as much host time per step as ``F.cross_entropy``'s whole step at classification shapes (docs/performance.md).
+Eager Triton calls launch the kernels directly, without the registered op's dispatch glue.
 
 Contracts (docs/losses.md, "Contracts"):
 
