@@ -233,8 +233,11 @@ def _uncertainty_weighted_ce_row(
         coef_p = u
     elif WEIGHT == _FOCAL or WEIGHT == _FLSD:
         if WEIGHT == _FLSD:
-            g = tl.where(p_target < FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA,
-                         tl.where(p_target < FLSD_MID_THRESHOLD, FLSD_MID_GAMMA, gamma))
+            # the band from float32(exp(z_y - lse)), lse = m + log(d), as every implementation computes it (the
+            # kernel's own p_y can differ in the last ulp and put a row at a threshold in the other band)
+            p_band = tl.exp(z_target - (m_safe + tl.log(d)))
+            g = tl.where(p_band < FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA,
+                         tl.where(p_band < FLSD_MID_THRESHOLD, FLSD_MID_GAMMA, gamma))
         elif PER_SAMPLE_GAMMA:
             g = tl.load(gamma_ptr + row).to(tl.float32)
         else:
