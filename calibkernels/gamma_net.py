@@ -1,4 +1,6 @@
-"""γ-Net: a per-sample focal-loss exponent predicted from penultimate features (Wang & Golebiowski, SPEC §5).
+"""γ-Net: a per-sample focal-loss exponent predicted from penultimate features.
+
+Wang & Golebiowski's meta-regularisation (docs/papers.md, "Meta-regularisation").
 
 For features ``x ∈ R^{b×d}`` (the backbone's penultimate layer), with learnable ``A ∈ R^{d×k}`` and ``W ∈ R^{d×1}``::
 

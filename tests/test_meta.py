@@ -36,7 +36,7 @@ def test_gamma_net_shape_sign_and_formula():
     gamma = net(x)
     assert gamma.shape == (33,) and gamma.dtype == torch.float64
     assert (gamma >= 0).all() and gamma.sum() > 0
-    # SPEC §5, step by step
+    # the meta-regularisation step of docs/papers.md, step by step
     a = x @ net.prototypes
     mixed = torch.softmax(a, dim=1) @ net.prototypes.T
     expected = (mixed @ net.projection).abs().squeeze(1) / tau
