@@ -10,14 +10,14 @@ Build flags (all prefixed, printed at build time):
     CALIBKERNELS_FORCE_CUDA=1      build the CUDA kernels even if no CUDA toolkit is detected (fails without nvcc)
     CALIBKERNELS_NO_CUDA=1         never build the CUDA kernels
     CALIBKERNELS_CUDA_ARCHS="8.0;9.0"  compute capabilities to compile for (default sm_80 and sm_90)
-    CALIBKERNELS_CPU_ARCH=x86-64-v3    -march for the CPU kernels ("" to use the compiler default)
+    CALIBKERNELS_CPU_ARCH=...      -march for every C++ file (default: none, so the extension runs on any CPU of the
+                                   architecture; the CPU kernel's AVX2 and AVX-512 paths are chosen at run time)
     CALIBKERNELS_DEBUG=1           -O0 -g, no NDEBUG
     MAX_JOBS=N                     parallel compile jobs (honoured by torch's ninja build)
 """
 
 import glob
 import os
-import platform
 
 from setuptools import setup
 
@@ -52,7 +52,7 @@ def _extensions():
         ) from None
 
     debug = _truthy("CALIBKERNELS_DEBUG")
-    cpu_arch = _flag("CALIBKERNELS_CPU_ARCH", "x86-64-v3" if platform.machine() in ("x86_64", "AMD64") else "")
+    cpu_arch = _flag("CALIBKERNELS_CPU_ARCH", "")
     cuda_archs = _flag("CALIBKERNELS_CUDA_ARCHS", "8.0;9.0")
     cuda_home = cpp_extension.CUDA_HOME
     nvcc_found = cuda_home is not None and os.path.exists(os.path.join(cuda_home, "bin", "nvcc"))
@@ -61,7 +61,11 @@ def _extensions():
         raise RuntimeError("calibkernels: CUDA kernels requested but this torch is a CPU-only build")
 
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
-    sources = rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp")
+    # Link order matters: the per-instruction-set kernels (csrc/cpu/kernel_*.cpp, kernel_avx2.cpp last) come after
+    # every baseline object, so that the linker keeps the baseline copy of any inline function they share (see
+    # csrc/cpu/kernel_avx2.cpp).
+    kernels = [os.path.join("csrc", "cpu", "kernel_default.cpp"), os.path.join("csrc", "cpu", "kernel_avx2.cpp")]
+    sources = [p for p in rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") if p not in kernels] + kernels
     cuda_sources = rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")
 
     cxx = ["-O0", "-g"] if debug else ["-O3", "-DNDEBUG"]
@@ -76,7 +80,7 @@ def _extensions():
     if with_cuda:
         os.environ["TORCH_CUDA_ARCH_LIST"] = cuda_archs
         define_macros.append(("CALIBKERNELS_WITH_CUDA", None))
-        sources = sources + cuda_sources
+        sources = cuda_sources + sources
 
     print("calibkernels build flags:")
     print(f"  CALIBKERNELS_DEBUG={int(debug)}  CALIBKERNELS_CPU_ARCH={cpu_arch!r}")

@@ -27,6 +27,9 @@
 #include "uncertainty_weighted_ce.h"
 
 namespace calibkernels {
+// Internal linkage: each kernel translation unit (the CPU kernel is compiled once per instruction set) keeps its own
+// copy, so no out-of-line copy compiled for AVX2 can be chosen by the linker for the baseline kernel.
+namespace {
 
 C10_HOST_DEVICE inline float pow_of(float base, float exponent) { return ::powf(base, exponent); }
 C10_HOST_DEVICE inline double pow_of(double base, double exponent) { return ::pow(base, exponent); }
@@ -152,4 +155,5 @@ C10_HOST_DEVICE inline A gradient_element(const WeightCoefficients<A>& c, A p, A
   return g;
 }
 
+}  // namespace
 }  // namespace calibkernels

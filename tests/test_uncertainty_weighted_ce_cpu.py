@@ -408,7 +408,7 @@ def test_softmax_gradient_is_accurate_element_by_element():
 
 
 def test_cpu_isa_is_reported_and_follows_aten():
-    """calibkernels._C.CPU_ISA names the vector path in use; AVX-512 is used exactly when ATen uses it."""
+    """calibkernels._C.CPU_ISA names the vector path in use; AVX-512 is used only when ATen uses it."""
     from torch.backends import cpu as torch_cpu
 
     isa = _isa()
@@ -517,3 +517,24 @@ def test_ops_and_their_fake_kernels_exist_right_after_import():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip().splitlines()[-1] == "checked"
+
+
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(isa):
+    """The extension is compiled for the x86-64 baseline with AVX2 (and AVX-512) kernels chosen at run time;
+    CALIBKERNELS_CPU_ISA=default|avx2 forces a lower one (read once per process), so each build of the kernel runs
+    this file's reference comparisons (every dtype x weight x mode x in place range test, target lanes, accuracy)."""
+    if isa == "avx2" and _isa() == "default":
+        pytest.skip("this CPU (or ATen) does not run AVX2")
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, CALIBKERNELS_CPU_ISA=isa)
+    probe = subprocess.run([sys.executable, "-c", "import calibkernels._C as c; print(c.CPU_ISA)"], env=env,
+                           capture_output=True, text=True, check=True)
+    assert probe.stdout.strip() == isa
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
+         os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu_flsd.py"),
+         "-k", "every_target_lane or target_reference or flsd or threshold or opcheck"],
+        env=env, capture_output=True, text=True, cwd=here)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert " failed" not in run.stdout and "passed" in run.stdout, run.stdout[-2000:]

@@ -1,515 +1,64 @@
-// Fused CPU kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in ../uncertainty_weighted_ce.h).
-//
-//   L_i = u_i · CE_i,  CE_i = logsumexp(z_i) - z_{i,y_i},  u_i ∈ {1, (1-p_y)^γ, (1-p_y)^γ_i (FLSD), (1-p_y+p_j)^γ,
-//   ‖p - e_y‖_q^γ (gBS), w_i (external)}; mode "grad" (GRA, BSCE-GRA paper Eq. 11) detaches u_i, mode "loss"
-//   differentiates through it.
-//
-// One row at a time, rows in parallel (at::parallel_for). The common weights (none, focal, FLSD, external, gBS with
-// q = 1 or 2) take the one-exponential path (exp_store_sweep + rescale_sweep, described at row_max below); the others
-// make two sweeps over a row that stays in L1/L2 between them:
-//   1. reduction sweep: online softmax (running max m, Σ exp(z-m)) block by block, with the target column excluded
-//      so that Σ_{k≠y} p_k and Σ_{k≠y} p_k^q (the gBS accumulator S_q, rescaled by exp(-qΔm) when m moves) come
-//      out without the cancellation of "1 - p_y" or "S_q - p_y^q"; the dual-focal p_j is a second max sweep;
-//   2. gradient sweep: p_k = exp((z_k - m) - log d) and the gradient of the (reduced) loss for grad_output = 1, written
-//      once. In every weight × mode it is  g_k = p_k (α + β (p_k^{q-1} - τ)) + [k ∈ J] c_J  for k ≠ y, plus a
-//      scalar fix-up of g_y; α, β, τ, c_J and g_y are per-row scalars from csrc/uncertainty_weights.h (docs/losses.md).
-// fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
-// float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
-
-// The extension is compiled with -march=x86-64-v3 (setup.py): select ATen's AVX2 Vectorized<> (Sleef exp) rather
-// than its scalar fallback, which is what an extension gets when CPU_CAPABILITY is left undefined.
-#if defined(__AVX2__) && defined(__FMA__) && !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#elif !defined(CPU_CAPABILITY)
-#define CPU_CAPABILITY DEFAULT
-#endif
-
-#include <ATen/Dispatch.h>
-#include <ATen/Parallel.h>
-#include <ATen/core/Tensor.h>
-#include <ATen/cpu/vec/vec.h>
-#include <ATen/ops/empty.h>
-#include <ATen/ops/scalar_tensor.h>
+// The CPU op calibkernels::uncertainty_weighted_ce (contract in ../uncertainty_weighted_ce.h; formulas:
+// docs/losses.md): argument checks, the gradient's destination, and the choice, once per process, of the kernel
+// build that runs the rows (uncertainty_weighted_ce_kernel.h):
+//   "default"  kernel_default.cpp: the build's baseline (x86-64: SSE2), for any CPU;
+//   "avx2"     kernel_avx2.cpp: AVX2 + FMA (x86-64-v3);
+//   "avx512"   kernel_avx2.cpp with its AVX-512 sweeps of the one-exponential path (vec_exp.h).
+// The best the CPU supports, lowered to what ATen itself uses (ATEN_CPU_CAPABILITY=avx2 or default turns the wider
+// paths off, as for ATen's kernels) and to CALIBKERNELS_CPU_ISA=default|avx2|avx512 when set (how the tests run
+// each path in a subprocess on one machine). This file is compiled for the baseline, so the extension loads on any
+// x86-64 CPU.
 #include <ATen/Version.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include <algorithm>
-#include <cmath>
 #include <cstdlib>
-#include <limits>
-#include <type_traits>
-#include <vector>
+#include <cstring>
+#include <string>
 
 #include "uncertainty_weighted_ce.h"
-#include "uncertainty_weights.h"
-#include "cpu/vec_exp.h"
 #include "cpu/gradient_buffer_cache.h"
+#include "cpu/kernel_entry.h"
 
 namespace calibkernels {
 namespace {
 
-using at::vec::Vectorized;
+enum class CpuIsa { Default = 0, Avx2 = 1, Avx512 = 2 };
 
-// How the gradient sweep needs p_k^q (the gBS weight in "loss" mode): not at all, p², p, or exp(q (z - lse)).
-enum class PowQ { None, Square, Linear, General };
-
-template <typename T>
-T horizontal_sum(const Vectorized<T>& v) {
-  alignas(64) T lanes[Vectorized<T>::size()];
-  v.store(lanes);
-  T total = 0;
-  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) total += lanes[i];
-  return total;
-}
-
-template <typename T>
-T horizontal_max(const Vectorized<T>& v) {
-  alignas(64) T lanes[Vectorized<T>::size()];
-  v.store(lanes);
-  T best = lanes[0];
-  for (int64_t i = 1; i < Vectorized<T>::size(); ++i) best = std::max(best, lanes[i]);
+CpuIsa detect_isa() {
+  CpuIsa best = CpuIsa::Default;
+#if CALIBKERNELS_HAVE_AVX2_KERNEL
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c") &&
+      __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt")) {
+    best = CpuIsa::Avx2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq")) best = CpuIsa::Avx512;
+  }
+#endif
+  const std::string aten = at::get_cpu_capability();
+  if (aten == "DEFAULT" && best > CpuIsa::Default) best = CpuIsa::Default;
+  if (aten == "AVX2" && best > CpuIsa::Avx2) best = CpuIsa::Avx2;
+  if (const char* flag = std::getenv("CALIBKERNELS_CPU_ISA"); flag != nullptr && flag[0] != '\0') {
+    CpuIsa requested = best;
+    if (std::strcmp(flag, "default") == 0) {
+      requested = CpuIsa::Default;
+    } else if (std::strcmp(flag, "avx2") == 0) {
+      requested = CpuIsa::Avx2;
+    } else if (std::strcmp(flag, "avx512") == 0) {
+      requested = CpuIsa::Avx512;
+    } else {
+      TORCH_WARN("calibkernels: CALIBKERNELS_CPU_ISA=\"", flag, "\" is not one of default, avx2, avx512; ignored");
+    }
+    if (requested < best) best = requested;  // never a path the CPU (or ATen) does not run
+  }
   return best;
 }
 
-// Running state of the online softmax over the non-target columns.
-template <typename T>
-struct OnlineSoftmax {
-  T max = -std::numeric_limits<T>::infinity();
-  Vectorized<T> sum{T(0)};        // Σ exp(z_k - max)
-  Vectorized<T> sum_pow_q{T(0)};  // Σ exp(q (z_k - max))   (gBS only)
-};
-
-// Fold z[lo, hi) into the online softmax, one cache-sized block at a time: the block's max is taken first, the
-// accumulators are rescaled once if it moved the running max, then the block's exponentials are summed (one exp
-// per element; a per-element online update would need two).
-template <typename T, PowQ kPow>
-void accumulate(const T* z, int64_t lo, int64_t hi, T q, OnlineSoftmax<T>& acc) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  constexpr int64_t kBlock = 64 * W;
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  for (int64_t begin = lo; begin < hi; begin += kBlock) {
-    const int64_t end = std::min(begin + kBlock, hi);
-    Vec block_max(neg_inf);
-    int64_t k = begin;
-    for (; k + W <= end; k += W) block_max = at::vec::maximum(block_max, Vec::loadu(z + k));
-    if (k < end) block_max = at::vec::maximum(block_max, Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
-    const T new_max = horizontal_max(block_max);
-    if (new_max > acc.max) {
-      const T shift = acc.max - new_max;  // -inf on the first finite block: the sums are still 0
-      acc.sum = acc.sum * Vec(std::exp(shift));
-      if constexpr (kPow == PowQ::Square) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(2 * shift));
-      if constexpr (kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(q * shift));
-      acc.max = new_max;
-    }
-    if (acc.max == neg_inf) continue;  // only -inf so far: every term is 0 (and exp(-inf - -inf) would be NaN)
-    const Vec max_vec(acc.max);
-    const Vec q_vec(q);
-    // Per-block partial sums, added to the running sums once per block: two-level summation keeps the rounding
-    // error at O((block + C/block) eps) instead of O(C/W eps) for C in the 10^5 range.
-    Vec block_sum(T(0)), block_sum_pow_q(T(0));
-    auto add = [&](const Vec& x) {
-      const Vec shifted = x - max_vec;
-      const Vec e = exp_nonpositive(shifted);
-      block_sum = block_sum + e;
-      if constexpr (kPow == PowQ::Square) block_sum_pow_q = at::vec::fmadd(e, e, block_sum_pow_q);
-      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + exp_nonpositive(shifted * q_vec);
-    };
-    for (k = begin; k + W <= end; k += W) add(Vec::loadu(z + k));
-    if (k < end) add(Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
-    acc.sum = acc.sum + block_sum;
-    if constexpr (kPow == PowQ::Square || kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q + block_sum_pow_q;
-  }
-}
-
-// max{z_k : z_k < z_y} (-inf if none) and, if wanted, how many columns attain it (the reference's amax splits its
-// gradient evenly between tied maxima).
-template <typename T>
-T max_below(const T* z, int64_t C, T z_target) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec neg_inf(-std::numeric_limits<T>::infinity());
-  const Vec zy(z_target);
-  Vec best = neg_inf;
-  int64_t k = 0;
-  for (; k + W <= C; k += W) {
-    const Vec x = Vec::loadu(z + k);
-    best = at::vec::maximum(best, Vec::blendv(neg_inf, x, x < zy));
-  }
-  if (k < C) {
-    const Vec x = Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k);
-    best = at::vec::maximum(best, Vec::blendv(neg_inf, x, x < zy));
-  }
-  return horizontal_max(best);
-}
-
-template <typename T>
-int64_t count_equal(const T* z, int64_t C, T value) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec v(value), one(T(1)), zero(T(0));
-  Vec count = zero;  // exact in float up to 2^24 hits per lane
-  int64_t k = 0;
-  for (; k + W <= C; k += W) count = count + Vec::blendv(zero, one, Vec::loadu(z + k) == v);
-  T total = horizontal_sum(count);
-  for (; k < C; ++k) total += (z[k] == value) ? T(1) : T(0);
-  return static_cast<int64_t>(total);
-}
-
-// g_k = p_k (α + β (p_k^{q-1} - τ)) + [z_k == z_j] c_J with p_k = exp((z_k - m) - log d): the max is subtracted
-// first (exact for the classes that matter), where exp(z_k - lse) would carry lse's rounding, ulp(m), into every
-// p_k (~1e-5 relative for logits of a few hundred, then multiplied by CE in "loss" mode). The gBS term keeps the
-// difference p_k^{q-1} - τ per element (it cancels exactly for a one-hot p; folding it into α would amplify the
-// rounding of α by CE·K). `out` may alias `z` (in-place gradient): each vector is loaded before it is overwritten.
-template <typename T, PowQ kPow, bool kTies>
-void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T beta, T q, T tau, T z_j, T c_j) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec m_vec(m), log_denom_vec(log_denom), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau), zj_vec(z_j), cj_vec(c_j),
-      zero(T(0));
-  auto grad = [&](const Vec& x) {
-    const Vec shifted = (x - m_vec) - log_denom_vec;
-    const Vec p = exp_nonpositive(shifted);
-    Vec coef = alpha_vec;
-    if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
-    if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp_u20() - tau_vec, coef);
-    Vec g = p * coef;
-    if constexpr (kTies) g = g + Vec::blendv(zero, cj_vec, x == zj_vec);
-    return g;
-  };
-  int64_t k = 0;
-  for (; k + W <= C; k += W) grad(Vec::loadu(z + k)).store(out + k);
-  if (k < C) grad(Vec::loadu(z + k, C - k)).store(out + k, C - k);
-}
-
-// The one-exponential path (used whenever the gradient sweep needs nothing but p_k): e_k = exp(z_k - m) is computed
-// once, with m the target logit (or, for rows where that would leave the sums' range, the row max below; see
-// process_row), summed into the accumulators and, when a gradient is written, stored in the gradient row; the
-// gradient sweep then only rescales e_k (p_k = e_k / denom) instead of evaluating a second exponential. The row is in
-// L1/L2 between the sweeps, and exp is what bounds the kernel on a CPU (the two-exponential form was about twice as
-// slow at C = 1000; the online softmax of `accumulate`, which rescales per block, is ≈ 1.7× slower per row without a
-// gradient). `out` may alias `z` (in-place gradient).
-template <typename T>
-T row_max(const T* z, int64_t C) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec neg_inf(-std::numeric_limits<T>::infinity());
-  Vec best = neg_inf;
-  int64_t k = 0;
-  for (; k + W <= C; k += W) best = at::vec::maximum(best, Vec::loadu(z + k));
-  if (k < C) best = at::vec::maximum(best, Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k));
-  return horizontal_max(best);
-}
-
-// out[k] = exp(z[k] - m) for k in [lo, hi) (kStore; nothing is written otherwise); returns Σ exp(z[k] - m) and
-// (kSquare) Σ exp(z[k] - m)², block-wise two-level sums. Prefetches z[k + ahead] along the way (0: nothing new).
-template <typename T, bool kSquare, bool kStore>
-void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq, int64_t ahead) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  constexpr int64_t kBlock = 64 * W;
-  const Vec max_vec(m);
-  Vec total(T(0)), total_sq(T(0));
-  for (int64_t begin = lo; begin < hi; begin += kBlock) {
-    const int64_t end = std::min(begin + kBlock, hi);
-    Vec block(T(0)), block_sq(T(0));
-    int64_t k = begin;
-    for (; k + W <= end; k += W) {
-      __builtin_prefetch(z + k + ahead);
-      const Vec e = exp_nonpositive(Vec::loadu(z + k) - max_vec);
-      if constexpr (kStore) e.store(out + k);
-      block = block + e;
-      if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
-    }
-    if (k < end) {
-      const int64_t rest = end - k;
-      // lanes past `rest` are loaded as 0 by loadu(ptr, count); mask them out of the sums
-      const Vec e = Vec::set(Vec(T(0)), exp_nonpositive(Vec::loadu(z + k, rest) - max_vec), rest);
-      if constexpr (kStore) e.store(out + k, rest);
-      block = block + e;
-      if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
-    }
-    total = total + block;
-    if constexpr (kSquare) total_sq = total_sq + block_sq;
-  }
-  sum += horizontal_sum(total);
-  if constexpr (kSquare) sum_sq += horizontal_sum(total_sq);
-}
-
-// out_k = g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, from the stored exponentials `e` (out may be e).
-template <typename T, bool kSquare>
-void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, T tau) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec inv_vec(inv_denom), alpha_vec(alpha), beta_vec(beta), tau_vec(tau);
-  auto grad = [&](const Vec& x) {
-    const Vec p = x * inv_vec;
-    if constexpr (kSquare) return p * at::vec::fmadd(beta_vec, p - tau_vec, alpha_vec);
-    return p * alpha_vec;
-  };
-  int64_t k = 0;
-  for (; k + W <= C; k += W) grad(Vec::loadu(e + k)).store(out + k);
-  if (k < C) grad(Vec::loadu(e + k, C - k)).store(out + k, C - k);
-}
-
-template <typename T>
-struct RowSpec {
-  Weight weight;
-  Mode mode;
-  T gamma;
-  T q;
-};
-
-// Bound on Σ_{k≠y} exp(z_k - z_y) for the target-referenced exponentials of process_row: 2^60 keeps every e_k and
-// Σ e_k² (≤ (Σ e_k)² ≤ 2^120) finite in float and 1 / Σ e_k a normal number (no denormal loss of precision).
-constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
-
-// How far ahead of its loads the exponential sweep prefetches the logits (launch() → process_row): 4 KiB, a row
-// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. At 4096 × 1000 fp32 this
-// made the target-referenced sweep 17–32% faster than a max sweep followed by the exponential sweep (1 and 2 threads).
-constexpr int64_t kPrefetchBytes = 4096;
-
-// Streaming (non-temporal) stores for the out-of-place gradient. A fresh gradient buffer is not in the cache, so an
-// ordinary store first reads each line from DRAM and later writes it back, evicting the logits the sweep still reads;
-// a streaming store writes the line once, without reading it. The row's exponentials then go to a per-thread scratch
-// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where they were faster (fp32, out
-// of place, a training step after a torch.compile'd model, 2 threads, AVX-512): rows of 1–16 KiB,
-// i.e. C = 256…4096 (C = 512: 19%, 1000: 8–15%, 4096: 5.5%, 256: 2% faster); not below (C = 128: 5% slower, the row
-// being mostly scalar work) nor above (C = 8192, 32000: no faster; the scratch row no longer fits L1); and only for
-// gradients of at least 4 MiB, since a smaller one would still be in the cache for whatever reads it next.
-// CALIBKERNELS_CPU_STREAMING_STORES=0 / =1 forces them off / on for every out-of-place float row the AVX-512 path
-// stores: a testing hook (tests/test_uncertainty_weighted_ce_cpu.py compares both forms bit for bit over rows the
-// automatic choice would not stream), not a user setting; read on every call so that one process can test both.
-constexpr int64_t kStreamMinRowBytes = 1024;
-constexpr int64_t kStreamMaxRowBytes = 16384;
-constexpr int64_t kStreamMinGradientBytes = int64_t(4) << 20;
-
-bool use_streaming_stores(int64_t n, int64_t c, int64_t element_bytes) {
-  if (const char* flag = std::getenv("CALIBKERNELS_CPU_STREAMING_STORES"); flag != nullptr && flag[0] != '\0') {
-    return flag[0] != '0';
-  }
-  const int64_t row_bytes = c * element_bytes;
-  return row_bytes >= kStreamMinRowBytes && row_bytes <= kStreamMaxRowBytes && n * row_bytes >= kStreamMinGradientBytes;
-}
-
-// A row's loss as weight · (ce_offset + log1p(ce_log1p_arg)): rows whose CE logarithm can wait leave it to one
-// vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, which took about 15% of
-// the op at C = 64 in a profile. A row that computed its loss already stores {1, loss, 0}.
-template <typename T>
-struct RowLoss {
-  T weight;
-  T ce_offset;
-  T ce_log1p_arg;
-};
-
-// loss[i] = weight · (ce_offset + log1p(ce_log1p_arg)) for the rows of [begin, end).
-template <typename T>
-void finish_row_losses(const RowLoss<T>* parts, T* loss, int64_t begin, int64_t end) {
-  using Vec = at::vec::Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  T weight[W], offset[W], arg[W];
-  int64_t i = begin;
-  for (; i < end; i += W) {
-    const int64_t count = std::min<int64_t>(W, end - i);
-    for (int64_t l = 0; l < count; ++l) {
-      weight[l] = parts[i + l].weight;
-      offset[l] = parts[i + l].ce_offset;
-      arg[l] = parts[i + l].ce_log1p_arg;
-    }
-    const Vec result = Vec::loadu(weight, count) * (Vec::loadu(offset, count) + Vec::loadu(arg, count).log1p());
-    result.store(loss + i, count);
-  }
-}
-
-// Whether the float sweeps of the one-exponential path run as AVX-512 (csrc/cpu/vec_exp.h): the CPU has it and
-// ATen uses it (ATEN_CPU_CAPABILITY=avx2 or default turns it off). Decided once per process.
-bool use_avx512_sweeps() {
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-  static const bool enabled = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq") &&
-                              at::get_cpu_capability() == "AVX512";
-  return enabled;
-#else
-  return false;
-#endif
-}
-
-// Whether a row takes the one-exponential path (exp_store_sweep + rescale_sweep: every weight but dual focal and gBS
-// norms other than 1 and 2), and whether that path runs as the AVX-512 sweeps (float rows, when kAvx512 was chosen at
-// run time; only these have the streaming-store form).
-template <PowQ kPow, bool kDual>
-constexpr bool kOneExponentialPath = !kDual && kPow != PowQ::General;
-template <typename T, PowQ kPow, bool kDual, bool kAvx512>
-constexpr bool kAvx512OneExponentialPath =
-    kAvx512 && kOneExponentialPath<kPow, kDual> && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
-
-// Loss of one non-ignored row, as RowLoss parts (see finish_row_losses); if `grad` is non-null also writes
-// scale · dL_i/dz_i there (may alias z). kAvx512: the one-exponential path's sweeps are the AVX-512 ones (float only).
-// `ahead`: how many elements past its loads the exponential sweep prefetches (0 when z is an L1-resident scratch row).
-// `exp_row`: a scratch row of C elements for the exponentials, required when `grad` aliases `z` or `stream` is set:
-// the row-max fallback re-reads z after the first exponential sweep, so that sweep must not overwrite it.
-// `stream`: write the gradient with streaming stores (AVX-512 sweeps only; see use_streaming_stores).
-template <typename T, PowQ kPow, bool kDual, bool kAvx512>
-RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
-                       T scale, int64_t ahead, T* exp_row, bool stream) {
-  const T inf = std::numeric_limits<T>::infinity();
-  const T q = spec.q;
-  const T z_y = z[y];
-
-  // The one-exponential path needs a finite reference point m (an all -inf row takes the general path and its NaN
-  // rules).
-  constexpr bool kCanStore = kOneExponentialPath<kPow, kDual>;
-  constexpr bool kWide = kAvx512OneExponentialPath<T, kPow, kDual, kAvx512>;
-  auto max_of_row = [&]() -> T {
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-    if constexpr (kWide) return avx512::row_max(z, C);
-#endif
-    return row_max(z, C);
-  };
-  // The exponentials are taken relative to the target logit, e_k = exp(z_k - z_y), rather than to the row max: any
-  // reference point gives the same p_k = e_k / Σ e, and this one needs no max sweep before the exponential sweep
-  // (11% of the three sweeps' time at C = 1000, AVX-512). It is kept only while the sums stay in
-  // range (Σ_{k≠y} e_k ≤ kTargetReferenceLimit, i.e. no column more than ≈ 41 above the target); past that, or for a
-  // non-finite target logit or NaN, the row is done again from its max, as every row used to be.
-  T m = -inf;
-  bool target_reference = false;
-  if constexpr (kCanStore) {
-    target_reference = std::isfinite(z_y);
-    m = target_reference ? z_y : max_of_row();
-  }
-  const bool one_exp = kCanStore && m != -inf;
-  const bool stored = one_exp && grad != nullptr;
-  const bool streamed = kWide && stored && stream;
-  // The exponentials go to the scratch row when they must not overwrite z (in place, or a widened row whose scratch
-  // copy is also its gradient) or when the gradient is streamed out of it.
-  const bool via_scratch = stored && (streamed || static_cast<const void*>(grad) == static_cast<const void*>(z));
-  T* const exps = via_scratch ? exp_row : grad;
-  T sum_others = 0;        // Σ_{k≠y} exp(z_k - m)
-  T sum_pow_q_others = 0;  // Σ_{k≠y} exp(q (z_k - m))
-  if (one_exp) {
-    constexpr bool kSquare = kPow == PowQ::Square;
-    auto sweep = [&](auto store_tag, T* out, int64_t distance) {
-      constexpr bool kStore = decltype(store_tag)::value;
-      sum_others = 0;
-      sum_pow_q_others = 0;
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-      if constexpr (kWide) {
-        avx512::exp_store_sweep<kSquare, kStore>(z, out, C, y, m, sum_others, sum_pow_q_others, distance);
-      }
-#endif
-      if constexpr (!kWide) {
-        exp_store_sweep<T, kSquare, kStore>(z, out, 0, y, m, sum_others, sum_pow_q_others, distance);
-        exp_store_sweep<T, kSquare, kStore>(z, out, y + 1, C, m, sum_others, sum_pow_q_others, distance);
-      }
-    };
-    auto sweep_row = [&](int64_t distance) {
-      if (stored) {
-        sweep(std::true_type{}, exps, distance);
-      } else {
-        sweep(std::false_type{}, nullptr, distance);
-      }
-    };
-    // Without a max sweep, the exponential sweep is the first to read the row: at one load per exponential it
-    // cannot keep enough misses in flight, so it prefetches `ahead` elements on (the rest of the row and the next).
-    sweep_row(ahead);
-    if (target_reference && !(sum_others <= T(kTargetReferenceLimit))) {  // also NaN
-      m = max_of_row();
-      sweep_row(0);  // the row has just been read
-    }
-  } else {
-    OnlineSoftmax<T> acc;
-    accumulate<T, kPow>(z, 0, y, q, acc);
-    accumulate<T, kPow>(z, y + 1, C, q, acc);
-    sum_others = horizontal_sum(acc.sum);
-    sum_pow_q_others = horizontal_sum(acc.sum_pow_q);
-    m = acc.max;
-  }
-  // The AVX-512 sweep stores exp(z_k - m) for the target column too (the generic sweeps skip it): reuse it.
-  const bool e_y_stored = kWide && stored && z_y <= m;
-  if (!(z_y <= m)) {  // the target is the row max (or the only finite column): move the max to it
-    if (m == -inf) {
-      sum_others = 0;
-      sum_pow_q_others = 0;
-    } else {
-      sum_others *= std::exp(m - z_y);
-      sum_pow_q_others *= (kPow == PowQ::Square) ? std::exp(2 * (m - z_y)) : std::exp(q * (m - z_y));
-    }
-    m = z_y;
-  }
-  const T e_y = e_y_stored ? exps[y] : std::exp(z_y - m);
-  const T denom = e_y + sum_others;
-  const bool loss_mode = spec.mode == Mode::Loss;
-  // CE = lse - z_y = (m - z_y) + log1p(denom - 1); denom - 1 = Σ_{k≠y} e_k exactly when the target is the max, so
-  // log1p keeps full precision as p_y → 1. Outside "loss" mode nothing in the row needs the CE, so on the stored
-  // path its logarithm is left to finish_row_losses.
-  const bool defer_ce = stored && !loss_mode;
-  const T ce_offset = (z_y == m) ? T(0) : m - z_y;
-  const T ce_log1p_arg = (e_y - T(1)) + sum_others;
-  const T ce = defer_ce ? T(0) : ce_offset + std::log1p(ce_log1p_arg);
-  // Read only by the paths that recompute p_k: dual focal, a general norm q, the unstored gradient sweep.
-  const T log_denom = stored ? T(0) : std::log(denom);
-  const T p_y = e_y / denom;
-  const T one_minus_p_y = sum_others / denom;  // exact 1 - p_y, no cancellation
-
-  // Per-row weight u and, in "loss" mode, the coefficients of CE · du/dz (csrc/uncertainty_weights.h).
-  RowQuantities<T> row{p_y, one_minus_p_y, ce, gamma, q, external_weight, T(0), T(1), T(0)};
-  T z_j = -inf;
-  if (spec.weight == Weight::Flsd) row.gamma = flsd_gamma(flsd_band_probability(z_y, m + std::log(denom)), gamma);
-  if constexpr (kDual) {
-    z_j = max_below(z, C, z_y);
-    row.p_j = (z_j == -inf) ? T(0) : std::exp((z_j - m) - log_denom);
-    if (loss_mode && row.p_j > 0) row.tie_count = static_cast<T>(count_equal(z, C, z_j));
-  }
-  if (spec.weight == Weight::Brier) {
-    if constexpr (kPow == PowQ::Square) {
-      row.pow_q_others = sum_pow_q_others / (denom * denom);
-    } else if constexpr (kPow == PowQ::Linear) {
-      row.pow_q_others = one_minus_p_y;
-    } else {
-      row.pow_q_others = sum_pow_q_others * std::exp(-q * log_denom);
-    }
-  }
-  const WeightCoefficients<T> coefs = weight_coefficients(spec.weight, loss_mode, row, kPow == PowQ::Linear);
-  const T u = coefs.u, alpha = coefs.alpha, beta = coefs.beta, tau = coefs.tau, g_y = coefs.g_y, c_j = coefs.c_tie;
-
-  if (grad != nullptr && stored) {
-    if constexpr (kCanStore) {
-      auto rescale = [&](auto square_tag, T beta_scaled, T tau_value) {
-        constexpr bool kSquare = decltype(square_tag)::value;
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-        if constexpr (kWide) {
-          if (streamed) {
-            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value,
-                                                  y, scale * g_y);
-          } else {
-            avx512::rescale_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
-          }
-        }
-#endif
-        if constexpr (!kWide) {
-          rescale_sweep<T, kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
-        }
-      };
-      if (beta != 0) {
-        rescale(std::bool_constant<kPow == PowQ::Square>{}, scale * beta, tau);
-      } else {
-        rescale(std::false_type{}, T(0), T(0));
-      }
-    }
-    if (!streamed) grad[y] = scale * g_y;
-  } else if (grad != nullptr) {
-    const bool ties = kDual && c_j != 0;
-    if (ties) {
-      gradient_sweep<T, PowQ::None, kDual>(z, grad, C, m, log_denom, scale * alpha, T(0), q, T(0), z_j, scale * c_j);
-    } else if (beta != 0) {
-      gradient_sweep<T, kPow, false>(z, grad, C, m, log_denom, scale * alpha, scale * beta, q, tau, z_j, T(0));
-    } else {
-      gradient_sweep<T, PowQ::None, false>(z, grad, C, m, log_denom, scale * alpha, T(0), q, T(0), z_j, T(0));
-    }
-    grad[y] = scale * g_y;
-  }
-  if (defer_ce) return {u, ce_offset, ce_log1p_arg};
-  return {T(1), u * ce, T(0)};
+CpuIsa selected_isa() {
+  static const CpuIsa isa = detect_isa();
+  return isa;
 }
 
 // Validates targets (the kernel is the last line of defence: under torch.compile the Python range check is
@@ -527,147 +76,22 @@ int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ign
   return valid;
 }
 
-struct Args {
-  Weight weight;
-  Mode mode;
-  double gamma;
-  double norm;
-  int64_t ignore_index;
-  Reduction reduction;
-};
-
-Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
+KernelArgs check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                 const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma,
                 double norm, int64_t ignore_index, int64_t reduction) {
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   TORCH_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op, "expected CPU tensors");
   check_arguments(op, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, reduction);
   return {static_cast<Weight>(weight), static_cast<Mode>(mode), gamma, norm, ignore_index,
-          static_cast<Reduction>(reduction)};
+          static_cast<Reduction>(reduction), check_targets(target, logits.size(1), ignore_index)};
 }
 
-template <typename T>
-std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
-  if (!t.has_value()) return std::nullopt;
-  return t->detach().to(c10::CppTypeToScalarType<T>::value).contiguous();
-}
-
-// Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (row stride
-// `grad_stride`, may alias z) when non-null; returns the loss tensor (float32, or float64 for float64 logits).
-template <typename scalar_t>
-at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const at::Tensor& target,
-                  const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
-                  const Args& args) {
-  using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;
-  const int64_t n = z.size(0), c = z.size(1), z_stride = z.stride(0);
-  const int64_t valid = check_targets(target, c, args.ignore_index);
-  const auto loss_dtype = c10::CppTypeToScalarType<acc_t>::value;
-  at::Tensor row_loss = at::empty({n}, z.options().dtype(loss_dtype));
-
-  const acc_t scale = args.reduction == Reduction::Mean ? acc_t(1) / acc_t(std::max<int64_t>(valid, 1)) : acc_t(1);
-  const auto weights = per_sample<acc_t>(sample_weight);
-  const auto gammas = per_sample<acc_t>(gamma_per_sample);
-  const acc_t* weight_ptr = weights ? weights->template const_data_ptr<acc_t>() : nullptr;
-  const acc_t* gamma_ptr = gammas ? gammas->template const_data_ptr<acc_t>() : nullptr;
-  const scalar_t* z_ptr = z.const_data_ptr<scalar_t>();
-  const int64_t* t_ptr = target.const_data_ptr<int64_t>();
-  acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
-  std::vector<RowLoss<acc_t>> row_parts(n);
-  const RowSpec<acc_t> spec{args.weight, args.mode, static_cast<acc_t>(args.gamma), static_cast<acc_t>(args.norm)};
-
-  auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
-    constexpr PowQ kPow = decltype(pow_tag)::value;
-    constexpr bool kDual = decltype(dual_tag)::value;
-    constexpr bool kAvx512 = decltype(avx512_tag)::value;
-    // only the AVX-512 float sweeps of the one-exponential path have the streaming form; in place the lines are the
-    // logits', already in the cache
-    constexpr bool kCanStream = kAvx512OneExponentialPath<scalar_t, kPow, kDual, kAvx512>;
-    const bool stream = kCanStream && grad_ptr != nullptr &&
-                        static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
-                        use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
-    // enough columns per task that scheduling is amortised
-    const int64_t grain = std::max<int64_t>(1, 16384 / c);
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> scratch(kWiden ? c : 0);
-      // the exponentials of rows whose gradient row aliases the logits row (in place, widened) or is streamed,
-      // 64-byte aligned
-      const bool aliased = kWiden || static_cast<const void*>(grad_ptr) == static_cast<const void*>(z_ptr);
-      const bool need_exp_row = grad_ptr != nullptr && (stream || aliased);
-      std::vector<acc_t> exp_row(need_exp_row ? c + 64 / sizeof(acc_t) : 0);
-      acc_t* exp_ptr = nullptr;
-      if (need_exp_row) {
-        const auto misalign = reinterpret_cast<uintptr_t>(exp_row.data()) % 64;
-        exp_ptr = exp_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
-      }
-      RowLoss<acc_t>* parts = row_parts.data();
-      for (int64_t i = begin; i < end; ++i) {
-        scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
-        const int64_t y = t_ptr[i];
-        if (y == args.ignore_index) {
-          parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
-          if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
-          continue;
-        }
-        const scalar_t* z_row = z_ptr + i * z_stride;
-        const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
-        const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
-        if constexpr (kWiden) {
-          at::vec::convert(z_row, scratch.data(), c);
-          parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
-                                                              spec, gamma, ext, scale, 0, exp_ptr, false);
-          if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
-        } else {
-          parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale,
-                                                              kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                                                              exp_ptr, stream);
-        }
-      }
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-      // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
-      if constexpr (kCanStream) {
-        if (stream) avx512::stream_fence();
-      }
-#endif
-      finish_row_losses(parts, loss_ptr, begin, end);
-    });
-  };
-  using F = std::false_type;
-  using T = std::true_type;
-  auto run_rows = [&](auto pow_tag, auto dual_tag) {
-    if (use_avx512_sweeps()) {
-      run_rows_with(pow_tag, dual_tag, T{});
-    } else {
-      run_rows_with(pow_tag, dual_tag, F{});
-    }
-  };
-  if (args.weight == Weight::Brier) {
-    if (args.norm == 2.0) {
-      run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
-    } else if (args.norm == 1.0) {
-      run_rows(std::integral_constant<PowQ, PowQ::Linear>{}, F{});
-    } else {
-      run_rows(std::integral_constant<PowQ, PowQ::General>{}, F{});
-    }
-  } else if (args.weight == Weight::DualFocal) {
-    run_rows(std::integral_constant<PowQ, PowQ::None>{}, T{});
-  } else {
-    run_rows(std::integral_constant<PowQ, PowQ::None>{}, F{});
-  }
-
-  if (args.reduction == Reduction::None) return row_loss;
-  // Serial, in double: deterministic whatever the thread count.
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += static_cast<double>(loss_ptr[i]);
-  if (args.reduction == Reduction::Mean) total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
-  return at::scalar_tensor(total, z.options().dtype(loss_dtype));
-}
 
 std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out) {
-  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+  const KernelArgs args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
                                ignore_index, reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   const bool into_caller_buffer = compute_grad && grad_out.has_value();
@@ -690,11 +114,14 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     // column-strided caller buffer: when it is the logits, their contiguous copy z is ours to overwrite
     dest = (!direct && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
   }
-  at::Tensor loss;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cpu", [&] {
-    loss = launch<scalar_t>(z, compute_grad ? dest.mutable_data_ptr<scalar_t>() : nullptr,
-                            compute_grad ? dest.stride(0) : 0, t, sample_weight, gamma_per_sample, args);
-  });
+  void* grad_ptr = compute_grad ? dest.data_ptr() : nullptr;
+  const int64_t grad_stride = compute_grad ? dest.stride(0) : 0;
+  const CpuIsa isa = selected_isa();
+  const at::Tensor loss =
+      isa == CpuIsa::Default
+          ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args, false)
+          : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args,
+                                 isa == CpuIsa::Avx512);
   if (!into_caller_buffer) return {loss, dest};
   if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
   return {loss, at::empty({0}, z.options())};
@@ -703,12 +130,14 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
 }  // namespace
 
 const char* cpu_vector_isa() {
-  if (use_avx512_sweeps()) return "avx512";
-#if defined(CPU_CAPABILITY_AVX2)
-  return "avx2";
-#else
-  return "default";
-#endif
+  switch (selected_isa()) {
+    case CpuIsa::Avx512:
+      return "avx512";
+    case CpuIsa::Avx2:
+      return "avx2";
+    default:
+      return "default";
+  }
 }
 
 int64_t release_cpu_gradient_cache() { return GradientBufferCache::instance().release(); }

@@ -40,7 +40,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) && defined(__GNUC__) && defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
 #define CALIBKERNELS_HAVE_AVX512_SWEEPS 1
 #else

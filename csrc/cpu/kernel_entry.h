@@ -1,0 +1,45 @@
+// The entry point of the CPU kernel, compiled once per instruction set (uncertainty_weighted_ce_kernel.h, included
+// by kernel_default.cpp and kernel_avx2.cpp) and chosen at run time by uncertainty_weighted_ce.cpp.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <optional>
+
+#include "uncertainty_weighted_ce.h"
+
+namespace calibkernels {
+
+struct KernelArgs {
+  Weight weight;
+  Mode mode;
+  double gamma;
+  double norm;
+  int64_t ignore_index;
+  Reduction reduction;
+  int64_t valid_rows;  // non-ignored rows (the mean's divisor), counted by the caller's target check
+};
+
+// Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (the logits' dtype,
+// row stride `grad_stride`, may alias z) when non-null; returns the loss (float32, or float64 for float64 logits;
+// (N,) for reduction none, else 0-dim). `avx512`: run the AVX-512 sweeps (avx2 build only; the caller checked the
+// CPU). The caller has checked the arguments and targets.
+#define CALIBKERNELS_DECLARE_RUN_KERNEL(isa)                                                                       \
+  namespace isa {                                                                                                  \
+  at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,        \
+                        const std::optional<at::Tensor>& sample_weight,                                            \
+                        const std::optional<at::Tensor>& gamma_per_sample, const KernelArgs& args, bool avx512);   \
+  }
+CALIBKERNELS_DECLARE_RUN_KERNEL(isa_default)
+CALIBKERNELS_DECLARE_RUN_KERNEL(isa_avx2)
+#undef CALIBKERNELS_DECLARE_RUN_KERNEL
+
+// Whether kernel_avx2.cpp was compiled with AVX2 (GCC on x86-64; otherwise it is an empty translation unit).
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define CALIBKERNELS_HAVE_AVX2_KERNEL 1
+#else
+#define CALIBKERNELS_HAVE_AVX2_KERNEL 0
+#endif
+
+}  // namespace calibkernels
