@@ -61,9 +61,8 @@ def _extensions():
         raise RuntimeError("calibkernels: CUDA kernels requested but this torch is a CPU-only build")
 
     rel = lambda pattern: sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, pattern)))
-    # Link order matters: the per-instruction-set kernels (csrc/cpu/kernel_*.cpp, kernel_avx2.cpp last) come after
-    # every baseline object, so that the linker keeps the baseline copy of any inline function they share (see
-    # csrc/cpu/kernel_avx2.cpp).
+    # csrc/cpu/kernel_default.cpp and kernel_avx2.cpp: the CPU kernel for the baseline and for AVX2 (the latter
+    # compiled for AVX2 by a pragma; see that file for why it shares no out-of-line code with the others).
     kernels = [os.path.join("csrc", "cpu", "kernel_default.cpp"), os.path.join("csrc", "cpu", "kernel_avx2.cpp")]
     sources = [p for p in rel("csrc/*.cpp") + rel("csrc/cpu/*.cpp") if p not in kernels] + kernels
     cuda_sources = rel("csrc/cuda/*.cu") + rel("csrc/cuda/*.cpp")

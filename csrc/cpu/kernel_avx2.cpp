@@ -1,10 +1,13 @@
 // The CPU kernel for x86-64 CPUs with AVX2 and FMA (x86-64-v3), and its AVX-512 sweeps (vec_exp.h, behind target
 // attributes). The target pragma comes before every include, so this whole translation unit, ATen's Vectorized<>
 // included, is compiled for AVX2 + FMA as with -mavx2 -mfma, as ATen
-// compiles its own *.AVX2.cpp kernels. setup.py links it after the baseline objects: an inline function of a shared
-// header that a baseline file also emits out of line then resolves to the baseline copy (the linker keeps the first
-// definition), and one that only this file emits is only called from here, i.e. after the run-time check chose this
-// kernel (uncertainty_weighted_ce.cpp). Other compilers (clang ignores the pragma) get no AVX2 kernel.
+// compiles its own *.AVX2.cpp kernels. Risk of that: an inline function of a shared header that this file and a
+// baseline file both emit out of line is one symbol, and the linker may keep this file's AVX2 copy (torch's build
+// links the objects in name order, not in setup.py's order). So the code the kernels share is kept out of the
+// symbol table here: the weight maths has internal linkage (uncertainty_weights.h), the target checks and the dtype
+// dispatch (c10 message templates) live in the baseline file. Checked with nm/objdump on the built objects: no weak
+// symbol this object shares with another contains a VEX-encoded instruction. Other compilers (clang ignores the
+// pragma) get no AVX2 kernel.
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #pragma GCC target("avx2,fma,f16c,bmi,bmi2,lzcnt,popcnt,movbe")
 // GCC's target pragma enables the instructions but not the feature macros that -mavx2 -mfma would define, which
