@@ -1,4 +1,9 @@
-"""``nn.Module`` losses and the registry of SPEC §2 (names follow the papers' reference code).
+"""``nn.Module`` losses and their registry (names follow the papers' reference code; formulas, defaults and the
+registry table: ``docs/losses.md``).
+
+Every registry name accepts exactly the hyper-parameters its loss uses: a name given one it ignores (``gamma`` for
+``cross_entropy``, ``norm`` for ``focal_loss``) raises ``TypeError`` listing the accepted ones, and values out of range
+(NaN, infinite, negative γ; a non-positive norm; MMCE's ``lam`` and ``bandwidth``) raise ``ValueError``.
 
 >>> import calibkernels as ck
 >>> criterion = ck.losses.build("bsce_gra", gamma=4.0, reduction="sum")
@@ -18,6 +23,16 @@ from . import reference as _reference
 __all__ = ["UncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss", "build", "names", "REGISTRY"]
 
 
+def _check_gamma_and_norm(gamma, norm):
+    """γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)."""
+    V.check_gamma(gamma)
+    if isinstance(gamma, torch.Tensor):
+        raise TypeError("a module's gamma is a number; pass a per-sample gamma tensor to forward(..., gamma=...)")
+    _reference._check_number("gamma", gamma)
+    V.check_norm(norm)
+    _reference._check_number("norm", norm, positive=True)
+
+
 class UncertaintyWeightedCE(nn.Module):
     """Module form of :func:`calibkernels.uncertainty_weighted_ce` (``L_i = u_i · CE_i``).
 
@@ -30,8 +45,7 @@ class UncertaintyWeightedCE(nn.Module):
         super().__init__()
         V.check_weight(weight)
         V.check_mode(mode)
-        V.check_gamma(gamma)
-        V.check_norm(norm)
+        _check_gamma_and_norm(gamma, norm)
         V.check_reduction(reduction)
         V.check_backend(backend)
         self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
@@ -105,39 +119,64 @@ class LabelSmoothingCE(nn.Module):
 
 
 class MMCELoss(nn.Module):
-    """CE + λ·MMCE (Kumar et al. 2018), λ = 2, Laplacian kernel of bandwidth 0.4 on max-probability confidence."""
+    """CE + λ·MMCE (Kumar et al. 2018), λ = ``lam`` = 2, Laplacian kernel of bandwidth 0.4 on max-probability
+    confidence (:func:`calibkernels.reference.mmce_loss`). ``lam`` must be finite and ≥ 0, ``bandwidth`` finite
+    and > 0."""
 
-    def __init__(self, lamda=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100,
+    def __init__(self, lam=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100,
                  backend="auto"):
         super().__init__()
         self.backend = _check_reference_only_backend("mmce", backend)
         V.check_reduction(reduction)
         if reduction == "none":
             raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
-        if not bandwidth > 0:
-            raise ValueError(f"MMCE kernel bandwidth must be > 0, got {bandwidth}")
-        self.lamda, self.weighted, self.bandwidth = float(lamda), bool(weighted), float(bandwidth)
+        _reference.check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
+        self.lam, self.weighted, self.bandwidth = float(lam), bool(weighted), float(bandwidth)
         self.reduction, self.ignore_index = reduction, ignore_index
 
     def forward(self, logits, target):
-        return _reference.mmce_loss(logits, target, lamda=self.lamda, weighted=self.weighted,
+        return _reference.mmce_loss(logits, target, lam=self.lam, weighted=self.weighted,
                                     bandwidth=self.bandwidth, reduction=self.reduction,
                                     ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return (f"lamda={self.lamda}, weighted={self.weighted}, bandwidth={self.bandwidth}, "
+        return (f"lam={self.lam}, weighted={self.weighted}, bandwidth={self.bandwidth}, "
                 f"reduction={self.reduction!r}")
+
+
+class _Factory:
+    """A registry entry: builds its module from exactly the hyper-parameters in ``accepted`` (over ``defaults``)."""
+
+    def __init__(self, make, accepted, **defaults):
+        self.make, self.accepted, self.defaults = make, tuple(accepted), defaults
+
+    def __call__(self, **hyperparameters):
+        unused = [key for key in hyperparameters if key not in self.accepted]
+        if unused:
+            raise TypeError(f"got unexpected hyper-parameter(s) {', '.join(map(repr, unused))}; "
+                            f"it accepts only the ones its loss uses: {', '.join(self.accepted)}")
+        return self.make(**{**self.defaults, **hyperparameters})
+
+    def __repr__(self):
+        return f"<loss factory accepting {', '.join(self.accepted)}>"
+
+
+_COMMON = ("reduction", "ignore_index", "backend")  # every loss
+_FUSED = _COMMON + ("inplace",)  # losses with a fused kernel (UncertaintyWeightedCE)
 
 
 def _uwce(weight, mode, **defaults):
     def make(**hp):
-        kwargs = dict(defaults)
-        kwargs.update(hp)
-        return UncertaintyWeightedCE(weight=weight, mode=mode, **kwargs)
-    return make
+        return UncertaintyWeightedCE(weight=weight, mode=mode, **hp)
+    return _Factory(make, tuple(defaults) + _FUSED, **defaults)
 
 
-# name -> factory(**hyperparameters); defaults as in SPEC §2.
+def _mmce(weighted):
+    return _Factory(lambda **hp: MMCELoss(weighted=weighted, **hp), ("lam", "bandwidth") + _COMMON)
+
+
+# name -> factory(**hyperparameters), accepting exactly the hyper-parameters its loss uses; defaults as in
+# docs/losses.md ("Registry names").
 REGISTRY = {
     "cross_entropy": _uwce("none", "grad"),
     "focal_loss": _uwce("focal", "loss", gamma=3.0),
@@ -148,10 +187,10 @@ REGISTRY = {
     "dual_focal_loss_gra": _uwce("dual_focal", "grad", gamma=5.0),
     "bsce": _uwce("brier", "loss", gamma=4.0, norm=2.0),
     "bsce_gra": _uwce("brier", "grad", gamma=4.0, norm=2.0),
-    "brier_loss": BrierLoss,
-    "label_smoothing": LabelSmoothingCE,
-    "mmce": lambda **hp: MMCELoss(weighted=False, **hp),
-    "mmce_weighted": lambda **hp: MMCELoss(weighted=True, **hp),
+    "brier_loss": _Factory(BrierLoss, _COMMON),
+    "label_smoothing": _Factory(LabelSmoothingCE, ("alpha",) + _COMMON),
+    "mmce": _mmce(weighted=False),
+    "mmce_weighted": _mmce(weighted=True),
 }
 
 
@@ -161,9 +200,11 @@ def names() -> list[str]:
 
 
 def build(name: str, **hyperparameters) -> nn.Module:
-    """Build the loss module registered as ``name`` (SPEC §2), overriding its defaults with ``hyperparameters``.
+    """Build the loss module registered as ``name``, overriding its defaults with ``hyperparameters``.
 
-    Unknown names raise ``ValueError``; unknown hyperparameters raise ``TypeError`` naming them.
+    Registry names, the hyper-parameters each accepts and their defaults: ``docs/losses.md`` ("Registry names").
+    An unknown name raises ``ValueError``; a hyper-parameter the loss does not use raises ``TypeError`` listing the
+    accepted ones; a value out of range raises ``ValueError``.
     """
     if name not in REGISTRY:
         raise ValueError(f"unknown loss {name!r}; expected one of {', '.join(REGISTRY)}")

@@ -1,4 +1,5 @@
-"""Pure-PyTorch reference of the calibration loss family (SPEC §2). Every fast kernel is tested against this module.
+"""Pure-PyTorch reference of the calibration loss family (formulas and defaults: ``docs/losses.md``). Every fast
+kernel is tested against this module.
 
 All computation happens in float32 (float64 stays float64, for ``gradcheck``), on any device; results come back in the
 input dtype, as ``torch.nn.functional.cross_entropy`` does.  Gradients come from autograd, so the reference is the
@@ -20,14 +21,29 @@ weight          u(p, y)                                           source
 
 ``mode="loss"`` differentiates through ``u`` (classic focal/dual-focal/BSCE); ``mode="grad"`` uses ``sg[u]``, so the
 gradient is exactly ``u_i (p_i - e_{y_i})`` (the GRA losses).
+
+Numerics (shared by every weight):
+
+* ``1 - p_y`` is never a difference: it is ``Σ_{k≠y} p_k``, computed in the log domain as
+  ``log(1 - p_y) = logsumexp_{k≠y} log p_k``, so confident rows keep full relative precision.
+* Every power ``x^a`` is taken from ``log x`` (:func:`_power_of_log`): its derivative ``a x^{a-1} dx =
+  a x^a d(log x)`` is then finite for every ``a ≥ 0``, including ``a < 1`` at ``x → 0`` (a saturated row, where
+  ``1 - p_y`` or a ``p_k`` underflows), where a plain ``pow`` backward gives ``inf · 0 = NaN``. At ``x = 0`` exactly the
+  derivative is the limit 0 (``d(log x)/dz`` is bounded: ``|d log p_k / dz|_1 ≤ 2``).
+* FLSD's band follows one float32 rule shared with the kernels (:func:`_flsd_gamma`); dual focal's ``p_j`` and its
+  ties are decided on the logits (:func:`uncertainty_weight`).
 """
 
 from __future__ import annotations
+
+import math
+import numbers
 
 import torch
 import torch.nn.functional as F
 
 from . import _validation as V
+from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
 
 __all__ = [
     "uncertainty_weight",
@@ -37,10 +53,13 @@ __all__ = [
     "label_smoothing_loss",
     "mmce",
     "mmce_loss",
+    "check_mmce_hyperparameters",
 ]
 
-FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA = 0.2, 5.0  # Lambert-W bound γ*(0.2) = 4.85, rounded up (Mukhoti et al. §5)
-FLSD_MID_THRESHOLD, FLSD_MID_GAMMA = 0.5, 3.0
+# FLSD-53's thresholds (calibkernels._codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the band's
+# float32 p_y is compared with.
+_FLSD_LOW_THRESHOLD_F32 = float(torch.tensor(FLSD_LOW_THRESHOLD, dtype=torch.float32))
+_FLSD_MID_THRESHOLD_F32 = float(torch.tensor(FLSD_MID_THRESHOLD, dtype=torch.float32))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -71,48 +90,98 @@ def _reduce(per_row, valid, reduction, batch_shape, out_dtype):
     return (total / valid.sum().clamp_min(1)).to(out_dtype)
 
 
-def _flsd_gamma(p_target, gamma):
-    """Sample-dependent γ of FLSD (never differentiated)."""
-    p_target = p_target.detach()
-    high = torch.full_like(p_target, float(gamma))
-    mid = torch.full_like(p_target, FLSD_MID_GAMMA)
-    low = torch.full_like(p_target, FLSD_LOW_GAMMA)
-    return torch.where(p_target < FLSD_LOW_THRESHOLD, low, torch.where(p_target < FLSD_MID_THRESHOLD, mid, high))
+def _flsd_gamma(z, target, gamma):
+    """FLSD-53's sample-dependent ``γ_i (N,)`` for logits ``z (N, C)`` in the compute dtype (never differentiated).
+
+    The band is a step function of ``p_y``, so every implementation must compute the same ``p_y`` at the thresholds;
+    the rule, which the C++, CUDA and Triton kernels follow too, is::
+
+        p_band = float32( exp(z_y - lse) ),   lse = logsumexp_k z_k      (both in the compute dtype: float32 for
+                                                                          float32/float16/bfloat16 logits, float64
+                                                                          for float64, then rounded to float32)
+        γ_i = 5 if p_band < 0.2f,  3 if p_band < 0.5f,  γ otherwise      (0.2f, 0.5f: the float32 thresholds)
+
+    E.g. five equal logits: float32 ``exp(-logf(5)) = 0.19999999f < 0.2f`` gives γ_i = 5; in float64
+    ``exp(-log 5)`` rounds to ``0.2f``, γ_i = 3. Thresholds and the Lambert-W argument for 5: Mukhoti et al. 2020
+    (``docs/losses.md``, "flsd").
+    """
+    z = z.detach()
+    p_band = torch.exp(z.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(z, dim=1)).float()
+    high = torch.full_like(z[:, 0], float(gamma))
+    mid = torch.full_like(high, FLSD_MID_GAMMA)
+    low = torch.full_like(high, FLSD_LOW_GAMMA)
+    return torch.where(p_band < _FLSD_LOW_THRESHOLD_F32, low, torch.where(p_band < _FLSD_MID_THRESHOLD_F32, mid, high))
+
+
+def _logsumexp_or_neg_inf(x, dim):
+    """``logsumexp(x, dim)``, ``-inf`` where every entry is ``-inf``, with a zero (not NaN) gradient there."""
+    some_finite = (x > -math.inf).any(dim=dim)
+    safe = torch.where(some_finite.unsqueeze(dim), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    return torch.where(some_finite, torch.logsumexp(safe, dim=dim),
+                       torch.full((), -math.inf, dtype=x.dtype, device=x.device))
+
+
+def _power_of_log(log_x, exponent):
+    """``x^a`` for ``x = exp(log_x) ≥ 0`` and ``a ≥ 0`` (a number or a per-row tensor), with an exact, finite gradient.
+
+    The value is ``pow(x, a)`` (``0^0 = 1``, ``0^a = 0``); the gradient is ``a x^a d(log x)`` (and ``x^a log x`` for a
+    tensor ``a``), taken through ``pow`` where ``x`` is a normal number (``x^{a-1} ≤ 1/tiny`` is finite) and through
+    ``exp(a log x)`` below (subnormal ``x``, where ``x^{a-1}`` would overflow), with the limit 0 at ``x = 0``.
+    """
+    tiny = torch.finfo(log_x.dtype).tiny
+    x = torch.exp(log_x)
+    normal = x >= tiny
+    positive = log_x > -math.inf
+    one = torch.ones((), dtype=log_x.dtype, device=log_x.device)
+    # each branch sees only its own rows' values (1 or 0 elsewhere), so no unselected inf reaches a backward as inf · 0
+    by_pow = torch.where(normal, x, one).pow(exponent)
+    by_exp = torch.exp(exponent * torch.where(positive & ~normal, log_x, torch.zeros_like(one)))
+    if isinstance(exponent, torch.Tensor):
+        at_zero = (exponent == 0).to(log_x.dtype)
+    else:
+        at_zero = one if exponent == 0 else torch.zeros_like(one)
+    return torch.where(normal, by_pow, torch.where(positive, by_exp, at_zero))
 
 
 def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None):
-    """Differentiable per-row weight ``u_i`` of SPEC §2 for logits ``z (N, C)`` (compute dtype) and targets ``(N,)``.
+    """Differentiable per-row weight ``u_i (N,)`` for logits ``z (N, C)`` (compute dtype) and targets ``(N,)``.
 
-    ``1 - p_y`` is computed as ``-expm1(log p_y)`` so confident rows (p_y → 1) keep full relative precision.
+    Formulas: the module docstring and ``docs/losses.md`` ("The weights"). ``1 - p_y = Σ_{k≠y} p_k`` is taken in the
+    log domain, and every power through :func:`_power_of_log`, so the weight and its gradient stay exact and finite on
+    saturated rows (``p_y = 1`` to working precision) for every exponent ``≥ 0``.
     """
     if weight == "none":
         return torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
     if weight == "external":
         return sample_weight.detach().to(z.dtype)
-    log_p = torch.log_softmax(z, dim=-1)
-    log_p_target = log_p.gather(1, target[:, None]).squeeze(1)
-    one_minus_p_target = -torch.expm1(log_p_target)
     if isinstance(gamma, torch.Tensor):
         gamma = gamma.to(z.dtype)
+    log_p = torch.log_softmax(z, dim=-1)
+    is_target = F.one_hot(target, z.shape[1]).bool()
+    neg_inf = torch.full((), -math.inf, dtype=z.dtype, device=z.device)
+    # log(1 - p_y) = log Σ_{k≠y} p_k: no cancellation as p_y → 1 (-inf for a single class)
+    log_one_minus_p_target = _logsumexp_or_neg_inf(torch.where(is_target, neg_inf, log_p), dim=1)
     if weight == "focal":
-        return one_minus_p_target.pow(gamma)
+        return _power_of_log(log_one_minus_p_target, gamma)
     if weight == "flsd":
-        return one_minus_p_target.pow(_flsd_gamma(log_p_target.exp(), gamma))
-    p = log_p.exp()
+        return _power_of_log(log_one_minus_p_target, _flsd_gamma(z, target, gamma))
     if weight == "dual_focal":
-        # p_j: the largest probability strictly below p_y (0 if none). Compared on logits, which orders the same
-        # as probabilities but without softmax rounding merging distinct values into ties.
+        # p_j: the largest probability strictly below p_y (0 if none), log p_j = z_j - lse with z_j the largest logit
+        # strictly below z_y. Logits order classes as probabilities do, without softmax rounding merging distinct
+        # values into ties; amax splits p_j's gradient evenly between tied classes, as the kernels do. The max is
+        # taken over the logits themselves, not over softmax(z): Inductor (CPU) recomputes softmax's exp in the
+        # backward through another exp than the forward's (vector vs scalar path, 1 ulp apart), so amax's backward
+        # mask `p == max(p)` could match no class and divide by a zero count: NaN gradients
+        # (pytorch/pytorch#186799, fix proposed in pytorch/pytorch#186953).
         z_target = z.gather(1, target[:, None])
-        below = z < z_target
-        p_below = torch.where(below, p, torch.zeros((), dtype=p.dtype, device=p.device))
-        p_j = p_below.amax(dim=1)
-        return (one_minus_p_target + p_j).pow(gamma)
+        z_below_max = torch.where(z < z_target, z, neg_inf).amax(dim=1)
+        log_p_j = z_below_max - torch.logsumexp(z, dim=1)
+        log_base = _logsumexp_or_neg_inf(torch.stack([log_one_minus_p_target, log_p_j], dim=1), dim=1)
+        return _power_of_log(log_base, gamma)
     if weight == "brier":
-        # ‖p - e_y‖_q^q = Σ_{k≠y} p_k^q + (1 - p_y)^q  (no cancellation in p_y - 1)
-        is_target = F.one_hot(target, z.shape[1]).bool()
-        p_others = torch.where(is_target, torch.zeros((), dtype=p.dtype, device=p.device), p)
-        norm_q = p_others.pow(norm).sum(dim=1) + one_minus_p_target.pow(norm)
-        return norm_q.pow(gamma / norm)
+        # ‖p - e_y‖_q^q = Σ_{k≠y} p_k^q + (1 - p_y)^q  (no cancellation in p_y - 1), summed in the log domain
+        log_terms = torch.where(is_target, norm * log_one_minus_p_target[:, None], norm * log_p)
+        return _power_of_log(_logsumexp_or_neg_inf(log_terms, dim=1), gamma / norm)
     raise ValueError(f"unknown weight {weight!r}")
 
 
@@ -134,9 +203,11 @@ def uncertainty_weighted_ce(
     Args:
         logits: ``(..., C)`` float tensor (class dimension last).
         target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``.
-        weight: ``"none" | "focal" | "flsd" | "dual_focal" | "brier" | "external"`` (table in the module docstring).
+        weight: ``"none" | "focal" | "flsd" | "dual_focal" | "brier" | "external"`` (table in the module docstring;
+            FLSD's band rule: :func:`_flsd_gamma`).
         mode: ``"grad"`` (GRA: weight detached, gradient ``u (p - e_y)``) or ``"loss"`` (weight differentiated).
-        gamma: exponent γ ≥ 0; for ``weight="focal"`` also a per-sample tensor of the target's shape.
+        gamma: exponent γ, finite and ≥ 0; for ``weight="focal"`` also a per-sample tensor of the target's shape
+            (differentiable: ``dL_i/dγ_i = L_i log(1 - p_{i,y})``, 0 where ``1 - p_y = 0``).
         norm: q > 0 of the generalised Brier score (``weight="brier"``).
         sample_weight: ``(...)`` per-sample weight for ``weight="external"``, used as ``sg[w]``.
         reduction: ``"mean"`` (over non-ignored rows; 0 if none), ``"sum"`` or ``"none"`` (ignored rows → 0).
@@ -203,6 +274,23 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
     return _reduce((1.0 - alpha) * nll + alpha * smooth, valid, reduction, batch_shape, logits2d.dtype)
 
 
+def _check_number(name, value, *, positive=False):
+    """``value`` must be a real number (not a bool), finite, and ``> 0`` (``positive``) or ``>= 0``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    in_range = value > 0 if positive else value >= 0  # both False for NaN
+    if not (in_range and math.isfinite(value)):
+        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
+
+
+def check_mmce_hyperparameters(*, lam=None, bandwidth=None):
+    """MMCE's trade-off weight ``lam`` (finite, ≥ 0) and kernel bandwidth (finite, > 0); ``None`` is not checked."""
+    if lam is not None:
+        _check_number("MMCE weight lam (λ)", lam)
+    if bandwidth is not None:
+        _check_number("MMCE kernel bandwidth", bandwidth, positive=True)
+
+
 def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100):
     """Maximum mean calibration error of a batch (Kumar, Sarawagi, Jain, ICML 2018), differentiable.
 
@@ -214,8 +302,10 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100):
       incorrect samples are compared as two distributions, ``MMCE_w² = Σ_{c=c'=1}(1-r)(1-r')k / n₁²
       + Σ_{c=c'=0} r r' k / n₀² - 2 Σ_{c=1,c'=0}(1-r) r' k / (n₁ n₀)``; it is 0 when either group is empty.
 
-    A ``1e-10`` inside the square root keeps its gradient finite at 0. Ignored rows take no part.
+    A ``1e-10`` inside the square root keeps its gradient finite at 0. Ignored rows take no part. ``logits (..., C)``,
+    ``target (...)``; returns a 0-dim tensor. Formulas and conventions: ``docs/losses.md`` ("MMCE").
     """
+    check_mmce_hyperparameters(bandwidth=bandwidth)
     logits2d, target1d, _ = V.check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     p = torch.softmax(z, dim=-1)
@@ -241,18 +331,20 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100):
     return both_groups * torch.sqrt(squared.clamp_min(0) + 1e-10)
 
 
-def mmce_loss(logits, target, *, lamda=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100):
-    """Cross-entropy + λ·MMCE (Kumar et al. 2018; λ = 2 as in Mukhoti et al.'s runs).
+def mmce_loss(logits, target, *, lam=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100):
+    """Cross-entropy + λ·MMCE (Kumar et al. 2018; λ = ``lam`` = 2 as in Mukhoti et al.'s runs), see :func:`mmce`.
 
     MMCE is a batch-level term, so ``reduction="none"`` is not defined. ``"mean"``: mean CE + λ·MMCE;
     ``"sum"``: sum CE + λ·n·MMCE (n non-ignored rows), i.e. n times the mean form, so the paper recipes'
-    sum reduction keeps the same balance between the two terms.
+    sum reduction keeps the same balance between the two terms. ``lam`` must be finite and ≥ 0, ``bandwidth``
+    finite and > 0 (``ValueError`` otherwise).
     """
     V.check_reduction(reduction)
+    check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
     if reduction == "none":
         raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
     ce = uncertainty_weighted_ce(logits, target, weight="none", reduction=reduction, ignore_index=ignore_index)
     penalty = mmce(logits, target, weighted=weighted, bandwidth=bandwidth, ignore_index=ignore_index)
     if reduction == "sum":
         penalty = penalty * (target.reshape(-1) != ignore_index).sum()
-    return ce + (lamda * penalty).to(ce.dtype)
+    return ce + (lam * penalty).to(ce.dtype)

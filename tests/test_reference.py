@@ -1,7 +1,7 @@
 """The pure-PyTorch reference against independent NumPy formulas, closed-form cases and float64 finite differences.
 
 Everything else in the project is tested against ``calibkernels.reference``, so this file checks the reference with
-code that shares nothing with it: per-row NumPy loops written from SPEC §2.
+code that shares nothing with it: per-row NumPy loops written from the formulas of ``docs/losses.md``.
 """
 
 import math
@@ -165,14 +165,20 @@ def test_brier_gamma2_norm2_is_brier_score_and_norm_q_generalises():
 
 
 def test_confident_rows_keep_relative_precision():
-    # p_y = 1 - 1e-12: in float32/64 "1 - p_y" by subtraction loses most digits; the reference uses expm1.
+    # p_y = 1 - 1e-12: "1 - p_y" by subtraction, or from log p_y (whose log(1 + 1e-12) keeps the rounding of 1 + 1e-12,
+    # and is 0 in float32), loses most digits; the reference sums the other probabilities instead.
     eps = 1e-12
-    z = torch.tensor([[0.0, math.log(eps)]], dtype=torch.float64)  # p_1 ≈ eps
+    z = torch.tensor([[0.0, math.log(eps)]], dtype=torch.float64)  # p_1 = eps / (1 + eps)
     y = torch.tensor([0])
     u = R.uncertainty_weight(z, y, weight="focal", gamma=1.0, norm=2.0)
-    assert u.item() == pytest.approx(eps / (1 + eps), rel=1e-9)
+    assert u.item() == pytest.approx(eps / (1 + eps), rel=1e-13, abs=0)
+    u = R.uncertainty_weight(z, y, weight="focal", gamma=0.5, norm=2.0)
+    assert u.item() == pytest.approx(math.sqrt(eps / (1 + eps)), rel=1e-13, abs=0)
+    # float32: the logit log(1e-12) is rounded to float32 (relative error ~1e-6 in p_1)
     u32 = R.uncertainty_weight(z.float(), y, weight="brier", gamma=2.0, norm=2.0)
-    assert u32.item() == pytest.approx(2 * eps**2, rel=1e-4)
+    assert u32.item() == pytest.approx(2 * eps**2, rel=1e-5, abs=0)
+    u32 = R.uncertainty_weight(z.float(), y, weight="dual_focal", gamma=1.0, norm=2.0)
+    assert u32.item() == pytest.approx(2 * eps, rel=1e-5, abs=0)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,169 @@
+"""``calibkernels.losses``: the registry accepts exactly each loss's hyper-parameters, validates their values, and
+builds every call that the READMEs document."""
+
+import ast
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+import calibkernels as ck
+from calibkernels import reference as R
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# name -> the hyper-parameters its loss uses (besides reduction, ignore_index, backend, and inplace where fused)
+USED = {
+    "cross_entropy": set(),
+    "focal_loss": {"gamma"}, "focal_loss_gra": {"gamma"}, "flsd": {"gamma"}, "flsd_gra": {"gamma"},
+    "dual_focal_loss": {"gamma"}, "dual_focal_loss_gra": {"gamma"},
+    "bsce": {"gamma", "norm"}, "bsce_gra": {"gamma", "norm"},
+    "brier_loss": set(),
+    "label_smoothing": {"alpha"},
+    "mmce": {"lam", "bandwidth"}, "mmce_weighted": {"lam", "bandwidth"},
+}
+SAMPLE_VALUE = {"gamma": 2.0, "norm": 1.5, "alpha": 0.1, "lam": 3.0, "bandwidth": 0.3}
+
+
+def _inputs(n=10, c=5):
+    z, y = torch.randn(n, c, dtype=torch.float64) * 2, torch.randint(0, c, (n,))
+    z[0] = 0.0
+    z[0, y[0]] = 2.0  # p_y = e² / (e² + c - 1) ≥ 0.5 for c ≤ 8: a row where FLSD uses its γ argument
+    return z, y
+
+
+def test_registry_table_covers_every_name():
+    assert set(USED) == set(ck.losses.names())
+
+
+@pytest.mark.parametrize("name", sorted(USED))
+def test_each_name_rejects_the_hyperparameters_it_does_not_use(name):
+    for unused in sorted(set(SAMPLE_VALUE) - USED[name]):
+        with pytest.raises(TypeError, match=rf"{name}.*{unused}") as info:
+            ck.losses.build(name, **{unused: SAMPLE_VALUE[unused]})
+        for accepted in USED[name] | {"reduction", "ignore_index"}:  # the message names what is accepted
+            assert accepted in str(info.value), (name, unused, str(info.value))
+    for wrong in ("weight", "mode", "weighted", "lamda"):  # fixed by the name, or not the parameter's name
+        with pytest.raises(TypeError, match=wrong):
+            ck.losses.build(name, **{wrong: 1})
+
+
+@pytest.mark.parametrize("name", sorted(USED))
+def test_each_name_uses_the_hyperparameters_it_accepts(name):
+    """Every accepted hyper-parameter reaches the loss: changing it changes the value (never silently ignored)."""
+    z, y = _inputs()
+    base = ck.losses.build(name, backend="reference")(z, y)
+    for used in sorted(USED[name]):
+        changed = ck.losses.build(name, backend="reference", **{used: SAMPLE_VALUE[used]})(z, y)
+        assert not torch.allclose(changed, base), (name, used)
+    total = ck.losses.build(name, backend="reference", reduction="sum")(z, y)
+    torch.testing.assert_close(total, base * len(y))
+
+
+def test_cross_entropy_gamma_is_rejected_not_ignored():
+    with pytest.raises(TypeError, match=r"cross_entropy.*gamma.*accept"):
+        ck.losses.build("cross_entropy", gamma=2)
+
+
+def test_mmce_lam_is_the_trade_off_weight():
+    z, y = _inputs(12, 4)
+    for name, weighted in (("mmce", False), ("mmce_weighted", True)):
+        module = ck.losses.build(name, lam=2.5, backend="reference")
+        assert module.lam == 2.5 and "lam=2.5" in repr(module)
+        expected = torch.nn.functional.cross_entropy(z, y) + 2.5 * R.mmce(z, y, weighted=weighted)
+        torch.testing.assert_close(module(z, y), expected)
+        torch.testing.assert_close(R.mmce_loss(z, y, lam=2.5, weighted=weighted), expected)
+
+
+BAD_LAM = [float("nan"), float("inf"), -float("inf"), -0.5]
+
+
+@pytest.mark.parametrize("lam", BAD_LAM)
+def test_mmce_rejects_a_lam_that_is_not_finite_and_non_negative(lam):
+    z, y = _inputs()
+    for name in ("mmce", "mmce_weighted"):
+        with pytest.raises(ValueError, match="lam"):
+            ck.losses.build(name, lam=lam)
+        with pytest.raises(ValueError, match="lam"):
+            ck.losses.MMCELoss(lam=lam)
+    with pytest.raises(ValueError, match="lam"):
+        R.mmce_loss(z, y, lam=lam)
+    with pytest.raises(TypeError, match="lam"):
+        ck.losses.build("mmce", lam=True)  # a bool is not a weight
+
+
+@pytest.mark.parametrize("bandwidth", [float("nan"), float("inf"), 0.0, -1.0])
+def test_mmce_rejects_a_bandwidth_that_is_not_finite_and_positive(bandwidth):
+    z, y = _inputs()
+    with pytest.raises(ValueError, match="bandwidth"):
+        ck.losses.build("mmce", bandwidth=bandwidth)
+    with pytest.raises(ValueError, match="bandwidth"):
+        R.mmce(z, y, bandwidth=bandwidth)
+    with pytest.raises(ValueError, match="bandwidth"):
+        R.mmce_loss(z, y, bandwidth=bandwidth)
+
+
+@pytest.mark.parametrize("gamma", [float("nan"), float("inf"), -1.0])
+@pytest.mark.parametrize("name", [n for n in sorted(USED) if "gamma" in USED[n]])
+def test_modules_reject_a_gamma_that_is_not_finite_and_non_negative(name, gamma):
+    with pytest.raises(ValueError, match="gamma"):
+        ck.losses.build(name, gamma=gamma)
+    with pytest.raises(ValueError, match="gamma"):
+        ck.losses.UncertaintyWeightedCE(weight="focal", gamma=gamma)
+
+
+@pytest.mark.parametrize("norm", [float("nan"), float("inf"), 0.0])
+def test_modules_reject_a_norm_that_is_not_finite_and_positive(norm):
+    with pytest.raises(ValueError, match="norm"):
+        ck.losses.build("bsce_gra", norm=norm)
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# The calls the READMEs document
+# ------------------------------------------------------------------------------------------------------------------
+def _readme_build_calls():
+    """``ck.losses.build("name", key=value, ...)`` written in README.md, as (name, hyper-parameters)."""
+    calls = []
+    for call in re.findall(r"ck\.losses\.build\(([^)]*)\)", (ROOT / "README.md").read_text()):
+        try:
+            node = ast.parse(f"f({call})", mode="eval").body
+        except SyntaxError:
+            continue
+        if not node.args or not isinstance(node.args[0], ast.Constant):
+            continue  # the signature line ck.losses.build(name, **hyperparameters)
+        calls.append((node.args[0].value, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords}))
+    return calls
+
+
+def _training_readme_loss_specs():
+    """The ``--loss NAME:KEY=VALUE:...`` examples of training/README.md, parsed as training/train.py does."""
+    text = (ROOT / "training" / "README.md").read_text()
+    sentence = re.search(r"`--loss` takes.*?;", text, flags=re.S).group(0)
+    calls = []
+    for spec in re.findall(r"`([a-z_]+(?::[a-z_]+=[^:`]+)*)`", sentence):
+        name, *assignments = spec.split(":")
+        calls.append((name, {k: ast.literal_eval(v) for k, v in (a.split("=", 1) for a in assignments)}))
+    return calls
+
+
+def test_documented_examples_are_found():
+    assert ("dual_focal_loss", {"gamma": 5.0}) in _readme_build_calls()
+    specs = _training_readme_loss_specs()
+    assert ("mmce_weighted", {"lam": 2}) in specs and len(specs) >= 5, specs
+
+
+@pytest.mark.parametrize("name, hyperparameters", _readme_build_calls() + _training_readme_loss_specs(),
+                         ids=lambda v: v if isinstance(v, str) else ",".join(f"{k}={x}" for k, x in v.items()))
+def test_documented_build_calls_work(name, hyperparameters):
+    for reduction in ("mean", "sum"):  # training/train.py adds the recipe's reduction
+        module = ck.losses.build(name, reduction=reduction, **hyperparameters)
+        for key, value in hyperparameters.items():
+            assert math.isclose(getattr(module, key), value), (name, key)
+        z, y = _inputs()
+        module.backend = "reference"
+        x = z.clone().requires_grad_()
+        loss = module(x, y)
+        loss.backward()
+        assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
