@@ -150,7 +150,8 @@ C10_HOST_DEVICE inline WeightCoefficients<A> weight_coefficients(Weight weight, 
 // g_k (k ≠ y) of one element from p_k and p_k^{q-1} (the scalar form of the kernels' sweeps).
 template <typename A>
 C10_HOST_DEVICE inline A gradient_element(const WeightCoefficients<A>& c, A p, A p_qm1, bool tied) {
-  A g = p * (c.alpha + c.beta * (p_qm1 - c.tau));
+  // p_k = 0 (underflow): p_k^{q-1} may be inf for q < 1, and the term, p_k^q, tends to 0
+  A g = p == A(0) ? A(0) : p * (c.alpha + c.beta * (p_qm1 - c.tau));
   if (tied) g += c.c_tie;
   return g;
 }

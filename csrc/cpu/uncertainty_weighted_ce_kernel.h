@@ -175,6 +175,8 @@ void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T 
     if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
     if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp_u20() - tau_vec, coef);
     Vec g = p * coef;
+    // where p_k underflows to 0, p_k^{q-1} (q < 1) can overflow: 0 · inf. The term is p_k^q, whose limit is 0.
+    if constexpr (kPow == PowQ::General) g = Vec::blendv(g, zero, p == zero);
     if constexpr (kTies) g = g + Vec::blendv(zero, cj_vec, x == zj_vec);
     return g;
   };
