@@ -1,22 +1,21 @@
 """Calibration metrics: ``calibkernels.metrics`` against torchmetrics' ``MulticlassCalibrationError`` (optional).
 
-    python -m bench.bench_metrics [--device cpu|cuda] [--quick] [--out bench/results/metrics-NAME]
+    python -m bench.bench_metrics [--device cpu|cuda] [--quick] [--results-dir DIR | --out PREFIX]
 
 Times ECE (15 equal-width bins, L1), MCE (max), AdaECE (15 equal-count bins) and classwise ECE of logits ``(N, C)``,
 and prints each value next to torchmetrics' where torchmetrics has the metric (ECE: ``norm="l1"``, MCE:
 ``norm="max"``; it has no AdaECE or classwise ECE). torchmetrics is *not* a dependency of calibkernels: install it
 only to run this comparison (``pip install torchmetrics``); without it, only calibkernels' metrics are timed.
 Both libraries receive the same logits and apply the softmax themselves. Timing: bench/harness.py ``time_fn``.
+Results: ``metrics-<device type>[-quick]-<device>-<date>.json`` / ``.md`` in bench/results and one history row per
+(shape, metric, provider), as the loss bench writes them (:func:`bench.harness.publish`).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import importlib.util
-import json
 import sys
-from pathlib import Path
 
 import torch
 
@@ -59,14 +58,33 @@ def _inputs(n: int, c: int, device: str, seed: int = 0):
     return logits.to(device), labels.to(device)
 
 
+def history_rows(payload: dict, suite: str, source_file: str) -> list[dict]:
+    """One ``history.jsonl`` row per (shape, metric, provider) of a metrics result JSON (bench/README.md)."""
+    meta = payload["meta"]
+    extra = {"load_average_1min": meta.get("load_average_1min")}
+    if meta.get("torchmetrics"):
+        extra["torchmetrics"] = meta["torchmetrics"]
+    if meta.get("git_commit_full"):
+        extra["commit_full"] = meta["git_commit_full"]
+    return [harness.history_row(
+        meta, suite, source_file, kernel="calibration_metrics",
+        case_id=f"{meta['device']}-{r['n']}x{r['c']}-{r['metric']}", n=r["n"], c=r["c"], dtype="fp32", provider=r["provider"], config={"metric": r["metric"], "n_bins": N_BINS},
+        measure="metric", median_ms=r.get("median_ms"), min_ms=r.get("min_ms"), max_ms=r.get("max_ms"),
+        reps=r.get("reps"), value=r.get("value"), status="ok", times_ms=r.get("times_ms"), extra=dict(extra))
+        for r in payload["results"]]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.bench_metrics", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--out", type=Path, default=None)
+    harness.add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.out is not None and args.results_dir is not None:
+        parser.error("--out and --results-dir are exclusive")
+    suite = args.suite or f"metrics-{args.device}{'-quick' if args.quick else ''}"
     have_torchmetrics = importlib.util.find_spec("torchmetrics") is not None
     if not have_torchmetrics:
         print("[bench] torchmetrics is not installed: timing calibkernels' metrics only", file=sys.stderr)
@@ -91,7 +109,8 @@ def main(argv=None):
                 timing = harness.time_fn(lambda: fn(logits, labels), args.device, warmup=1,
                                          reps=5 if args.quick else 10, max_time_s=3.0)
                 records.append(dict(n=n, c=c, metric=metric, provider=provider, value=values[provider],
-                                    median_ms=timing.median_ms, min_ms=timing.min_ms, reps=timing.reps))
+                                    median_ms=timing.median_ms, min_ms=timing.min_ms, max_ms=timing.max_ms,
+                                    reps=timing.reps, times_ms=[round(t, 4) for t in timing.times_ms]))
                 print(f"[bench] {n}x{c} {metric} {provider}: {timing.median_ms:.2f} ms", file=sys.stderr)
             diff = abs(values["calibkernels"] - values["torchmetrics"]) if "torchmetrics" in values else None
             for r in records[-len(values):]:
@@ -101,12 +120,14 @@ def main(argv=None):
              f"{meta['torch']}; torchmetrics {meta.get('torchmetrics', 'not installed')}; {meta['date']}\n\n"
              + harness.rows_to_markdown(["N × C", "metric", "provider", "value (%)",
                                          "abs. difference to torchmetrics (pp)", "time (ms)"], rows))
-    out = args.out or Path(__file__).resolve().parent / "results" / (
-        f"metrics-{args.device}-{_dt.date.today().isoformat()}{'-quick' if args.quick else ''}")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({"meta": meta, "results": records}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(table)
+    meta["suite"] = suite
+    written = harness.publish({"meta": meta, "results": records}, table, suite=suite,
+                              rows_of=lambda payload, source: history_rows(payload, suite, source),
+                              results_dir=args.results_dir, out=args.out, history=harness.output_history(args))
     print(table)
+    print(f"[bench] wrote {written['json']} and {written['md']}"
+          + (f"; appended {len(records)} rows to {written['history']}" if written["history"] else "")
+          + (f"; removed {', '.join(written['removed'])}" if written["removed"] else ""), file=sys.stderr)
     return records
 
 

@@ -2,7 +2,7 @@
 
 Two ways to run (see bench/README.md):
 
-    python -m bench.bench_uncertainty_weighted_ce [--device cpu|cuda] [--quick] [--out bench/results/NAME]
+    python -m bench.bench_uncertainty_weighted_ce [--device cpu|cuda] [--quick] [--suite NAME]
     pytest bench/ --benchmark-only            # pytest-benchmark, one group per case (never with -n / xdist)
 
 This file only declares what is measured; how it is measured is in bench/harness.py.
@@ -30,14 +30,26 @@ def _cpu_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
     return tuple(Case(n, c, dtype, weight, mode, "cpu") for n, c in CPU_SHAPES for dtype in CPU_DTYPES)
 
 
+# Host cost (issue #20): the eager training step as a user writes it, ck.uncertainty_weighted_ce(logits, target)
+# (BSCE-GRA, default backend), against F.cross_entropy's step, at a shape where the kernels' work is negligible and at
+# a small real one; one torch thread and the default count. One reused leaf, leaf.grad = None between steps.
+CPU_HOST_STEP = Suite(
+    "cpu-host-step",
+    (Case(4, 10, "fp32", "brier", "grad", "cpu"), Case(256, 1000, "fp32", "brier", "grad", "cpu")),
+    ("calibkernels", "torch_cross_entropy"),
+    measure="host_step", threads=(1, None), baseline="torch_cross_entropy", reps=100,
+)
+
 CPU_SUITES = [
     Suite("cpu-bsce-gra", _cpu_cases("brier"), tuple(CPU_FUSED)),
     # weight "none" is plain cross-entropy: the kernel against F.cross_entropy
     Suite("cpu-ce", _cpu_cases("none"), tuple(CPU_CE)),
+    CPU_HOST_STEP,
 ]
 CPU_QUICK_SUITES = [
     Suite("cpu-bsce-gra-quick", (HEADLINE_CPU,), tuple(CPU_FUSED)),
     Suite("cpu-ce-quick", (Case(4096, 1000, "fp32", "none", "grad", "cpu"),), tuple(CPU_CE)),
+    CPU_HOST_STEP,
 ]
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -82,6 +94,8 @@ QUICK_SUITES = {"cpu": CPU_QUICK_SUITES, "cuda": CUDA_QUICK_SUITES}
 def _pairs():
     for suites in SUITES.values():
         for suite in suites:
+            if suite.measure != "step":  # host steps: the script only (pytest-benchmark times one step at a time)
+                continue
             for case in suite.cases:
                 for name in suite.providers:
                     if harness.PROVIDERS[name].applies_to(case):

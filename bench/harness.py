@@ -34,11 +34,25 @@ Fairness rules, the same for every provider:
     are attributed by the allocator to the same process and are recorded too (the profiler's memory reporting hooks
     the allocator, not the operators).
 
+Host-step suites (``Suite(measure="host_step")``, issue #20): the host cost of an eager training step at shapes
+where the kernel's work is negligible. One leaf is reused and ``leaf.grad`` set to ``None`` before each step, as a
+training loop's ``zero_grad(set_to_none=True)`` does, with no per-step copy; one repetition times ``k`` back-to-back
+steps (``k`` chosen so that a repetition lasts about ``host_rep_ms``) and records the time per step; the providers'
+repetitions are interleaved and each provider is also reported as the median of its per-repetition ratios to the
+suite's ``baseline`` (pairs measured next to each other in time). Each ``threads`` entry of the suite is a separate
+measurement (``None``: the run's default thread count).
+
 Providers (Liger-Kernel's naming; ``PROVIDERS``): ``calibkernels_cpu``/``_cuda``/``_triton`` (the fused kernels),
-the same with ``_inplace``, ``reference`` (eager :func:`calibkernels.reference.uncertainty_weighted_ce`),
-``reference_compiled`` (``torch.compile`` of a function that calls the reference and then ``.backward()``),
-``torch_cross_entropy`` (``F.cross_entropy``, weight ``"none"`` only) and ``liger_cross_entropy`` (Liger-Kernel's
-fused cross-entropy, weight ``"none"`` only, CUDA, when ``liger_kernel`` is importable).
+the same with ``_inplace``, ``calibkernels`` (``ck.uncertainty_weighted_ce`` with the default backend and, for the
+default loss, no keywords: the call a user writes), ``reference`` (eager
+:func:`calibkernels.reference.uncertainty_weighted_ce`), ``reference_compiled`` (``torch.compile`` of a function that
+calls the reference and then ``.backward()``), ``torch_cross_entropy`` (``F.cross_entropy``, weight ``"none"`` only)
+and ``liger_cross_entropy`` (Liger-Kernel's fused cross-entropy, weight ``"none"`` only, CUDA, when ``liger_kernel``
+is importable).
+
+Results (:func:`publish`): ``<suite>-<device>-<date>.json`` and ``.md`` in ``bench/results/`` (or ``--results-dir``),
+replacing the earlier files of the same suite and device, and one row per measured case appended to
+``history.jsonl`` in the format of bench/README.md.
 
 Bench files (``bench/bench_*.py``) only declare suites (cases × providers) and call :func:`main` or
 :func:`run_pytest_benchmark`.
@@ -54,11 +68,13 @@ import json
 import math
 import os
 import platform
+import re
 import statistics
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+import warnings
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -67,6 +83,7 @@ import torch.nn.functional as F
 
 import calibkernels as ck
 from calibkernels import _backends
+from calibkernels import _codes as ck_codes
 from calibkernels import reference as ck_reference
 
 __all__ = [
@@ -81,7 +98,9 @@ __all__ = [
     "build_step",
     "time_steps",
     "time_step",
+    "time_host_steps",
     "bench_case",
+    "bench_host_case",
     "time_fn",
     "rows_to_markdown",
     "peak_extra_memory",
@@ -90,13 +109,22 @@ __all__ = [
     "bench_one",
     "run_suites",
     "machine_info",
+    "device_label",
+    "device_slug",
     "write_json",
     "markdown_table",
+    "HISTORY_FIELDS",
+    "history_rows",
+    "append_history",
+    "publish",
     "main",
 ]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MB = 1e6  # reported memory is in MB (10^6 bytes), bandwidth in GB/s (10^9 bytes/s)
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "bench" / "results"
+MEASURES = ("step", "host_step")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -138,7 +166,8 @@ class Case:
         return 2 * self.nc_bytes
 
 
-# A step takes (logits, target) and runs forward + backward; it returns the (detached) loss.
+# A step takes (logits, target) and runs forward + backward; it returns the loss tensor (callers detach it: a detach
+# inside the step would be timed).
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -158,17 +187,42 @@ class Provider:
     weights: tuple[str, ...] | None = None
     inplace: bool = False
 
-    def applies_to(self, case: Case) -> bool:
-        return case.device in self.devices and (self.weights is None or case.weight in self.weights)
+    def applies_to(self, case: Case, any_weight: bool = False) -> bool:
+        """Whether the provider runs ``case``: its device, and its loss unless ``any_weight`` (host-step suites pair
+        providers of different losses on purpose)."""
+        return case.device in self.devices and (any_weight or self.weights is None or case.weight in self.weights)
+
+    def computed_case(self, case: Case) -> Case:
+        """The case this provider actually computes (plain cross-entropy for a ``weights=("none",)`` provider)."""
+        if self.weights is None or case.weight in self.weights:
+            return case
+        return replace(case, weight=self.weights[0])
 
 
 @dataclass(frozen=True)
 class Suite:
-    """Cases crossed with providers (each provider runs the cases it applies to)."""
+    """Cases crossed with providers (each provider runs the cases it applies to).
+
+    ``measure="step"``: the timed training step of the module docstring (fresh non-leaf logits per repetition).
+    ``measure="host_step"``: the host cost of back-to-back eager steps on one reused leaf (see the module docstring):
+    every provider runs every case whatever its loss, once per entry of ``threads`` (``None``: the run's default
+    thread count), compared per repetition with ``baseline``; ``reps`` is the suite's default number of repetitions
+    (``--reps`` overrides it).
+    """
 
     name: str
     cases: tuple[Case, ...]
     providers: tuple[str, ...]
+    measure: str = "step"
+    threads: tuple[int | None, ...] = (None,)
+    baseline: str | None = None
+    reps: int | None = None
+
+    def __post_init__(self):
+        if self.measure not in MEASURES:
+            raise ValueError(f"unknown measure {self.measure!r}; expected one of {MEASURES}")
+        if self.baseline is not None and self.baseline not in self.providers:
+            raise ValueError(f"baseline {self.baseline!r} is not one of the suite's providers {self.providers}")
 
 
 def _backend_step(backend: str, inplace: bool) -> Callable[[Case], Step]:
@@ -177,18 +231,35 @@ def _backend_step(backend: str, inplace: bool) -> Callable[[Case], Step]:
             loss = ck.uncertainty_weighted_ce(logits, target, weight=case.weight, mode=case.mode, backend=backend,
                                               inplace=inplace)
             loss.backward()
-            return loss.detach()
+            return loss
 
         return step
 
     return make
 
 
+def _default_call_step(case: Case) -> Step:
+    """``ck.uncertainty_weighted_ce(logits, target)`` as a user writes it: default backend, and no keywords at all
+    for the default loss (BSCE-GRA)."""
+    if (case.weight, case.mode) == (ck_codes.DEFAULT_WEIGHT, ck_codes.DEFAULT_MODE):
+        def step(logits, target):
+            loss = ck.uncertainty_weighted_ce(logits, target)
+            loss.backward()
+            return loss
+    else:
+        def step(logits, target):
+            loss = ck.uncertainty_weighted_ce(logits, target, weight=case.weight, mode=case.mode)
+            loss.backward()
+            return loss
+
+    return step
+
+
 def _reference_eager(case: Case) -> Step:
     def step(logits, target):
         loss = ck_reference.uncertainty_weighted_ce(logits, target, weight=case.weight, mode=case.mode)
         loss.backward()
-        return loss.detach()
+        return loss
 
     return step
 
@@ -206,7 +277,7 @@ def _torch_cross_entropy(case: Case) -> Step:
     def step(logits, target):
         loss = F.cross_entropy(logits, target)
         loss.backward()
-        return loss.detach()
+        return loss
 
     return step
 
@@ -221,7 +292,7 @@ def _liger_cross_entropy(case: Case) -> Step:
         if isinstance(loss, tuple):  # versions that also return the z-loss / accuracy
             loss = loss[0]
         loss.backward()
-        return loss.detach()
+        return loss
 
     return step
 
@@ -255,6 +326,8 @@ PROVIDERS: dict[str, Provider] = {
                  _needs_backend("cuda")),
         Provider("calibkernels_cuda_inplace", "calibkernels CUDA C++, inplace", ("cuda",),
                  _backend_step("cuda", True), _needs_backend("cuda"), inplace=True),
+        Provider("calibkernels", "ck.uncertainty_weighted_ce, default backend", ("cpu", "cuda"),
+                 _default_call_step),
         Provider("reference", "eager reference", ("cpu", "cuda"), _reference_eager),
         Provider("reference_compiled", "torch.compile(reference)", ("cpu", "cuda"), _reference_compiled,
                  _needs_compile),
@@ -266,17 +339,17 @@ PROVIDERS: dict[str, Provider] = {
 }
 
 
-def unavailable_reason(provider: Provider, case: Case) -> str | None:
+def unavailable_reason(provider: Provider, case: Case, any_weight: bool = False) -> str | None:
     """``None`` if ``provider`` can run ``case`` here, else why not (no GPU, backend not built, not installed)."""
-    if not provider.applies_to(case):
+    if not provider.applies_to(case, any_weight):
         return f"{provider.name} does not apply to {case.id}"
     if case.device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
     return provider.requires(torch.device(case.device))
 
 
-def build_step(provider: Provider, case: Case) -> Step:
-    reason = unavailable_reason(provider, case)
+def build_step(provider: Provider, case: Case, any_weight: bool = False) -> Step:
+    reason = unavailable_reason(provider, case, any_weight)
     if reason is not None:
         raise RuntimeError(f"provider {provider.name!r} cannot run {case.id}: {reason}")
     return provider.make_step(case)
@@ -319,6 +392,30 @@ class Timing:
     max_ms: float
     reps: int
     times_ms: list[float] = field(repr=False)
+    steps_per_rep: int = 1  # host steps: back-to-back steps per repetition (the times are per step)
+
+
+def _dropper(names: list[str], on_error: Callable[[str, Exception], None] | None
+             ) -> Callable[[str, Exception], None]:
+    """A timing loop's error handler: the failing step leaves ``names`` and goes to ``on_error`` (raised if None)."""
+    def failed(name, exc):
+        names.remove(name)
+        if on_error is None:
+            raise exc
+        on_error(name, exc)
+
+    return failed
+
+
+def _warm_up(names: list[str], warm: Callable[[str], None], failed: Callable[[str, Exception], None],
+             device: str) -> None:
+    """``warm(name)`` for each step, synchronised; a step that raises is handed to ``failed``."""
+    for name in list(names):
+        try:
+            warm(name)
+            _sync(device)
+        except Exception as exc:  # noqa: BLE001 - reported to the caller
+            failed(name, exc)
 
 
 def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor, *, warmup: int = 2,
@@ -335,20 +432,13 @@ def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor,
     """
     device = leaf.device.type
     names = list(steps)
+    failed = _dropper(names, on_error)
 
-    def failed(name, exc):
-        names.remove(name)
-        if on_error is None:
-            raise exc
-        on_error(name, exc)
+    def warm(name):
+        for _ in range(warmup):
+            steps[name](_fresh_logits(leaf), target)
 
-    for name in list(names):
-        try:
-            for _ in range(warmup):
-                steps[name](_fresh_logits(leaf), target)
-            _sync(device)
-        except Exception as exc:  # noqa: BLE001 - reported to the caller
-            failed(name, exc)
+    _warm_up(names, warm, failed, device)
     times: dict[str, list[float]] = {name: [] for name in names}
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=leaf.device) if device == "cuda" else None
     pending: dict[str, list] = {name: [] for name in names}  # CUDA events not yet read back
@@ -401,6 +491,75 @@ def time_step(step: Step, leaf: torch.Tensor, target: torch.Tensor, *, warmup: i
                       max_time_s=max_time_s)["step"]
 
 
+def _host_steps(step: Step, leaf: torch.Tensor, target: torch.Tensor, count: int) -> None:
+    """``count`` training-loop steps on one leaf: ``leaf.grad = None``, forward, backward."""
+    for _ in range(count):
+        leaf.grad = None
+        step(leaf, target)
+
+
+def _steps_per_rep(step: Step, leaf: torch.Tensor, target: torch.Tensor, rep_s: float, tries: int = 3) -> int:
+    """How many back-to-back steps last at least about ``rep_s``: a burst doubled until it takes a quarter of that,
+    then scaled; the largest count of ``tries`` estimates (an estimate taken while other processes held the cores
+    is too small)."""
+    device, best = leaf.device.type, 1
+    for _ in range(tries):
+        count = 1
+        while True:
+            start = time.perf_counter()
+            _host_steps(step, leaf, target, count)
+            _sync(device)
+            elapsed = time.perf_counter() - start
+            if elapsed >= rep_s / 4 or count >= 1 << 20:
+                best = max(best, math.ceil(count * rep_s / max(elapsed, 1e-9)))
+                break
+            count *= 2
+    return best
+
+
+def time_host_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor, *, reps: int = 100,
+                    rep_ms: float = 20.0, warmup: int = 20,
+                    on_error: Callable[[str, Exception], None] | None = None) -> dict[str, Timing]:
+    """Host time per step of each step on one reused leaf, **interleaved** (repetition ``r`` of every step before
+    ``r + 1`` of any, order rotated by one each repetition).
+
+    No per-step setup: ``leaf.grad = None`` and the step, as in a training loop (the step's ``backward`` writes
+    ``leaf.grad``). After ``warmup`` untimed steps, each step gets its ``steps_per_rep`` (so one repetition lasts
+    about ``rep_ms``); a repetition times that many back-to-back steps and records the mean per step. On CUDA the
+    repetition ends with a synchronisation. A step that raises is dropped and reported through ``on_error``
+    (re-raised when ``on_error`` is None).
+    """
+    device = leaf.device.type
+    names = list(steps)
+    failed = _dropper(names, on_error)
+    counts: dict[str, int] = {}
+
+    def warm(name):
+        _host_steps(steps[name], leaf, target, warmup)
+        _sync(device)
+        counts[name] = _steps_per_rep(steps[name], leaf, target, rep_ms * 1e-3)
+
+    _warm_up(names, warm, failed, device)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(reps):
+        if not names:
+            break
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            count = counts[name]
+            try:
+                start = time.perf_counter()
+                _host_steps(steps[name], leaf, target, count)
+                _sync(device)
+                times[name].append(1e3 * (time.perf_counter() - start) / count)
+            except Exception as exc:  # noqa: BLE001 - reported to the caller
+                times.pop(name, None)
+                failed(name, exc)
+    leaf.grad = None
+    return {name: Timing(statistics.median(t), min(t), max(t), len(t), t, counts[name])
+            for name, t in times.items() if t}
+
+
 def time_fn(fn: Callable[[], object], device: str = "cpu", *, warmup: int = 2, reps: int = 10, min_reps: int = 3,
             max_time_s: float = 5.0) -> Timing:
     """Median time of a no-argument ``fn`` (no per-repetition setup; for forward-only work such as metrics).
@@ -431,9 +590,18 @@ def rows_to_markdown(headers: list[str], rows: list[list[object]]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # Peak extra memory
 # ----------------------------------------------------------------------------------------------------------------
+def _quiet_profiler_logs() -> None:
+    """Keep the profiler's back end (Kineto) off stderr: it logs every profiler start and stop at its ``USDT`` level
+    and, on a machine without a GPU, ``gpuGetDeviceCount failed`` at its ``ERROR`` level, between the bench's progress
+    lines. Kineto reads ``KINETO_LOG_LEVEL`` when the first profiler of the process starts; 6 is above its highest
+    level (USDT, 5). A level set by the user is kept."""
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
+
+
 def _cpu_peak_from_profiler(run: Callable[[], None]) -> int:
     from torch.profiler import ProfilerActivity, profile
 
+    _quiet_profiler_logs()
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         run()
     records = sorted(
@@ -508,6 +676,13 @@ class Result:
     peak_extra_nc: float | None = None  # in units of one N×C buffer
     speedup_vs_reference: float | None = None
     times_ms: list[float] = field(default_factory=list)
+    measure: str = "step"  # "step" or "host_step" (Suite.measure)
+    threads: int | None = None  # host steps: torch threads of the measurement (step results: the run's, in meta)
+    steps_per_rep: int | None = None  # host steps: back-to-back steps per repetition; times are per step
+    baseline: str | None = None  # host steps: the provider the ratios are taken against
+    ratio_to_baseline: float | None = None  # this median / the baseline's median
+    paired_ratio_to_baseline: float | None = None  # median over repetitions of this time / the baseline's time
+    config: dict = field(default_factory=dict)  # other parameters of the measurement (e.g. the resolved backend)
 
 
 def _error_status(exc: Exception) -> str:
@@ -563,6 +738,81 @@ def bench_case(case: Case, providers: list[Provider], *, warmup: int = 2, reps: 
     return list(results.values())
 
 
+def host_case_id(case: Case) -> str:
+    """``<device>-<N>x<C>-<dtype>``: a host-step case pairs providers of different losses (each row's ``case`` says
+    which loss its provider computed)."""
+    return f"{case.device}-{case.n}x{case.c}-{case.dtype}"
+
+
+def _resolved_backend(provider: Provider, case: Case) -> str | None:
+    """The backend ``backend="auto"`` picks for the ``calibkernels`` provider on this case's device."""
+    if provider.name != "calibkernels":
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            return _backends.resolve("auto", torch.device(case.device))
+        except Exception:  # noqa: BLE001 - a label, never a reason to fail
+            return None
+
+
+def bench_host_case(case: Case, providers: list[Provider], *, threads: tuple[int | None, ...] = (None,),
+                    baseline: str | None = None, reps: int = 100, rep_ms: float = 20.0, warmup: int = 20,
+                    seed: int = 0) -> list[Result]:
+    """Host cost of the providers' eager steps on ``case`` (:func:`time_host_steps`), once per entry of ``threads``
+    (``torch.set_num_threads``; ``None``: the count in effect when called, restored afterwards), with each provider's
+    ratio to ``baseline``: of the medians, and the median of the per-repetition ratios.
+
+    Every provider runs the case's shape and dtype whatever its loss (``Provider.computed_case``)."""
+    default_threads = torch.get_num_threads()
+    results: list[Result] = []
+    try:
+        for wanted in threads:
+            count = default_threads if wanted is None else int(wanted)
+            torch.set_num_threads(count)
+            results += _bench_host_case_at(case, providers, count, baseline, reps, rep_ms, warmup, seed)
+    finally:
+        torch.set_num_threads(default_threads)
+    return results
+
+
+def _bench_host_case_at(case, providers, threads, baseline, reps, rep_ms, warmup, seed) -> list[Result]:
+    results = {}
+    steps: dict[str, Step] = {}
+    for provider in providers:
+        result = Result(asdict(provider.computed_case(case)), host_case_id(case), provider.name, provider.label, "ok",
+                        measure="host_step", threads=threads, baseline=baseline)
+        backend = _resolved_backend(provider, case)
+        if backend is not None:
+            result.config["backend"] = backend
+        results[provider.name] = result
+        reason = unavailable_reason(provider, case, any_weight=True)
+        if reason is not None:
+            result.status = f"skipped: {reason}"
+            continue
+        try:
+            steps[provider.name] = build_step(provider, case, any_weight=True)
+        except Exception as exc:  # noqa: BLE001 - one failing provider must not lose the other measurements
+            result.status = _error_status(exc)
+    if steps:
+        leaf, target = make_inputs(case, seed)
+        timings = time_host_steps(steps, leaf, target, reps=reps, rep_ms=rep_ms, warmup=warmup,
+                                  on_error=lambda name, exc: setattr(results[name], "status", _error_status(exc)))
+        for name, timing in timings.items():
+            result = results[name]
+            result.median_ms, result.min_ms, result.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
+            result.reps, result.times_ms = timing.reps, [round(t, 6) for t in timing.times_ms]
+            result.steps_per_rep = timing.steps_per_rep
+        if baseline in timings:
+            base = timings[baseline]
+            for name, timing in timings.items():
+                pairs = [t / b for t, b in zip(timing.times_ms, base.times_ms)]
+                results[name].ratio_to_baseline = timing.median_ms / base.median_ms
+                results[name].paired_ratio_to_baseline = statistics.median(pairs)
+        del leaf, target
+    return list(results.values())
+
+
 def bench_one(provider: Provider, case: Case, **kwargs) -> Result:
     """:func:`bench_case` for a single provider."""
     return bench_case(case, [provider], **kwargs)[0]
@@ -570,26 +820,31 @@ def bench_one(provider: Provider, case: Case, **kwargs) -> Result:
 
 def _filtered(suites, providers_filter, cases_filter):
     for suite in suites:
+        host = suite.measure == "host_step"
         for case in suite.cases:
-            if cases_filter and not any(f in case.id for f in cases_filter):
+            case_id = host_case_id(case) if host else case.id
+            if cases_filter and not any(f in case_id for f in cases_filter):
                 continue
             for name in suite.providers:
                 if providers_filter and name not in providers_filter:
                     continue
-                if PROVIDERS[name].applies_to(case):
+                if PROVIDERS[name].applies_to(case, any_weight=host):
                     yield suite, case, PROVIDERS[name]
 
 
 def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time_s: float = 5.0, memory: bool = True,
                providers_filter: list[str] | None = None, cases_filter: list[str] | None = None,
-               progress: bool = True) -> list[Result]:
+               progress: bool = True, host_reps: int | None = None, host_rep_ms: float = 20.0) -> list[Result]:
     """Measure every (case, provider) pair of the suites; fills ``speedup_vs_reference`` when the eager reference
-    ran on the same case."""
-    # group the pairs by case (in order): a case's providers are timed together, interleaved
-    groups: dict[Case, list[Provider]] = {}
-    for _, case, provider in _filtered(suites, providers_filter, cases_filter):
-        if provider not in groups.setdefault(case, []):
-            groups[case].append(provider)
+    ran on the same case. Host-step suites run with ``host_reps`` repetitions (default: the suite's ``reps``, else
+    100) of about ``host_rep_ms`` each."""
+    # group the pairs by case (in order): a case's providers are timed together, interleaved; a host-step suite's
+    # cases are measured on their own (its threads, baseline and repetitions)
+    groups: dict[tuple, list[Provider]] = {}
+    for suite, case, provider in _filtered(suites, providers_filter, cases_filter):
+        key = ("step", case, None) if suite.measure == "step" else ("host_step", case, suite)
+        if provider not in groups.setdefault(key, []):
+            groups[key].append(provider)
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional: fall back to one line per case
@@ -597,19 +852,28 @@ def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time
     items = list(groups.items())
     bar = tqdm(items, desc="bench", unit="case", file=sys.stderr, disable=not progress) if tqdm else items
     results = []
-    for case, providers in bar:
+    for (measure, case, suite), providers in bar:
+        label = case.id if measure == "step" else f"{host_case_id(case)} host step"
         if tqdm:
-            bar.set_postfix_str(f"{case.id} ({len(providers)} providers)")
+            bar.set_postfix_str(f"{label} ({len(providers)} providers)")
         elif progress:
-            print(f"[bench] {case.id}", file=sys.stderr, flush=True)
-        case_results = bench_case(case, providers, warmup=warmup, reps=reps, max_time_s=max_time_s, memory=memory)
+            print(f"[bench] {label}", file=sys.stderr, flush=True)
+        if measure == "step":
+            case_results = bench_case(case, providers, warmup=warmup, reps=reps, max_time_s=max_time_s,
+                                      memory=memory)
+        else:
+            case_results = bench_host_case(
+                case, providers, threads=suite.threads,
+                baseline=suite.baseline if any(p.name == suite.baseline for p in providers) else None,
+                reps=host_reps if host_reps is not None else (suite.reps or 100), rep_ms=host_rep_ms)
         for result in case_results:
             if result.status != "ok" and progress:
-                print(f"[bench] {case.id} {result.provider}: {result.status}", file=sys.stderr, flush=True)
+                print(f"[bench] {label} {result.provider}: {result.status}", file=sys.stderr, flush=True)
         results.extend(case_results)
-    reference_ms = {r.case_id: r.median_ms for r in results if r.provider == "reference" and r.status == "ok"}
+    reference_ms = {r.case_id: r.median_ms for r in results
+                    if r.provider == "reference" and r.status == "ok" and r.measure == "step"}
     for r in results:
-        if r.status == "ok" and r.case_id in reference_ms:
+        if r.status == "ok" and r.measure == "step" and r.case_id in reference_ms:
             r.speedup_vs_reference = reference_ms[r.case_id] / r.median_ms
     return results
 
@@ -659,11 +923,17 @@ def machine_info(device: str) -> dict:
             except Exception:  # a version attribute is a nicety, never a reason to fail
                 info[module] = "installed"
     try:
-        info["git_commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                            timeout=10, cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-        info["git_dirty"] = bool(subprocess.run(["git", "status", "--porcelain", "--", "csrc", "calibkernels"],
-                                                capture_output=True, text=True, timeout=10,
-                                                cwd=Path(__file__).resolve().parents[1]).stdout.strip())
+        def git(*args):
+            return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO_ROOT).stdout
+
+        full = git("rev-parse", "HEAD").strip()
+        if full:
+            info["git_commit"] = full[:7]
+            info["git_commit_full"] = full
+            # uncommitted changes to the code measured (the extension is built from csrc/)
+            info["git_dirty_paths"] = [line[3:] for line in git("status", "--porcelain", "--", "csrc",
+                                                                "calibkernels").splitlines() if line.strip()]
+            info["git_dirty"] = bool(info["git_dirty_paths"])
     except (OSError, subprocess.SubprocessError):
         pass
     so = sorted(Path(ck.__file__).parent.glob("_C*.so"))
@@ -671,6 +941,22 @@ def machine_info(device: str) -> dict:
         info["extension_mtime"] = _dt.datetime.fromtimestamp(so[0].stat().st_mtime, _dt.timezone.utc).isoformat(
             timespec="seconds")
     return info
+
+
+def device_label(meta: dict, threads: int | None = None) -> str:
+    """The ``device`` of a history row: the GPU's name, or ``"<CPU model> (<cores> cores, <threads> torch threads)"``
+    (``threads``: the measurement's, default the run's)."""
+    if meta.get("device") == "cuda" and meta.get("gpu"):
+        return meta["gpu"]
+    return f"{meta['cpu']} ({meta['cpu_count']} cores, {threads or meta['torch_threads']} torch threads)"
+
+
+def device_slug(meta: dict) -> str:
+    """The device in result file names: the GPU or CPU model without vendor and trademark words, lower case
+    (``NVIDIA H200`` → ``h200``, ``AMD EPYC`` → ``epyc``, ``Intel(R) Xeon(R) Processor`` → ``xeon``)."""
+    name = meta.get("gpu") if meta.get("device") == "cuda" else meta.get("cpu")
+    text = re.sub(r"\((?:R|TM)\)|@.*$|\b(?:NVIDIA|Intel|AMD|CPU|Processor|\d+-Core)\b", " ", name or "", flags=re.I)
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or str(meta.get("device") or "unknown")
 
 
 def write_json(path: Path, meta: dict, results: list[Result]) -> None:
@@ -683,7 +969,8 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 def markdown_table(meta: dict, results: list[Result]) -> str:
-    """One table, one row per (case, provider), cases in order; skipped/errored providers listed below it."""
+    """One table of training steps, one row per (case, provider), cases in order; one table of host steps, one row
+    per (case, threads, provider); skipped/errored providers listed below them."""
     machine = meta.get("gpu") or f"{meta['cpu']} ({meta['cpu_count']} cores, {meta['torch_threads']} torch threads)"
     lines = [
         f"Machine: {machine}; torch {meta['torch']}; {meta['date']}"
@@ -692,53 +979,272 @@ def markdown_table(meta: dict, results: list[Result]) -> str:
         + (f"; 1-min load average at start {meta['load_average_1min']}" if meta.get("load_average_1min") is not None
            and meta.get("device") == "cpu" else "")
         + "".join(f"; {k}={v}" for k, v in meta.get("env", {}).items()),
-        "",
-        "Forward + backward of the mean loss. Time: median over repetitions (providers of a case interleaved), "
-        "min: fastest repetition. Speed-up: vs the eager reference on the "
-        "same case. GB/s: 2·N·C·bytes / time. Peak extra: peak allocation above the inputs during the step (MB, and "
-        "in units of one N×C buffer).",
-        "",
-        "| N × C | dtype | weight / mode | provider | time (ms) | min (ms) | speed-up vs reference | GB/s "
-        "| peak extra (MB) | peak extra (×NC) |",
-        "|---|---|---|---|--:|--:|--:|--:|--:|--:|",
     ]
-    problems = []
-    for r in results:
-        c = r.case
-        if r.status != "ok":
-            problems.append(f"- {r.case_id} / {r.provider}: {r.status}")
-            continue
-        lines.append(
-            f"| {c['n']} × {c['c']} | {c['dtype']} | {c['weight']} / {c['mode']} | {r.label} "
-            f"| {_fmt(r.median_ms, '.2f')} | {_fmt(r.min_ms, '.2f')} | {_fmt(r.speedup_vs_reference, '.2f')}"
-            f"{'×' if r.speedup_vs_reference is not None else ''} "
-            f"| {_fmt(r.gb_per_s, '.1f')} "
-            f"| {_fmt(r.peak_extra_mb, '.1f')} | {_fmt(r.peak_extra_nc, '.2f')} |"
-        )
+    problems = [f"- {r.case_id} / {r.provider}: {r.status}" for r in results if r.status != "ok"]
+    steps = [r for r in results if r.status == "ok" and r.measure == "step"]
+    hosts = [r for r in results if r.status == "ok" and r.measure == "host_step"]
+    if steps:
+        lines += [
+            "",
+            "Forward + backward of the mean loss. Time: median over repetitions (providers of a case interleaved), "
+            "min: fastest repetition. Speed-up: vs the eager reference on the "
+            "same case. GB/s: 2·N·C·bytes / time. Peak extra: peak allocation above the inputs during the step (MB, "
+            "and in units of one N×C buffer).",
+            "",
+            "| N × C | dtype | weight / mode | provider | time (ms) | min (ms) | speed-up vs reference | GB/s "
+            "| peak extra (MB) | peak extra (×NC) |",
+            "|---|---|---|---|--:|--:|--:|--:|--:|--:|",
+        ]
+        for r in steps:
+            c = r.case
+            lines.append(
+                f"| {c['n']} × {c['c']} | {c['dtype']} | {c['weight']} / {c['mode']} | {r.label} "
+                f"| {_fmt(r.median_ms, '.2f')} | {_fmt(r.min_ms, '.2f')} | {_fmt(r.speedup_vs_reference, '.2f')}"
+                f"{'×' if r.speedup_vs_reference is not None else ''} "
+                f"| {_fmt(r.gb_per_s, '.1f')} "
+                f"| {_fmt(r.peak_extra_mb, '.1f')} | {_fmt(r.peak_extra_nc, '.2f')} |"
+            )
+    if hosts:
+        baselines = sorted({PROVIDERS[r.baseline].label if r.baseline in PROVIDERS else str(r.baseline)
+                            for r in hosts if r.baseline})
+        lines += [
+            "",
+            "Host cost of an eager training step (forward + backward of the mean loss, `leaf.grad = None` between "
+            "steps, one reused leaf, no copy). Time per step: median over repetitions of the mean of k back-to-back "
+            "steps (providers interleaved); min: fastest repetition. Ratio to "
+            + (", ".join(baselines) or "the baseline")
+            + ": of the medians, and the median of the per-repetition ratios (each pair measured next to each other).",
+            "",
+            "| N × C | dtype | torch threads | provider | loss | per step (µs) | min (µs) | k steps / rep | reps "
+            "| ratio of medians | median of paired ratios |",
+            "|---|---|--:|---|---|--:|--:|--:|--:|--:|--:|",
+        ]
+        for r in hosts:
+            c = r.case
+            lines.append(
+                f"| {c['n']} × {c['c']} | {c['dtype']} | {r.threads} | {r.label} | {c['weight']} / {c['mode']} "
+                f"| {_fmt(r.median_ms * 1e3, '.1f')} | {_fmt(r.min_ms * 1e3, '.1f')} | {r.steps_per_rep} | {r.reps} "
+                f"| {_fmt(r.ratio_to_baseline, '.3f')} | {_fmt(r.paired_ratio_to_baseline, '.3f')} |"
+            )
     if problems:
         lines += ["", "Not measured:", *problems]
     return "\n".join(lines) + "\n"
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# history.jsonl and the result files (format: bench/README.md, "history.jsonl")
+# ----------------------------------------------------------------------------------------------------------------
+HISTORY_SCHEMA = 1
+HISTORY_FIELDS = ("schema", "suite", "kernel", "device", "device_type", "date", "commit", "dirty", "torch", "triton",
+                  "case_id", "n", "c", "dtype", "weight", "mode", "provider", "config", "measure", "median_ms",
+                  "min_ms", "max_ms", "mean_ms", "reps", "gb_per_s", "peak_extra_mb", "peak_extra_nc",
+                  "speedup_vs_reference", "value", "status", "times_ms", "extra", "source_file")
+HOST_STEP_TIMING = ("host clock; per repetition the mean of steps_per_rep back-to-back steps on one leaf "
+                    "(leaf.grad = None between steps); median over repetitions")
+
+
+def history_row(meta: dict, suite: str, source_file: str, **fields) -> dict:
+    """One ``history.jsonl`` row: the run's fields from ``meta``, then ``fields``; every field present (``None``
+    where it does not apply), in the documented order."""
+    triton = meta.get("triton")
+    row = dict.fromkeys(HISTORY_FIELDS)
+    row.update(schema=HISTORY_SCHEMA, suite=suite, device=device_label(meta), device_type=meta.get("device"),
+               date=meta.get("date"), commit=meta.get("git_commit") or None, dirty=meta.get("git_dirty"),
+               torch=meta.get("torch"), triton=triton if triton and triton != "installed" else None,
+               source_file=source_file)
+    unknown = set(fields) - set(HISTORY_FIELDS)
+    if unknown:
+        raise ValueError(f"not history.jsonl fields: {sorted(unknown)}")
+    row.update(fields)
+    return row
+
+
+def history_rows(meta: dict, results: list, suite: str, source_file: str) -> list[dict]:
+    """The ``history.jsonl`` rows of a loss bench run: one per result (:class:`Result`, or its dict from a result
+    JSON)."""
+    rows = []
+    for r in results:
+        r = asdict(r) if isinstance(r, Result) else r
+        case, measure = r["case"], r.get("measure", "step")
+        config = {"reduction": "mean"}
+        if meta.get("env"):
+            config["env"] = dict(meta["env"])
+        config.update(r.get("config") or {})
+        extra = {"load_average_1min": meta.get("load_average_1min"), "label": r.get("label")}
+        if meta.get("git_commit_full"):
+            extra["commit_full"] = meta["git_commit_full"]
+        if measure == "host_step":
+            config.update(torch_threads=r.get("threads"), steps_per_rep=r.get("steps_per_rep"))
+            extra.update(timing=HOST_STEP_TIMING, baseline=r.get("baseline"),
+                         ratio_to_baseline=r.get("ratio_to_baseline"),
+                         paired_ratio_to_baseline=r.get("paired_ratio_to_baseline"))
+        row = history_row(
+            meta, suite, source_file, kernel="uncertainty_weighted_ce", case_id=r["case_id"], n=case["n"],
+            c=case["c"], dtype=case["dtype"], weight=case["weight"], mode=case["mode"], provider=r["provider"],
+            config=config, measure=measure, median_ms=r.get("median_ms"), min_ms=r.get("min_ms"),
+            max_ms=r.get("max_ms"), reps=r.get("reps") or None, gb_per_s=r.get("gb_per_s"),
+            peak_extra_mb=r.get("peak_extra_mb"), peak_extra_nc=r.get("peak_extra_nc"),
+            speedup_vs_reference=r.get("speedup_vs_reference"), status=r.get("status"),
+            times_ms=r.get("times_ms") or None, extra=extra)
+        if measure == "host_step" or r.get("threads"):
+            row["device"] = device_label(meta, r.get("threads"))
+        rows.append(row)
+    return rows
+
+
+def append_history(rows: list[dict], path: Path) -> None:
+    """Append ``rows`` to ``path`` (one compact JSON object per line); earlier lines are never touched."""
+    if not rows:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = "".join(json.dumps(row, separators=(",", ":")) + "\n" for row in rows)
+    if path.exists() and path.stat().st_size:
+        with path.open("rb") as f:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                text = "\n" + text
+    with path.open("a", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _read_history(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def result_stem(suite: str, meta: dict) -> str:
+    """``<suite>-<device>-<YYYY-MM-DD>``: the name of a run's result files (date of the run's start, UTC)."""
+    return f"{suite}-{device_slug(meta)}-{str(meta['date'])[:10]}"
+
+
+def _repo_relative(path: Path) -> str:
+    path = path.resolve()
+    try:
+        return path.relative_to(REPO_ROOT).as_posix()
+    except ValueError:
+        return str(path)
+
+
+def _retire_earlier(directory: Path, suite: str, meta: dict, keep: str, history: Path,
+                    rows_of: Callable[[dict, str], list[dict]]) -> list[str]:
+    """Delete the earlier result files of ``suite`` on this device in ``directory`` (``<suite>-<device>-<date>[-tag]``
+    ``.json`` / ``.md``, other than ``keep``), after appending to ``history`` the rows of any whose run (suite and
+    start time) it does not hold yet. A JSON that cannot be read is kept. Returns the deleted names."""
+    name = re.escape(f"{suite}-{device_slug(meta)}-")
+    pattern = re.compile(name + r"\d{4}-\d{2}-\d{2}(?:-[A-Za-z0-9]+)?")
+    stems = sorted({f.stem for f in directory.glob("*") if f.suffix in (".json", ".md") and
+                    pattern.fullmatch(f.stem)} - {keep})
+    recorded = None
+    removed = []
+    for stem in stems:
+        js = directory / f"{stem}.json"
+        if js.exists():
+            try:
+                old = json.loads(js.read_text())
+                if recorded is None:
+                    recorded = {(row.get("suite"), row.get("date")) for row in _read_history(history)}
+                if (suite, old["meta"]["date"]) not in recorded:
+                    append_history(rows_of(old, f"bench/results/{js.name}"), history)
+                    recorded.add((suite, old["meta"]["date"]))
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                print(f"[bench] kept {js.name}: cannot read its rows ({type(exc).__name__}: {exc})", file=sys.stderr)
+                continue
+        for suffix in (".json", ".md"):
+            path = directory / f"{stem}{suffix}"
+            if path.exists():
+                path.unlink()
+                removed.append(path.name)
+    return removed
+
+
+_DEFAULT = object()
+
+
+def publish(payload: dict, markdown: str, *, suite: str, rows_of: Callable[[dict, str], list[dict]],
+            results_dir: Path | None = None, out: Path | None = None, history=_DEFAULT) -> dict:
+    """Write a run's ``.json`` (``payload``, with ``payload["meta"]``) and ``.md`` and append its rows to the history.
+
+    * Default (``out`` None): ``<results_dir>/<suite>-<device>-<date>.json`` / ``.md`` (``results_dir`` default
+      ``bench/results``), replacing the earlier files of the same suite and device there (:func:`_retire_earlier`),
+      rows appended to ``<results_dir>/history.jsonl``; the rows' ``source_file`` is ``bench/results/<name>``, the
+      name the file has (or will have, when copied from a device machine's folder) in the repository.
+    * ``out``: exactly ``out.json`` / ``out.md``, nothing replaced, rows appended only to an explicit ``history``.
+
+    ``history``: a path overrides the history file; ``None`` appends nothing (and then nothing is replaced either).
+    ``rows_of(payload, source_file)`` makes the rows. Returns the paths written and the names removed.
+    """
+    meta = payload["meta"]
+    removed: list[str] = []
+    if out is not None:
+        json_path, md_path = out.with_suffix(".json"), out.with_suffix(".md")
+        source_file = _repo_relative(json_path)
+        history_path = None if history is _DEFAULT else history
+    else:
+        directory = Path(results_dir) if results_dir is not None else RESULTS_DIR
+        directory.mkdir(parents=True, exist_ok=True)
+        stem = result_stem(suite, meta)
+        json_path, md_path = directory / f"{stem}.json", directory / f"{stem}.md"
+        source_file = f"bench/results/{json_path.name}"
+        history_path = directory / "history.jsonl" if history is _DEFAULT else history
+        if history_path is not None:
+            removed = _retire_earlier(directory, suite, meta, stem, Path(history_path), rows_of)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(payload, indent=1) + "\n")
+    md_path.write_text(markdown)
+    if history_path is not None:
+        append_history(rows_of(payload, source_file), Path(history_path))
+    return {"json": json_path, "md": md_path, "history": history_path, "removed": removed}
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Command line and pytest-benchmark entry points
 # ----------------------------------------------------------------------------------------------------------------
+def add_output_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--suite``, ``--results-dir``, ``--out``, ``--history``, ``--no-history``: where a run's results go
+    (:func:`publish`)."""
+    parser.add_argument("--suite", default=None,
+                        help="name of the run: the `suite` of its history rows and the start of its file names "
+                             "(default: the device, plus -quick, plus -subset when --cases/--providers select)")
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="write <suite>-<device>-<date>.json/.md here (default bench/results), replacing the "
+                             "earlier files of the same suite and device, and append to history.jsonl here")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="write exactly PREFIX.json and PREFIX.md instead (nothing replaced; history rows only "
+                             "with --history)")
+    parser.add_argument("--history", type=Path, default=None, help="append the history rows to this file instead")
+    parser.add_argument("--no-history", action="store_true",
+                        help="append no history rows (and replace no earlier result file)")
+
+
+def output_history(args) -> object:
+    """The ``history`` argument of :func:`publish` from :func:`add_output_arguments`' options."""
+    if args.no_history:
+        return None
+    return args.history if args.history is not None else _DEFAULT
+
+
 def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], argv: list[str] | None = None,
          prog: str | None = None) -> list[Result]:
-    """``python -m bench.bench_<op> [--device cpu|cuda] [--quick] [--out PREFIX] ...``: measure, print the Markdown
-    table, write ``PREFIX.json`` and ``PREFIX.md``."""
+    """``python -m bench.bench_<op> [--device cpu|cuda] [--quick] [--results-dir DIR | --out PREFIX] ...``: measure,
+    print the Markdown tables, write the results (``<suite>-<device>-<date>.json`` and ``.md`` in bench/results, the
+    earlier files of that suite and device removed) and append one row per measured case to
+    bench/results/history.jsonl."""
     parser = argparse.ArgumentParser(prog=prog, description=main.__doc__)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--quick", action="store_true", help="headline cases only, fewer repetitions")
-    parser.add_argument("--out", type=Path, default=None,
-                        help="output prefix (default bench/results/<device>-<date>[-quick]); .json and .md are added")
+    parser.add_argument("--quick", action="store_true", help="headline cases only")
+    add_output_arguments(parser)
     parser.add_argument("--providers", nargs="+", default=None, metavar="NAME",
                         help=f"only these providers (of {', '.join(PROVIDERS)})")
     parser.add_argument("--cases", nargs="+", default=None, metavar="SUBSTRING",
-                        help="only cases whose id contains one of these, e.g. 4096x1000-fp32")
+                        help="only cases whose id contains one of these, e.g. 4096x1000-fp32 (host-step cases: "
+                             "cpu-4x10-fp32)")
     parser.add_argument("--warmup", type=int, default=None)
-    parser.add_argument("--reps", type=int, default=None)
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions per measurement (default 60 on CPU, 50 on CUDA; host steps: the suite's)")
     parser.add_argument("--max-time", type=float, default=None, help="seconds of timed repetitions per measurement")
+    parser.add_argument("--host-rep-ms", type=float, default=20.0,
+                        help="host-step suites: milliseconds of back-to-back steps per repetition")
     parser.add_argument("--no-memory", action="store_true", help="skip the peak-memory step")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (CPU)")
     parser.add_argument("--list", action="store_true", help="list the (case, provider) pairs and exit")
@@ -749,29 +1255,39 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
             parser.error(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
+    if args.out is not None and args.results_dir is not None:
+        parser.error("--out and --results-dir are exclusive")
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = (quick_suites if args.quick else suites)[args.device]
     if args.list:
-        for _, case, provider in _filtered(chosen, args.providers, args.cases):
-            print(case.id, provider.name, unavailable_reason(provider, case) or "")
+        for suite, case, provider in _filtered(chosen, args.providers, args.cases):
+            host = suite.measure == "host_step"
+            print(host_case_id(case) + " host_step" if host else case.id, provider.name,
+                  unavailable_reason(provider, case, any_weight=host) or "")
         return []
-    warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    reps = args.reps if args.reps is not None else (5 if args.quick else 60 if args.device == "cpu" else 50)
-    max_time = args.max_time if args.max_time is not None else (2.0 if args.quick else 5.0)
+    warmup = args.warmup if args.warmup is not None else 2
+    reps = args.reps if args.reps is not None else (60 if args.device == "cpu" else 50)
+    max_time = args.max_time if args.max_time is not None else 5.0
+    suite_name = args.suite or (args.device + ("-quick" if args.quick else "")
+                                + ("-subset" if args.cases or args.providers else ""))
     meta = machine_info(args.device)
-    meta.update(quick=args.quick, warmup=warmup, reps=reps, max_time_s=max_time)
+    meta.update(suite=suite_name, quick=args.quick, warmup=warmup, reps=reps, max_time_s=max_time,
+                host_reps=args.reps, host_rep_ms=args.host_rep_ms)
     print(f"[bench] {meta.get('gpu') or meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads",
           file=sys.stderr)
     results = run_suites(chosen, warmup=warmup, reps=reps, max_time_s=max_time, memory=not args.no_memory,
-                         providers_filter=args.providers, cases_filter=args.cases)
-    out = args.out or Path(__file__).resolve().parent / "results" / (
-        f"{args.device}-{_dt.date.today().isoformat()}{'-quick' if args.quick else ''}")
+                         providers_filter=args.providers, cases_filter=args.cases, host_reps=args.reps,
+                         host_rep_ms=args.host_rep_ms)
     table = markdown_table(meta, results)
-    write_json(out.with_suffix(".json"), meta, results)
-    out.with_suffix(".md").write_text(table)
+    written = publish({"meta": meta, "results": [asdict(r) for r in results]}, table, suite=suite_name,
+                      rows_of=lambda payload, source: history_rows(payload["meta"], payload["results"], suite_name,
+                                                                   source),
+                      results_dir=args.results_dir, out=args.out, history=output_history(args))
     print(table)
-    print(f"[bench] wrote {out.with_suffix('.json')} and {out.with_suffix('.md')}", file=sys.stderr)
+    print(f"[bench] wrote {written['json']} and {written['md']}"
+          + (f"; appended {len(results)} rows to {written['history']}" if written["history"] else "")
+          + (f"; removed {', '.join(written['removed'])}" if written["removed"] else ""), file=sys.stderr)
     return results
 
 

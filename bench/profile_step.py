@@ -100,7 +100,7 @@ def host_profile(provider_name: str, case: Case, steps: int = 300) -> None:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--cases", nargs="+", default=["8192x32000-bf16-brier", "8192x32000-bf16-none"])
     parser.add_argument("--providers", nargs="+", default=list(DEFAULT_PROVIDERS))

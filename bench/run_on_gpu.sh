@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune] [tune-cuda] [raise]   (stages run in the order given)
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune] [raise]   (stages run in the order given)
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
+# The benches write <suite>-<gpu>-<date>.json/.md and $OUT/history.jsonl (rows naming bench/results/<file>): copy the
+# result files into bench/results/ (git rm the earlier ones of the same suite and GPU) and append $OUT/history.jsonl
+# to bench/results/history.jsonl.
 # Meant for a fresh machine with torch + triton already installed (a lent device, a cloud box): it builds in place
 # (`setup.py build_ext --inplace`, no pip resolution) for the local GPU's compute capability only, and it installs
 # any wheels found in .whl/ (e.g. liger-kernel, for the Liger provider) into /tmp/site.
@@ -55,7 +58,8 @@ do_raise() {
 x, t = torch.randn(4, 5), torch.tensor([0, 1, 2])
 for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
     try:
-        torch.ops.calibkernels.uncertainty_weighted_ce(x.to(dev), t.to(dev), None, None, 4, 1, 4.0, 2.0, -100, 1, True)
+        torch.ops.calibkernels.uncertainty_weighted_ce(x.to(dev), t.to(dev), None, None, 4, 1, 4.0, 2.0, -100, 1, True,
+                                                       None)
         print(dev, "raised nothing")
     except Exception as exc:
         print(dev, "raised", type(exc).__name__, str(exc).splitlines()[0])'
@@ -75,10 +79,9 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
   tail -n 40 "$OUT/raise.txt"
 }
 
-do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --out "$OUT/cuda-quick" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
-do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --out "$OUT/cuda" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
-do_tune() { $PY -m bench.tune_triton --out "$OUT/tune" 2>"$OUT/tune.err"; }
-do_tune_cuda() { $PY -m bench.tune_cuda --out "$OUT" 2>"$OUT/tune-cuda.err"; }
+do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
+do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
+do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
 
 for s in "$@"; do
   case $s in
@@ -87,7 +90,6 @@ for s in "$@"; do
     quick) stage quick do_quick ;;
     bench) stage bench do_bench ;;
     tune) stage tune do_tune ;;
-    tune-cuda) stage tune-cuda do_tune_cuda ;;
     raise) stage raise do_raise ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -6,17 +6,21 @@ Times the kernels alone (``triton.testing.do_bench``: L2 flushed before each rep
 step around them, so the numbers say what the launch shape costs:
 
 * the memory ceiling: a device-to-device copy of the same N×C tensor (bytes read + written over time);
-* the Triton forward kernel (loss + gradient in one launch) for each (path, block, num_warps, num_stages);
+* the Triton forward kernel (loss + gradient in one launch) for each (path, block, num_warps);
 * the CUDA C++ op (its launch shape is fixed by C);
-* one whole autograd step (forward + backward through ``calibkernels.uncertainty_weighted_ce``), with and without the
-  target read-back, to see what the Python side and the synchronisation add to the kernel.
+* one whole autograd step (forward + backward through ``calibkernels.uncertainty_weighted_ce``), per target-check
+  policy, to see what the Python side and the synchronisation add to the kernel.
 
-Writes PREFIX.json and prints a table; the fastest Triton configuration per case is marked.
+The Triton launcher takes no shape arguments: its shapes come from the module constants ``MAX_BLOCK``,
+``MAX_BLOCK_16BIT`` and ``TWO_READ_CHUNK`` and from ``_launch_config``, which :func:`launch_shape` sets and wraps for
+one configuration at a time (and restores). Writes PREFIX.json (the rows and the machine, with the commit) and prints
+a table; the fastest Triton configuration per case is recorded with the default's.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -24,18 +28,62 @@ import sys
 import torch
 
 
+@contextlib.contextmanager
+def launch_shape(module, path: str, block: int, num_warps: int, num_classes: int, element_size: int):
+    """Make ``module`` (``calibkernels.triton.uncertainty_weighted_ce``) launch rows of ``num_classes`` with one shape.
+
+    ``path="single"``: the whole row in one block (``BLOCK = next_power_of_2(C)``; ``block`` is ignored);
+    ``path="two-read"``: chunks of ``block`` classes (``block < C``). ``num_warps`` replaces the launcher's choice.
+    Yields the effective ``(single_read, BLOCK, num_warps)`` that ``_launch_config`` now returns (callers check it:
+    the two-read chunk is clamped below ``C``). The constants and ``_launch_config`` are restored on exit."""
+    saved = {name: getattr(module, name) for name in ("MAX_BLOCK", "MAX_BLOCK_16BIT", "TWO_READ_CHUNK",
+                                                      "_launch_config")}
+    original = saved["_launch_config"]
+    try:
+        if path == "single":
+            cap = 1 << max(0, (num_classes - 1).bit_length())  # next power of two >= C: the row fits one block
+            module.MAX_BLOCK = module.MAX_BLOCK_16BIT = max(cap, 1)
+        elif path == "two-read":
+            if block >= num_classes:
+                raise ValueError(f"a two-read chunk must be smaller than the row: chunk {block}, C = {num_classes}")
+            # rows longer than the cap take the two-read path; the launcher clamps the chunk to
+            # next_power_of_2(cap) // 2, which a cap of C - 1 keeps at or above every power of two below C - 1
+            module.MAX_BLOCK = module.MAX_BLOCK_16BIT = num_classes - 1
+            module.TWO_READ_CHUNK = {element_size: (block, num_warps)}
+        else:
+            raise ValueError(f"unknown path {path!r}; expected 'single' or 'two-read'")
+
+        def config(classes, size):
+            single_read, chunk, _ = original(classes, size)
+            return single_read, chunk, num_warps
+
+        module._launch_config = config
+        yield module._launch_config(num_classes, element_size)
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
+def candidate_shapes(num_classes: int, warps: list[int], chunks: list[int]) -> list[tuple[str, int, int]]:
+    """``(path, block, num_warps)`` to try for rows of ``num_classes``: the single-read block with every warp count
+    that leaves a thread at least one value, and every two-read chunk below ``C`` with warps that give each thread at
+    least 4 values (at most 16 warps)."""
+    block = 1 << max(0, (num_classes - 1).bit_length())
+    shapes = [("single", block, w) for w in warps if w * 32 <= block]
+    shapes += [("two-read", chunk, w) for chunk in chunks if chunk < num_classes for w in warps
+               if w * 32 * 4 <= chunk and w <= 16]
+    return shapes
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tune_triton", description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="output prefix: PREFIX.json")
     parser.add_argument("--rows", type=int, default=8192)
     parser.add_argument("--classes", type=int, nargs="+", default=[1000, 4231, 10000, 32000, 128256])
     parser.add_argument("--dtypes", nargs="+", default=["bf16", "fp32"])
     parser.add_argument("--weights", nargs="+", default=["brier", "none"])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--stages", type=int, nargs="+", default=[0], help="0: Triton's default")
-    parser.add_argument("--programs", type=int, nargs="+", default=[0, 1, 2, 3, 4, 6],
-                        help="two-read path: programs per multiprocessor of the row-striding grid (0: one per row)")
     parser.add_argument("--grid-weights", nargs="+", default=["brier"],
                         help="weights whose launch configurations are searched (the others: default only)")
     args = parser.parse_args(argv)
@@ -46,10 +94,15 @@ def main(argv=None):
     from triton.testing import do_bench
 
     import calibkernels as ck
-    from calibkernels import _validation as V
+    from bench.harness import machine_info
+    from calibkernels import _codes as codes
+    from calibkernels import _target_checks
     from calibkernels.triton import uncertainty_weighted_ce as tri
 
+    meta = machine_info("cuda")
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    mode, reduction = codes.MODE_CODES["grad"], codes.REDUCTION_CODES["mean"]
+    gamma, norm, ignore_index = codes.DEFAULT_GAMMA, codes.DEFAULT_NORM, codes.DEFAULT_IGNORE_INDEX
     rows = []
 
     def record(**row):
@@ -69,51 +122,42 @@ def main(argv=None):
             copy_ms = bench(lambda: logits.clone())
             record(kind="copy", c=c, dtype=dtype_name, ms=copy_ms, gbs=nbytes / copy_ms / 1e6)
             for weight in args.weights:
-                code = V.WEIGHT_CODES[weight]
-                common = (target, None, None, code, V.MODE_CODES["grad"], 2.0, 2.0, -100, V.REDUCTION_CODES["mean"])
+                code = codes.WEIGHT_CODES[weight]
 
-                def triton_fn(chunk=None, num_warps=None, num_stages=None, programs=None):
-                    return lambda: tri.uncertainty_weighted_ce_forward(
-                        logits, *common, True, False, chunk=chunk, num_warps=num_warps, num_stages=num_stages,
-                        programs_per_sm=programs)
+                def kernel():
+                    return tri.uncertainty_weighted_ce_forward(logits, target, None, None, code, mode, gamma, norm,
+                                                               ignore_index, reduction, True)
 
-                configs = []
-                if weight not in args.grid_weights:
-                    pass
-                elif c <= tri.MAX_BLOCK:
-                    block = triton.next_power_of_2(c)
-                    for w in args.warps:
-                        if w * 32 <= block:
-                            configs.append(("single", block, w, None, None))
-                for chunk in args.chunks if weight in args.grid_weights else []:
-                    if chunk < c:
-                        for w in args.warps:
-                            if w * 32 * 4 <= chunk and w <= 16:
-                                for s in args.stages:
-                                    for p in args.programs:
-                                        configs.append(("two-read", chunk, w, s or None, p))
                 best = None
-                for path, block, w, s, p in configs:
+                shapes = candidate_shapes(c, args.warps, args.chunks) if weight in args.grid_weights else []
+                for path, block, warps in shapes:
+                    row = dict(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path)
                     try:
-                        ms = bench(triton_fn(None if path == "single" else block, w, s, p))
+                        with launch_shape(tri, path, block, warps, c, logits.element_size()) as effective:
+                            single_read, block_used, warps_used = effective
+                            row.update(block=block_used, warps=warps_used)
+                            if single_read != (path == "single") or (path == "two-read" and block_used != block):
+                                record(**row, error=f"launcher clamped the shape to {effective}")
+                                continue
+                            ms = bench(kernel)
                     except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
-                        record(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path, block=block, warps=w,
-                               stages=s, programs_per_sm=p, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                        record(**row, error=f"{type(exc).__name__}: {str(exc)[:200]}")
                         continue
-                    record(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path, block=block, warps=w,
-                           stages=s, programs_per_sm=p, ms=ms, gbs=nbytes / ms / 1e6)
+                    record(**row, ms=ms, gbs=nbytes / ms / 1e6)
                     if best is None or ms < best[0]:
-                        best = (ms, path, block, w, s, p)
-                default_ms = bench(triton_fn())
-                record(kind="triton-default", c=c, dtype=dtype_name, weight=weight, ms=default_ms,
-                       gbs=nbytes / default_ms / 1e6, best=best)
-                if hasattr(torch.ops.calibkernels, "uncertainty_weighted_ce") and torch._C._dispatch_has_kernel_for_dispatch_key(
-                        "calibkernels::uncertainty_weighted_ce", "CUDA"):
+                        best = (ms, path, block_used, warps_used)
+                single_read, block_used, warps_used = tri._launch_config(c, logits.element_size())
+                default_ms = bench(kernel)
+                record(kind="triton-default", c=c, dtype=dtype_name, weight=weight,
+                       path="single" if single_read else "two-read", block=block_used, warps=warps_used,
+                       ms=default_ms, gbs=nbytes / default_ms / 1e6, best=best)
+                if hasattr(torch.ops.calibkernels, "uncertainty_weighted_ce") and \
+                        torch._C._dispatch_has_kernel_for_dispatch_key("calibkernels::uncertainty_weighted_ce", "CUDA"):
                     op = torch.ops.calibkernels.uncertainty_weighted_ce
-                    ms = bench(lambda: op(logits, *common, True))
+                    ms = bench(lambda: op(logits, target, None, None, code, mode, gamma, norm, ignore_index,
+                                          reduction, True, None))
                     record(kind="cuda", c=c, dtype=dtype_name, weight=weight, ms=ms, gbs=nbytes / ms / 1e6)
                 # whole autograd step, per target-check policy (async: the default, no host stall; sync: one stall)
-                from calibkernels import _target_checks
                 leaf = logits.clone().requires_grad_()
                 for policy in ("async", "sync"):
                     _target_checks.POLICY = policy
@@ -171,15 +215,17 @@ def main(argv=None):
         os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
         with open(args.out + ".json", "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "rows": rows}, f, indent=1)
+                       "triton": triton.__version__, "meta": meta, "rows": rows}, f, indent=1)
     print("| C | dtype | what | ms | GB/s |")
     print("|---|---|---|--:|--:|")
     for r in rows:
-        if r["kind"] == "triton":
+        if r["kind"] == "triton" or "ms" not in r:
             continue
-        what = r["kind"] + ("" if "weight" not in r else f" {r['weight']}") + (f" {r['what']}" if "what" in r else "") + (
-            f" {r['backend']} validate={r['validate']}" if r["kind"] == "step" else "") + (
-            f" best={r['best']}" if r["kind"] == "triton-default" else "")
+        what = r["kind"] + (f" {r['weight']}" if "weight" in r else "") + (f" {r['what']}" if "what" in r else "")
+        if r["kind"] == "step":
+            what += f" {r['backend']} validate={r['validate']}"
+        elif r["kind"] == "triton-default":
+            what += f" {r['path']} {r['block']}x{r['warps']} best={r['best']}"
         print(f"| {r['c']} | {r['dtype']} | {what} | {r['ms']:.3f} | {r['gbs']:.0f} |")
 
 

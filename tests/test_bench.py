@@ -4,8 +4,11 @@ Correctness only: no timing is ever asserted. Tiny shapes keep this under a few 
 ``torch.compile`` of the reference (inductor on CPU).
 """
 
+import datetime as dt
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -16,6 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at
 
 from bench import harness  # noqa: E402
 from bench.harness import Case, Suite  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 CPU_PROVIDERS = [name for name, p in harness.PROVIDERS.items() if "cpu" in p.devices]
 CUDA_PROVIDERS = [name for name, p in harness.PROVIDERS.items() if "cuda" in p.devices]
@@ -108,6 +113,7 @@ def test_script_writes_json_and_markdown(tmp_path, capsys):
     suites = {"cpu": [Suite("tiny", (case,), ("calibkernels_cpu", "reference", "torch_cross_entropy"))]}
     out = tmp_path / "tiny"
     harness.main(suites, suites, argv=["--device", "cpu", "--out", str(out), "--warmup", "0", "--reps", "2"])
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["tiny.json", "tiny.md"]  # --out: no history without --history
     data = json.loads(out.with_suffix(".json").read_text())
     assert {"date", "torch", "cpu", "torch_threads"} <= set(data["meta"])
     by_provider = {r["provider"]: r for r in data["results"]}
@@ -133,3 +139,225 @@ def test_a_failing_provider_is_recorded_and_the_others_still_measured():
     by_name = {r.provider: r for r in results}
     assert by_name["broken"].status == "error: RuntimeError: kernel exploded" and by_name["broken"].median_ms is None
     assert by_name["reference"].status == "ok" and by_name["reference"].reps == 2
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Host-step suite (issue #20)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_quick_and_full_cpu_runs_hold_the_headline_and_the_host_step_suite():
+    from bench import bench_uncertainty_weighted_ce as B
+
+    for suites in (B.SUITES["cpu"], B.QUICK_SUITES["cpu"]):
+        assert any(B.HEADLINE_CPU in s.cases and "reference_compiled" in s.providers for s in suites)
+        (host,) = [s for s in suites if s.name == "cpu-host-step"]
+        assert host.measure == "host_step" and host.baseline == "torch_cross_entropy"
+        assert {(c.n, c.c, c.dtype, c.weight, c.mode) for c in host.cases} == {(4, 10, "fp32", "brier", "grad"),
+                                                                              (256, 1000, "fp32", "brier", "grad")}
+        assert set(host.providers) == {"calibkernels", "torch_cross_entropy"} and set(host.threads) == {1, None}
+
+
+def test_host_step_measures_every_provider_per_thread_count_with_paired_ratios():
+    case = Case(4, 10, "fp32", "brier", "grad", "cpu")
+    providers = [harness.PROVIDERS["calibkernels"], harness.PROVIDERS["torch_cross_entropy"]]
+    threads_before = torch.get_num_threads()
+    results = harness.bench_host_case(case, providers, threads=(1, None), baseline="torch_cross_entropy", reps=3,
+                                      rep_ms=1.0, warmup=2)
+    assert torch.get_num_threads() == threads_before
+    assert [(r.provider, r.threads) for r in results] == [
+        ("calibkernels", 1), ("torch_cross_entropy", 1),
+        ("calibkernels", threads_before), ("torch_cross_entropy", threads_before)]
+    for r in results:
+        assert r.status == "ok" and r.measure == "host_step" and r.case_id == "cpu-4x10-fp32", r
+        assert r.reps == 3 and len(r.times_ms) == 3 and r.steps_per_rep >= 1 and r.min_ms <= r.median_ms <= r.max_ms
+        assert r.baseline == "torch_cross_entropy" and r.ratio_to_baseline > 0 and r.paired_ratio_to_baseline > 0
+    by = {(r.provider, r.threads): r for r in results}
+    assert by["torch_cross_entropy", 1].ratio_to_baseline == by["torch_cross_entropy", 1].paired_ratio_to_baseline == 1
+    # each row says which loss its provider computed
+    assert by["calibkernels", 1].case["weight"] == "brier" and by["torch_cross_entropy", 1].case["weight"] == "none"
+    ck_times, ce_times = by["calibkernels", 1].times_ms, by["torch_cross_entropy", 1].times_ms
+    assert by["calibkernels", 1].paired_ratio_to_baseline == pytest.approx(
+        sorted(a / b for a, b in zip(ck_times, ce_times))[1], rel=1e-3)  # times are rounded to 1 ns in the result
+
+
+def test_host_steps_reuse_one_leaf_and_reset_its_gradient():
+    leaf = torch.randn(4, 10, requires_grad=True)
+    target = torch.tensor([0, 3, 9, 1])
+    seen = []
+
+    def step(logits, tgt):
+        seen.append((logits is leaf, logits.grad is None))
+        loss = torch.nn.functional.cross_entropy(logits, tgt)
+        loss.backward()
+        return loss
+
+    timing = harness.time_host_steps({"ce": step}, leaf, target, reps=2, rep_ms=0.5, warmup=1)["ce"]
+    assert seen and all(is_leaf and grad_reset for is_leaf, grad_reset in seen)
+    assert len(seen) >= 1 + 2 * timing.steps_per_rep and leaf.grad is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Result files and history.jsonl
+# ---------------------------------------------------------------------------------------------------------------------
+def _assert_well_formed_history_row(row: dict, source_file: str):
+    assert tuple(row) == harness.HISTORY_FIELDS  # every field, in the documented order
+    assert row["schema"] == 1 and row["kernel"] == "uncertainty_weighted_ce" and row["device_type"] == "cpu"
+    assert row["source_file"] == source_file and row["status"] == "ok"
+    dt.datetime.fromisoformat(row["date"])
+    assert row["commit"] is None or (len(row["commit"]) == 7 and int(row["commit"], 16) >= 0)
+    assert row["dirty"] in (True, False, None)
+    assert row["device"].endswith(" torch threads)") and row["torch"] == torch.__version__
+    assert row["case_id"].startswith(f"cpu-{row['n']}x{row['c']}-{row['dtype']}")
+    assert row["measure"] in ("step", "host_step") and row["config"]["reduction"] == "mean"
+    assert isinstance(row["reps"], int) and len(row["times_ms"]) == row["reps"]
+    assert all(isinstance(t, float) for t in row["times_ms"]) and row["min_ms"] <= row["median_ms"] <= row["max_ms"]
+    assert row["extra"]["label"] == harness.PROVIDERS[row["provider"]].label
+    if row["measure"] == "host_step":
+        assert row["gb_per_s"] is None and row["speedup_vs_reference"] is None
+        assert f"({os.cpu_count()} cores, {row['config']['torch_threads']} torch threads)" in row["device"]
+        assert row["config"]["steps_per_rep"] >= 1 and row["extra"]["paired_ratio_to_baseline"] > 0
+    else:
+        assert row["gb_per_s"] > 0 and row["speedup_vs_reference"] > 0
+
+
+def test_a_run_appends_one_well_formed_history_row_per_measured_case_and_replaces_its_earlier_files(tmp_path):
+    step_case = Case(16, 7, "fp32", "brier", "grad", "cpu")
+    suites = {"cpu": [
+        Suite("tiny", (step_case,), ("calibkernels_cpu", "reference")),
+        Suite("tiny-host", (Case(4, 10, "fp32", "brier", "grad", "cpu"),), ("calibkernels", "torch_cross_entropy"),
+              measure="host_step", threads=(1, None), baseline="torch_cross_entropy"),
+    ]}
+    meta = harness.machine_info("cpu")
+    slug = harness.device_slug(meta)
+    history = tmp_path / "history.jsonl"
+    history.write_text('{"schema":1,"suite":"earlier"}')  # a file whose last line has no newline yet
+    # an earlier run of the same suite and device whose rows the history lacks, and one of another suite
+    earlier_meta = dict(meta, date="2000-01-01T00:00:00+00:00")
+    earlier = {"meta": earlier_meta, "results": [{
+        "case": {"n": 16, "c": 7, "dtype": "fp32", "weight": "brier", "mode": "grad", "device": "cpu"},
+        "case_id": step_case.id, "provider": "reference", "label": "eager reference", "status": "ok",
+        "median_ms": 1.0, "min_ms": 0.5, "max_ms": 2.0, "reps": 2, "times_ms": [1.0, 2.0]}]}
+    for stem in (f"tinyrun-{slug}-2000-01-01", f"other-{slug}-2000-01-01"):
+        (tmp_path / f"{stem}.json").write_text(json.dumps(earlier))
+        (tmp_path / f"{stem}.md").write_text("earlier\n")
+
+    results = harness.main(suites, suites, argv=[
+        "--device", "cpu", "--suite", "tinyrun", "--results-dir", str(tmp_path), "--warmup", "0", "--reps", "2",
+        "--host-rep-ms", "1", "--no-memory"])
+
+    stem = harness.result_stem("tinyrun", meta)
+    assert stem.startswith(f"tinyrun-{slug}-") and not (tmp_path / f"tinyrun-{slug}-2000-01-01.json").exists()
+    assert not (tmp_path / f"tinyrun-{slug}-2000-01-01.md").exists()
+    assert (tmp_path / f"other-{slug}-2000-01-01.json").exists()  # another suite's latest file stays
+    data = json.loads((tmp_path / f"{stem}.json").read_text())
+    assert data["meta"]["suite"] == "tinyrun" and len(data["results"]) == len(results) == 2 + 4
+    assert "Host cost of an eager training step" in (tmp_path / f"{stem}.md").read_text()
+
+    lines = history.read_text().splitlines()
+    assert json.loads(lines[0]) == {"schema": 1, "suite": "earlier"}  # earlier lines untouched
+    rows = [json.loads(line) for line in lines[1:]]
+    retired, new = rows[:1], rows[1:]
+    assert retired[0]["source_file"] == f"bench/results/tinyrun-{slug}-2000-01-01.json"
+    assert retired[0]["date"] == "2000-01-01T00:00:00+00:00" and retired[0]["median_ms"] == 1.0
+    assert len(new) == len(results)
+    for row in new:
+        _assert_well_formed_history_row(row, f"bench/results/{stem}.json")
+        assert row["suite"] == "tinyrun" and row["date"] == data["meta"]["date"]
+        assert row["commit"] == data["meta"].get("git_commit") and row["dirty"] == data["meta"].get("git_dirty")
+    assert {(r["provider"], r["measure"], r["config"].get("torch_threads")) for r in new} == {
+        ("calibkernels_cpu", "step", None), ("reference", "step", None),
+        ("calibkernels", "host_step", 1), ("torch_cross_entropy", "host_step", 1),
+        ("calibkernels", "host_step", torch.get_num_threads()),
+        ("torch_cross_entropy", "host_step", torch.get_num_threads())}
+
+    # a second run the same day replaces the first's files (same name) and appends its rows again
+    harness.main(suites, suites, argv=[
+        "--device", "cpu", "--suite", "tinyrun", "--results-dir", str(tmp_path), "--warmup", "0", "--reps", "2",
+        "--host-rep-ms", "1", "--no-memory", "--providers", "reference", "calibkernels"])
+    names = sorted(f.name for f in tmp_path.glob(f"tinyrun-{slug}-*"))
+    assert names == [f"{stem}.json", f"{stem}.md"]
+    assert len(history.read_text().splitlines()) == 1 + 1 + len(results) + 3
+
+
+def test_device_slugs_name_the_model_without_vendor_words():
+    assert harness.device_slug({"device": "cuda", "gpu": "NVIDIA H200"}) == "h200"
+    assert harness.device_slug({"device": "cuda", "gpu": "NVIDIA H100 80GB HBM3"}) == "h100-80gb-hbm3"
+    assert harness.device_slug({"device": "cpu", "cpu": "AMD EPYC"}) == "epyc"
+    assert harness.device_slug({"device": "cpu", "cpu": "Intel(R) Xeon(R) Processor"}) == "xeon"
+    assert harness.device_slug({"device": "cpu", "cpu": "AMD EPYC 7763 64-Core Processor"}) == "epyc-7763"
+
+
+def test_result_files_in_the_repository_name_their_device_and_have_their_rows_in_the_history():
+    """Every result JSON of bench/results with a machine description is named ``...-<device>-<date>[-tag]``, and
+    history.jsonl holds its run (its start time); every history row has every field, in order."""
+    results = ROOT / "bench" / "results"
+    history = [json.loads(line) for line in (results / "history.jsonl").read_text().splitlines()]
+    assert all(tuple(row) == harness.HISTORY_FIELDS for row in history)
+    dates = {row["date"] for row in history}
+    checked = 0
+    for path in sorted(results.glob("*.json")):
+        meta = json.loads(path.read_text()).get("meta")
+        if not isinstance(meta, dict) or not meta.get("date") or not (meta.get("cpu") or meta.get("gpu")):
+            continue
+        stem = path.stem
+        assert f"-{harness.device_slug(meta)}-{meta['date'][:10]}" in stem, (stem, harness.device_slug(meta))
+        if meta.get("suite"):
+            assert stem.startswith(f"{meta['suite']}-{harness.device_slug(meta)}-"), stem
+        assert meta["date"] in dates, f"{path.name}: its run is not in history.jsonl"
+        checked += 1
+    assert checked
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Output on a machine without a GPU (issue #19, item 15)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_the_quick_runs_memory_measurement_prints_no_profiler_logs(tmp_path):
+    """The CPU peak-memory step runs torch.profiler; its back end must not print its USDT start/stop lines or, without
+    a GPU, "gpuGetDeviceCount failed". A fresh process: the profiler's logging is set up when its first run starts."""
+    code = f"""
+import sys
+sys.path.insert(0, {str(ROOT)!r})
+from bench import harness
+from bench.harness import Case, Suite
+suites = {{"cpu": [Suite("q", (Case(64, 100, "fp32", "brier", "grad", "cpu"),),
+                        ("calibkernels_cpu", "calibkernels_cpu_inplace", "reference"))]}}
+results = harness.main(suites, suites, argv=["--device", "cpu", "--out", {str(tmp_path / "q")!r}, "--warmup", "0",
+                                             "--reps", "1"])
+assert all(r.peak_extra_mb is not None for r in results if r.status == "ok"), results
+print("measured", sum(r.status == "ok" for r in results))
+"""
+    env = {k: v for k, v in os.environ.items() if k not in ("KINETO_LOG_LEVEL", "TORCH_CPP_LOG_LEVEL")}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output
+    assert "measured" in proc.stdout
+    assert "USDT" not in output and "gpuGetDeviceCount" not in output, output
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU tools (they need a GPU to run; here: their command lines and the Triton launch-shape override)
+# ---------------------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("module", ["bench.tune_triton", "bench.profile_step", "bench.bench_metrics"])
+def test_gpu_tools_print_their_help(module):
+    proc = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert proc.returncode == 0 and "usage:" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_tune_triton_sets_each_launch_shape_and_restores_the_defaults():
+    T = pytest.importorskip("calibkernels.triton.uncertainty_weighted_ce")
+    from bench.tune_triton import candidate_shapes, launch_shape
+
+    defaults = (T.MAX_BLOCK, T.MAX_BLOCK_16BIT, dict(T.TWO_READ_CHUNK), T._launch_config)
+    for c in (1000, 4231, 32000, 128256):
+        shapes = candidate_shapes(c, [4, 8, 16, 32], [2048, 4096, 8192, 16384])
+        assert ("single", 1 << (c - 1).bit_length(), 4) in shapes
+        for element_size in (2, 4):
+            for path, block, warps in shapes:
+                with launch_shape(T, path, block, warps, c, element_size) as effective:
+                    assert effective == (path == "single", block, warps)
+                    assert T._launch_config(c, element_size) == effective
+                assert (T.MAX_BLOCK, T.MAX_BLOCK_16BIT, dict(T.TWO_READ_CHUNK), T._launch_config) == defaults
+    with pytest.raises(ValueError, match="smaller than the row"):
+        with launch_shape(T, "two-read", 4096, 4, 1000, 4):
+            pass
+    assert (T.MAX_BLOCK, T.MAX_BLOCK_16BIT, dict(T.TWO_READ_CHUNK), T._launch_config) == defaults
