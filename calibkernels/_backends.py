@@ -98,6 +98,30 @@ def resolve(backend: str, device: torch.device) -> str:
     return "reference"
 
 
+_warned_soft_targets = False
+_SOFT_TARGET_MESSAGE = "soft targets run on the reference until the fused kernels support them"
+
+
+def resolve_soft_targets(backend: str) -> str:
+    """The backend for soft targets (label smoothing, a mix, dense probabilities): the fused kernels take one-hot
+    class indices only, so ``"auto"`` runs the reference (with one ``RuntimeWarning`` per process) and a named fused
+    backend raises ``NotImplementedError`` rather than silently running something else."""
+    global _warned_soft_targets
+    V.check_backend(backend)
+    if backend == "reference":
+        return backend
+    if backend != "auto":
+        raise NotImplementedError(
+            f"calibkernels backend {backend!r} does not support soft targets (label_smoothing > 0, mix_target/"
+            f"mix_lambda, or a dense probability target) yet: use backend='reference' (or 'auto', which runs it)"
+        )
+    if not _warned_soft_targets:
+        _warned_soft_targets = True
+        warnings.warn(f"calibkernels: {_SOFT_TARGET_MESSAGE} (pure PyTorch: slower, more memory).", RuntimeWarning,
+                      stacklevel=3)
+    return "reference"
+
+
 def module(name: str):
     """The module of backend ``name`` (``None`` if it failed to import; :func:`resolve` checks that first)."""
     return _loaded_modules[name][0] if name in _loaded_modules else _module(name)[0]
@@ -107,4 +131,7 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool):
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
         return _reference_loss(inputs)
+    if inputs.soft:  # resolve_soft_targets never picks a kernel for them; a kernel would read the targets as indices
+        raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets yet: use "
+                                  "backend='reference'")
     return _autograd.run(backend, inputs, inplace)

@@ -153,6 +153,128 @@ def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_va
     return gamma.reshape(-1)
 
 
+# Row sums of a dense probability target must be 1 within this tolerance, per target dtype: a few roundings of each
+# entry plus the producer's own arithmetic (timm's Mixup builds its targets in float32).
+_ROW_SUM_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def check_label_smoothing(label_smoothing) -> float:
+    """``label_smoothing`` (α of ``t <- (1 - α) t + α / C``): a real number in [0, 1]."""
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing must be a number in [0, 1], got {type(label_smoothing).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:  # also rejects NaN
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    return float(label_smoothing)
+
+
+def soft_target_request(target, label_smoothing, mix_target, mix_lambda) -> bool:
+    """Whether a call asks for soft targets, decided without reading tensor values (it picks the backend).
+
+    Soft: ``label_smoothing != 0``, a floating ``target`` (dense probabilities), or ``mix_target`` with a
+    ``mix_lambda`` that is a tensor or a number strictly between 0 and 1. A number ``mix_lambda`` of exactly 1 (or 0)
+    makes the target one-hot ``e_target`` (or ``e_mix_target``): hard targets, today's path. Raises ``TypeError`` /
+    ``ValueError`` for a bad ``label_smoothing`` or ``mix_lambda`` number, or a ``mix_target`` without
+    ``mix_lambda`` (and vice versa).
+    """
+    smoothing = check_label_smoothing(label_smoothing)
+    if (mix_target is None) != (mix_lambda is None):
+        raise ValueError("mix_target and mix_lambda go together: t = lam e_target + (1 - lam) e_mix_target needs "
+                         "both (or neither)")
+    dense = isinstance(target, torch.Tensor) and target.is_floating_point()
+    mixed = False
+    if mix_lambda is not None:
+        if isinstance(mix_lambda, torch.Tensor):
+            mixed = True
+        else:
+            lam = _check_lambda_number(mix_lambda)
+            mixed = 0.0 < lam < 1.0
+    return smoothing != 0.0 or dense or mixed
+
+
+def _check_lambda_number(mix_lambda) -> float:
+    if isinstance(mix_lambda, bool) or not isinstance(mix_lambda, (int, float)):
+        raise TypeError(f"mix_lambda must be a number or a floating tensor, got {type(mix_lambda).__name__}")
+    if not 0.0 <= mix_lambda <= 1.0:  # also rejects NaN
+        raise ValueError(f"mix_lambda must be in [0, 1], got {mix_lambda}")
+    return float(mix_lambda)
+
+
+def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool = False) -> torch.Tensor:
+    """A dense probability target ``(..., C)`` of ``logits``' shape, returned as ``(N, C)``.
+
+    Every entry finite and ``>= 0``, every row summing to 1 within :data:`_ROW_SUM_TOLERANCE` of its dtype (sums are
+    taken in float64); it is used as given, not renormalised (as ``F.cross_entropy`` does). ``ignore_index`` applies
+    to class indices only, so it must stay at its default -100. Targets are constants: one that requires grad raises
+    (the loss would silently give it no gradient).
+    """
+    if tuple(target.shape) == tuple(logits.shape[:-1]):
+        raise TypeError(f"target has the shape of class indices {tuple(target.shape)} but holds {target.dtype}: "
+                        f"class indices must be integer (int64); dense probability targets have the logits' shape "
+                        f"{tuple(logits.shape)}")
+    if tuple(target.shape) != tuple(logits.shape):
+        raise ValueError(f"a floating-point (dense probability) target must have the logits' shape "
+                         f"{tuple(logits.shape)}, got {tuple(target.shape)}; class indices must be int64")
+    if target.device != logits.device:
+        raise ValueError(f"target is on {target.device} but logits are on {logits.device}")
+    if ignore_index != -100:
+        raise ValueError(f"ignore_index={ignore_index} applies to class-index targets only; dense probability "
+                         "targets have no ignored rows (leave ignore_index at -100)")
+    if target.requires_grad and torch.is_grad_enabled() and not requires_grad_ok:
+        raise ValueError("the dense target requires grad, but targets are constants here (no gradient flows to "
+                         "them): pass target.detach()")
+    target2d = target.reshape(-1, logits.shape[-1])
+    if not torch.compiler.is_compiling():
+        if not bool(((target2d >= 0) & target2d.isfinite()).all()):
+            raise ValueError("a dense target must be finite and >= 0 everywhere (a probability distribution per row)")
+        tolerance = _ROW_SUM_TOLERANCE.get(target.dtype, 1e-4)
+        error = (target2d.double().sum(dim=1) - 1.0).abs()
+        worst = float(error.max())
+        if worst > tolerance:
+            row = int(error.argmax())
+            raise ValueError(f"every row of a dense target must sum to 1 (within {tolerance:g} for {target.dtype}); "
+                             f"row {row} sums to {float(target2d[row].double().sum()):.8g}")
+    return target2d
+
+
+def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignore_index, device, *,
+              check_values: bool = True):
+    """``mix_target`` (int64, the target's shape, a class index on every non-ignored row) and ``mix_lambda`` (a
+    number, a 0-dim tensor or one value per row, finite, in [0, 1]); returned as ``((N,), float | (N,))``."""
+    if not isinstance(mix_target, torch.Tensor):
+        raise TypeError(f"mix_target must be a torch.Tensor, got {type(mix_target).__name__}")
+    if mix_target.is_floating_point() or mix_target.is_complex() or mix_target.dtype == torch.bool:
+        raise TypeError(f"mix_target must hold integer class indices (int64), got {mix_target.dtype}")
+    if tuple(mix_target.shape) != tuple(target_shape):
+        raise ValueError(f"mix_target shape {tuple(mix_target.shape)} does not match target shape "
+                         f"{tuple(target_shape)}")
+    if mix_target.device != device:
+        raise ValueError(f"mix_target is on {mix_target.device} but logits are on {device}")
+    mix1d = mix_target.reshape(-1).long()
+    if check_values and not torch.compiler.is_compiling():
+        valid = target1d != ignore_index
+        bad = valid & ((mix1d < 0) | (mix1d >= num_classes))
+        if bool(bad.any()):
+            value = int(mix1d[bad][0])
+            why = " (it is ignore_index, but the row's target is not ignored)" if value == ignore_index else ""
+            raise ValueError(f"mix_target value {value} is out of range for {num_classes} classes "
+                             f"(valid: 0..{num_classes - 1} on every row whose target is not ignore_index){why}")
+    if isinstance(mix_lambda, torch.Tensor):
+        if not mix_lambda.is_floating_point():
+            raise TypeError(f"a mix_lambda tensor must be floating point, got {mix_lambda.dtype}")
+        if mix_lambda.dim() != 0 and tuple(mix_lambda.shape) != tuple(target_shape):
+            raise ValueError(f"mix_lambda must be a number, a 0-dim tensor or one value per row of shape "
+                             f"{tuple(target_shape)}, got shape {tuple(mix_lambda.shape)}")
+        if mix_lambda.device != device:
+            raise ValueError(f"mix_lambda is on {mix_lambda.device} but logits are on {device}")
+        if check_values and not torch.compiler.is_compiling() and not bool(
+                ((mix_lambda >= 0) & (mix_lambda <= 1)).all()):
+            raise ValueError("mix_lambda must be in [0, 1] everywhere (NaN is refused)")
+        lam = mix_lambda.detach()
+        lam = lam.expand(target_shape).reshape(-1) if lam.dim() == 0 else lam.reshape(-1)
+        return mix1d, lam
+    return mix1d, _check_lambda_number(mix_lambda)
+
+
 @dataclass(frozen=True)
 class LossInputs:
     """Validated, flattened arguments of ``uncertainty_weighted_ce``, as every backend receives them."""
@@ -167,6 +289,17 @@ class LossInputs:
     reduction: str
     ignore_index: int
     batch_shape: tuple  # leading shape of the input, to reshape reduction="none" results
+    # Soft targets (docs/losses.md, "Soft targets"); only the reference runs them. `target` is then (N,) int64
+    # indices (with `mix_target`/`mix_lambda` and/or `label_smoothing`) or, with `dense`, (N, C) probabilities.
+    label_smoothing: float = 0.0
+    mix_target: torch.Tensor | None = None  # (N,) int64
+    mix_lambda: float | torch.Tensor | None = None  # a number or (N,)
+    dense: bool = False
+
+    @property
+    def soft(self) -> bool:
+        """Whether the targets are soft (anything but one-hot class indices)."""
+        return self.dense or self.mix_target is not None or self.label_smoothing != 0.0
 
 
 def check_loss_inputs(
@@ -181,22 +314,59 @@ def check_loss_inputs(
     reduction="mean",
     ignore_index=-100,
     check_values: bool = True,
+    label_smoothing=0.0,
+    mix_target=None,
+    mix_lambda=None,
 ) -> LossInputs:
     """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
 
     ``check_values=False`` skips the checks that read tensor values (a device synchronisation on GPU), for backends
-    whose kernels check the targets on the device.
+    whose kernels check the targets on the device. Soft-target values (a dense target, ``mix_target``,
+    ``mix_lambda``) are always checked on the host: only the reference runs them.
+
+    A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
+    ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
     """
     check_weight(weight)
     check_mode(mode)
     check_reduction(reduction)
     check_gamma(gamma)
     check_norm(norm)
+    smoothing = check_label_smoothing(label_smoothing)
+    soft_target_request(target, smoothing, mix_target, mix_lambda)  # argument-level checks
+    if isinstance(target, torch.Tensor) and target.is_floating_point() and isinstance(logits, torch.Tensor):
+        if mix_target is not None:
+            raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself "
+                             "(t = lam t_a + (1 - lam) t_b) and pass the result as target")
+        if not logits.is_floating_point():
+            raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+        if logits.dim() < 2:
+            raise ValueError(f"logits must have at least 2 dimensions (..., C), got shape {tuple(logits.shape)}")
+        if logits.numel() == 0:
+            raise ValueError("empty batch: logits have no rows")
+        target2d = check_dense_target(logits, target, ignore_index)
+        logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
+        batch_shape = tuple(logits.shape[:-1])
+        sample_weight = check_sample_weight(sample_weight, weight, batch_shape, logits.device,
+                                            check_values=check_values)
+        gamma = check_per_sample_gamma(gamma, weight, batch_shape, logits.device, check_values=check_values)
+        return LossInputs(logits2d, target2d, weight, mode, gamma, float(norm), sample_weight, reduction,
+                          ignore_index, batch_shape, label_smoothing=smoothing, dense=True)
     logits2d, target1d, batch_shape = check_logits_target(
-        logits, target, ignore_index=ignore_index, check_values=check_values
+        logits, target, ignore_index=ignore_index, check_values=check_values or mix_target is not None
     )
     sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device, check_values=check_values)
     gamma = check_per_sample_gamma(gamma, weight, target.shape, logits.device, check_values=check_values)
+    mix1d = lam = None
+    if mix_target is not None:
+        mix1d, lam = check_mix(mix_target, mix_lambda, target1d, target.shape, logits.shape[-1], ignore_index,
+                               logits.device)
+        if not isinstance(lam, torch.Tensor) and lam == 1.0:
+            mix1d = lam = None
+        elif not isinstance(lam, torch.Tensor) and lam == 0.0:
+            target1d = torch.where(target1d == ignore_index, target1d, mix1d)
+            mix1d = lam = None
     return LossInputs(
-        logits2d, target1d, weight, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape
+        logits2d, target1d, weight, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape,
+        label_smoothing=smoothing, mix_target=mix1d, mix_lambda=lam,
     )

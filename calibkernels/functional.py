@@ -24,6 +24,9 @@ def uncertainty_weighted_ce(
     ignore_index: int = -100,
     backend: str = "auto",
     inplace: bool = False,
+    label_smoothing: float = 0.0,
+    mix_target: torch.Tensor | None = None,
+    mix_lambda: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i``, fused (softmax + weight + CE + backward in one pass).
 
@@ -34,8 +37,15 @@ def uncertainty_weighted_ce(
 
     Args:
         logits: ``(..., C)`` float32/float16/bfloat16 (float64 on the reference), class dimension last.
-        target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``.
+        target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``; or a floating ``(..., C)`` tensor
+            of probabilities per row (soft targets, as ``F.cross_entropy`` accepts; no ``ignore_index`` then).
         weight, mode, gamma, norm, sample_weight: see :func:`calibkernels.reference.uncertainty_weighted_ce`.
+        label_smoothing: α in [0, 1]; the target becomes ``(1 - α) t + α / C`` (``F.cross_entropy``'s convention).
+        mix_target, mix_lambda: mixup / cutmix in O(N): ``t = λ e_target + (1 - λ) e_mix_target`` with
+            ``mix_target`` int64 of the target's shape (usually ``target.flip(0)``) and ``λ`` in [0, 1], a number
+            or one per row. Soft targets (any of these three) run on the reference for now: ``"auto"`` warns once,
+            a named fused backend raises ``NotImplementedError``. ``weight="dual_focal"`` refuses them
+            (docs/losses.md, "Soft targets").
         reduction: ``"mean"`` (default; over non-ignored rows, 0 if none), ``"sum"`` or ``"none"``.
         ignore_index: target value whose rows contribute neither loss nor gradient.
         backend: ``"auto"`` (fastest available for the tensors' device; warns once if it must fall back to the
@@ -48,16 +58,21 @@ def uncertainty_weighted_ce(
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
     if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and not inplace
+            and mix_target is None and mix_lambda is None and type(label_smoothing) is float and label_smoothing == 0.0
             and logits.dim() == 2 and logits.device.type == "cpu" and not torch.compiler.is_compiling()):
         loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend)
         if loss is not None:
             return loss
-    name = _backends.resolve(backend, logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"))
+    if V.soft_target_request(target, label_smoothing, mix_target, mix_lambda):
+        name = _backends.resolve_soft_targets(backend)
+    else:
+        name = _backends.resolve(backend, logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"))
     # GPU kernels check target bounds on the device, which avoids a host synchronisation per call.
     host_check = name == "reference" or logits.device.type == "cpu"
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
-        reduction=reduction, ignore_index=ignore_index, check_values=host_check,
+        reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
+        mix_target=mix_target, mix_lambda=mix_lambda,
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
@@ -108,14 +123,21 @@ def bsce_gra_loss(
     ignore_index: int = -100,
     backend: str = "auto",
     inplace: bool = False,
+    label_smoothing: float = 0.0,
+    mix_target: torch.Tensor | None = None,
+    mix_lambda: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """BSCE-GRA (BSCE-GRA paper, Eq. 11): ``L_i = sg[‖p_i - e_{y_i}‖_q^γ] · CE_i``.
 
     The detached generalised Brier score scales the cross-entropy *gradient*: ``∂L_i/∂z_i = ‖p_i - e_{y_i}‖_q^γ
     (p_i - e_{y_i})``, so confident, correct samples stop pushing their logits apart. Defaults γ = 4, q = 2.
+    With soft targets ``t`` (``label_smoothing``, ``mix_target``/``mix_lambda``, a dense ``target``) ``e_y``
+    becomes ``t``: ``L_i = sg[‖p_i - t_i‖_q^γ] · CE_i``, gradient ``‖p_i - t_i‖_q^γ (p_i - t_i)``
+    (see :func:`uncertainty_weighted_ce`).
     """
     return uncertainty_weighted_ce(logits, target, weight="brier", mode="grad", gamma=gamma, norm=norm,
-                                   reduction=reduction, ignore_index=ignore_index, backend=backend, inplace=inplace)
+                                   reduction=reduction, ignore_index=ignore_index, backend=backend, inplace=inplace,
+                                   label_smoothing=label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda)
 
 
 # Batch-level and non-CE-weighted members of the family have no fused kernel; they are the reference's.

@@ -20,7 +20,8 @@ from . import _validation as V
 from . import functional as F_ck
 from . import reference as _reference
 
-__all__ = ["UncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss", "build", "names", "REGISTRY"]
+__all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss",
+           "build", "names", "REGISTRY"]
 
 
 def _check_gamma_and_norm(gamma, norm):
@@ -36,26 +37,36 @@ def _check_gamma_and_norm(gamma, norm):
 class UncertaintyWeightedCE(nn.Module):
     """Module form of :func:`calibkernels.uncertainty_weighted_ce` (``L_i = u_i · CE_i``).
 
-    ``forward(logits (..., C), target (...), sample_weight=None)``; ``sample_weight`` only with
-    ``weight="external"``; for ``weight="focal"`` the forward also accepts a per-sample ``gamma`` tensor.
+    ``forward(logits (..., C), target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None)``:
+    ``target`` is ``(...)`` int64 class indices or a floating ``(..., C)`` probability tensor; ``sample_weight`` only
+    with ``weight="external"``; a per-sample ``gamma`` tensor only with ``weight="focal"``; ``mix_target`` (int64,
+    the target's shape) and ``mix_lambda`` (a number or one per row) give ``t = λ e_target + (1 - λ) e_mix_target``
+    (mixup / cutmix). ``label_smoothing`` (α) smooths every target: ``t <- (1 - α) t + α / C``. Soft targets run on
+    the reference for now (docs/losses.md, "Soft targets"); dual focal refuses them.
     """
 
     def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", inplace=False):
+                 backend="auto", inplace=False, label_smoothing=0.0):
         super().__init__()
         V.check_weight(weight)
         V.check_mode(mode)
         _check_gamma_and_norm(gamma, norm)
         V.check_reduction(reduction)
         V.check_backend(backend)
+        label_smoothing = V.check_label_smoothing(label_smoothing)
+        if weight == "dual_focal" and label_smoothing != 0.0:
+            raise ValueError(f"weight='dual_focal' with label_smoothing={label_smoothing}: "
+                             f"{_reference._DUAL_FOCAL_SOFT}")
         self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
         self.reduction, self.ignore_index, self.backend, self.inplace = reduction, ignore_index, backend, inplace
+        self.label_smoothing = label_smoothing
 
-    def forward(self, logits, target, sample_weight=None, gamma=None):
+    def forward(self, logits, target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None):
         return F_ck.uncertainty_weighted_ce(
             logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
-            backend=self.backend, inplace=self.inplace,
+            backend=self.backend, inplace=self.inplace, label_smoothing=self.label_smoothing, mix_target=mix_target,
+            mix_lambda=mix_lambda,
         )
 
     def extra_repr(self):
@@ -66,6 +77,8 @@ class UncertaintyWeightedCE(nn.Module):
             parts.append(f"gamma={self.gamma}")
         if self.weight == "brier":
             parts.append(f"norm={self.norm}")
+        if self.label_smoothing:
+            parts.append(f"label_smoothing={self.label_smoothing}")
         parts.append(f"reduction={self.reduction!r}")
         if self.ignore_index != -100:
             parts.append(f"ignore_index={self.ignore_index}")
@@ -73,6 +86,23 @@ class UncertaintyWeightedCE(nn.Module):
         if self.inplace:
             parts.append("inplace=True")
         return ", ".join(parts)
+
+
+class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
+    """Drop-in for timm's ``SoftTargetCrossEntropy``: ``forward(x (..., C), target (..., C))`` with dense
+    probability targets (what ``timm.data.Mixup`` produces, smoothing included), returning
+    ``mean_i u_i · (-Σ_k t_ik log p_ik)``; ``ignore_index`` applies to class-index targets only. ``weight="none"``
+    is timm's loss; the default is BSCE-GRA (``weight="brier"``, ``mode="grad"``, γ = 4, q = 2). Class-index targets are accepted too (an evaluation loader).
+    Registry: ``soft_target_bsce_gra`` and ``soft_target_cross_entropy`` (docs/losses.md, "Soft targets").
+    """
+
+    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", label_smoothing=0.0):
+        super().__init__(weight=weight, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
+                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing)
+
+    def forward(self, x, target):
+        return super().forward(x, target)
 
 
 def _check_reference_only_backend(loss_name, backend):
@@ -162,13 +192,19 @@ class _Factory:
 
 
 _COMMON = ("reduction", "ignore_index", "backend")  # every loss
-_FUSED = _COMMON + ("inplace",)  # losses with a fused kernel (UncertaintyWeightedCE)
+_FUSED = _COMMON + ("inplace", "label_smoothing")  # losses with a fused kernel (UncertaintyWeightedCE)
 
 
 def _uwce(weight, mode, **defaults):
     def make(**hp):
         return UncertaintyWeightedCE(weight=weight, mode=mode, **hp)
     return _Factory(make, tuple(defaults) + _FUSED, **defaults)
+
+
+def _soft_target(weight, mode, **defaults):
+    def make(**hp):
+        return SoftTargetUncertaintyWeightedCE(weight=weight, mode=mode, **hp)
+    return _Factory(make, tuple(defaults) + _COMMON + ("label_smoothing",), **defaults)
 
 
 def _mmce(weighted):
@@ -191,6 +227,8 @@ REGISTRY = {
     "label_smoothing": _Factory(LabelSmoothingCE, ("alpha",) + _COMMON),
     "mmce": _mmce(weighted=False),
     "mmce_weighted": _mmce(weighted=True),
+    "soft_target_cross_entropy": _soft_target("none", "grad"),
+    "soft_target_bsce_gra": _soft_target("brier", "grad", gamma=4.0, norm=2.0),
 }
 
 

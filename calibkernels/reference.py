@@ -32,10 +32,18 @@ Numerics (shared by every weight):
   derivative is the limit 0 (``d(log x)/dz`` is bounded: ``|d log p_k / dz|_1 ≤ 2``).
 * FLSD's band follows one float32 rule shared with the kernels (:func:`_flsd_gamma`); dual focal's ``p_j`` and its
   ties are decided on the logits (:func:`uncertainty_weight`).
+
+Soft targets (``docs/losses.md``, "Soft targets"): a target distribution ``t_i`` per row, from class indices mixed by
+``mix_target``/``mix_lambda`` (mixup, cutmix), from dense probabilities ``(..., C)``, and/or label smoothing
+``t <- (1 - α) t + α / C``. Then ``CE_i = -Σ_k t_ik log p_ik`` and the weights generalise as
+``focal: (1 - <t, p>)^γ``, ``flsd: (1 - <t, p>)^γ_i`` with the band of ``<t, p>``, ``brier: ‖p - t‖_q^γ``
+(:func:`soft_uncertainty_weight`); dual focal has no soft form and refuses non-one-hot targets. One-hot class-index
+targets without smoothing run the hard-target code above, unchanged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 
@@ -47,6 +55,8 @@ from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID
 
 __all__ = [
     "uncertainty_weight",
+    "soft_uncertainty_weight",
+    "soft_target_distribution",
     "uncertainty_weighted_ce",
     "bsce_gra_loss",
     "brier_loss",
@@ -108,6 +118,14 @@ def _flsd_gamma(z, target, gamma):
     z = z.detach()
     p_band = torch.exp(z.gather(1, target[:, None]).squeeze(1) - torch.logsumexp(z, dim=1)).float()
     high = torch.full_like(z[:, 0], float(gamma))
+    mid = torch.full_like(high, FLSD_MID_GAMMA)
+    low = torch.full_like(high, FLSD_LOW_GAMMA)
+    return torch.where(p_band < _FLSD_LOW_THRESHOLD_F32, low, torch.where(p_band < _FLSD_MID_THRESHOLD_F32, mid, high))
+
+
+def _flsd_band(p_band, gamma, dtype):
+    """γ_i from a float32 ``p_band (N,)`` by :func:`_flsd_gamma`'s rule (soft targets: ``p_band = <t, p>``)."""
+    high = torch.full(p_band.shape, float(gamma), dtype=dtype, device=p_band.device)
     mid = torch.full_like(high, FLSD_MID_GAMMA)
     low = torch.full_like(high, FLSD_LOW_GAMMA)
     return torch.where(p_band < _FLSD_LOW_THRESHOLD_F32, low, torch.where(p_band < _FLSD_MID_THRESHOLD_F32, mid, high))
@@ -197,12 +215,19 @@ def uncertainty_weighted_ce(
     reduction="mean",
     ignore_index=-100,
     backend="reference",
+    label_smoothing=0.0,
+    mix_target=None,
+    mix_lambda=None,
 ):
     """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i`` (``mode="loss"``) or ``sg[u_i] · CE_i`` (``"grad"``).
 
     Args:
         logits: ``(..., C)`` float tensor (class dimension last).
-        target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``.
+        target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``; or a floating ``(..., C)`` tensor of
+            probabilities (each row ≥ 0, summing to 1), as ``F.cross_entropy`` accepts (no ``ignore_index`` then).
+        label_smoothing: α in [0, 1]: ``t <- (1 - α) t + α / C`` (``F.cross_entropy``'s convention).
+        mix_target, mix_lambda: ``(...)`` int64 second class and λ in [0, 1] (a number, or one per row):
+            ``t = λ e_target + (1 - λ) e_mix_target`` (mixup / cutmix with ``mix_target = target.flip(0)``).
         weight: ``"none" | "focal" | "flsd" | "dual_focal" | "brier" | "external"`` (table in the module docstring;
             FLSD's band rule: :func:`_flsd_gamma`).
         mode: ``"grad"`` (GRA: weight detached, gradient ``u (p - e_y)``) or ``"loss"`` (weight differentiated).
@@ -222,30 +247,165 @@ def uncertainty_weighted_ce(
         raise ValueError(f"calibkernels.reference only runs backend='reference', not {backend!r}")
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
-        reduction=reduction, ignore_index=ignore_index,
+        reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, mix_target=mix_target,
+        mix_lambda=mix_lambda,
     )
     return _uncertainty_weighted_ce(inputs)
 
 
 def _uncertainty_weighted_ce(inputs: V.LossInputs):
     """The reference on already-validated inputs (what the ``"reference"`` backend runs)."""
+    if inputs.soft:
+        if inputs.weight == "dual_focal":
+            inputs = _one_hot_for_dual_focal(inputs)
+        if inputs.soft:
+            return _soft_target_ce(inputs)
     valid, z, safe_target = _masked_rows(inputs.logits, inputs.target, inputs.ignore_index)
     cross_entropy = torch.logsumexp(z, dim=-1) - z.gather(1, safe_target[:, None]).squeeze(1)
+    return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: uncertainty_weight(
+        z, safe_target, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight))
+
+
+def _weighted_reduced(inputs: V.LossInputs, valid, cross_entropy, weight_of):
+    """``reduce(u · CE)`` with ``u = weight_of(sample_weight with ignored rows zeroed)``, detached in grad mode."""
     sample_weight = inputs.sample_weight
     if sample_weight is not None:
         sample_weight = torch.where(valid, sample_weight, torch.zeros((), dtype=sample_weight.dtype,
                                                                        device=sample_weight.device))
-    u = uncertainty_weight(z, safe_target, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm,
-                           sample_weight=sample_weight)
+    u = weight_of(sample_weight)
     if inputs.mode == "grad":
         u = u.detach()
     return _reduce(u * cross_entropy, valid, inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
 
 
-def bsce_gra_loss(logits, target, *, gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100, backend="reference"):
-    """BSCE-GRA: ``sg[‖p - e_y‖_q^γ] · CE`` (BSCE-GRA paper Eq. 11); gradient ``‖p - e_y‖_q^γ (p - e_y)``."""
+_DUAL_FOCAL_SOFT = ("dual focal has no published soft-target form (its p_j, the largest probability below the "
+                    "target's, needs one target class), so it takes one-hot targets only: label_smoothing=0 and no "
+                    "mix (or mix_lambda exactly 0 or 1 on every row); use weight='focal', 'flsd' or 'brier' with soft "
+                    "targets")
+
+
+def _one_hot_for_dual_focal(inputs: V.LossInputs) -> V.LossInputs:
+    """Dual focal accepts only truly one-hot targets: a mix whose λ is 0 or 1 on every row, or a dense target whose
+    rows are one-hot, is turned into class indices; anything else (smoothing, a proper mix) raises ``ValueError``."""
+    if inputs.label_smoothing != 0.0:
+        raise ValueError(f"weight='dual_focal' with label_smoothing={inputs.label_smoothing}: {_DUAL_FOCAL_SOFT}")
+    if inputs.dense:
+        t = inputs.target
+        if not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"weight='dual_focal' with a dense target that is not one-hot: {_DUAL_FOCAL_SOFT}")
+        return dataclasses.replace(inputs, target=t.argmax(dim=1), dense=False)
+    lam = inputs.mix_lambda
+    if isinstance(lam, torch.Tensor):
+        valid = inputs.target != inputs.ignore_index
+        if not bool((((lam == 0) | (lam == 1)) | ~valid).all()):
+            raise ValueError(f"weight='dual_focal' with mix_lambda strictly between 0 and 1: {_DUAL_FOCAL_SOFT}")
+        target = torch.where(valid & (lam == 0), inputs.mix_target, inputs.target)
+        return dataclasses.replace(inputs, target=target, mix_target=None, mix_lambda=None)
+    raise ValueError(f"weight='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
+
+
+def soft_target_distribution(z, target, *, valid=None, mix_target=None, mix_lambda=None, label_smoothing=0.0,
+                             dense=False):
+    """The target distribution ``t (N, C)`` in ``z``'s dtype (``docs/losses.md``, "Soft targets").
+
+    Class indices ``target (N,)`` (ignored rows already replaced by a valid class; ``valid`` marks the others):
+    ``t = λ e_target + (1 - λ) e_mix_target`` with ``mix_lambda`` a number or ``(N,)``; a dense ``target (N, C)`` is
+    used as given. Then label smoothing: ``t <- (1 - α) t + α / C`` (``F.cross_entropy``'s; mixing and smoothing
+    commute). ``t`` is a constant (no gradient).
+    """
+    num_classes = z.shape[1]
+    if dense:
+        t = target.detach().to(z.dtype)
+    else:
+        t = F.one_hot(target, num_classes).to(z.dtype)
+        if mix_target is not None:
+            safe_mix = mix_target if valid is None else torch.where(valid, mix_target, torch.zeros_like(mix_target))
+            lam = mix_lambda.to(z.dtype)[:, None] if isinstance(mix_lambda, torch.Tensor) else float(mix_lambda)
+            t = lam * t + (1.0 - lam) * F.one_hot(safe_mix, num_classes).to(z.dtype)
+    if label_smoothing != 0.0:
+        t = (1.0 - label_smoothing) * t + label_smoothing / num_classes
+    return t
+
+
+def _log_one_minus_softmax(log_p):
+    """``log(1 - p_k) (N, C)`` without cancellation: the arg-max class (the only one that can have ``p_k > 1/2``)
+    takes ``log Σ_{j≠k} p_j``, the others ``log1p(-p_k)`` (accurate for ``p_k ≤ 1/2``)."""
+    neg_inf = torch.full((), -math.inf, dtype=log_p.dtype, device=log_p.device)
+    is_max = F.one_hot(log_p.argmax(dim=1), log_p.shape[1]).bool()
+    at_max = _logsumexp_or_neg_inf(torch.where(is_max, neg_inf, log_p), dim=1)
+    p_others = torch.where(is_max, torch.zeros((), dtype=log_p.dtype, device=log_p.device), torch.exp(log_p))
+    return torch.where(is_max, at_max[:, None], torch.log1p(-p_others))
+
+
+def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None):
+    """Differentiable per-row weight ``u_i (N,)`` for logits ``z (N, C)`` and a target distribution ``t (N, C)``.
+
+    ============  ==========================================================================================
+    ``none``      1
+    ``focal``     ``(1 - <t, p>)^γ``, with ``1 - <t, p> = Σ_k t_k (1 - p_k)`` summed in the log domain
+    ``flsd``      ``(1 - <t, p>)^γ_i``; γ_i from ``float32(Σ_k t_k exp(z_k - lse))`` by :func:`_flsd_gamma`'s rule
+    ``brier``     ``‖p - t‖_q^γ``; the arg-max class's ``p_k - t_k`` is taken as ``(1 - t_k) - (1 - p_k)``
+    ``external``  ``sg[w_i]``
+    ============  ==========================================================================================
+
+    With a one-hot ``t`` each equals :func:`uncertainty_weight` (up to rounding); dual focal has no soft form.
+    """
+    if weight == "none":
+        return torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
+    if weight == "external":
+        return sample_weight.detach().to(z.dtype)
+    if weight == "dual_focal":
+        raise ValueError(_DUAL_FOCAL_SOFT)
+    if isinstance(gamma, torch.Tensor):
+        gamma = gamma.to(z.dtype)
+    t = t.detach()
+    neg_inf = torch.full((), -math.inf, dtype=z.dtype, device=z.device)
+    log_p = torch.log_softmax(z, dim=-1)
+    log_one_minus_p = _log_one_minus_softmax(log_p)
+    if weight in ("focal", "flsd"):
+        # log(1 - <t, p>) = log Σ_k t_k (1 - p_k)   (Σ_k t_k = 1)
+        log_t = torch.where(t > 0, torch.log(torch.where(t > 0, t, torch.ones_like(t))), neg_inf)
+        log_base = _logsumexp_or_neg_inf(log_t + log_one_minus_p, dim=1)
+        if weight == "focal":
+            return _power_of_log(log_base, gamma)
+        zd = z.detach()
+        p_band = (t * torch.exp(zd - torch.logsumexp(zd, dim=1, keepdim=True))).sum(dim=1).float()
+        return _power_of_log(log_base, _flsd_band(p_band, gamma, zd.dtype))
+    if weight == "brier":
+        is_max = F.one_hot(log_p.argmax(dim=1), log_p.shape[1]).bool()
+        diff = torch.where(is_max, (1.0 - t) - torch.exp(log_one_minus_p), torch.exp(log_p) - t)
+        nonzero = diff != 0
+        log_abs = torch.where(nonzero, torch.log(torch.where(nonzero, diff.abs(), torch.ones_like(diff))), neg_inf)
+        return _power_of_log(_logsumexp_or_neg_inf(norm * log_abs, dim=1), gamma / norm)
+    raise ValueError(f"unknown weight {weight!r}")
+
+
+def _soft_target_ce(inputs: V.LossInputs):
+    """``L_i = u_i · CE_i`` with ``CE_i = -Σ_k t_ik log p_ik`` for validated soft-target inputs."""
+    logits = inputs.logits
+    if inputs.dense:
+        valid = torch.ones(logits.shape[0], dtype=torch.bool, device=logits.device)
+        z = logits.to(_compute_dtype(logits.dtype))
+        target = inputs.target
+    else:
+        valid, z, target = _masked_rows(logits, inputs.target, inputs.ignore_index)
+    t = soft_target_distribution(z, target, valid=valid, mix_target=inputs.mix_target, mix_lambda=inputs.mix_lambda,
+                                 label_smoothing=inputs.label_smoothing, dense=inputs.dense)
+    log_p = torch.log_softmax(z, dim=-1)
+    # 0 · log p = 0 where t_k = 0, also for a -inf logit (a masked class)
+    cross_entropy = -torch.where(t > 0, t * log_p, torch.zeros((), dtype=z.dtype, device=z.device)).sum(dim=1)
+    return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: soft_uncertainty_weight(
+        z, t, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight))
+
+
+def bsce_gra_loss(logits, target, *, gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100, backend="reference",
+                  label_smoothing=0.0, mix_target=None, mix_lambda=None):
+    """BSCE-GRA: ``sg[‖p - t‖_q^γ] · CE`` (BSCE-GRA paper Eq. 11 with ``t = e_y``); gradient ``‖p - t‖_q^γ (p - t)``.
+    Soft targets (``label_smoothing``, ``mix_target``/``mix_lambda``, dense ``target``): see
+    :func:`uncertainty_weighted_ce`."""
     return uncertainty_weighted_ce(logits, target, weight="brier", mode="grad", gamma=gamma, norm=norm,
-                                   reduction=reduction, ignore_index=ignore_index, backend=backend)
+                                   reduction=reduction, ignore_index=ignore_index, backend=backend,
+                                   label_smoothing=label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda)
 
 
 def brier_loss(logits, target, *, reduction="mean", ignore_index=-100):

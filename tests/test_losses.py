@@ -23,6 +23,7 @@ USED = {
     "brier_loss": set(),
     "label_smoothing": {"alpha"},
     "mmce": {"lam", "bandwidth"}, "mmce_weighted": {"lam", "bandwidth"},
+    "soft_target_cross_entropy": set(), "soft_target_bsce_gra": {"gamma", "norm"},
 }
 SAMPLE_VALUE = {"gamma": 2.0, "norm": 1.5, "alpha": 0.1, "lam": 3.0, "bandwidth": 0.3}
 

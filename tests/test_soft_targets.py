@@ -1,0 +1,351 @@
+"""Soft targets (label smoothing, mixup/cutmix mixes, dense probabilities): the reference against F.cross_entropy and
+per-row NumPy formulas, float64 gradients, the one-hot path left bit-identical, validation and routing
+(docs/losses.md, "Soft targets")."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import calibkernels as ck
+from calibkernels import _backends
+from calibkernels import reference as R
+
+SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external"]
+MODES = ["loss", "grad"]
+REDUCTIONS = ["none", "mean", "sum"]
+
+
+@pytest.fixture(autouse=True)
+def _quiet_soft_target_warning():
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*soft targets run on the reference.*", category=RuntimeWarning)
+        yield
+
+
+def _inputs(n=7, c=5, dtype=torch.float64, ignore=True, seed=None):
+    g = torch.Generator().manual_seed(seed if seed is not None else int(torch.randint(0, 2**31, ())))
+    z = torch.randn(n, c, generator=g, dtype=torch.float64).mul_(2.0).to(dtype)
+    y = torch.randint(0, c, (n,), generator=g)
+    if ignore and n > 2:
+        y[1] = -100
+    mix = torch.randint(0, c, (n,), generator=g)
+    lam = torch.rand(n, generator=g, dtype=torch.float64)
+    dense = torch.softmax(torch.randn(n, c, generator=g, dtype=torch.float64) * 2, dim=1)
+    w = torch.rand(n, generator=g, dtype=torch.float64) * 2
+    return z, y, mix, lam, dense, w
+
+
+def _target_distribution(y, mix, lam, a, c):
+    """Independent construction of t (float64, one row at a time)."""
+    t = np.zeros((len(y), c))
+    for i in range(len(y)):
+        if y[i] == -100:
+            continue
+        t[i, y[i]] += lam[i] if mix is not None else 1.0
+        if mix is not None:
+            t[i, mix[i]] += 1.0 - lam[i]
+        t[i] = (1 - a) * t[i] + a / c
+    return t
+
+
+def _np_soft_loss(z, t, weight, gamma, norm, w_ext):
+    z = z - z.max()
+    p = np.exp(z) / np.exp(z).sum()
+    ce = -(t * np.log(p)).sum()
+    tp = float((t * p).sum())
+    if weight == "none":
+        u = 1.0
+    elif weight == "external":
+        u = w_ext
+    elif weight == "focal":
+        u = (1 - tp) ** gamma
+    elif weight == "flsd":
+        g = 5.0 if tp < 0.2 else (3.0 if tp < 0.5 else gamma)
+        u = (1 - tp) ** g
+    else:
+        u = (np.abs(p - t) ** norm).sum() ** (gamma / norm)
+    return u * ce
+
+
+# ---------------------------------------------------------------------------------------------- against PyTorch
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("a", [0.0, 0.1, 1.0])
+def test_weight_none_matches_f_cross_entropy_label_smoothing_with_ignored_rows(reduction, a):
+    z, y, *_ = _inputs()
+    y[4] = -100
+    expected = F.cross_entropy(z, y, label_smoothing=a, reduction=reduction)  # ignored rows: 0; mean over the rest
+    for fn in (ck.uncertainty_weighted_ce, R.uncertainty_weighted_ce):
+        got = fn(z, y, weight="none", label_smoothing=a, reduction=reduction)
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("a", [0.0, 0.2])
+def test_weight_none_matches_f_cross_entropy_probability_targets(reduction, a):
+    z, _, _, _, dense, _ = _inputs()
+    expected = F.cross_entropy(z, dense, label_smoothing=a, reduction=reduction)  # "mean" divides by N
+    got = ck.uncertainty_weighted_ce(z, dense, weight="none", label_smoothing=a, reduction=reduction)
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+    zg, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
+    ck.uncertainty_weighted_ce(zg, dense, weight="none", label_smoothing=a, reduction="sum").backward()
+    F.cross_entropy(zr, dense, label_smoothing=a, reduction="sum").backward()
+    torch.testing.assert_close(zg.grad, zr.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_mix_equals_f_cross_entropy_of_the_mixed_losses():
+    z, y, mix, _, _, _ = _inputs(ignore=False)
+    lam = 0.3
+    got = ck.uncertainty_weighted_ce(z, y, weight="none", mix_target=mix, mix_lambda=lam, label_smoothing=0.1)
+    expected = (lam * F.cross_entropy(z, y, label_smoothing=0.1)
+                + (1 - lam) * F.cross_entropy(z, mix, label_smoothing=0.1))
+    torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------- against NumPy
+@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+@pytest.mark.parametrize("kind", ["mix", "mix_smooth", "smooth", "dense", "dense_smooth"])
+def test_soft_weights_match_per_row_formulas(weight, kind):
+    z, y, mix, lam, dense, w = _inputs(n=9, c=6)
+    a = 0.15 if "smooth" in kind else 0.0
+    kw = dict(weight=weight, gamma=2.5, norm=1.5, reduction="none", label_smoothing=a,
+              sample_weight=w if weight == "external" else None)
+    if kind.startswith("dense"):
+        got = R.uncertainty_weighted_ce(z, dense, **kw)
+        t = (1 - a) * dense.numpy() + a / 6
+        valid = np.ones(9, bool)
+    else:
+        mixed = kind.startswith("mix")
+        got = R.uncertainty_weighted_ce(z, y, mix_target=mix if mixed else None, mix_lambda=lam if mixed else None,
+                                        **kw)
+        t = _target_distribution(y.numpy(), mix.numpy() if mixed else None, lam.numpy(), a, 6)
+        valid = (y != -100).numpy()
+    for i in range(9):
+        expected = _np_soft_loss(z[i].numpy(), t[i], weight, 2.5, 1.5, float(w[i])) if valid[i] else 0.0
+        assert float(got[i]) == pytest.approx(expected, rel=1e-10, abs=1e-12)
+
+
+@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+def test_dense_one_hot_targets_agree_with_the_index_path(weight):
+    z, y, _, _, _, w = _inputs(ignore=False)
+    kw = dict(weight=weight, gamma=2.0, reduction="none", sample_weight=w if weight == "external" else None)
+    soft = R.uncertainty_weighted_ce(z, F.one_hot(y, 5).double(), **kw)
+    torch.testing.assert_close(soft, R.uncertainty_weighted_ce(z, y, **kw), rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------- one-hot: unchanged
+@pytest.mark.parametrize("weight", ["none", "focal", "flsd", "dual_focal", "brier"])
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_one_hot_targets_without_smoothing_are_bit_identical(weight, backend):
+    z, y, mix, *_ = _inputs(n=16, c=10, dtype=torch.float32)
+
+    def run(**kw):
+        x = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(x, y, weight=weight, gamma=2.0, backend=backend, reduction="sum", **kw)
+        loss.backward()
+        return loss, x.grad
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the one-hot path never takes the soft-target fallback
+        base = run()
+        for kw in (dict(label_smoothing=0.0), dict(label_smoothing=0), dict(mix_target=mix, mix_lambda=1.0),
+                   dict(mix_target=mix, mix_lambda=1)):
+            loss, grad = run(**kw)
+            assert torch.equal(loss, base[0]) and torch.equal(grad, base[1])
+        swapped = run(mix_target=mix, mix_lambda=0.0)
+        y_mix = torch.where(y == -100, y, mix)
+        x = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(x, y_mix, weight=weight, gamma=2.0, backend=backend, reduction="sum")
+        loss.backward()
+        assert torch.equal(swapped[0], loss) and torch.equal(swapped[1], x.grad)
+
+
+# ---------------------------------------------------------------------------------------------- gradients
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+@pytest.mark.parametrize("dense", [False, True])
+def test_gradcheck_loss_mode_soft_targets(weight, reduction, dense):
+    z, y, mix, lam, t, w = _inputs(n=5, c=4)
+    kw = dict(weight=weight, mode="loss", gamma=2.5, norm=3.0, reduction=reduction, label_smoothing=0.1,
+              sample_weight=w[:5] if weight == "external" else None)
+    x = z.clone().requires_grad_()
+    if dense:
+        assert torch.autograd.gradcheck(lambda v: R.uncertainty_weighted_ce(v, t, **kw), (x,))
+    else:
+        assert torch.autograd.gradcheck(
+            lambda v: R.uncertainty_weighted_ce(v, y, mix_target=mix, mix_lambda=lam, **kw), (x,))
+
+
+@pytest.mark.parametrize("weight", ["focal", "flsd", "brier"])
+def test_gradcheck_soft_weight_itself(weight):
+    z, y, mix, lam, _, _ = _inputs(n=5, c=4, ignore=False)
+    t = R.soft_target_distribution(z, y, mix_target=mix, mix_lambda=lam, label_smoothing=0.05)
+    x = z.clone().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda v: R.soft_uncertainty_weight(v, t, weight=weight, gamma=1.5, norm=0.7), (x,))
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+def test_grad_mode_gradient_is_weight_times_p_minus_t(weight, reduction):
+    z, y, mix, lam, _, w = _inputs(n=8, c=5)
+    sw = w[:8] if weight == "external" else None
+    x = z.clone().requires_grad_()
+    loss = R.uncertainty_weighted_ce(x, y, weight=weight, mode="grad", gamma=2.0, reduction=reduction,
+                                     label_smoothing=0.1, mix_target=mix, mix_lambda=lam, sample_weight=sw)
+    grad_out = torch.rand(8, dtype=torch.float64) if reduction == "none" else torch.tensor(1.0, dtype=torch.float64)
+    loss.backward(grad_out)
+    valid = y != -100
+    safe = torch.where(valid, y, 0)
+    t = R.soft_target_distribution(z, safe, valid=valid, mix_target=mix, mix_lambda=lam, label_smoothing=0.1)
+    u = R.soft_uncertainty_weight(z, t, weight=weight, gamma=2.0, norm=2.0, sample_weight=sw)
+    scale = {"none": grad_out, "sum": torch.ones(8, dtype=torch.float64),
+             "mean": torch.full((8,), 1.0 / int(valid.sum()), dtype=torch.float64)}[reduction]
+    expected = (u * scale * valid)[:, None] * (z.softmax(-1) - t)
+    torch.testing.assert_close(x.grad, expected, rtol=1e-12, atol=1e-14)
+
+
+# ---------------------------------------------------------------------------------------------- shapes and dtypes
+@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+def test_leading_dimensions_and_tiny_class_counts(weight):
+    for c in (1, 2, 3):
+        z = torch.randn(2, 3, c, dtype=torch.float64)
+        y = torch.randint(0, c, (2, 3))
+        mix = torch.randint(0, c, (2, 3))
+        lam = torch.rand(2, 3, dtype=torch.float64)
+        w = torch.rand(2, 3, dtype=torch.float64) if weight == "external" else None
+        kw = dict(weight=weight, gamma=2.0, sample_weight=w, label_smoothing=0.1)
+        out = R.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=lam, reduction="none", **kw)
+        assert out.shape == (2, 3) and torch.isfinite(out).all()
+        flat = R.uncertainty_weighted_ce(z.reshape(6, c), y.reshape(6), mix_target=mix.reshape(6),
+                                         mix_lambda=lam.reshape(6), reduction="none",
+                                         **{**kw, "sample_weight": None if w is None else w.reshape(6)})
+        torch.testing.assert_close(out.reshape(6), flat, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+def test_half_precision_computes_in_float32(weight, dtype):
+    z, y, mix, lam, dense, w = _inputs(n=6, c=5, dtype=dtype)
+    sw = w.float() if weight == "external" else None
+    kw = dict(weight=weight, gamma=2.0, reduction="none", label_smoothing=0.1, sample_weight=sw)
+    half = R.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=lam.float(), **kw)
+    single = R.uncertainty_weighted_ce(z.float(), y, mix_target=mix, mix_lambda=lam.float(), **kw)
+    assert half.dtype == dtype
+    torch.testing.assert_close(half, single.to(dtype), rtol=0, atol=0)
+    dense_half = R.uncertainty_weighted_ce(z, dense.to(dtype), **kw)
+    assert dense_half.dtype == dtype and torch.isfinite(dense_half).all()
+
+
+# ---------------------------------------------------------------------------------------------- dual focal
+def test_dual_focal_refuses_soft_targets_with_the_reason():
+    z, y, mix, lam, dense, _ = _inputs()
+    lam = lam.clamp(0.1, 0.9)
+    for kw in (dict(label_smoothing=0.1), dict(mix_target=mix, mix_lambda=0.5), dict(mix_target=mix, mix_lambda=lam)):
+        with pytest.raises(ValueError, match="no published soft-target form"):
+            ck.uncertainty_weighted_ce(z, y, weight="dual_focal", **kw)
+    with pytest.raises(ValueError, match="no published soft-target form"):
+        ck.uncertainty_weighted_ce(z, dense, weight="dual_focal")
+    with pytest.raises(ValueError, match="no published soft-target form"):
+        ck.losses.build("dual_focal_loss", label_smoothing=0.1)
+
+
+def test_dual_focal_accepts_truly_one_hot_targets():
+    z, y, mix, _, _, _ = _inputs(ignore=False)
+    kw = dict(weight="dual_focal", gamma=2.0, reduction="none", backend="reference")
+    base = ck.uncertainty_weighted_ce(z, y, **kw)
+    lam = (torch.rand(7) < 0.5).double()
+    got = ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=lam, **kw)
+    torch.testing.assert_close(got, ck.uncertainty_weighted_ce(z, torch.where(lam == 1, y, mix), **kw),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(ck.uncertainty_weighted_ce(z, F.one_hot(y, 5).double(), **kw), base, rtol=0, atol=0)
+
+
+# ---------------------------------------------------------------------------------------------- input checks
+def test_bad_soft_target_inputs_raise_clear_errors():
+    z, y, mix, lam, dense, _ = _inputs()
+    call = ck.uncertainty_weighted_ce
+    cases = [
+        (ValueError, "label_smoothing must be in", dict(label_smoothing=1.5)),
+        (ValueError, "label_smoothing must be in", dict(label_smoothing=float("nan"))),
+        (TypeError, "label_smoothing must be a number", dict(label_smoothing=True)),
+        (ValueError, "mix_lambda must be in", dict(mix_target=mix, mix_lambda=-0.1)),
+        (ValueError, "mix_lambda must be in", dict(mix_target=mix, mix_lambda=float("nan"))),
+        (ValueError, r"mix_lambda must be in \[0, 1\] everywhere", dict(mix_target=mix, mix_lambda=lam + 1)),
+        (ValueError, r"mix_lambda must be in \[0, 1\] everywhere",
+         dict(mix_target=mix, mix_lambda=torch.full((7,), float("nan"), dtype=torch.float64))),
+        (ValueError, "go together", dict(mix_target=mix)),
+        (ValueError, "go together", dict(mix_lambda=0.5)),
+        (TypeError, "integer class indices", dict(mix_target=mix.double(), mix_lambda=0.5)),
+        (ValueError, "mix_target shape", dict(mix_target=mix[:3], mix_lambda=0.5)),
+        (ValueError, "mix_lambda must be a number, a 0-dim tensor", dict(mix_target=mix, mix_lambda=lam[:3])),
+        (TypeError, "mix_lambda tensor must be floating", dict(mix_target=mix, mix_lambda=torch.ones(7).long())),
+        (ValueError, "mix_target value 5 is out of range",
+         dict(mix_target=torch.where(torch.arange(7) == 3, 5, mix), mix_lambda=0.5)),
+        (ValueError, "it is ignore_index",
+         dict(mix_target=torch.where(torch.arange(7) == 3, -100, mix), mix_lambda=0.5)),
+    ]
+    for error, message, kw in cases:
+        with pytest.raises(error, match=message):
+            call(z, y, weight="none", **kw)
+    # mix_target may be anything on ignored rows
+    call(z, y, weight="none", mix_target=torch.where(y == -100, -100, mix), mix_lambda=0.5)
+    dense_cases = [
+        (ValueError, "must have the logits' shape", dense[:, :3]),
+        (ValueError, "finite and >= 0", torch.where(torch.arange(5) == 0, -0.1, dense)),
+        (ValueError, "sum to 1", dense * 1.01),
+        (ValueError, "finite and >= 0", torch.full_like(dense, float("nan"))),
+    ]
+    for error, message, target in dense_cases:
+        with pytest.raises(error, match=message):
+            call(z, target, weight="none")
+    with pytest.raises(ValueError, match="applies to class-index targets only"):
+        call(z, dense, weight="none", ignore_index=0)
+    with pytest.raises(ValueError, match="mix a dense target yourself"):
+        call(z, dense, weight="none", mix_target=mix, mix_lambda=0.5)
+    with pytest.raises(ValueError, match="targets are constants"):
+        call(z, dense.clone().requires_grad_(), weight="none")
+    with pytest.raises(ValueError, match="label_smoothing must be in"):
+        ck.losses.build("bsce_gra", label_smoothing=-0.1)
+
+
+# ---------------------------------------------------------------------------------------------- routing
+def test_auto_warns_once_and_named_kernels_refuse_soft_targets(monkeypatch):
+    z, y, mix, _, dense, _ = _inputs(dtype=torch.float32)
+    monkeypatch.setattr(_backends, "_warned_soft_targets", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = ck.uncertainty_weighted_ce(z, y, label_smoothing=0.1)
+        ck.uncertainty_weighted_ce(z, dense.float(), weight="focal")
+        ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=0.3)
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 1 and "soft targets run on the reference until the fused kernels support them" in \
+        messages[0]
+    torch.testing.assert_close(first, R.uncertainty_weighted_ce(z, y, label_smoothing=0.1), rtol=0, atol=0)
+    for backend in ("cpu", "triton", "cuda"):
+        for kw in (dict(label_smoothing=0.1), dict(mix_target=mix, mix_lambda=0.3)):
+            with pytest.raises(NotImplementedError, match="backend='reference'"):
+                ck.uncertainty_weighted_ce(z, y, backend=backend, **kw)
+        with pytest.raises(NotImplementedError, match="backend='reference'"):
+            ck.uncertainty_weighted_ce(z, dense.float(), backend=backend)
+
+
+def test_modules_take_soft_targets():
+    z, y, mix, lam, dense, _ = _inputs(dtype=torch.float32)
+    criterion = ck.losses.build("bsce_gra", label_smoothing=0.1)
+    assert "label_smoothing=0.1" in repr(criterion)
+    expected = ck.bsce_gra_loss(z, y, label_smoothing=0.1, mix_target=mix, mix_lambda=lam.float())
+    torch.testing.assert_close(criterion(z, y, mix_target=mix, mix_lambda=lam.float()), expected, rtol=0, atol=0)
+    torch.testing.assert_close(
+        R.bsce_gra_loss(z, y, label_smoothing=0.1, mix_target=mix, mix_lambda=lam.float()), expected, rtol=0, atol=0)
+    drop_in = ck.losses.build("soft_target_bsce_gra")
+    assert isinstance(drop_in, ck.losses.SoftTargetUncertaintyWeightedCE)
+    torch.testing.assert_close(drop_in(z, dense.float()), ck.bsce_gra_loss(z, dense.float()), rtol=0, atol=0)
+    plain = ck.losses.build("soft_target_cross_entropy")
+    torch.testing.assert_close(plain(z, dense.float()), F.cross_entropy(z, dense.float()))
+    with pytest.raises(TypeError, match="accepts only"):
+        ck.losses.build("soft_target_bsce_gra", inplace=True)
+    with pytest.raises(ValueError, match="class-index targets only"):
+        ck.losses.build("soft_target_bsce_gra", ignore_index=3)(z, dense.float())
