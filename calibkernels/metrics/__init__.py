@@ -17,6 +17,12 @@
   ``calibration_metrics`` (all metrics of one tensor in one pass).
 * :mod:`.reliability` — ``reliability_diagram`` (matplotlib, optional) and ``reliability_bins``.
 * :mod:`.smooth` — differentiable ``sece`` / ``dece`` for meta-regularisation.
+* :mod:`.smooth_ece` — ``smooth_ece`` (Błasiok & Nakkiran's smECE, automatic bandwidth) and
+  ``smooth_reliability_curve``; :mod:`.debiased` — ``debiased_ece`` (Kumar, Liang & Ma's debiased L2 calibration
+  error on equal-mass bins); :mod:`.bootstrap` — ``bootstrap`` percentile intervals of any metric (batched for the
+  package's own), ``bootstrap_distribution``, ``bin_accuracy_band``. The functions ``smooth_ece`` and ``bootstrap``
+  share their modules' names, so ``calibkernels.metrics.smooth_ece`` is the function; the modules are in
+  ``sys.modules`` under their full names.
 """
 
 from .binned import (
@@ -37,14 +43,25 @@ from .streaming import METRIC_KEYS, CalibrationMeter, calibration_metrics
 from .smooth import dece, sece
 # --- end smooth metrics ---
 
+# --- metrics past the anchors: smooth ECE, debiased L2 calibration error, bootstrap intervals ---
+from .bootstrap import BATCHED_METRICS, bin_accuracy_band, bootstrap, bootstrap_distribution
+from .debiased import debiased_ece
+from .smooth_ece import smooth_ece, smooth_reliability_curve
+# --- end metrics past the anchors ---
+
 __all__ = [
     "METRIC_KEYS",
     "CalibrationMeter",
+    "BATCHED_METRICS",
     "accuracy",
     "adaptive_ece",
+    "bin_accuracy_band",
+    "bootstrap",
+    "bootstrap_distribution",
     "brier_score",
     "calibration_metrics",
     "classwise_ece",
+    "debiased_ece",
     "dece",
     "ece",
     "equal_count_edges",
@@ -54,4 +71,6 @@ __all__ = [
     "reliability_bins",
     "reliability_diagram",
     "sece",
+    "smooth_ece",
+    "smooth_reliability_curve",
 ]

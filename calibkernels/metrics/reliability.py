@@ -7,10 +7,14 @@ drawing diagrams in a loop leaks no global figures and needs no display.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._inputs import check_n_bins, prepare
 from .binned import bin_sums, calibration_error_from_sums, confidence_and_correct, equal_width_edges
+from .bootstrap import bin_accuracy_band
+from .smooth_ece import smooth_reliability_curve
 
 __all__ = ["reliability_diagram", "reliability_bins"]
 
@@ -50,13 +54,20 @@ def reliability_bins(inputs, labels, n_bins: int = 15, *, inputs_are: str = "aut
 
 
 def reliability_diagram(inputs, labels, path=None, n_bins: int = 15, title: str | None = None, ax=None, *,
-                        inputs_are: str = "auto", ignore_index: int = -100, dpi: int = 150):
+                        inputs_are: str = "auto", ignore_index: int = -100, dpi: int = 150, smooth: bool = False,
+                        band: bool = False, n_resamples: int = 200, band_confidence: float = 0.95, seed: int = 0):
     """Draw a reliability diagram and return the matplotlib ``Figure`` (saved as PNG to ``path`` when given).
 
     Top panel: bars of bin accuracy over equal-width confidence bins, the gap to the bin's mean confidence (red,
     hatched; above the bar = over-confident), and the diagonal of perfect calibration. Bottom panel: the share of
     samples per confidence bin, with dashed lines at the mean confidence and the accuracy. The title carries the ECE
     (in %). With ``ax`` given, the reliability panel is drawn on it and the histogram goes on a twin y-axis.
+
+    ``smooth=True`` overlays the smoothed reliability curve of the smooth ECE (Błasiok & Nakkiran; see
+    :func:`~calibkernels.metrics.smooth_ece.smooth_reliability_curve`), drawn where the kernel density of the
+    confidences reaches half the peak of one isolated sample, and adds the smECE to the title. ``band=True`` draws,
+    over each occupied bin, the percentile bootstrap interval of the bin's accuracy at level ``band_confidence``
+    from ``n_resamples`` resamples drawn with ``seed`` (:func:`~calibkernels.metrics.bootstrap.bin_accuracy_band`).
 
     ``inputs (..., C)`` logits or probabilities, ``labels (...)``.
     """
@@ -90,12 +101,29 @@ def reliability_diagram(inputs, labels, path=None, n_bins: int = 15, title: str 
     reliability_ax.bar(lefts[occupied], gap[occupied], bottom=accuracy[occupied], width=width, align="edge",
                        color="tab:red", alpha=0.35, edgecolor="tab:red", hatch="//", linewidth=0.6,
                        label="Gap (confidence − accuracy)")
+    if band:
+        interval = bin_accuracy_band(inputs, labels, n_bins, n_resamples, band_confidence, seed,
+                                     inputs_are=inputs_are, ignore_index=ignore_index)
+        low, high = interval["low"].numpy(), interval["high"].numpy()
+        reliability_ax.errorbar((lefts + width / 2)[occupied], ((low + high) / 2)[occupied],
+                                yerr=((high - low) / 2)[occupied], fmt="none", ecolor="black", elinewidth=1.2,
+                                capsize=3, label=f"{100 * band_confidence:g}% bootstrap interval of the accuracy")
     reliability_ax.plot([0, 1], [0, 1], linestyle="--", color="gray", linewidth=1, label="Perfect calibration")
+    if smooth:
+        curve = smooth_reliability_curve(inputs, labels, inputs_are=inputs_are, ignore_index=ignore_index)
+        # Where the confidences have no data the curve is meaningless: hide it below half the density peak of one
+        # isolated sample, 1 / (N sqrt(2π) σ).
+        floor = 0.5 / (stats["num_samples"] * math.sqrt(2 * math.pi) * curve["bandwidth"])
+        smoothed = torch.where(curve["density"] >= floor, curve["accuracy"], math.nan).numpy()
+        reliability_ax.plot(curve["confidence"].numpy(), smoothed, color="tab:orange", linewidth=2,
+                            label=f"Smoothed accuracy (σ = {curve['bandwidth']:.3f})")
     reliability_ax.set_xlim(0, 1)
     reliability_ax.set_ylim(0, 1)
     reliability_ax.set_ylabel("Accuracy")
     reliability_ax.legend(loc="upper left", fontsize="small")
     heading = f"ECE = {100 * stats['ece']:.2f}%  (N = {stats['num_samples']}, {n_bins} bins)"
+    if smooth:
+        heading = f"{heading}\nsmECE = {100 * curve['smooth_ece']:.2f}%"
     reliability_ax.set_title(f"{title}\n{heading}" if title else heading)
 
     if ax is None:
