@@ -43,6 +43,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 import calibkernels as ck
 
 from . import distributed as dist_utils
+from . import soft_targets
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import DataError, build_datasets
 from .models import ARCHITECTURES, build_model
@@ -123,6 +124,21 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=int, default=None,
                         help="intra-op CPU threads (default: the recipe's, else torch's)")
     parser.add_argument("--n-bins", type=int, default=15, help="bins of the ECE-type metrics")
+    soft = parser.add_argument_group("soft targets, EMA and warm-up (default: the recipe's; training/README.md)")
+    soft.add_argument("--label-smoothing", type=float, default=None, metavar="A",
+                      help="label smoothing α of the loss, t <- (1 - α) t + α / C (losses of the weighted-CE family)")
+    soft.add_argument("--mixup-alpha", type=float, default=None, metavar="A", help="mixup Beta(α, α); 0 = off")
+    soft.add_argument("--cutmix-alpha", type=float, default=None, metavar="A", help="cutmix Beta(α, α); 0 = off")
+    soft.add_argument("--mix-dense", action="store_true",
+                      help="mix with torchvision.transforms.v2.MixUp/CutMix and dense (N, C) targets instead of the "
+                           "compact form (target, target.flip(0), λ)")
+    soft.add_argument("--model-ema", action=argparse.BooleanOptionalAction, default=None,
+                      help="keep an exponential moving average of the weights; it is evaluated and reported too")
+    soft.add_argument("--model-ema-decay", type=float, default=None, help="EMA decay per image (torchvision's)")
+    soft.add_argument("--model-ema-steps", type=int, default=None, help="optimiser steps between EMA updates")
+    soft.add_argument("--warmup-epochs", type=int, default=None, help="linear LR warm-up epochs")
+    soft.add_argument("--warmup-decay", type=float, default=None,
+                      help="the warm-up's first-epoch lr factor (it rises linearly to 1)")
     parser.add_argument("--log-every", type=int, default=None,
                         help="print an epoch summary line every this many epochs (default: about 15 lines per run)")
     parser.add_argument("--tensorboard", action="store_true",
@@ -149,9 +165,14 @@ def parse_loss_spec(spec: str) -> tuple[str, dict]:
     return name, hyperparameters
 
 
-def build_criterion(spec: str, reduction: str, backend: str) -> nn.Module:
-    """The loss module of ``spec`` with the recipe's reduction; ``backend`` goes to losses that have fused kernels."""
+def build_criterion(spec: str, reduction: str, backend: str, label_smoothing: float = 0.0) -> nn.Module:
+    """The loss module of ``spec`` with the recipe's reduction; ``backend`` goes to losses that have fused kernels;
+    ``label_smoothing`` (> 0) needs a loss of the uncertainty-weighted CE family."""
     name, hyperparameters = parse_loss_spec(spec)
+    if label_smoothing:
+        if "label_smoothing" in hyperparameters:
+            raise ValueError(f"label smoothing given twice: --label-smoothing and in the loss {spec!r}")
+        hyperparameters["label_smoothing"] = label_smoothing
     criterion = ck.losses.build(name, reduction=reduction, **hyperparameters)
     if isinstance(criterion, ck.losses.UncertaintyWeightedCE):
         criterion.backend = backend
@@ -178,6 +199,26 @@ def resolve_run_config(args) -> argparse.Namespace:
     args.threads = recipe.num_threads if args.threads is None else args.threads
     args.reduction = recipe.reduction
     args.clip_grad_norm = recipe.clip_grad_norm
+    for name in ("label_smoothing", "mixup_alpha", "cutmix_alpha", "model_ema", "model_ema_decay", "model_ema_steps",
+                 "warmup_epochs", "warmup_decay"):
+        if getattr(args, name, None) is None:
+            setattr(args, name, getattr(recipe, name))
+    args.mix_dense = bool(getattr(args, "mix_dense", False))
+    for name in ("label_smoothing", "mixup_alpha", "cutmix_alpha"):
+        value = getattr(args, name)
+        if not (value >= 0 and math.isfinite(value)) or (name == "label_smoothing" and value > 1):
+            raise ValueError(f"--{name.replace('_', '-')} must be {'in [0, 1]' if name == 'label_smoothing' else '>= 0'}"
+                             f", got {value}")
+    if not 0 <= args.model_ema_decay < 1 or args.model_ema_steps < 1:
+        raise ValueError(f"--model-ema-decay must be in [0, 1) and --model-ema-steps >= 1, got {args.model_ema_decay} "
+                         f"and {args.model_ema_steps}")
+    if args.warmup_epochs < 0 or (args.warmup_epochs and args.warmup_epochs >= args.epochs):
+        raise ValueError(f"--warmup-epochs must be >= 0 and < --epochs ({args.epochs}), got {args.warmup_epochs}")
+    if not 0 < args.warmup_decay <= 1:
+        raise ValueError(f"--warmup-decay must be in (0, 1], got {args.warmup_decay}")
+    mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
+    if (mixing or args.label_smoothing) and args.method != "standard":
+        raise ValueError("--label-smoothing, --mixup-alpha and --cutmix-alpha need --method standard")
     for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -197,16 +238,23 @@ def resolve_run_config(args) -> argparse.Namespace:
     _check_output_dir(Path(args.output_dir))
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
-    check_loss_spec(args.loss)
+    check_loss_spec(args.loss, args.label_smoothing, mixing)
     return args
 
 
-def check_loss_spec(spec: str) -> None:
-    """Raise a ValueError naming ``spec`` if it does not build a loss (unknown name, misspelt hyperparameter, …)."""
+def check_loss_spec(spec: str, label_smoothing: float = 0.0, mixing: bool = False) -> None:
+    """Raise a ValueError naming ``spec`` if it does not build a loss (unknown name, misspelt hyperparameter, …), or
+    if it cannot take the soft targets that label smoothing or mixing give it."""
     try:
-        build_criterion(spec, reduction="mean", backend="auto")
+        criterion = build_criterion(spec, reduction="mean", backend="auto", label_smoothing=label_smoothing)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"bad loss {spec!r}: {exc}") from exc
+    if (label_smoothing or mixing) and not isinstance(criterion, ck.losses.UncertaintyWeightedCE):
+        raise ValueError(f"loss {spec!r} takes class-index targets only: --label-smoothing, --mixup-alpha and "
+                         "--cutmix-alpha need a loss of the uncertainty-weighted CE family (cross_entropy, focal_loss*, "
+                         "flsd*, bsce*)")
+    if mixing and criterion.weight == "dual_focal":
+        raise ValueError(f"loss {spec!r}: dual focal has no soft-target form, so it cannot train on mixed batches")
 
 
 def _check_output_dir(path: Path) -> None:
@@ -329,8 +377,14 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: _StopRequest,
-                    first_step: int = 0, meta=None, meta_iterator=None) -> dict:
+                    first_step: int = 0, meta=None, meta_iterator=None, ema=None) -> dict:
     """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
+
+    With ``args.mixup_alpha`` / ``args.cutmix_alpha`` each batch is mixed with its reversal: compact form
+    (``criterion(logits, target, mix_target=target.flip(0), mix_lambda=λ)``, :func:`training.soft_targets.mix_batch`)
+    or, with ``args.mix_dense``, torchvision's ``MixUp``/``CutMix`` and dense targets. ``ema`` (an ``AveragedModel``)
+    is updated every ``args.model_ema_steps`` steps; during the warm-up epochs it keeps copying the weights
+    (torchvision's reference does the same).
 
     Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted"}`` where ``loss`` is the
     mean per-sample training loss, merged over DDP ranks."""
@@ -349,6 +403,11 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     start = time.perf_counter()
     progress = _EpochProgress(f"epoch {epoch + 1}/{args.epochs}", total_steps, first_step,
                               enabled=not args.no_progress and dist_utils.is_main_process())
+    mixup_alpha, cutmix_alpha = getattr(args, "mixup_alpha", 0.0), getattr(args, "cutmix_alpha", 0.0)
+    mixing = mixup_alpha > 0 or cutmix_alpha > 0
+    dense_mixer = None
+    if mixing and getattr(args, "mix_dense", False):
+        dense_mixer = soft_targets.dense_mixer(args.num_classes, mixup_alpha, cutmix_alpha)
     for images, targets in loader:
         if step >= total_steps:
             break
@@ -366,10 +425,16 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 batch_loss = batch_loss / images.shape[0]
             logits = out.get("logits")
         else:
+            loss_targets, mix_kwargs = targets, {}
+            if dense_mixer is not None:
+                images, loss_targets = dense_mixer(images, targets)
+            elif mixing:
+                images, partner, lam = soft_targets.mix_batch(images, mixup_alpha, cutmix_alpha)
+                mix_kwargs = {"mix_target": targets[partner], "mix_lambda": lam}
             with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
                 logits = model(images)
             # The loss runs outside autocast: the fused kernels take bf16/fp16 logits and accumulate in fp32.
-            loss = criterion(logits, targets)
+            loss = criterion(logits, loss_targets, **mix_kwargs)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss * loss_scale).backward()
             if args.clip_grad_norm:
@@ -377,6 +442,11 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
             scaler.step(optimizer)
             scaler.update()
+            if ema is not None and (step + 1) % args.model_ema_steps == 0:
+                ema.update_parameters(model.module if isinstance(model, nn.parallel.DistributedDataParallel)
+                                      else getattr(model, "_orig_mod", model))
+                if epoch < args.warmup_epochs:
+                    ema.n_averaged.fill_(0)  # the next update copies the weights again
             batch_loss = loss.detach().double() / (images.shape[0] if args.reduction == "sum" else 1)
         loss_sum += batch_loss * images.shape[0]
         if logits is not None:
@@ -455,12 +525,6 @@ def _make_optimizer(recipe, model, lr):
     if recipe.optimizer == "adam":
         return torch.optim.Adam(model.parameters(), lr=lr, weight_decay=recipe.weight_decay)
     raise ValueError(f"unknown optimizer {recipe.optimizer!r}")
-
-
-def _make_scheduler(recipe, optimizer, epochs):
-    if recipe.scheduler == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=epochs)
-    return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones=list(recipe.milestones), gamma=0.1)
 
 
 def _override_lr(optimizer, scheduler, lr: float) -> None:
@@ -579,9 +643,15 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model_without_ddp = model
-    criterion = build_criterion(args.loss, args.reduction, args.backend)
+    criterion = build_criterion(args.loss, args.reduction, args.backend, getattr(args, "label_smoothing", 0.0))
     optimizer = _make_optimizer(recipe, model, args.lr)
-    scheduler = _make_scheduler(recipe, optimizer, args.epochs)
+    scheduler = soft_targets.make_scheduler(optimizer, recipe.scheduler, args.epochs, recipe.milestones,
+                                            getattr(args, "warmup_epochs", 0), getattr(args, "warmup_decay", 0.01))
+    ema = None
+    if getattr(args, "model_ema", False):
+        decay = soft_targets.ema_decay_per_update(args.model_ema_decay, args.model_ema_steps, args.batch_size,
+                                                  args.epochs)
+        ema = soft_targets.make_ema(model_without_ddp, decay, device=device)
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
     meta = meta_iterator = None
@@ -621,6 +691,8 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
                              f"({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})") from exc
         if scaler.is_enabled() and checkpoint.get("scaler"):  # an --amp fp16 GradScaler's state
             scaler.load_state_dict(checkpoint["scaler"])
+        if ema is not None and checkpoint.get("model_ema") is not None:
+            ema.load_state_dict(checkpoint["model_ema"])
         explicit = explicit_options(args)
         if "lr" in explicit:
             _override_lr(optimizer, scheduler, args.lr)
@@ -639,7 +711,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
             "batches_done": batches_done, "args": {k: v for k, v in vars(args).items()},
             "recipe": recipe.to_dict(), "rng": rng_state(), "meta": meta.state_dict() if meta is not None else None,
-            "world_size": world,
+            "world_size": world, "model_ema": ema.state_dict() if ema is not None else None,
         }
 
     if main_process:
@@ -664,7 +736,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             train_sampler.set_epoch(epoch)
             train_sampler.skip = first_step * per_rank_batch
             stats = train_one_epoch(train_model, criterion, optimizer, train_loader, device, epoch, args, scaler,
-                                    stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator)
+                                    stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator, ema=ema)
             first_step = 0
             train_sampler.skip = 0
             if stats["interrupted"]:
@@ -676,14 +748,19 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             scheduler.step()
             _sync_buffers(model_without_ddp)
             last = epoch + 1 == args.epochs
-            val = {}
+            val, val_ema = {}, {}
             if (epoch + 1) % args.eval_every == 0 or last:
                 val = evaluate(eval_model, val_loader, device, args, n_bins=args.n_bins)
+                if ema is not None:
+                    _sync_buffers(ema.module)
+                    val_ema = evaluate(ema.module, val_loader, device, args, n_bins=args.n_bins)
             epochs_this_run += 1
             if main_process:
                 row = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats["loss"],
                        "train_accuracy": stats["accuracy"], "images_per_s": stats["images_per_s"],
                        **{f"val_{k}": val.get(k, math.nan) for k in ck.metrics.METRIC_KEYS}}
+                if ema is not None:
+                    row.update({f"val_ema_{k}": val_ema.get(k, math.nan) for k in ck.metrics.METRIC_KEYS})
                 if meta is not None:
                     row["gamma"] = meta.gamma_histogram()
                 log.write(row)
@@ -713,6 +790,11 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
     val_logits, val_labels = collect_logits(eval_model, val_loader, device, amp_dtype, args.channels_last)
     test_logits, test_labels = collect_logits(eval_model, test_loader, device, amp_dtype, args.channels_last)
+    ema_logits = None
+    if ema is not None:  # collected on every rank (a collective under DDP)
+        _sync_buffers(ema.module)
+        ema_logits = [collect_logits(ema.module, loader, device, amp_dtype, args.channels_last)
+                      for loader in (val_loader, test_loader)]
     if not main_process:
         return None
     report = calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins=args.n_bins)
@@ -723,7 +805,23 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     print(format_report(report, title=f"== {title}: test calibration =="))
     print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "
           f"{output_dir / 'reliability_post_T.png'}, {output_dir / 'log.csv'}, {checkpoint_path}")
-    return {"report": report, "test_logits": test_logits, "test_labels": test_labels}
+    result = {"report": report, "test_logits": test_logits, "test_labels": test_labels}
+    if ema is not None:
+        result["report_ema"] = _report_ema(ema_logits, report, args, output_dir / "ema", title)
+    return result
+
+
+def _report_ema(ema_logits, report, args, output_dir: Path, title: str):
+    """The EMA weights' pre-T / post-T report (its own temperature, fitted on validation), in ``output_dir``."""
+    (ema_val_logits, ema_val_labels), (ema_test_logits, ema_test_labels) = ema_logits
+    ema_report = calibration_report(ema_val_logits, ema_val_labels, ema_test_logits, ema_test_labels,
+                                    n_bins=args.n_bins)
+    ema_report.update({k: report[k] for k in ("recipe", "loss", "method", "arch", "seed", "epochs")},
+                      model="ema", model_ema_decay=args.model_ema_decay, model_ema_steps=args.model_ema_steps)
+    ema_report = save_report(ema_report, ema_test_logits, ema_test_labels, output_dir, title=f"{title} (EMA)")
+    print(format_report(ema_report, title=f"== {title} (EMA weights): test calibration =="))
+    print(f"wrote {output_dir / 'report.json'}")
+    return ema_report
 
 
 # ----------------------------------------------------------------------------------------------------------- main
