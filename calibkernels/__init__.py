@@ -11,10 +11,11 @@ See ``docs/losses.md`` for the loss family and :mod:`calibkernels.reference` for
 
 import torch
 
-from . import _backends, calibration, losses, metrics, reference
+from . import _backends, calibration, distributed, losses, metrics, reference
 from ._backends import available_backends
 from ._target_checks import synchronize_target_checks
 from .functional import bsce_gra_loss, uncertainty_weighted_ce
+from .fused_linear import fused_linear_uncertainty_weighted_ce
 from .gamma_net import GammaNet
 
 __version__ = "0.1.0"
@@ -41,6 +42,8 @@ __all__ = [
     "available_backends",
     "bsce_gra_loss",
     "calibration",
+    "distributed",
+    "fused_linear_uncertainty_weighted_ce",
     "losses",
     "metrics",
     "reference",

@@ -250,3 +250,6 @@ def build(name: str, **hyperparameters) -> nn.Module:
         return REGISTRY[name](**hyperparameters)
     except TypeError as exc:
         raise TypeError(f"loss {name!r}: {exc}") from exc
+
+
+from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: E402,F401  (module form of the fused linear loss)

@@ -1,0 +1,363 @@
+"""Vocabulary-parallel uncertainty-weighted cross-entropy: the class dimension sharded across a process group
+(docs/large_vocabularies.md, "Vocabulary-parallel loss").
+
+Rank ``r`` of the group holds the logits of a contiguous block of classes ``[o_r, o_r + C_r)`` for **all** rows (the
+output of a column-parallel output layer, as in Megatron-LM's ``vocab_parallel_cross_entropy``); the blocks may
+differ in size, and one may be empty. Targets (and ``sample_weight``, a per-sample ``gamma``) are global and the same
+on every rank. The loss is computed from per-row statistics combined with all-reduces of ``O(N)`` numbers, never by
+gathering logits:
+
+====================  ===========================================================  ==================
+statistic (per row)   local contribution                                           all-reduce
+====================  ===========================================================  ==================
+``m`` (max logit)     ``max_k z_k``                                                MAX   (round 1)
+``z_y``               the target's logit on the rank that holds it, else ``-inf``  MAX   (round 1)
+``z_j`` (dual focal)  ``max{z_k : z_k < z_y}``                                     MAX   (round 2)
+``d``                 ``Σ_k e^{z_k − m}``                                          SUM   (round 3)
+``d_¬y``              ``Σ_{k≠y} e^{z_k − m}``                                      SUM   (round 3)
+``S_q`` (Brier)       ``Σ_{k≠y} e^{q (z_k − m)}``                                  SUM   (round 3)
+ties (dual focal)     ``#{k : z_k = z_j}``                                         SUM   (round 3)
+====================  ===========================================================  ==================
+
+From them, on every rank: ``lse = m + log d``, ``CE = lse − z_y``, ``p_y = e^{z_y − lse}``, ``1 − p_y = d_¬y / d``
+(no cancellation), ``p_j = e^{z_j − lse}``, ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of docs/losses.md.
+The non-ignored row count comes from the (replicated) targets, without communication. Before that, one
+``all_gather`` of ``(C_r, N, hash of the targets)`` gives every rank the block sizes (hence its offset ``o_r`` and
+``C = Σ C_r``) and checks that all ranks hold the same rows and targets.
+
+Each rank's gradient is its slice of the unsharded gradient, computed locally from the combined statistics (for
+``grad_output = 1`` in the forward; the backward scales it, the contract of :mod:`calibkernels._autograd`)::
+
+    ∂L_i/∂z_k = u_i (p_k − δ_ky)                                   (mode "grad"; p_y − 1 = −d_¬y / d)
+              + CE_i ∂u_i/∂z_k                                     (mode "loss")
+
+    focal, flsd   ∂u/∂z_k = γ_i u p_y r_k,          r_k = e^{z_k − m} / d_¬y (k ≠ y),  r_y = −1
+    dual focal    ∂u/∂z_k = γ u ∂log B/∂z_k,        B = 1 − p_y + p_j,
+                  ∂log B/∂z_y = −p_y,  ∂log B/∂z_k = ((p_y − p_j) p_k + p_j τ_k) / B  (k ≠ y; τ_k = 1/#ties at p_j)
+    brier         ∂u/∂z_k = γ u (h_k − p_k H) / S,  h_k = p_k^q (k ≠ y),  h_y = −p_y (1 − p_y)^{q−1},  H = Σ_k h_k
+
+times ``1 / n_valid`` for ``"mean"``; rows with ``CE = 0`` (saturated) take the limit 0 of the second term, as the
+reference does. Pure PyTorch per rank (float32 compute for half-precision logits, float64 for float64).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import _autograd
+from . import _validation as V
+from ._codes import FLSD_LOW_GAMMA, FLSD_MID_GAMMA
+from .fused_linear import _raise_if_differentiated
+from .reference import _FLSD_LOW_THRESHOLD_F32, _FLSD_MID_THRESHOLD_F32, _power_of_log
+
+__all__ = ["vocab_parallel_uncertainty_weighted_ce"]
+
+_DOUBLE_BACKWARD_MESSAGE = (
+    b"calibkernels: vocab_parallel_uncertainty_weighted_ce does not support double backward (its gradient is computed "
+    b"in the forward, without a graph)"
+)
+
+# Row weights of the targets' consistency hash (int64 sums stay far from overflow for up to 2^22 rows; a wrap-around
+# would be the same on every rank anyway).
+_HASH_MULTIPLIER = 2654435761
+_HASH_MODULUS = 1 << 20
+
+
+def _dist():
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise RuntimeError("torch.distributed is not available in this PyTorch build")
+    if not dist.is_initialized():
+        raise RuntimeError("vocab_parallel_uncertainty_weighted_ce needs an initialised process group "
+                           "(torch.distributed.init_process_group)")
+    return dist
+
+
+def _target_hash(target1d: torch.Tensor) -> torch.Tensor:
+    rows = torch.arange(target1d.shape[0], device=target1d.device, dtype=torch.int64)
+    weights = (rows * _HASH_MULTIPLIER + 1) % _HASH_MODULUS
+    return ((target1d + 1) * weights).sum()
+
+
+def _block_layout(num_local: int, target1d: torch.Tensor, group, device):
+    """``(offset of this rank's block, total classes)`` from one all_gather of ``(C_r, N, target hash)``; raises the
+    same ``ValueError`` on every rank if the ranks' rows or targets differ."""
+    dist = _dist()
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    mine = torch.stack((torch.tensor(num_local, device=device, dtype=torch.int64),
+                        torch.tensor(target1d.shape[0], device=device, dtype=torch.int64),
+                        _target_hash(target1d)))
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    table = torch.stack(gathered).cpu().tolist()
+    if any(row[1] != table[0][1] for row in table):
+        raise ValueError(f"vocab-parallel loss: the ranks hold different numbers of rows {[r[1] for r in table]}; "
+                         "every rank must hold all rows of its class block")
+    if any(row[2] != table[0][2] for row in table):
+        raise ValueError("vocab-parallel loss: the targets differ between ranks; every rank must pass the same "
+                         "(global) targets")
+    sizes = [row[0] for row in table]
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def _log_power(log_x: torch.Tensor, exponent: float) -> torch.Tensor:
+    """``exponent · log x`` with ``0 · log 0 = 0`` (``x^0 = 1``)."""
+    return torch.zeros_like(log_x) if exponent == 0 else exponent * log_x
+
+
+def _flsd_gamma(log_p_y: torch.Tensor, gamma: float) -> torch.Tensor:
+    """FLSD-53's band from ``float32(p_y)`` (the rule of :func:`calibkernels.reference._flsd_gamma`)."""
+    p_band = torch.exp(log_p_y).float()
+    high = torch.full_like(log_p_y, float(gamma))
+    return torch.where(p_band < _FLSD_LOW_THRESHOLD_F32, torch.full_like(high, FLSD_LOW_GAMMA),
+                       torch.where(p_band < _FLSD_MID_THRESHOLD_F32, torch.full_like(high, FLSD_MID_GAMMA), high))
+
+
+def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, norm, ignore_index, group,
+                         compute_grad, gamma_grad):
+    """``(row_loss (N,), gradient of Σ_i L_i w.r.t. the local logits (N, C_r) or None, dL_i/dγ_i (N,) or None)``
+    in the compute dtype (module docstring for the statistics and formulas)."""
+    dist = _dist()
+    num_rows, num_local = z.shape
+    device, dtype = z.device, z.dtype
+    neg_inf = torch.full((), -math.inf, device=device, dtype=dtype)
+    valid = target != ignore_index
+    local_target = target - offset
+    in_block = valid & (local_target >= 0) & (local_target < num_local)
+    safe_local = torch.where(in_block, local_target, torch.zeros_like(local_target))
+    is_target = in_block[:, None] & (torch.arange(num_local, device=device)[None, :] == safe_local[:, None])
+
+    # round 1: row max and target logit
+    if num_local > 0:
+        local_max = z.amax(dim=1)
+        local_z_y = torch.where(in_block, z.gather(1, safe_local[:, None])[:, 0], neg_inf)
+    else:
+        local_max = local_z_y = torch.full((num_rows,), -math.inf, device=device, dtype=dtype)
+    first = torch.stack((local_max, local_z_y))
+    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
+    m, z_y = first[0], first[1]
+    z_y = torch.where(valid, z_y, m)  # ignored rows: any finite value (their loss and gradient are zeroed)
+
+    # round 2 (dual focal): the largest logit strictly below the target's
+    if weight == "dual_focal":
+        below = torch.where(z < z_y[:, None], z, neg_inf)
+        z_j = below.amax(dim=1) if num_local > 0 else torch.full((num_rows,), -math.inf, device=device, dtype=dtype)
+        dist.all_reduce(z_j, op=dist.ReduceOp.MAX, group=group)
+
+    # round 3: the sums
+    e = torch.exp(z - m[:, None])
+    zero = torch.zeros((), device=device, dtype=dtype)
+    sums = [e.sum(dim=1), torch.where(is_target, zero, e).sum(dim=1)]
+    if weight == "brier":
+        sums.append(torch.where(is_target, zero, torch.exp(norm * (z - m[:, None]))).sum(dim=1))
+    if weight == "dual_focal":
+        tied = (z == z_j[:, None]) & (z_j > -math.inf)[:, None]
+        sums.append(tied.sum(dim=1).to(dtype))
+    second = torch.stack(sums)
+    dist.all_reduce(second, op=dist.ReduceOp.SUM, group=group)
+    d, d_not_y = second[0], second[1]
+
+    log_d = torch.log(d)
+    lse = m + log_d
+    cross_entropy = (lse - z_y).clamp(min=0)
+    log_p_y = (z_y - lse).clamp(max=0)
+    log_one_minus = torch.log(d_not_y) - log_d  # log(1 - p_y), -inf when every other class underflows
+    gamma_i = gamma  # a float, or (N,) per sample (focal)
+    if weight == "none":
+        u = torch.ones_like(d)
+    elif weight == "external":
+        u = sample_weight.to(dtype)
+    elif weight in ("focal", "flsd"):
+        if weight == "flsd":
+            gamma_i = _flsd_gamma(log_p_y, gamma)
+        u = _power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
+    elif weight == "dual_focal":
+        log_p_j = z_j - lse
+        log_base = torch.logaddexp(log_one_minus, log_p_j)
+        u = _power_of_log(log_base, gamma)
+    else:  # brier: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
+        log_s = torch.logaddexp(torch.log(second[2]) - norm * log_d, _log_power(log_one_minus, norm))
+        u = _power_of_log(log_s, gamma / norm)
+    u = torch.where(valid, u, zero)
+    row_loss = u * cross_entropy
+
+    gamma_factor = None
+    if gamma_grad:  # focal with a per-sample gamma, mode "loss": dL_i/dγ_i = L_i log(1 - p_y), 0 where L_i = 0
+        gamma_factor = torch.where(row_loss != 0, row_loss * log_one_minus, zero)
+    if not compute_grad:
+        return row_loss, None, gamma_factor
+
+    p = e / d[:, None]
+    base = torch.where(is_target, -(d_not_y / d)[:, None], p)  # p_k - δ_ky, without cancellation at k = y
+    grad = u[:, None] * base
+    if mode == "loss" and weight not in ("none", "external"):
+        p_y = torch.exp(log_p_y)
+        if weight in ("focal", "flsd"):
+            gamma_row = gamma_i.to(dtype) if isinstance(gamma_i, torch.Tensor) else gamma_i
+            share = torch.where(is_target, -torch.ones((), device=device, dtype=dtype),
+                                e / torch.where(d_not_y > 0, d_not_y, torch.ones_like(d_not_y))[:, None])
+            du = (gamma_row * u * p_y)[:, None] * share
+        elif weight == "dual_focal":
+            p_j = torch.exp(log_p_j)
+            log_b = log_base[:, None]
+            p_over_b = torch.exp(z - lse[:, None] - log_b)
+            tau = tied.to(dtype) / second[2].clamp(min=1)[:, None]
+            pj_over_b = torch.exp(log_p_j[:, None] - log_b)
+            dlog_b = torch.where(is_target, -p_y[:, None], (p_y - p_j)[:, None] * p_over_b + pj_over_b * tau)
+            du = (gamma * u)[:, None] * dlog_b
+        else:  # brier
+            log_s_col = log_s[:, None]
+            log_p = z - lse[:, None]
+            log_h_y = log_p_y + _log_power(log_one_minus, norm - 1.0)
+            h_over_s = torch.where(is_target, -torch.exp(log_h_y[:, None] - log_s_col),
+                                   torch.exp(norm * log_p - log_s_col))
+            big_h_over_s = torch.exp(torch.log(second[2]) - norm * log_d - log_s) - torch.exp(log_h_y - log_s)
+            du = (gamma * u)[:, None] * (h_over_s - p * big_h_over_s[:, None])
+        differentiable = valid & (cross_entropy > 0)
+        grad = grad + torch.where(differentiable[:, None], cross_entropy[:, None] * du, zero)
+    grad = torch.where(valid[:, None], grad, zero)
+    return row_loss, grad, gamma_factor
+
+
+class _VocabParallelUWCE(torch.autograd.Function):
+    """Forward: the loss and this rank's gradient slice for ``grad_output = 1``; backward: that slice scaled by
+    ``grad_output`` (a scalar, or per row for ``reduction="none"``)."""
+
+    @staticmethod
+    def forward(ctx, local_logits, target, sample_weight, gamma, offset, weight, mode, gamma_value, norm, reduction,
+                ignore_index, group):
+        gamma_grad = gamma is not None and ctx.needs_input_grad[3] and mode == "loss"
+        row_loss, grad, gamma_factor = _run(local_logits, target, sample_weight, gamma, offset, weight, mode,
+                                            gamma_value, norm, ignore_index, group, True, gamma_grad)
+        loss, scale = _reduce(row_loss, target, reduction, ignore_index)
+        if scale is not None:
+            grad = grad * scale
+            gamma_factor = None if gamma_factor is None else gamma_factor * scale
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(grad.to(local_logits.dtype),
+                              None if gamma_factor is None else gamma_factor.to(gamma.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad, gamma_factor = ctx.saved_tensors
+        d_logits = _autograd.scale_saved_gradient(grad, grad_loss)
+        d_gamma = None
+        if gamma_factor is not None and grad_loss is not None:
+            d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
+        if torch.is_grad_enabled():
+            d_logits, d_gamma = (_raise_if_differentiated(t, _DOUBLE_BACKWARD_MESSAGE) for t in (d_logits, d_gamma))
+        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None
+
+
+def _run(local_logits, target, sample_weight, gamma, offset, weight, mode, gamma_value, norm, ignore_index, group,
+         compute_grad, gamma_grad):
+    compute_dtype = torch.float64 if local_logits.dtype == torch.float64 else torch.float32
+    z = local_logits.detach().to(compute_dtype)
+    gamma_arg = gamma_value if gamma is None else gamma.detach().to(compute_dtype)
+    return _vocab_parallel_rows(z, target, sample_weight, gamma_arg, offset, weight, mode, norm, ignore_index, group,
+                                compute_grad, gamma_grad)
+
+
+def _reduce(row_loss, target, reduction, ignore_index):
+    """``(loss, scale of the gradient or None)``: the row losses reduced over the whole (replicated) batch."""
+    if reduction == "none":
+        return row_loss, None
+    if reduction == "sum":
+        return row_loss.sum(), None
+    scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(row_loss.dtype)
+    return row_loss.sum() * scale, scale
+
+
+def vocab_parallel_uncertainty_weighted_ce(
+    local_logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group=None,
+    weight: str = "brier",
+    mode: str = "grad",
+    gamma: float | torch.Tensor = 4.0,
+    norm: float = 2.0,
+    sample_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """:func:`calibkernels.uncertainty_weighted_ce` of logits whose class dimension is sharded across ``group``.
+
+    Args:
+        local_logits: ``(..., C_r)``: this rank's contiguous block of classes (rank order = class order; block sizes
+            may differ between ranks, ``C_r = 0`` allowed) for every row. float32/float16/bfloat16/float64.
+        target: ``(...)`` global class indices in ``[0, C)`` (``C = Σ_r C_r``) or ``ignore_index``, the same on every
+            rank (checked).
+        group: the process group (``None``: the default group). Works with any backend whose collectives accept
+            tensors on ``local_logits``'s device (gloo for CPU, NCCL for CUDA tensors).
+        weight, mode, gamma, norm, sample_weight, reduction, ignore_index: as in
+            :func:`calibkernels.uncertainty_weighted_ce`; ``sample_weight`` and a per-sample ``gamma`` must be the
+            same on every rank. A per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
+            (times the reduction's scale) in ``mode="loss"``, on every rank.
+
+    Returns:
+        the same loss on every rank, in ``local_logits``' dtype (a scalar, or ``target``-shaped for ``"none"``);
+        ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient.
+
+    Communication per call: one ``all_gather`` of 3 integers, then all-reduces of ``2N`` (MAX), ``N`` (MAX, dual focal
+    only) and ``2N``–``3N`` numbers (SUM). The targets are checked on the host (a synchronisation on GPU).
+    Double backward is not supported.
+    """
+    V.check_weight(weight)
+    V.check_mode(mode)
+    V.check_reduction(reduction)
+    V.check_gamma(gamma)
+    V.check_norm(norm)
+    if not isinstance(local_logits, torch.Tensor):
+        raise TypeError(f"local_logits must be a torch.Tensor, got {type(local_logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if not local_logits.is_floating_point():
+        raise TypeError(f"local_logits must be a floating-point tensor, got {local_logits.dtype}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class indices (int64), got {target.dtype}")
+    if local_logits.dim() < 2:
+        raise ValueError(f"local_logits must have at least 2 dimensions (..., C_r), got shape "
+                         f"{tuple(local_logits.shape)}")
+    if tuple(target.shape) != tuple(local_logits.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} does not match local_logits shape "
+                         f"{tuple(local_logits.shape)}: expected {tuple(local_logits.shape[:-1])}")
+    if target.device != local_logits.device:
+        raise ValueError(f"target is on {target.device} but local_logits are on {local_logits.device}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    batch_shape = tuple(target.shape)
+    num_local = local_logits.shape[-1]
+    logits2d = local_logits.reshape(math.prod(batch_shape), num_local)  # -1 is ambiguous for an empty block
+    if logits2d.shape[0] == 0:
+        raise ValueError("empty batch: local_logits have no rows")
+    target1d = target.reshape(-1).long()
+    device = local_logits.device
+    sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device)
+    gamma = V.check_per_sample_gamma(gamma, weight, batch_shape, device)
+    gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
+    gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
+
+    offset, num_classes = _block_layout(num_local, target1d, group, device)
+    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
+    if bool(bad.any()):
+        raise ValueError(V.out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
+    if sample_weight is not None:
+        sample_weight = sample_weight.detach()
+
+    grad_enabled = torch.is_grad_enabled()
+    if grad_enabled and (logits2d.requires_grad or (gamma_tensor is not None and gamma_tensor.requires_grad)):
+        loss = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, offset, weight, mode,
+                                        gamma_value, float(norm), reduction, ignore_index, group)
+    else:
+        row_loss, _, _ = _run(logits2d, target1d, sample_weight, gamma_tensor, offset, weight, mode, gamma_value,
+                              float(norm), ignore_index, group, False, False)
+        loss, _ = _reduce(row_loss, target1d, reduction, ignore_index)
+    if reduction == "none":
+        loss = loss.reshape(batch_shape)
+    return loss if loss.dtype == local_logits.dtype else loss.to(local_logits.dtype)

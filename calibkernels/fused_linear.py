@@ -1,0 +1,514 @@
+"""Fused linear layer + uncertainty-weighted cross-entropy for large vocabularies (docs/large_vocabularies.md).
+
+The loss of ``logits = hidden @ linear_weight.T + linear_bias`` without ever holding all ``N × C`` logits: the rows
+are processed in chunks of ``R`` rows, and each chunk's logits ``Z_c = H_c Wᵀ + b`` (``R × C``) are turned into their
+gradient **in place** by the fused op, then folded into the three parameter gradients before the next chunk reuses the
+same buffer (the scheme of Liger-Kernel's fused linear cross-entropy)::
+
+    G_c = ∂(Σ_{i∈c} L_i)/∂Z_c          (the fused kernel, reduction "none", written over Z_c; ignored rows are 0)
+    ∂H_c  = G_c W                        (R × H, written into its rows of grad_hidden)
+    ∂W   += G_cᵀ H_c                     (C × H, accumulated in float32 for half-precision inputs)
+    ∂b   += Σ_rows G_c                   (C, float32 accumulator for half precision)
+
+``L_i = u_i · CE_i`` is the family of :func:`calibkernels.uncertainty_weighted_ce` (weights, modes and formulas:
+docs/losses.md). The kernels run every chunk with reduction ``"none"``, whose gradient is that of the sum of the
+chunk's rows; the reduction of the whole batch is applied afterwards, once: for ``"mean"`` the loss and the three
+gradients are multiplied by ``1 / n_valid`` with ``n_valid`` the number of non-ignored rows of the **whole** batch
+(``max(n_valid, 1)``: all rows ignored gives loss 0 and zero gradients). That scale is a device tensor, so no host
+synchronisation is needed, and it touches ``N × H + C × H + C`` numbers instead of ``N × C``.
+
+Autograd (``reduction="mean"``/``"sum"``): all gradients are computed in the forward for ``grad_output = 1`` and the
+backward only scales them by the scalar ``grad_output``, in place where that is safe (as the fused op does).
+``reduction="none"``: ``grad_output`` is one factor per row, which must scale ``G_c`` before the matmuls, so the
+forward computes only the per-row losses and the backward **recomputes** each chunk's logits (a second pass: one more
+``R × C × H`` matmul per chunk), scales ``G_c``'s rows by ``grad_output`` and accumulates as above.
+
+Memory: besides the inputs and the three gradients, one ``R × C`` logits buffer in the input dtype (plus, for
+half-precision inputs on the CPU, a bounded ``R × C``-sized temporary for the float32 weight-gradient accumulation; the
+reference backend's own temporaries, a few ``R × C``, when ``backend="reference"``). The default ``R``:
+:func:`default_chunk_size`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from . import _autograd, _backends, _target_checks
+from . import _validation as V
+from .reference import _check_number
+from .reference import _uncertainty_weighted_ce as _reference_loss
+
+__all__ = ["fused_linear_uncertainty_weighted_ce", "FusedLinearUncertaintyWeightedCE", "default_chunk_size"]
+
+# The default chunk's logits buffer holds at least MIN and at most MAX bytes (see default_chunk_size).
+MIN_CHUNK_BYTES = 16 << 20
+MAX_CHUNK_BYTES = 256 << 20
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _next_power_of_two(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def default_chunk_size(num_rows: int, num_classes: int, hidden_size: int, element_size: int) -> int:
+    """Rows per chunk when ``chunk_size=None``.
+
+    Liger-Kernel's heuristic, ``next_pow2(ceil(N / ceil(C / H)))``, makes the chunk's logits ``R × C`` about as large
+    as ``hidden`` (``N × H``), so the extra memory scales like the activations already held. It is then bounded so
+    that the chunk's logits buffer holds at least ``MIN_CHUNK_BYTES`` (16 MiB, rounded up to a power of two of rows:
+    smaller matmuls waste time, and small batches then run in one chunk) and at most ``MAX_CHUNK_BYTES`` (256 MiB),
+    and never more than ``N`` rows.
+
+    E.g. ``N = 8192, H = 4096, C = 128256`` bf16: 256 rows (64 MiB of logits); ``N = 8192, H = 256, C = 32000`` fp32:
+    256 rows (32 MiB, against 1 GiB for all logits).
+    """
+    row_bytes = num_classes * element_size
+    liger = _next_power_of_two(math.ceil(num_rows / math.ceil(num_classes / hidden_size)))
+    floor_rows = _next_power_of_two(math.ceil(MIN_CHUNK_BYTES / row_bytes))
+    cap_rows = max(1, MAX_CHUNK_BYTES // row_bytes)
+    return max(1, min(num_rows, cap_rows, max(liger, floor_rows)))
+
+
+class _Spec(NamedTuple):
+    """The loss of one call, as every chunk runs it."""
+
+    backend: str
+    weight: str
+    mode: str
+    gamma: float  # 0.0 when a per-sample gamma tensor is given
+    norm: float
+    ignore_index: int
+
+
+# ---------------------------------------------------------------------------------------------------- input checks
+def _check_tensor(name: str, value) -> torch.Tensor:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
+    return value
+
+
+def _check_linear_inputs(hidden, linear_weight, target, linear_bias):
+    """Shapes, dtypes and devices of ``hidden (..., H)``, ``linear_weight (C, H)``, ``target (...)``, ``linear_bias
+    (C,)``; returns ``(hidden2d (N, H), target1d (N,) int64, batch_shape)``."""
+    hidden = _check_tensor("hidden", hidden)
+    linear_weight = _check_tensor("linear_weight", linear_weight)
+    target = _check_tensor("target", target)
+    if not hidden.is_floating_point():
+        raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
+    if hidden.dim() < 2:
+        raise ValueError(f"hidden must have at least 2 dimensions (..., H), got shape {tuple(hidden.shape)}")
+    if linear_weight.dim() != 2:
+        raise ValueError(f"linear_weight must be 2-D (C, H), got shape {tuple(linear_weight.shape)}")
+    num_classes, hidden_size = linear_weight.shape
+    if linear_weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"linear_weight shape {tuple(linear_weight.shape)} does not match hidden shape "
+                         f"{tuple(hidden.shape)}: expected (C, {hidden.shape[-1]})")
+    if num_classes < 1:
+        raise ValueError("linear_weight has zero rows (zero classes)")
+    if hidden_size < 1:
+        raise ValueError("hidden has a zero-size feature dimension")
+    if linear_weight.dtype != hidden.dtype:
+        raise TypeError(f"linear_weight dtype {linear_weight.dtype} does not match hidden dtype {hidden.dtype}")
+    if linear_weight.device != hidden.device:
+        raise ValueError(f"linear_weight is on {linear_weight.device} but hidden is on {hidden.device}")
+    if linear_bias is not None:
+        _check_tensor("linear_bias", linear_bias)
+        if tuple(linear_bias.shape) != (num_classes,):
+            raise ValueError(f"linear_bias shape {tuple(linear_bias.shape)} does not match linear_weight shape "
+                             f"{tuple(linear_weight.shape)}: expected ({num_classes},)")
+        if linear_bias.dtype != hidden.dtype:
+            raise TypeError(f"linear_bias dtype {linear_bias.dtype} does not match hidden dtype {hidden.dtype}")
+        if linear_bias.device != hidden.device:
+            raise ValueError(f"linear_bias is on {linear_bias.device} but hidden is on {hidden.device}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class indices (int64), got {target.dtype}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"target shape {tuple(target.shape)} does not match hidden shape {tuple(hidden.shape)}: "
+                         f"expected {tuple(hidden.shape[:-1])}")
+    if target.device != hidden.device:
+        raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
+    batch_shape = tuple(hidden.shape[:-1])
+    hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
+    if hidden2d.shape[0] == 0:
+        raise ValueError("empty batch: hidden has no rows")
+    target1d = target.reshape(-1)
+    if target1d.dtype != torch.int64:
+        target1d = target1d.long()
+    return hidden2d, target1d, batch_shape
+
+
+def _check_target_values(target1d: torch.Tensor, num_classes: int, ignore_index: int) -> None:
+    """Every target is a class index in ``[0, C)`` or ``ignore_index`` (reads the values: a host synchronisation)."""
+    low, high = (int(v) for v in torch.aminmax(target1d))
+    if low >= 0 and high < num_classes:
+        return
+    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
+    if bool(bad.any()):
+        raise ValueError(V.out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
+
+
+def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore_index: int) -> None:
+    """GPU kernels: one ``(any bad, a bad value)`` device flag for the whole batch, read without stalling the host
+    (``CALIBKERNELS_VALIDATE``, docs/losses.md); the kernels make a bad row's loss and gradient NaN."""
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return
+    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
+    flag = torch.stack((bad.any().to(torch.int64), torch.where(bad, target1d, torch.iinfo(torch.int64).min).max()))
+    _target_checks.submit(flag, num_classes, ignore_index)
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if chunk_size is None:
+        return
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+# ------------------------------------------------------------------------------------------------------ one chunk
+def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bool, gamma_grad: bool):
+    """Run the loss on one chunk's logits ``z (R, C)``; return ``(row_loss (R,), G, dL/dγ (R,) or None)``.
+
+    ``G``, the gradient of the chunk's summed loss, is written over ``z`` by the compiled backends (``z`` is returned);
+    the reference computes it with ``autograd.grad`` in the compute dtype (float32 for half-precision inputs).
+    """
+    if spec.backend == "reference":
+        compute_dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
+        zc = z.detach().to(compute_dtype)
+        g = None if gamma is None else gamma.detach()
+
+        def rows(zc, g):
+            inputs = V.LossInputs(logits=zc, target=target, weight=spec.weight, mode=spec.mode,
+                                  gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
+                                  reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],))
+            return _reference_loss(inputs)
+
+        if not (compute_grad or gamma_grad):
+            return rows(zc, g), None, None
+        # torch.func.vjp rather than autograd.grad: it also runs where autograd is off (this autograd.Function's
+        # forward), and torch.compile traces it
+        if gamma_grad:
+            row_loss, vjp = torch.func.vjp(rows, zc, g)
+            grad, gamma_factor = vjp(torch.ones_like(row_loss))
+        else:
+            row_loss, vjp = torch.func.vjp(lambda zc: rows(zc, g), zc)
+            (grad,), gamma_factor = vjp(torch.ones_like(row_loss)), None
+        return row_loss, (grad if compute_grad else None), gamma_factor
+    module = _backends.module(spec.backend)
+    gamma_factor = None
+    if gamma_grad:  # read the logits before the kernel overwrites them
+        gamma_factor = _autograd._gamma_gradient_factor(z, target, gamma, spec.ignore_index,
+                                                        V.REDUCTION_CODES["sum"])
+    row_loss, _, _ = module.forward(
+        z, target, sample_weight, gamma, V.WEIGHT_CODES[spec.weight], V.MODE_CODES[spec.mode], spec.gamma, spec.norm,
+        spec.ignore_index, V.REDUCTION_CODES["none"], compute_grad, z if compute_grad else None)
+    return row_loss, (z if compute_grad else None), gamma_factor
+
+
+# Whether torch.addmm(..., out_dtype=torch.float32) accumulates half-precision products into a float32 tensor in
+# place on this device type (CUDA); probed once, eagerly, by _probe_out_dtype_addmm.
+_OUT_DTYPE_ADDMM: dict = {}
+
+
+def _probe_out_dtype_addmm(device: torch.device, dtype: torch.dtype) -> bool:
+    key = (device.type, dtype)
+    if key not in _OUT_DTYPE_ADDMM:
+        ok = False
+        if device.type == "cuda":
+            try:
+                acc = torch.ones(2, 2, device=device)
+                a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=dtype)
+                torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+                ok = torch.equal(acc.cpu(), torch.tensor([[8.0, 11.0], [16.0, 23.0]]))
+            except (RuntimeError, TypeError):
+                ok = False
+        _OUT_DTYPE_ADDMM[key] = ok
+    return _OUT_DTYPE_ADDMM[key]
+
+
+def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, hidden: torch.Tensor) -> None:
+    """``acc += gradᵀ hidden`` (``acc (C, H)``, ``grad (R, C)``, ``hidden (R, H)``), with a float32 ``acc`` for
+    half-precision inputs: on CUDA one ``addmm`` with ``out_dtype=float32`` into ``acc``; elsewhere the product is
+    taken in blocks of classes whose half-precision temporary is at most ``R × C`` elements."""
+    if acc.dtype == grad.dtype:
+        acc.addmm_(grad.t(), hidden)
+        return
+    if not torch.compiler.is_compiling() and _OUT_DTYPE_ADDMM.get((grad.device.type, grad.dtype), False):
+        torch.addmm(acc, grad.t(), hidden, out_dtype=torch.float32, out=acc)
+        return
+    num_classes, hidden_size = acc.shape
+    block = max(1, min(num_classes, grad.numel() // hidden_size))
+    for start in range(0, num_classes, block):
+        stop = min(start + block, num_classes)
+        acc[start:stop].add_(torch.mm(grad[:, start:stop].t(), hidden))
+
+
+def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec: _Spec, chunk: int,
+                  need_hidden: bool, need_weight: bool, need_bias: bool, need_gamma: bool, row_scale=None):
+    """One pass over the chunks: ``(row_loss (N,), d hidden, d weight, d bias, d gamma)`` of ``Σ_i s_i L_i``, with
+    ``s_i = row_scale[i]`` (1 when ``None``); a gradient not asked for is ``None``. The weight and bias gradients are
+    float32 for half-precision inputs (the accumulators); the caller casts them."""
+    num_rows, hidden_size = hidden.shape
+    num_classes = linear_weight.shape[0]
+    dtype, device = hidden.dtype, hidden.device
+    compute_grad = need_hidden or need_weight or need_bias
+    acc_dtype = torch.float32 if dtype in _HALF else dtype
+    loss_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    row_loss = torch.empty(num_rows, dtype=loss_dtype, device=device)
+    d_hidden = torch.empty((num_rows, hidden_size), dtype=dtype, device=device) if need_hidden else None
+    d_weight = torch.zeros((num_classes, hidden_size), dtype=acc_dtype, device=device) if need_weight else None
+    d_bias = torch.zeros(num_classes, dtype=acc_dtype, device=device) if need_bias else None
+    d_gamma = torch.empty(num_rows, dtype=loss_dtype, device=device) if need_gamma else None
+    buffer = torch.empty((min(chunk, num_rows), num_classes), dtype=dtype, device=device)
+    weight_t = linear_weight.t()
+    for start in range(0, num_rows, chunk):
+        stop = min(start + chunk, num_rows)
+        h = hidden[start:stop]
+        z = buffer[: stop - start]
+        if linear_bias is None:
+            torch.mm(h, weight_t, out=z)
+        else:
+            torch.addmm(linear_bias, h, weight_t, out=z)
+        loss, grad, gamma_factor = _chunk_kernel(
+            z, target[start:stop], None if sample_weight is None else sample_weight[start:stop],
+            None if gamma is None else gamma[start:stop], spec, compute_grad, need_gamma)
+        row_loss[start:stop] = loss
+        if need_gamma:
+            d_gamma[start:stop] = gamma_factor if row_scale is None else gamma_factor * row_scale[start:stop]
+        if not compute_grad:
+            continue
+        if row_scale is not None:
+            grad = grad.mul_(row_scale[start:stop, None].to(grad.dtype))
+        if grad.dtype != dtype:
+            grad = grad.to(dtype)
+        if need_hidden:
+            torch.mm(grad, linear_weight, out=d_hidden[start:stop])
+        if need_weight:
+            _accumulate_weight_grad(d_weight, grad, h)
+        if need_bias:
+            d_bias += grad.sum(0, dtype=acc_dtype)
+    return row_loss, d_hidden, d_weight, d_bias, d_gamma
+
+
+def _to(tensor, dtype):
+    return tensor if tensor is None or tensor.dtype == dtype else tensor.to(dtype)
+
+
+_DOUBLE_BACKWARD_MESSAGE = (
+    b"calibkernels: fused_linear_uncertainty_weighted_ce does not support double backward (its gradients are computed "
+    b"chunk by chunk without a graph); materialise the logits (hidden @ W.T + b) and use "
+    b"ck.uncertainty_weighted_ce(..., backend='reference') for that loss"
+)
+
+
+def _raise_if_differentiated(tensor, message: bytes = _DOUBLE_BACKWARD_MESSAGE):
+    """``tensor`` as a value whose differentiation raises ``RuntimeError(message)`` (``create_graph=True``: a
+    gradient penalty through it must not silently contribute nothing)."""
+    if tensor is None:
+        return None
+    alias = tensor.detach().requires_grad_(True)
+    return torch._C._functions.DelayedError(message, 1)(alias)
+
+
+class FusedLinearUWCE(torch.autograd.Function):
+    """Autograd of :func:`fused_linear_uncertainty_weighted_ce` on validated 2-D inputs (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, hidden, linear_weight, linear_bias, target, sample_weight, gamma, backend, weight, mode,
+                gamma_value, norm, reduction, ignore_index, chunk):
+        spec = _Spec(backend, weight, mode, gamma_value, norm, ignore_index)
+        need_gamma = gamma is not None and ctx.needs_input_grad[5] and mode == "loss"
+        ctx.set_materialize_grads(False)
+        ctx.spec, ctx.chunk, ctx.reduction = spec, chunk, reduction
+        ctx.weight_dtype = linear_weight.dtype
+        if reduction == "none":
+            # grad_output is per row: the backward recomputes the chunks (module docstring)
+            row_loss, *_ = _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec,
+                                         chunk, False, False, False, False)
+            ctx.save_for_backward(hidden, linear_weight, linear_bias, target, sample_weight, gamma)
+            return row_loss
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        row_loss, d_hidden, d_weight, d_bias, d_gamma = _chunked_pass(
+            hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec, chunk, need_hidden, need_weight,
+            need_bias, need_gamma)
+        loss = row_loss.sum()
+        if reduction == "mean":
+            scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(loss.dtype)
+            loss = loss * scale
+            for grad in (d_hidden, d_weight, d_bias, d_gamma):
+                if grad is not None:
+                    grad.mul_(scale.to(grad.dtype))
+        ctx.save_for_backward(d_hidden, _to(d_weight, linear_weight.dtype),
+                              None if d_bias is None else _to(d_bias, linear_bias.dtype),
+                              None if d_gamma is None else _to(d_gamma, gamma.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if grad_loss is None:  # the loss was not used
+            return (None,) * 14
+        if ctx.reduction == "none":
+            hidden, linear_weight, linear_bias, target, sample_weight, gamma = ctx.saved_tensors
+            need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+            need_gamma = gamma is not None and ctx.needs_input_grad[5] and ctx.spec.mode == "loss"
+            _, d_hidden, d_weight, d_bias, d_gamma = _chunked_pass(
+                hidden, linear_weight, linear_bias, target, sample_weight, gamma, ctx.spec, ctx.chunk, need_hidden,
+                need_weight, need_bias, need_gamma, row_scale=grad_loss.detach())
+            d_weight = _to(d_weight, linear_weight.dtype)
+            d_bias = None if d_bias is None else _to(d_bias, linear_bias.dtype)
+            d_gamma = None if d_gamma is None else _to(d_gamma, gamma.dtype)
+        else:
+            d_hidden, d_weight, d_bias, d_gamma = (
+                None if t is None else _autograd.scale_saved_gradient(t, grad_loss) for t in ctx.saved_tensors)
+        grads = [d_hidden, d_weight, d_bias, d_gamma]
+        if torch.is_grad_enabled() and _autograd.is_plain_eager(grad_loss):
+            grads = [_raise_if_differentiated(t) for t in grads]
+        d_hidden, d_weight, d_bias, d_gamma = grads
+        return d_hidden, d_weight, d_bias, None, None, d_gamma, None, None, None, None, None, None, None, None
+
+
+# ------------------------------------------------------------------------------------------------------ public API
+def fused_linear_uncertainty_weighted_ce(
+    hidden: torch.Tensor,
+    linear_weight: torch.Tensor,
+    target: torch.Tensor,
+    linear_bias: torch.Tensor | None = None,
+    *,
+    weight: str = "brier",
+    mode: str = "grad",
+    gamma: float | torch.Tensor = 4.0,
+    norm: float = 2.0,
+    sample_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+    backend: str = "auto",
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``uncertainty_weighted_ce(hidden @ linear_weight.T + linear_bias, target, ...)`` without materialising the
+    ``N × C`` logits (the output layer of a language model: ``C`` = vocabulary size).
+
+    ``L_i = u_i · CE_i`` on the logits ``z_i = W h_i + b``; the gradients are ``∂h_i = W^T g_i``, ``∂W = Σ_i g_i
+    h_iᵀ``, ``∂b = Σ_i g_i`` with ``g_i = ∂L/∂z_i`` (docs/losses.md; algorithm, memory and autograd:
+    docs/large_vocabularies.md and this module's docstring). Rows are processed ``chunk_size`` at a time: peak extra
+    memory ``O(chunk_size × C)``.
+
+    Args:
+        hidden: ``(..., H)`` float32/float16/bfloat16 (float64 on the reference and CPU backends).
+        linear_weight: ``(C, H)``, same dtype and device as ``hidden`` (an ``nn.Linear(H, C).weight``).
+        target: ``(...)`` (``hidden``'s leading shape) int64 class indices in ``[0, C)`` or ``ignore_index``.
+        linear_bias: optional ``(C,)``, same dtype and device.
+        weight, mode, gamma, norm, sample_weight, reduction, ignore_index, backend: as in
+            :func:`calibkernels.uncertainty_weighted_ce`. ``"mean"`` divides by the non-ignored rows of the whole
+            batch (0 if there are none). ``sample_weight`` is used detached. A per-sample ``gamma`` tensor (focal)
+            that requires grad gets ``∂L/∂γ_i = L_i log(1 - p_{i,y})`` (times the reduction's scale) in
+            ``mode="loss"``, none in ``mode="grad"``.
+        chunk_size: rows per chunk, ``>= 1``; ``None`` picks :func:`default_chunk_size`.
+
+    Returns:
+        the loss in ``hidden``'s dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
+
+    The matmuls run in the input dtype (half-precision inputs accumulate in float32 inside the matmul, as PyTorch's
+    do); the kernels compute softmax and weight in float32; the weight and bias gradients are accumulated over the
+    chunks in float32 and returned in the parameters' dtype. Double backward is not supported (differentiating a
+    gradient raises ``RuntimeError``). With ``backend="reference"`` each chunk runs the pure-PyTorch reference and
+    ``torch.autograd.grad``.
+    """
+    V.check_weight(weight)
+    V.check_mode(mode)
+    V.check_reduction(reduction)
+    V.check_gamma(gamma)
+    V.check_norm(norm)
+    V.check_backend(backend)
+    _check_chunk_size(chunk_size)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
+    num_rows, hidden_size = hidden2d.shape
+    num_classes = linear_weight.shape[0]
+    device = hidden.device
+    name = _backends.resolve(backend, device)
+    host_check = name == "reference" or device.type == "cpu"
+    if host_check and not torch.compiler.is_compiling():
+        _check_target_values(target1d, num_classes, ignore_index)
+    sample_weight = V.check_sample_weight(sample_weight, weight, target.shape, device, check_values=host_check)
+    if sample_weight is not None:
+        sample_weight = sample_weight.detach()
+    gamma = V.check_per_sample_gamma(gamma, weight, target.shape, device, check_values=host_check)
+    gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
+    gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
+    if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
+                                                          else torch.float32):
+        gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
+        _target_checks.poll()  # raise for a bad target that an earlier call flagged
+        _submit_device_target_check(target1d, num_classes, ignore_index)
+    if hidden.dtype in _HALF and not torch.compiler.is_compiling():
+        _probe_out_dtype_addmm(device, hidden.dtype)
+    chunk = chunk_size if chunk_size is not None else default_chunk_size(
+        num_rows, num_classes, hidden_size, hidden.element_size())
+    chunk = min(chunk, num_rows)
+
+    grad_enabled = torch.is_grad_enabled()
+    needs_grad = grad_enabled and (
+        hidden2d.requires_grad or linear_weight.requires_grad
+        or (linear_bias is not None and linear_bias.requires_grad)
+        or (gamma_tensor is not None and gamma_tensor.requires_grad and mode == "loss"))
+    if needs_grad:
+        loss = FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, name,
+                                     weight, mode, gamma_value, norm, reduction, ignore_index, chunk)
+    else:
+        with torch.no_grad():
+            spec = _Spec(name, weight, mode, gamma_value, float(norm), ignore_index)
+            row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
+                                         None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
+                                         False, False, False, False)
+            loss = row_loss if reduction == "none" else row_loss.sum()
+            if reduction == "mean":
+                loss = loss / (target1d != ignore_index).sum().clamp(min=1).to(loss.dtype)
+    if reduction == "none":
+        loss = loss.reshape(batch_shape)
+    return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
+
+
+class FusedLinearUncertaintyWeightedCE(nn.Module):
+    """Module form of :func:`fused_linear_uncertainty_weighted_ce`: the output layer's weight is passed to
+    ``forward(hidden (..., H), linear_weight (C, H), target (...), linear_bias=None, sample_weight=None)``, as with
+    Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer keeps owning its parameters."""
+
+    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", chunk_size=None):
+        super().__init__()
+        V.check_weight(weight)
+        V.check_mode(mode)
+        V.check_gamma(gamma)
+        if isinstance(gamma, torch.Tensor):
+            raise TypeError("a module's gamma is a number; use the functional form for a per-sample gamma tensor")
+        _check_number("gamma", gamma)
+        V.check_norm(norm)
+        V.check_reduction(reduction)
+        V.check_backend(backend)
+        _check_chunk_size(chunk_size)
+        self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
+        self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size
+
+    def forward(self, hidden, linear_weight, target, linear_bias=None, sample_weight=None):
+        return fused_linear_uncertainty_weighted_ce(
+            hidden, linear_weight, target, linear_bias, weight=self.weight, mode=self.mode, gamma=self.gamma,
+            norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
+            backend=self.backend, chunk_size=self.chunk_size)
+
+    def extra_repr(self):
+        parts = [f"weight={self.weight!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
+                 f"reduction={self.reduction!r}"]
+        if self.ignore_index != -100:
+            parts.append(f"ignore_index={self.ignore_index}")
+        parts.append(f"backend={self.backend!r}")
+        if self.chunk_size is not None:
+            parts.append(f"chunk_size={self.chunk_size}")
+        return ", ".join(parts)

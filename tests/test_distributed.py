@@ -1,0 +1,196 @@
+"""The vocabulary-parallel loss (calibkernels.distributed) against the unsharded reference, on 2 and 3 gloo processes.
+
+Each rank holds a contiguous block of classes (unequal blocks, one of them empty) of the same logits; every weight ×
+mode × reduction must give every rank the reference's loss and, as its gradient, its slice of the reference's
+gradient. Bad input (a target out of range, different targets on different ranks) raises the same ``ValueError`` on
+every rank. The ranks run as subprocesses (``init_method=file://``), each checking everything and printing the list of
+what failed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import calibkernels as ck
+
+pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
+
+_WORKER = r"""
+import itertools, json, sys
+import torch
+import torch.distributed as dist
+from calibkernels import reference as R
+from calibkernels.distributed import vocab_parallel_uncertainty_weighted_ce as vocab_parallel
+
+rank, world, init_method, layouts, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+failures = []
+
+
+def close(name, got, want, rtol, atol):
+    if got.shape != want.shape or not torch.allclose(got.double(), want.double(), rtol=rtol, atol=atol):
+        err = (got.double() - want.double()).abs().max().item() if got.shape == want.shape else "shape"
+        failures.append(f"{name}: {err}")
+
+
+def inputs(num_classes, dtype):
+    g = torch.Generator().manual_seed(seed + num_classes)
+    n = 9
+    z = 3 * torch.randn(n, num_classes, generator=g, dtype=torch.float64)
+    y = torch.randint(0, num_classes, (n,), generator=g)
+    y[4] = y[7] = -100
+    z[1] = 0.0                      # every other class tied below the target (ties across ranks)
+    z[1, y[1]] = 2.0
+    z[2, 0] = z[2, -1] = z[2, y[2]] - 0.25  # two tied classes, on the first and last blocks, just below the target
+    if y[2] in (0, num_classes - 1):
+        y[2] = num_classes // 2
+        z[2, y[2]] = z[2, 0] + 0.25
+    z[3, y[3]] = 800.0              # saturated row: p_y = 1 and 1 - p_y = 0 exactly
+    sample_weight = torch.rand(n, generator=g, dtype=torch.float64)
+    grad_output = torch.randn(n, generator=g, dtype=torch.float64)
+    return z.to(dtype), y, sample_weight, grad_output
+
+
+for sizes in layouts:
+    num_classes, offset = sum(sizes), sum(sizes[:rank])
+    local_slice = slice(offset, offset + sizes[rank])
+    z, y, sample_weight, grad_output = inputs(num_classes, torch.float64)
+    for weight, mode, reduction in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "external"],
+                                                     ["grad", "loss"], ["mean", "sum", "none"]):
+        for norm in ([2.0, 1.5] if weight == "brier" else [2.0]):
+            kw = dict(weight=weight, mode=mode, gamma=3.0 if weight == "flsd" else 2.5, norm=norm, reduction=reduction,
+                      sample_weight=sample_weight if weight == "external" else None)
+            name = f"{sizes} {weight} {mode} {reduction} q={norm}"
+            full = z.clone().requires_grad_()
+            want = R.uncertainty_weighted_ce(full, y, **kw)
+            go = grad_output if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+            (want_grad,) = torch.autograd.grad(want, full, go)
+            local = z[:, local_slice].clone().requires_grad_()
+            got = vocab_parallel(local, y, **kw)
+            (got_grad,) = torch.autograd.grad(got, local, go)
+            close(name + " loss", got.detach(), want.detach(), 1e-10, 1e-12)
+            close(name + " grad", got_grad, want_grad[:, local_slice], 1e-9, 1e-12)
+            with torch.no_grad():
+                close(name + " no_grad loss", vocab_parallel(z[:, local_slice], y, **kw), want.detach(), 1e-10, 1e-12)
+
+    # a per-sample gamma that requires grad (focal, mode="loss"), and (..., C) logits
+    gamma = (0.5 + 3 * torch.rand(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
+    for reduction in ("mean", "none"):
+        full, g_full = z.clone().requires_grad_(), gamma.clone().requires_grad_()
+        want = R.uncertainty_weighted_ce(full.view(3, 3, num_classes), y.view(3, 3), weight="focal", mode="loss", gamma=g_full.view(3, 3),
+                                         reduction=reduction)
+        go = torch.ones_like(want) if reduction == "mean" else grad_output.view(3, 3)
+        want_grads = torch.autograd.grad(want, (full, g_full), go)
+        local, g_local = z[:, local_slice].clone().requires_grad_(), gamma.clone().requires_grad_()
+        got = vocab_parallel(local.view(3, 3, sizes[rank]), y.view(3, 3), weight="focal", mode="loss", gamma=g_local.view(3, 3),
+                             reduction=reduction)
+        got_grads = torch.autograd.grad(got, (local, g_local), go)
+        close(f"{sizes} gamma tensor {reduction} loss", got.detach(), want.detach(), 1e-10, 1e-12)
+        close(f"{sizes} gamma tensor {reduction} grad", got_grads[0], want_grads[0][:, local_slice], 1e-9, 1e-12)
+        close(f"{sizes} gamma tensor {reduction} dgamma", got_grads[1], want_grads[1], 1e-9, 1e-12)
+
+    # half precision: the same numbers as the reference on the same bfloat16 logits (both compute in float32)
+    zb, y, _, _ = inputs(num_classes, torch.bfloat16)
+    for weight, mode in (("brier", "grad"), ("dual_focal", "loss"), ("focal", "loss")):
+        full = zb.clone().float().requires_grad_()
+        want = R.uncertainty_weighted_ce(full, y, weight=weight, mode=mode)
+        (want_grad,) = torch.autograd.grad(want, full)
+        local = zb[:, local_slice].clone().requires_grad_()
+        got = vocab_parallel(local, y, weight=weight, mode=mode)
+        (got_grad,) = torch.autograd.grad(got, local)
+        if got.dtype != torch.bfloat16 or got_grad.dtype != torch.bfloat16:
+            failures.append(f"{sizes} bf16 dtypes {got.dtype} {got_grad.dtype}")
+        close(f"{sizes} bf16 {weight} {mode} loss", got.detach().float(), want.detach().bfloat16().float(), 1e-2, 1e-6)
+        close(f"{sizes} bf16 {weight} {mode} grad", got_grad.float(), want_grad[:, local_slice], 1e-2, 1e-4)
+
+    # every row ignored: mean 0, zero gradient
+    local = z[:, local_slice].clone().requires_grad_()
+    loss = vocab_parallel(local, torch.full_like(y, -100))
+    loss.backward()
+    if loss.item() != 0.0 or local.grad.abs().sum().item() != 0.0:
+        failures.append(f"{sizes} all ignored: loss {loss.item()}")
+
+    # double backward raises instead of contributing nothing
+    local = z[:, local_slice].clone().requires_grad_()
+    (first,) = torch.autograd.grad(vocab_parallel(local, y, weight="brier", mode="loss"), local, create_graph=True)
+    try:
+        first.pow(2).sum().backward()
+        failures.append(f"{sizes} double backward accepted")
+    except RuntimeError as exc:
+        if "double backward" not in str(exc):
+            failures.append(f"{sizes} double backward message: {exc}")
+
+    # bad input raises the same ValueError on every rank (and no rank is left waiting)
+    bad = y.clone()
+    bad[0] = num_classes
+    try:
+        vocab_parallel(z[:, local_slice], bad)
+        failures.append(f"{sizes} out-of-range target accepted")
+    except ValueError as exc:
+        if "out of range" not in str(exc):
+            failures.append(f"{sizes} out-of-range message: {exc}")
+    different = y.clone()
+    if rank == world - 1:
+        different[0] = (int(y[0]) + 1) % num_classes
+    try:
+        vocab_parallel(z[:, local_slice], different)
+        failures.append(f"{sizes} different targets accepted")
+    except ValueError as exc:
+        if "targets differ" not in str(exc):
+            failures.append(f"{sizes} different targets message: {exc}")
+
+dist.destroy_process_group()
+print(json.dumps(failures))
+"""
+
+
+def _run_ranks(world, layouts, tmp_path):
+    init_method = f"file://{tmp_path / 'rendezvous'}"
+    seed = int(torch.randint(0, 2**30, ()).item())
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    processes = [subprocess.Popen([sys.executable, "-c", _WORKER, str(rank), str(world), init_method,
+                                   json.dumps(layouts), str(seed)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env=env) for rank in range(world)]
+    outputs = []
+    try:
+        for process in processes:
+            outputs.append(process.communicate(timeout=180))
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+    for rank, (process, (out, err)) in enumerate(zip(processes, outputs)):
+        assert process.returncode == 0, f"rank {rank} (seed {seed}): {err[-3000:]}"
+        failures = json.loads(out.strip().splitlines()[-1])
+        assert not failures, f"rank {rank} (seed {seed}): {failures[:20]}"
+
+
+def test_two_ranks_with_unequal_blocks_match_the_unsharded_reference(tmp_path):
+    _run_ranks(2, [[3, 8]], tmp_path)
+
+
+def test_three_ranks_with_unequal_and_empty_blocks_match_the_unsharded_reference(tmp_path):
+    _run_ranks(3, [[5, 0, 6], [2, 7, 4]], tmp_path)
+
+
+def test_bad_input_raises_before_any_collective():
+    """Checks that need no other rank run first, without an initialised process group."""
+    z = torch.randn(4, 3)
+    y = torch.tensor([0, 1, 2, -100])
+    with pytest.raises(ValueError, match="target shape"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y[:3])
+    with pytest.raises(TypeError, match="integer class indices"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y.float())
+    with pytest.raises(TypeError, match="floating-point"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z.long(), y)
+    with pytest.raises(ValueError, match="unknown weight"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight="nope")
+    with pytest.raises(ValueError, match="sample_weight"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight="external")
+    if not torch.distributed.is_initialized():
+        with pytest.raises(RuntimeError, match="process group"):
+            ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y)

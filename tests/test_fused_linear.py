@@ -1,0 +1,425 @@
+"""fused_linear_uncertainty_weighted_ce against the reference on explicitly materialised logits.
+
+The loss of ``hidden @ W.T + b`` computed chunk by chunk must equal the reference's loss of the materialised logits,
+and its three gradients (hidden, weight, bias) the reference's, for every weight × mode × reduction, on every backend
+this install can run (Triton on CPU tensors through its interpreter); plus chunk boundaries, half precision (with the
+weight gradient accumulated in float32), autograd contracts, torch.compile, input checks and the memory bound.
+"""
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import calibkernels as ck
+from calibkernels import _backends
+from calibkernels import reference as R
+from calibkernels.fused_linear import FusedLinearUncertaintyWeightedCE, default_chunk_size
+from calibkernels.fused_linear import fused_linear_uncertainty_weighted_ce as fused_linear
+
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+MODES = ["grad", "loss"]
+REDUCTIONS = ["mean", "sum", "none"]
+
+_DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+BACKENDS = [
+    pytest.param((name, dev), id=f"{name}-{dev}")
+    for name in ("reference", "cpu", "cuda", "triton")
+    for dev in _DEVICES
+    if _backends.unavailable_reason(name, torch.device(dev)) is None
+]
+HAS_CPU_KERNEL = _backends.unavailable_reason("cpu", torch.device("cpu")) is None
+CPU_BACKEND = "cpu" if HAS_CPU_KERNEL else "reference"
+
+
+def _dtype_for(backend):
+    """float64 where the backend runs it (exact comparisons), float32 on Triton."""
+    return torch.float32 if backend == "triton" else torch.float64
+
+
+def _problem(n, h, c, dtype, device, ignored=(1, 6)):
+    hidden = torch.randn(n, h, dtype=torch.float64)
+    linear_weight = torch.randn(c, h, dtype=torch.float64) / h ** 0.5 * 2
+    bias = 0.5 * torch.randn(c, dtype=torch.float64)
+    target = torch.randint(0, c, (n,))
+    for row in ignored:
+        if row < n:
+            target[row] = -100
+    return [t.to(dtype=dtype, device=device) for t in (hidden, linear_weight, bias)] + [target.to(device)]
+
+
+def _reference(hidden, linear_weight, bias, target, grad_output, **kw):
+    """Loss and gradients (hidden, weight, bias) of the reference on the materialised logits, in float64."""
+    leaves = [t.detach().double().requires_grad_() for t in (hidden, linear_weight, bias)]
+    logits = leaves[0] @ leaves[1].T + leaves[2]
+    loss = R.uncertainty_weighted_ce(logits, target.cpu() if logits.device != target.device else target, **kw)
+    return (loss.detach(),) + torch.autograd.grad(loss, leaves, grad_output.double())
+
+
+def _fused(hidden, linear_weight, bias, target, grad_output, **kw):
+    leaves = [t.detach().clone().requires_grad_() for t in (hidden, linear_weight, bias)]
+    loss = fused_linear(leaves[0], leaves[1], target, leaves[2], **kw)
+    return (loss.detach(),) + torch.autograd.grad(loss, leaves, grad_output.to(loss.dtype))
+
+
+def _grad_output(reduction, shape, dtype, device):
+    if reduction == "none":
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.tensor(1.7, dtype=dtype, device=device)
+
+
+def _assert_all_close(got, want, dtype, what):
+    rtol, atol = (1e-9, 1e-11) if dtype == torch.float64 else (2e-4, 2e-5)
+    for name, g, w in zip(("loss", "d hidden", "d weight", "d bias"), got, want):
+        scale = max(1.0, w.abs().max().item())
+        torch.testing.assert_close(g.double().cpu(), w.double().cpu(), rtol=rtol, atol=atol * scale,
+                                   msg=lambda m: f"{what}, {name}: {m}")
+
+
+# ------------------------------------------------------------------------------------------ against the reference
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_matches_reference_on_materialised_logits(backend_device, weight):
+    """(2, 13, H) hidden, 13 classes, chunks of 7 rows (not dividing 26), ignored rows, a bias: every mode and
+    reduction gives the reference's loss and its three gradients."""
+    backend, device = backend_device
+    dtype = _dtype_for(backend)
+    hidden, linear_weight, bias, target = _problem(26, 8, 13, dtype, device)
+    hidden, target = hidden.view(2, 13, 8), target.view(2, 13)
+    sample_weight = torch.rand(2, 13, dtype=dtype, device=device) if weight == "external" else None
+    for mode, reduction in itertools.product(MODES, REDUCTIONS):
+        kw = dict(weight=weight, mode=mode, gamma=3.0 if weight == "flsd" else 2.5, reduction=reduction,
+                  sample_weight=sample_weight)
+        grad_output = _grad_output(reduction, target.shape, dtype, device)
+        got = _fused(hidden, linear_weight, bias, target, grad_output, backend=backend, chunk_size=7, **kw)
+        want = _reference(hidden, linear_weight, bias, target, grad_output, **kw)
+        assert got[0].dtype == dtype and got[0].shape == want[0].shape
+        _assert_all_close(got, want, dtype, f"{weight} {mode} {reduction}")
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction):
+    backend, device = backend_device
+    dtype = _dtype_for(backend)
+    hidden, linear_weight, bias, target = _problem(11, 5, 9, dtype, device)
+    gamma = (0.5 + 3 * torch.rand(11, dtype=dtype, device=device)).requires_grad_()
+    grad_output = _grad_output(reduction, (11,), dtype, device)
+    for mode in MODES:
+        g = gamma.detach().clone().requires_grad_()
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, linear_weight)]
+        loss = fused_linear(leaves[0], leaves[1], target, bias, weight="focal", mode=mode, gamma=g,
+                            reduction=reduction, backend=backend, chunk_size=4)
+        loss.backward(grad_output)
+        g64 = gamma.detach().double().requires_grad_()
+        leaves64 = [t.detach().double().requires_grad_() for t in (hidden, linear_weight)]
+        want = R.uncertainty_weighted_ce(leaves64[0] @ leaves64[1].T + bias.double(), target, weight="focal",
+                                         mode=mode, gamma=g64, reduction=reduction)
+        want.backward(grad_output.double())
+        tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
+        torch.testing.assert_close(loss.double(), want.detach(), **tol)
+        for got, exp in ((leaves[0].grad, leaves64[0].grad), (leaves[1].grad, leaves64[1].grad)):
+            torch.testing.assert_close(got.double(), exp, **tol)
+        if mode == "loss":
+            torch.testing.assert_close(g.grad.double(), g64.grad, **tol)
+        else:  # the weight is detached: no gradient reaches gamma, as in the reference
+            assert g.grad is None or g.grad.abs().sum() == 0
+            assert g64.grad is None or g64.grad.abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend", ["reference"] + (["cpu"] if HAS_CPU_KERNEL else []))
+@pytest.mark.parametrize("weight,mode,reduction", [("brier", "loss", "mean"), ("dual_focal", "loss", "none"),
+                                                   ("none", "grad", "sum"), ("flsd", "loss", "none"),
+                                                   ("focal", "loss", "sum")])
+def test_gradcheck_float64(backend, weight, mode, reduction):
+    """Finite differences of the fused loss itself (hidden, weight and bias at once), chunks of 2 over 5 rows. (Only
+    where the gradient is the loss's derivative: mode="grad" scales the cross-entropy gradient by a detached weight.)"""
+    hidden, linear_weight, bias, target = _problem(5, 3, 4, torch.float64, "cpu", ignored=(2,))
+    leaves = [t.requires_grad_() for t in (hidden, linear_weight, bias)]
+
+    def loss(h, w, b):
+        return fused_linear(h, w, target, b, weight=weight, mode=mode, gamma=2.0, reduction=reduction,
+                            backend=backend, chunk_size=2)
+
+    assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+def test_gradcheck_per_sample_gamma():
+    hidden, linear_weight, _, target = _problem(5, 3, 4, torch.float64, "cpu", ignored=(2,))
+    gamma = (0.5 + torch.rand(5, dtype=torch.float64)).requires_grad_()
+    hidden.requires_grad_()
+
+    def loss(h, g):
+        return fused_linear(h, linear_weight, target, weight="focal", mode="loss", gamma=g, reduction="none",
+                            backend=CPU_BACKEND, chunk_size=2)
+
+    assert torch.autograd.gradcheck(loss, (hidden, gamma), eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------- chunk boundaries
+@pytest.mark.parametrize("chunk_size", [1, 3, 16, 17, 40, None])
+def test_every_chunk_size_gives_the_same_result(chunk_size):
+    hidden, linear_weight, bias, target = _problem(17, 6, 10, torch.float64, "cpu")
+    for reduction in REDUCTIONS:
+        grad_output = _grad_output(reduction, (17,), torch.float64, "cpu")
+        kw = dict(weight="brier", mode="loss", reduction=reduction)
+        got = _fused(hidden, linear_weight, bias, target, grad_output, backend=CPU_BACKEND, chunk_size=chunk_size,
+                     **kw)
+        _assert_all_close(got, _reference(hidden, linear_weight, bias, target, grad_output, **kw), torch.float64,
+                          f"chunk {chunk_size} {reduction}")
+
+
+def test_a_chunk_whose_rows_are_all_ignored():
+    """Rows 0..4 (the whole first chunk) and 10..14 ignored: the mean still divides by the batch's valid rows."""
+    hidden, linear_weight, bias, target = _problem(18, 6, 10, torch.float64, "cpu", ignored=())
+    target[:5] = -100
+    target[10:15] = -100
+    for reduction in REDUCTIONS:
+        grad_output = _grad_output(reduction, (18,), torch.float64, "cpu")
+        kw = dict(weight="focal", mode="loss", reduction=reduction)
+        got = _fused(hidden, linear_weight, bias, target, grad_output, backend=CPU_BACKEND, chunk_size=5, **kw)
+        _assert_all_close(got, _reference(hidden, linear_weight, bias, target, grad_output, **kw), torch.float64,
+                          f"ignored chunk {reduction}")
+        assert got[1][:5].abs().sum() == 0 and got[1][10:15].abs().sum() == 0
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
+def test_every_row_ignored_gives_zero_loss_and_zero_gradients(backend_device):
+    backend, device = backend_device
+    hidden, linear_weight, bias, target = _problem(7, 4, 5, _dtype_for(backend), device, ignored=())
+    target.fill_(-100)
+    for reduction in REDUCTIONS:
+        grad_output = _grad_output(reduction, (7,), hidden.dtype, device)
+        loss, *grads = _fused(hidden, linear_weight, bias, target, grad_output, backend=backend, chunk_size=3,
+                              reduction=reduction)
+        assert torch.all(loss == 0), (reduction, loss)
+        for grad in grads:
+            assert torch.all(grad == 0) and torch.isfinite(grad).all(), reduction
+
+
+def test_default_chunk_size():
+    # Liger's heuristic: the chunk's logits about as large as hidden, within 16..256 MiB of logits
+    assert default_chunk_size(8192, 32000, 256, 4) == 256  # the 16 MiB floor, rounded up to a power of two
+    assert default_chunk_size(8192, 128256, 4096, 2) == 256  # next_pow2(8192 / ceil(128256 / 4096))
+    assert default_chunk_size(100, 1000, 64, 4) == 100  # small problems run in one chunk
+    assert default_chunk_size(10**6, 256000, 16384, 2) * 256000 * 2 <= 256 << 20  # the cap
+    assert default_chunk_size(1, 10**9, 8, 4) == 1
+
+
+# ---------------------------------------------------------------------------------------------------- half precision
+@pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_accumulates_the_weight_gradient_in_float32(backend_device, dtype):
+    """One row per chunk over 192 rows: each gradient's error is within ``eps · (|G| @ |X| + |exact|)`` of the exact
+    chain rule through the half-precision logits (``G`` the float64 reference gradient of those logits). Summing the
+    192 per-chunk products in the half dtype instead exceeds that bound (by 1.3-2.6x at these sizes)."""
+    backend, device = backend_device
+    if backend == "triton":
+        pytest.skip("one Triton launch per row is too slow under the interpreter")
+    n, h, c = 192, 16, 40
+    hidden, linear_weight, bias, target = _problem(n, h, c, torch.float64, device, ignored=range(0, n, 9))
+    hidden, linear_weight, bias = (t.to(dtype) for t in (hidden, linear_weight, bias))
+    eps = torch.finfo(dtype).eps
+    for weight, mode in (("brier", "grad"), ("focal", "loss"), ("none", "grad")):
+        kw = dict(weight=weight, mode=mode, gamma=2.0, reduction="sum")
+        loss, d_hidden, d_weight, d_bias = _fused(hidden, linear_weight, bias, target, torch.tensor(1.0),
+                                                  backend=backend, chunk_size=1, **kw)
+        assert (loss.dtype, d_hidden.dtype, d_weight.dtype, d_bias.dtype) == (dtype,) * 4
+        with torch.no_grad():
+            logits = torch.addmm(bias, hidden, linear_weight.t())
+        logits64 = logits.double().requires_grad_()
+        want = R.uncertainty_weighted_ce(logits64, target, **kw)
+        (g,) = torch.autograd.grad(want, logits64)
+        x, w = hidden.double(), linear_weight.double()
+        for what, got, exact, magnitude in (("d hidden", d_hidden, g @ w, g.abs() @ w.abs()),
+                                            ("d weight", d_weight, g.t() @ x, g.abs().t() @ x.abs()),
+                                            ("d bias", d_bias, g.sum(0), g.abs().sum(0))):
+            ratio = (got.double() - exact).abs() / (eps * (magnitude + exact.abs()) + 1e-30)
+            assert ratio.max() < 1.0, f"{dtype} {weight} {mode} {what}: error {ratio.max():.2f} x the bound"
+        assert abs(loss.double() - want.detach()) <= 4 * eps * want.abs() + 1e-6
+
+
+# ------------------------------------------------------------------------------------------------ autograd contracts
+def test_only_the_inputs_that_require_grad_get_gradients():
+    hidden, linear_weight, bias, target = _problem(9, 4, 6, torch.float64, "cpu")
+    for reduction in ("mean", "none"):
+        w = linear_weight.clone().requires_grad_()
+        loss = fused_linear(hidden, w, target, bias, reduction=reduction, backend=CPU_BACKEND, chunk_size=4)
+        (d_weight,) = torch.autograd.grad(loss.sum(), w)
+        want = _reference(hidden, linear_weight, bias, target, torch.ones(() if reduction == "mean" else (9,)),
+                          reduction=reduction)
+        torch.testing.assert_close(d_weight, want[2])
+
+
+def test_sample_weight_never_gets_a_gradient():
+    hidden, linear_weight, _, target = _problem(6, 4, 5, torch.float64, "cpu")
+    sample_weight = torch.rand(6, dtype=torch.float64, requires_grad=True)
+    hidden.requires_grad_()
+    fused_linear(hidden, linear_weight, target, weight="external", sample_weight=sample_weight,
+                 backend=CPU_BACKEND).backward()
+    assert hidden.grad is not None and sample_weight.grad is None
+
+
+def test_no_grad_and_inputs_without_grad_give_the_same_loss():
+    hidden, linear_weight, bias, target = _problem(9, 4, 6, torch.float64, "cpu")
+    want = R.uncertainty_weighted_ce(hidden @ linear_weight.T + bias, target, weight="dual_focal", mode="loss")
+    got = fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", mode="loss", chunk_size=2)
+    assert not got.requires_grad
+    torch.testing.assert_close(got, want)
+    with torch.no_grad():
+        hidden.requires_grad_()
+        torch.testing.assert_close(fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", mode="loss",
+                                                chunk_size=2), want)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_retained_graph_gives_the_same_gradient_twice(reduction):
+    hidden, linear_weight, bias, target = _problem(7, 4, 6, torch.float64, "cpu")
+    leaves = [t.requires_grad_() for t in (hidden, linear_weight, bias)]
+    loss = fused_linear(*leaves[:2], target, leaves[2], reduction=reduction, backend=CPU_BACKEND, chunk_size=3)
+    grad_output = _grad_output(reduction, (7,), torch.float64, "cpu")
+    first = torch.autograd.grad(loss, leaves, grad_output, retain_graph=True)
+    second = torch.autograd.grad(loss, leaves, grad_output)
+    for a, b in zip(first, second):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_double_backward_raises():
+    hidden, linear_weight, _, target = _problem(5, 3, 4, torch.float64, "cpu")
+    hidden.requires_grad_()
+    loss = fused_linear(hidden, linear_weight, target, backend=CPU_BACKEND)
+    (d_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    torch.testing.assert_close(d_hidden, _reference(hidden, linear_weight, torch.zeros(4, dtype=torch.float64), target,
+                                                    torch.tensor(1.0))[1])
+    with pytest.raises(RuntimeError, match="double backward"):
+        d_hidden.pow(2).sum().backward()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_torch_compile_fullgraph_matches_eager(reduction):
+    torch._dynamo.reset()
+    hidden, linear_weight, bias, target = _problem(13, 5, 7, torch.float32, "cpu")
+
+    def step(h, w, b, y):
+        return fused_linear(h, w, y, b, weight="brier", mode="loss", reduction=reduction, backend=CPU_BACKEND,
+                            chunk_size=4)
+
+    compiled = torch.compile(step, fullgraph=True)
+    results = []
+    for fn in (compiled, step):
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, linear_weight, bias)]
+        loss = fn(*leaves, target)
+        loss.sum().backward()
+        results.append([loss.detach()] + [t.grad for t in leaves])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------------------- module
+def test_module_and_exports():
+    hidden, linear_weight, bias, target = _problem(8, 4, 6, torch.float64, "cpu")
+    module = FusedLinearUncertaintyWeightedCE(weight="focal", mode="loss", gamma=2.0, reduction="sum",
+                                              backend=CPU_BACKEND, chunk_size=3)
+    want = fused_linear(hidden, linear_weight, target, bias, weight="focal", mode="loss", gamma=2.0, reduction="sum",
+                        backend=CPU_BACKEND, chunk_size=3)
+    torch.testing.assert_close(module(hidden, linear_weight, target, bias), want)
+    assert "chunk_size=3" in repr(module) and "weight='focal'" in repr(module)
+    assert ck.losses.FusedLinearUncertaintyWeightedCE is FusedLinearUncertaintyWeightedCE
+    assert ck.fused_linear_uncertainty_weighted_ce is fused_linear
+    with pytest.raises(ValueError, match="chunk_size"):
+        FusedLinearUncertaintyWeightedCE(chunk_size=0)
+    with pytest.raises(ValueError, match="gamma"):
+        FusedLinearUncertaintyWeightedCE(gamma=float("nan"))
+
+
+# ---------------------------------------------------------------------------------------------------- input checks
+def test_bad_input_raises():
+    hidden, linear_weight, bias, target = _problem(6, 4, 5, torch.float32, "cpu")
+    cases = [
+        (dict(hidden=hidden[:, :3]), ValueError, "linear_weight shape"),
+        (dict(linear_weight=linear_weight[None]), ValueError, "2-D"),
+        (dict(hidden=hidden[0]), ValueError, "at least 2 dimensions"),
+        (dict(target=target[:5]), ValueError, "target shape"),
+        (dict(target=target.float()), TypeError, "integer class indices"),
+        (dict(hidden=hidden.long()), TypeError, "floating-point"),
+        (dict(linear_weight=linear_weight.double()), TypeError, "linear_weight dtype"),
+        (dict(linear_bias=bias[:4]), ValueError, "linear_bias shape"),
+        (dict(linear_bias=bias.double()), TypeError, "linear_bias dtype"),
+        (dict(hidden=hidden[:0], target=target[:0]), ValueError, "empty batch"),
+        (dict(target=torch.full_like(target, 5)), ValueError, "out of range"),
+        (dict(chunk_size=0), ValueError, "chunk_size"),
+        (dict(chunk_size=-3), ValueError, "chunk_size"),
+        (dict(chunk_size=2.0), TypeError, "chunk_size"),
+        (dict(chunk_size=True), TypeError, "chunk_size"),
+        (dict(weight="nope"), ValueError, "unknown weight"),
+        (dict(reduction="avg"), ValueError, "unknown reduction"),
+        (dict(gamma=-1.0), ValueError, "gamma"),
+        (dict(norm=0.0), ValueError, "norm"),
+        (dict(weight="external"), ValueError, "sample_weight"),
+        (dict(sample_weight=torch.ones(6)), ValueError, "sample_weight"),
+        (dict(gamma=torch.ones(6)), ValueError, "per-sample gamma"),
+        (dict(backend="nope"), ValueError, "unknown backend"),
+    ]
+    for change, error, message in cases:
+        args = dict(hidden=hidden, linear_weight=linear_weight, target=target, linear_bias=bias)
+        args.update(change)
+        kwargs = {k: args.pop(k) for k in list(args) if k not in ("hidden", "linear_weight", "target",
+                                                                    "linear_bias")}
+        with pytest.raises(error, match=message):
+            fused_linear(args["hidden"], args["linear_weight"], args["target"], args["linear_bias"], **kwargs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_inputs_on_different_devices_raise():
+    hidden, linear_weight, _, target = _problem(6, 4, 5, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="linear_weight is on"):
+        fused_linear(hidden, linear_weight.cuda(), target)
+    with pytest.raises(ValueError, match="target is on"):
+        fused_linear(hidden, linear_weight, target.cuda())
+
+
+# ---------------------------------------------------------------------------------------------------------- memory
+_MEMORY_SCRIPT = textwrap.dedent("""
+    import gc, json, sys
+    import torch
+    from calibkernels.fused_linear import fused_linear_uncertainty_weighted_ce
+
+    def status(key):
+        for line in open("/proc/self/status"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+
+    n, h, c = 8192, 256, 32000
+    reduction, backend = sys.argv[1], sys.argv[2]
+    hidden = torch.randn(n, h, requires_grad=True)
+    weight = (torch.randn(c, h) / 16).requires_grad_()
+    target = torch.randint(0, c, (n,))
+    target[::7] = -100
+    gc.collect()
+    open("/proc/self/clear_refs", "w").write("5")  # resets the peak resident size (VmHWM)
+    before = status("VmRSS")
+    loss = fused_linear_uncertainty_weighted_ce(hidden, weight, target, reduction=reduction, backend=backend)
+    (loss.sum() if reduction == "none" else loss).backward()
+    peak = status("VmHWM") - before
+    gradients = (hidden.grad.numel() + weight.grad.numel()) * 4
+    assert torch.isfinite(hidden.grad).all() and torch.isfinite(weight.grad).all()
+    print(json.dumps((peak - gradients) / (n * c * 4)))
+""")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux's /proc/self/clear_refs")
+@pytest.mark.skipif(not HAS_CPU_KERNEL, reason="no CPU kernel")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_peak_memory_is_far_below_the_materialised_logits(reduction):
+    """(8192 × 256) @ (32000 × 256)ᵀ fp32, forward + backward in a child process: the peak resident memory above the
+    inputs and their gradients stays below 1/8 of the 1 GiB of logits that materialising them would take."""
+    result = subprocess.run([sys.executable, "-c", _MEMORY_SCRIPT, reduction, "cpu"], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    peak = float(result.stdout.strip().splitlines()[-1])
+    assert peak < 1 / 8, f"peak {peak:.3f} x the logits' size"
