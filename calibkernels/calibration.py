@@ -231,3 +231,12 @@ def evaluate_temperature_scaling(calibration_logits, calibration_labels, test_lo
         "pre": calibration_metrics(test_logits, test_labels, n_bins, inputs_are="logits"),
         "post": calibration_metrics(test_logits / temperature, test_labels, n_bins, inputs_are="logits"),
     }
+
+
+# Post-hoc calibrators beyond temperature scaling (calibkernels/posthoc.py, docs/metrics.md 'Post-hoc calibration'),
+# re-exported so that they are reachable as ck.calibration.VectorScaling etc. (posthoc.py uses fit_temperature, defined
+# above, so the import comes last).
+from . import posthoc as _posthoc  # noqa: E402
+from .posthoc import *  # noqa: E402,F401,F403
+
+__all__ += _posthoc.__all__

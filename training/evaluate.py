@@ -6,7 +6,9 @@
 The splits are rebuilt from the checkpoint's recipe and seed (so validation and test are the very images the run held
 out), the temperature is fitted for ECE on validation, and accuracy, ECE, AdaECE, classwise ECE, MCE, NLL and Brier
 score of the test split are printed and written as ``report.json`` with reliability diagrams
-``reliability_pre_T.png`` / ``reliability_post_T.png``.
+``reliability_pre_T.png`` / ``reliability_post_T.png``. The post-hoc calibrators of ``--posthoc`` (default: vector and
+matrix scaling, Dirichlet calibration, histogram binning, isotonic regression; ``none`` to skip) are fitted on the
+same validation split and reported beside post-T (``report.json`` key ``"posthoc"``, a second printed table).
 """
 
 from __future__ import annotations
@@ -22,7 +24,21 @@ from torch.utils.data import DataLoader
 from .checkpoint import load_model_from_checkpoint
 from .data import DataError, build_datasets
 from .recipes import get_recipe
-from .report import calibration_report, collect_logits, format_report, save_report
+from .report import POSTHOC, calibration_report, collect_logits, format_report, save_report
+
+
+def posthoc_names(text: str) -> tuple:
+    """``--posthoc`` value: comma-separated names of ``calibkernels.calibration.POSTHOC_METHODS``, or ``none``."""
+    import calibkernels as ck
+
+    if text.strip().lower() == "none":
+        return ()
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    unknown = [name for name in names if name not in ck.calibration.POSTHOC_METHODS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"unknown post-hoc calibrator(s) {unknown or [text]}; choose from "
+                                         f"{', '.join(ck.calibration.POSTHOC_METHODS)} or none")
+    return names
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -35,6 +51,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--n-bins", type=int, default=15)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--posthoc", type=posthoc_names, default=",".join(POSTHOC), metavar="NAMES",
+                        help="post-hoc calibrators fitted on validation and reported beside post-T (comma-separated, "
+                             "or none)")
     return parser
 
 
@@ -54,7 +73,8 @@ def main(args) -> dict:
                for split in (splits.val, splits.test)]
     val_logits, val_labels = collect_logits(model, loaders[0], device, amp_dtype)
     test_logits, test_labels = collect_logits(model, loaders[1], device, amp_dtype)
-    report = calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins=args.n_bins)
+    report = calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins=args.n_bins,
+                                posthoc=getattr(args, "posthoc", POSTHOC))
     report.update(recipe=saved["recipe"], loss=saved.get("loss"), method=saved.get("method", "standard"),
                   arch=saved["arch"], seed=saved["seed"],
                   epochs=int(checkpoint["epoch"]), checkpoint=str(args.checkpoint))

@@ -4,6 +4,11 @@ NLL and Brier score of the test split before ("pre-T") and after ("post-T") temp
 The same T (``calibkernels.calibration.fit_temperature``, ECE objective over a grid, fitted on validation logits)
 is used for every metric; validation and test are always different splits. Metrics come from
 :mod:`calibkernels.metrics` as fractions; tables print ECE-type metrics and accuracy as percentages.
+
+On request (``posthoc=``, on by default in ``training.evaluate``) the report also holds the same metrics of the test
+split after each post-hoc calibrator of :mod:`calibkernels.posthoc` (vector and matrix scaling, Dirichlet calibration,
+histogram binning, isotonic regression), each fitted with its defaults on the same validation split, under the key
+``"posthoc"``, and :func:`format_report` prints them beside post-T in a second table.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import calibkernels as ck
 from . import distributed as dist_utils
 
 __all__ = ["collect_logits", "calibration_metrics", "calibration_report", "format_report", "save_report",
-           "format_comparison", "save_comparison", "METRICS"]
+           "format_comparison", "save_comparison", "METRICS", "POSTHOC", "posthoc_metrics"]
 
 # metric key -> (label, shown as a percentage)
 METRICS = {
@@ -30,6 +35,9 @@ METRICS = {
     "nll": ("NLL", False),
     "brier": ("Brier", False),
 }
+
+# Post-hoc calibrators reported beside temperature scaling: names of calibkernels.calibration.POSTHOC_METHODS.
+POSTHOC = ("vector", "matrix", "dirichlet", "histogram", "isotonic")
 
 
 @torch.no_grad()
@@ -59,10 +67,33 @@ def calibration_metrics(logits: torch.Tensor, labels: torch.Tensor, n_bins: int 
     return {k: float(v) for k, v in ck.metrics.calibration_metrics(logits, labels, n_bins=n_bins).items()}
 
 
-def calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins: int = 15) -> dict:
-    """Pre-T / post-T metrics of the test logits, with T fitted (ECE objective) on the validation logits."""
+def posthoc_metrics(val_logits, val_labels, test_logits, test_labels, methods=POSTHOC, n_bins: int = 15) -> dict:
+    """``{name: metrics of the test split}`` after each calibrator of ``methods`` (names of
+    ``calibkernels.calibration.POSTHOC_METHODS``, built with their defaults), fitted on the validation split.
+
+    Metrics are computed from the calibrated log-probabilities (``log_transform``), so the NLL of a scaling method
+    stays finite where a probability underflows; a binning method that gives a test label probability 0 has NLL inf.
+    Unlike T, these calibrators may change the arg-max, hence the accuracy.
+    """
+    methods = tuple(methods)
+    unknown = [name for name in methods if name not in ck.calibration.POSTHOC_METHODS]
+    if unknown:
+        raise ValueError(f"unknown post-hoc calibrator(s) {unknown}; "
+                         f"choose from {list(ck.calibration.POSTHOC_METHODS)}")
+    results = {}
+    for name in methods:
+        calibrator = ck.calibration.POSTHOC_METHODS[name]().fit(val_logits, val_labels)
+        log_probabilities = calibrator.log_transform(test_logits)
+        results[name] = {key: float(value) for key, value in ck.metrics.calibration_metrics(
+            log_probabilities, test_labels, n_bins=n_bins, inputs_are="logits").items()}
+    return results
+
+
+def calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins: int = 15, posthoc=()) -> dict:
+    """Pre-T / post-T metrics of the test logits, with T fitted (ECE objective) on the validation logits; with
+    ``posthoc`` (names, e.g. :data:`POSTHOC`) also ``"posthoc": {name: metrics}`` (:func:`posthoc_metrics`)."""
     temperature = float(ck.calibration.fit_temperature(val_logits, val_labels, objective="ece", n_bins=n_bins))
-    return {
+    report = {
         "temperature": temperature,
         "n_val": int(val_labels.numel()),
         "n_test": int(test_labels.numel()),
@@ -70,6 +101,9 @@ def calibration_report(val_logits, val_labels, test_logits, test_labels, n_bins:
         "pre_T": calibration_metrics(test_logits, test_labels, n_bins),
         "post_T": calibration_metrics(test_logits / temperature, test_labels, n_bins),
     }
+    if posthoc:
+        report["posthoc"] = posthoc_metrics(val_logits, val_labels, test_logits, test_labels, posthoc, n_bins)
+    return report
 
 
 def _cell(key: str, value: float) -> str:
@@ -84,6 +118,16 @@ def format_report(report: dict, title: str = "") -> str:
     lines.append(f"{'metric':16s} {'pre-T':>9s} {'post-T':>9s}")
     for key, (label, _) in METRICS.items():
         lines.append(f"{label:16s} {_cell(key, report['pre_T'][key]):>9s} {_cell(key, report['post_T'][key]):>9s}")
+    posthoc = report.get("posthoc")
+    if posthoc:
+        names = list(posthoc)
+        lines.append("")
+        lines.append(f"post-hoc calibrators fitted (defaults of calibkernels.posthoc) on the {report['n_val']}-sample "
+                     "validation split, same test split:")
+        lines.append(f"{'metric':16s} {'post-T':>9s}" + "".join(f" {name:>9s}" for name in names))
+        for key, (label, _) in METRICS.items():
+            cells = "".join(f" {_cell(key, posthoc[name][key]):>9s}" for name in names)
+            lines.append(f"{label:16s} {_cell(key, report['post_T'][key]):>9s}{cells}")
     return "\n".join(lines)
 
 

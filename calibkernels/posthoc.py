@@ -1,0 +1,550 @@
+"""Post-hoc calibrators beyond temperature scaling (docs/metrics.md, 'Post-hoc calibration').
+
+Every calibrator maps the logits of a trained classifier to calibrated probabilities and is fitted on a held-out
+split (never the test split) with one interface::
+
+    calibrator = VectorScaling().fit(val_logits, val_labels)     # -> self
+    probs = calibrator.transform(test_logits)                      # (..., C) probabilities; calibrator(z) is the same
+
+============================  =======================================================  ================================
+class                         calibrated probabilities ``q``                           paper
+============================  =======================================================  ================================
+:class:`TemperatureScaling`   ``softmax(z / T)``                                       Guo et al., ICML 2017
+:class:`VectorScaling`        ``softmax(w ⊙ z + b)``, ``w, b ∈ R^C``                   Guo et al., ICML 2017
+:class:`MatrixScaling`        ``softmax(W z + b)``, ``W ∈ R^{C×C}``, ODIR              Guo et al. 2017; Kull et al. 2019
+:class:`DirichletCalibration` ``softmax(W ln p + b)``, ``p = softmax(z)``, ODIR         Kull et al., NeurIPS 2019
+:class:`HistogramBinning`     one-vs-rest bin frequencies, renormalised                Zadrozny & Elkan, ICML 2001
+:class:`IsotonicCalibration`  one-vs-rest isotonic regression, renormalised            Zadrozny & Elkan, KDD 2002
+============================  =======================================================  ================================
+
+Conventions shared by all of them:
+
+* **Inputs.** ``logits (..., C)`` (any floating dtype, ``C >= 2``) and integer ``labels (...)`` in ``[0, C)`` on the
+  same device. Probabilities are passed as their logarithm (``softmax(ln p) = p``; ``ln 0 = -inf`` is a masked class).
+  Input policy of the metrics (:mod:`calibkernels.metrics._inputs`): a ``-inf`` logit is a **masked class** with
+  probability 0, and it stays masked: its calibrated probability is exactly 0. ``+inf`` or NaN logits and rows
+  whose every class is ``-inf`` raise ``ValueError``; non-tensors and wrong dtypes raise ``TypeError``.
+* **Arithmetic.** Fitting and transforming run in float64 on the logits' device (CPU or CUDA). ``transform``
+  returns float64 for float64 logits and float32 otherwise, with the shape of its input.
+* **Scaling methods** (temperature, vector, matrix, Dirichlet) minimise the mean negative log-likelihood on the
+  calibration split, plus the ODIR penalty where it applies, by L-BFGS (strong Wolfe line search) started at the
+  identity map. A label on a masked class makes the NLL infinite and raises ``ValueError``.
+* **Binning methods** (histogram, isotonic) fit one binary calibrator per class on ``(p_ik, 1[y_i = k])``,
+  ``p = softmax(z)``, and renormalise ``q_ik = g_k(p_ik) / Σ_j g_j(p_ij)``. A row whose scores are all 0 gets the
+  uniform distribution over its unmasked classes (as scikit-learn's ``CalibratedClassifierCV`` does). They may give
+  a true class probability 0 (then the NLL is infinite) and may change the arg-max.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from . import calibration as _calibration
+from .metrics._inputs import check_logits, check_n_bins, compute_dtype
+
+__all__ = [
+    "POSTHOC_METHODS",
+    "DirichletCalibration",
+    "HistogramBinning",
+    "IsotonicCalibration",
+    "MatrixScaling",
+    "PosthocCalibrator",
+    "TemperatureScaling",
+    "VectorScaling",
+]
+
+# ln(float64 eps) = -36.04: Dirichlet calibration's floor on log-probabilities (netcal and early versions of the
+# reference implementation clip probabilities to [eps, 1 - eps] before the log), also used for masked classes entering
+# a full weight matrix.
+LOG_EPS = math.log(torch.finfo(torch.float64).eps)
+BINNINGS = ("equal_width", "equal_mass")
+# A scaling fit that used all its L-BFGS iterations warns when an entry of its gradient is still above this.
+UNCONVERGED_GRADIENT = 1e-5
+
+
+# ---------------------------------------------------------------------------------------------------- input checks
+def _as_logits(logits, num_classes: int | None = None) -> torch.Tensor:
+    """``logits (..., C)`` checked and flattened to float64 ``(N, C)`` (detached, same device)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be floating point, got {logits.dtype}")
+    if logits.dim() < 2:
+        raise ValueError(f"logits must have shape (..., C) with the class dimension last, got {tuple(logits.shape)}")
+    classes = logits.shape[-1]
+    if num_classes is not None and classes != num_classes:
+        raise ValueError(f"the calibrator was fitted for {num_classes} classes but the logits have {classes}")
+    if classes < 2:
+        raise ValueError(f"calibration needs at least 2 classes, got {classes}")
+    z = logits.detach().reshape(-1, classes).to(torch.float64)
+    check_logits(z)  # -inf (masked) is fine; +inf, NaN and fully masked rows raise
+    return z
+
+
+def _as_fit_inputs(logits, labels) -> tuple[torch.Tensor, torch.Tensor]:
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of class indices, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
+    z = _as_logits(logits)
+    if tuple(labels.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits shape {tuple(logits.shape)}: "
+                         f"expected {tuple(logits.shape[:-1])}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels are on {labels.device} but logits are on {logits.device}")
+    if z.shape[0] == 0:
+        raise ValueError("cannot fit a calibrator on zero samples")
+    y = labels.detach().reshape(-1).long()
+    num_classes = z.shape[1]
+    if bool(((y < 0) | (y >= num_classes)).any()):
+        raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes")
+    return z, y
+
+
+def _check_number(name: str, value, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0 or (positive and value == 0):
+        raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'} and finite, got {value}")
+    return float(value)
+
+
+def _check_count(name: str, value, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+# ------------------------------------------------------------------------------------------------------ interface
+class PosthocCalibrator:
+    """Base class: ``fit(logits (..., C), labels (...)) -> self`` and ``transform(logits (..., C)) -> (..., C)``.
+
+    Subclasses implement ``_fit(z, y)`` and ``_transform(z)`` on checked float64 ``z (N, C)`` / int64 ``y (N,)``.
+    Fitted tensors live on the device of the fitting logits and follow the logits to ``transform``'s device.
+    """
+
+    num_classes: int | None = None
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> "PosthocCalibrator":
+        """Fit on held-out ``logits (..., C)`` and ``labels (...)``; returns ``self``."""
+        z, y = _as_fit_inputs(logits, labels)
+        self._fit(z, y)
+        self.num_classes = z.shape[1]
+        return self
+
+    def transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """Calibrated probabilities ``(..., C)`` of ``logits (..., C)``; every row sums to 1, masked classes are 0."""
+        z = self._checked(logits)
+        probabilities = self._transform(z) if z.shape[0] else z.new_zeros(z.shape)
+        return probabilities.to(compute_dtype(logits.dtype)).reshape(logits.shape)
+
+    __call__ = transform
+
+    def log_transform(self, logits: torch.Tensor) -> torch.Tensor:
+        """``ln`` of :meth:`transform`, computed without underflow where the method allows it.
+
+        The scaling methods return ``log_softmax`` of their calibrated logits, finite even where a probability
+        underflows to 0 (so an NLL computed from it is finite); the binning methods return ``ln q`` (``-inf`` where
+        ``q = 0``). Masked classes are ``-inf``. Same shape and dtype rules as :meth:`transform`; the result is a
+        valid logit tensor for :mod:`calibkernels.metrics` (``inputs_are="logits"``).
+        """
+        z = self._checked(logits)
+        out = self._log_transform(z) if z.shape[0] else z.new_zeros(z.shape)
+        return out.to(compute_dtype(logits.dtype)).reshape(logits.shape)
+
+    def _checked(self, logits) -> torch.Tensor:
+        if self.num_classes is None:
+            raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(val_logits, val_labels) first")
+        return _as_logits(logits, self.num_classes)
+
+    def _fit(self, z: torch.Tensor, y: torch.Tensor) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _transform(self, z: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _log_transform(self, z: torch.Tensor) -> torch.Tensor:
+        return self._transform(z).log()
+
+    def __repr__(self) -> str:
+        state = "fitted" if self.num_classes is not None else "not fitted"
+        return f"{type(self).__name__}({self._describe()}{', ' if self._describe() else ''}{state})"
+
+    def _describe(self) -> str:
+        return ""
+
+
+def _masked_labels_raise(masked: torch.Tensor, y: torch.Tensor) -> None:
+    label_masked = masked.gather(1, y[:, None]).squeeze(1)
+    if bool(label_masked.any()):
+        row = int(label_masked.nonzero()[0, 0])
+        raise ValueError(f"the label of row {row} is a masked class (logit -inf): its NLL is +inf for every "
+                         "calibration map, so the NLL fit has no minimum. Drop such rows")
+
+
+# -------------------------------------------------------------------------------------------- temperature scaling
+class TemperatureScaling(PosthocCalibrator):
+    """``q = softmax(z / T)`` with ``T > 0`` fitted by :func:`calibkernels.calibration.fit_temperature`.
+
+    The probability-returning counterpart of :class:`calibkernels.calibration.TemperatureScaler` (an ``nn.Module``
+    returning ``z / T``). ``objective="nll"`` (default here, as in Guo et al., ICML 2017) minimises the NLL by
+    L-BFGS on ``log T``; ``objective="ece"`` takes the grid point of lowest ECE (``n_bins`` bins).
+    """
+
+    def __init__(self, objective: str = "nll", n_bins: int = 15):
+        if objective not in _calibration.OBJECTIVES:
+            raise ValueError(f"objective must be one of {_calibration.OBJECTIVES}, got {objective!r}")
+        self.objective, self.n_bins = objective, check_n_bins(n_bins)
+        self.temperature: float | None = None
+
+    def _fit(self, z, y):
+        self.temperature = _calibration.fit_temperature(z, y, objective=self.objective, n_bins=self.n_bins)
+
+    def _transform(self, z):
+        return torch.softmax(z / self.temperature, dim=1)
+
+    def _log_transform(self, z):
+        return torch.log_softmax(z / self.temperature, dim=1)
+
+    def _describe(self):
+        return f"objective={self.objective!r}" + (f", T={self.temperature:.4g}" if self.temperature else "")
+
+
+# --------------------------------------------------------------------------------------------- linear (NLL) scaling
+def _fit_affine(x, y, masked, structure: str, bias: bool, reg_lambda: float, reg_mu: float, max_iter: int):
+    """Minimise ``mean_i -ln softmax(a(x_i))_{y_i} + λ/(C(C−1)) Σ_{i≠j} W_ij² + μ/C Σ_j b_j²`` over ``(W, b)``.
+
+    ``a(x) = W x + b`` with ``W`` a scalar times the identity (``structure="scalar"``), diagonal (``"diagonal"``) or
+    full (``"full"``); masked classes get ``a_k = -inf``. ``x (N, C)`` float64 with finite entries, ``y (N,)``.
+    L-BFGS (strong Wolfe) from the identity map ``W = I, b = 0``, in float64 on ``x``'s device, for at most
+    ``max_iter`` iterations (``2 max_iter`` evaluations): a ``RuntimeWarning`` says so when they run out with a
+    gradient entry above :data:`UNCONVERGED_GRADIENT` (e.g. unpenalised weights on separable data grow without
+    bound). Returns ``(W, b)`` with ``W`` of shape ``()``, ``(C,)`` or ``(C, C)`` and ``b (C,)`` (zeros without
+    ``bias``).
+    """
+    num_classes = x.shape[1]
+    options = dict(dtype=torch.float64, device=x.device)
+    shapes = {"scalar": (), "diagonal": (num_classes,), "full": (num_classes, num_classes)}
+    weight = (torch.eye(num_classes, **options) if structure == "full" else torch.ones(shapes[structure], **options))
+    weight.requires_grad_(True)
+    shift = torch.zeros(num_classes, **options, requires_grad=bias)
+    params = [weight, shift] if bias else [weight]
+    any_masked = bool(masked.any())
+    off_diagonal = ~torch.eye(num_classes, dtype=torch.bool, device=x.device) if structure == "full" else None
+    max_eval = 2 * max_iter
+    optimizer = torch.optim.LBFGS(params, lr=1.0, max_iter=max_iter, max_eval=max_eval, line_search_fn="strong_wolfe",
+                                  tolerance_grad=1e-10, tolerance_change=1e-15, history_size=50)
+
+    def closure():
+        optimizer.zero_grad()
+        out = _affine(x, weight, shift, structure)
+        loss = F.cross_entropy(out.masked_fill(masked, -math.inf) if any_masked else out, y)
+        if reg_lambda and structure == "full":
+            loss = loss + reg_lambda / (num_classes * (num_classes - 1)) * weight[off_diagonal].square().sum()
+        if reg_mu and bias:
+            loss = loss + reg_mu / num_classes * shift.square().sum()
+        loss.backward()
+        return loss
+
+    with torch.enable_grad():
+        optimizer.step(closure)
+        closure()  # the gradient at the parameters returned
+    if not all(bool(p.isfinite().all()) for p in params):
+        raise RuntimeError("the NLL fit of the calibration map diverged (non-finite parameters)")
+    gradient = max(float(p.grad.abs().max()) for p in params)
+    state = optimizer.state[weight]
+    out_of_budget = state.get("n_iter", 0) >= max_iter or state.get("func_evals", 0) >= max_eval
+    if out_of_budget and gradient > UNCONVERGED_GRADIENT:
+        warnings.warn(f"L-BFGS ran out of its max_iter={max_iter} iterations with a gradient of {gradient:.2g} "
+                      f"(largest entry), so the calibration map is not at its optimum: raise max_iter, or the ODIR "
+                      "penalties if the calibration split is (nearly) separable", RuntimeWarning, stacklevel=4)
+    return weight.detach(), shift.detach()
+
+
+def _affine(x, weight, shift, structure):
+    if structure == "full":
+        return torch.addmm(shift, x, weight.T)
+    return x * weight + shift
+
+
+class _AffineCalibrator(PosthocCalibrator):
+    """``q = softmax(W x + b)`` on features ``x(z)`` (see :func:`_fit_affine`); subclasses set the structure."""
+
+    structure = "full"
+
+    def __init__(self, reg_lambda: float, reg_mu: float, bias: bool = True, max_iter: int = 500):
+        if not isinstance(bias, bool):
+            raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
+        self.reg_lambda = _check_number("reg_lambda", reg_lambda)
+        self.reg_mu = _check_number("reg_mu", reg_mu)
+        self.bias, self.max_iter = bias, _check_count("max_iter", max_iter)
+        self.weight: torch.Tensor | None = None
+        self.shift: torch.Tensor | None = None
+
+    def _features(self, z: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return z.masked_fill(masked, 0.0)  # elementwise maps: a masked class's input never reaches another class
+
+    def _fit(self, z, y):
+        masked = z == -math.inf
+        _masked_labels_raise(masked, y)
+        self.weight, self.shift = _fit_affine(self._features(z, masked), y, masked, self.structure, self.bias,
+                                              self.reg_lambda, self.reg_mu, self.max_iter)
+
+    def _calibrated_logits(self, z):
+        masked = z == -math.inf
+        weight, shift = self.weight.to(z.device), self.shift.to(z.device)
+        return _affine(self._features(z, masked), weight, shift, self.structure).masked_fill(masked, -math.inf)
+
+    def _transform(self, z):
+        return torch.softmax(self._calibrated_logits(z), dim=1)
+
+    def _log_transform(self, z):
+        return torch.log_softmax(self._calibrated_logits(z), dim=1)
+
+    @property
+    def bias_vector(self) -> torch.Tensor | None:
+        """The fitted ``b (C,)`` (zeros when ``bias=False``)."""
+        return self.shift
+
+    def _describe(self):
+        return f"reg_lambda={self.reg_lambda:g}, reg_mu={self.reg_mu:g}, bias={self.bias}"
+
+
+class VectorScaling(_AffineCalibrator):
+    """Vector scaling (Guo et al., "On Calibration of Modern Neural Networks", ICML 2017):
+    ``q = softmax(w ⊙ z + b)`` with ``w, b ∈ R^C`` (``weight (C,)``, ``bias_vector (C,)``).
+
+    Fitted by minimising ``mean_i -ln q_{i,y_i} + μ/C Σ_j b_j²`` (``reg_mu``, default 0: the plain NLL of the paper;
+    ``bias=False`` fixes ``b = 0``). A masked class (``-inf`` logit) keeps probability 0.
+    """
+
+    structure = "diagonal"
+
+    def __init__(self, bias: bool = True, reg_mu: float = 0.0, max_iter: int = 500):
+        super().__init__(0.0, reg_mu, bias, max_iter)
+
+    def _describe(self):
+        return f"reg_mu={self.reg_mu:g}, bias={self.bias}"
+
+
+class MatrixScaling(_AffineCalibrator):
+    """Matrix scaling (Guo et al., ICML 2017) with off-diagonal and intercept regularisation (ODIR; Kull et al.,
+    "Beyond temperature scaling: Obtaining well-calibrated multiclass probabilities with Dirichlet calibration",
+    NeurIPS 2019): ``q = softmax(W z + b)``, ``W (C, C)``, ``b (C,)``, fitted by minimising
+
+        ``L(W, b) = (1/N) Σ_i -ln q_{i,y_i} + λ/(C(C−1)) Σ_{i≠j} W_ij² + μ/C Σ_j b_j²``
+
+    with ``λ = reg_lambda``, ``μ = reg_mu``. ``W`` and ``b`` are unconstrained (no reference class), so the penalty
+    also picks, among the ``(W + 1vᵀ, b + c1)`` that give the same probabilities, the one of least penalty.
+    ``λ = μ = 0`` is the unregularised matrix scaling of Guo et al. (it over-fits when ``C²`` approaches the size of
+    the calibration split); ``λ, μ → ∞`` leave vector scaling without bias. The defaults ``λ = μ = 10`` are a
+    conservative choice, not a tuned one (weaker penalties over-fit calibration splits of a few hundred samples):
+    Kull et al. choose ``λ`` and ``μ`` by cross-validation on the calibration split.
+
+    A masked class (``-inf`` logit) keeps probability 0 and enters ``W z`` as the logit ``max_k z_k + ln(eps)``
+    (``eps`` of float64: the logit of a probability of about 2.2e-16 next to the top class).
+    """
+
+    def __init__(self, reg_lambda: float = 10.0, reg_mu: float = 10.0, bias: bool = True, max_iter: int = 500):
+        super().__init__(reg_lambda, reg_mu, bias, max_iter)
+
+    def _features(self, z, masked):
+        if not bool(masked.any()):
+            return z
+        return torch.where(masked, z.amax(dim=1, keepdim=True) + LOG_EPS, z)
+
+
+class DirichletCalibration(_AffineCalibrator):
+    """Dirichlet calibration (Kull et al., "Beyond temperature scaling: Obtaining well-calibrated multiclass
+    probabilities with Dirichlet calibration", NeurIPS 2019): a linear layer on log-probabilities,
+
+        ``q = softmax(W ln p + b)``,  ``p = softmax(z)``,  ``ln p`` floored at ``ln(eps) = -36.04`` (float64 eps),
+
+    fitted with the ODIR penalty of :class:`MatrixScaling`:
+    ``(1/N) Σ_i -ln q_{i,y_i} + λ/(C(C−1)) Σ_{i≠j} W_ij² + μ/C Σ_j b_j²``. ``W = I, b = 0`` is the identity map.
+    The floor matches netcal and early versions of the reference implementation (``dirichletcal``), which clip ``p``
+    to ``[eps, 1 − eps]`` before the log (its current version clips at the smallest normal double instead, a floor of
+    ``-708``); it keeps the features of a confident network bounded. The reference code parameterises ``W`` relative
+    to its last row (a reference class) and, unless ``reg_norm=True``, omits the ``1/(C(C−1))`` and ``1/C``
+    factors; here ``W`` is unconstrained and the factors are those of the paper. Defaults as :class:`MatrixScaling`
+    (conservative, untuned). A masked class has ``p = 0``, so it enters as ``ln(eps)``, and keeps probability 0.
+    """
+
+    def __init__(self, reg_lambda: float = 10.0, reg_mu: float = 10.0, bias: bool = True, max_iter: int = 500):
+        super().__init__(reg_lambda, reg_mu, bias, max_iter)
+
+    def _features(self, z, masked):
+        return torch.log_softmax(z, dim=1).clamp(min=LOG_EPS)
+
+
+# ---------------------------------------------------------------------------------------------- binning methods
+def _one_vs_rest(z: torch.Tensor, y: torch.Tensor | None = None):
+    """``p.T (C, N)`` contiguous, ``p = softmax(z)`` in float64, and the one-vs-rest targets ``1[y_i = k]`` (C, N)."""
+    probabilities = torch.softmax(z, dim=1).T.contiguous()
+    if y is None:
+        return probabilities
+    targets = torch.zeros_like(probabilities)
+    targets[y, torch.arange(y.numel(), device=y.device)] = 1.0
+    return probabilities, targets
+
+
+def _renormalise(scores: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """``scores (N, C) / row sums``, masked classes 0; a row summing to 0 becomes uniform over its unmasked classes."""
+    scores = scores.masked_fill(masked, 0.0)
+    total = scores.sum(dim=1, keepdim=True)
+    allowed = (~masked).to(scores.dtype)
+    uniform = allowed / allowed.sum(dim=1, keepdim=True)
+    return torch.where(total > 0, scores / total.clamp(min=torch.finfo(scores.dtype).tiny), uniform)
+
+
+def _equal_mass_edges(sorted_values: torch.Tensor, n_bins: int) -> torch.Tensor:
+    """Quantiles ``j / n_bins``, ``j = 0…n_bins``, of each row of ``sorted_values (C, N)``, numpy's default linear
+    interpolation (``np.quantile``), with the first edge set to 0 and the last to 1. Returns ``(C, n_bins + 1)``."""
+    num_samples = sorted_values.shape[1]
+    position = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=sorted_values.device) * (num_samples - 1)
+    below = position.floor().long().clamp(max=num_samples - 1)
+    above = (below + 1).clamp(max=num_samples - 1)
+    fraction = (position - below).expand(sorted_values.shape[0], -1)
+    lower = sorted_values[:, below]
+    edges = torch.lerp(lower, sorted_values[:, above], fraction)
+    edges[:, 0], edges[:, -1] = 0.0, 1.0
+    return edges
+
+
+class HistogramBinning(PosthocCalibrator):
+    """Histogram binning (Zadrozny & Elkan, "Obtaining calibrated probability estimates from decision trees and
+    naive Bayesian classifiers", ICML 2001), one-vs-rest and renormalised.
+
+    For each class ``k``, the probabilities ``p_ik = softmax(z_i)_k`` of the calibration split are put in ``M`` bins
+    (``n_bins``) and bin ``B`` maps to the frequency of class ``k`` in it: ``g_k(B) = Σ_{i∈B} 1[y_i = k] / |B|``; an
+    empty bin maps to its midpoint. Then ``q_ik = g_k(p_ik) / Σ_j g_j(p_ij)`` (uniform over unmasked classes when
+    every ``g_j`` is 0).
+
+    ``binning="equal_width"`` (default; the bins of Guo et al. 2017 and netcal): edges ``0, 1/M, …, 1`` in float64.
+    ``binning="equal_mass"``: per class, the quantiles ``j/M`` of ``p_·k`` on the calibration split (linear
+    interpolation, as ``np.quantile``), first and last edges 0 and 1; ties may leave bins empty. Bins are ``(lo, hi]``
+    (as the metrics' bins), the first one closed: ``[0, hi]``. Fitted: ``edges (C, M + 1)``, ``bin_values (C, M)``.
+    Vectorised over samples and classes (one ``searchsorted`` and one ``index_add`` per call).
+    """
+
+    def __init__(self, n_bins: int = 15, binning: str = "equal_width"):
+        if not isinstance(binning, str) or binning not in BINNINGS:
+            raise ValueError(f"binning must be one of {BINNINGS}, got {binning!r}")
+        self.n_bins, self.binning = check_n_bins(n_bins), binning
+        self.edges: torch.Tensor | None = None
+        self.bin_values: torch.Tensor | None = None
+
+    def _bin_index(self, probabilities: torch.Tensor, edges: torch.Tensor) -> torch.Tensor:
+        """Bin ``b`` of each entry of ``probabilities (C, N)``: ``edges[b] < p <= edges[b + 1]``, 0 for ``p <= e_1``."""
+        return torch.searchsorted(edges[:, 1:-1].contiguous(), probabilities, right=False)
+
+    def _fit(self, z, y):
+        probabilities, targets = _one_vs_rest(z, y)
+        num_classes, n_bins = probabilities.shape[0], self.n_bins
+        if self.binning == "equal_width":
+            edges = torch.linspace(0, 1, n_bins + 1, dtype=torch.float64, device=z.device).expand(num_classes, -1)
+        else:
+            edges = _equal_mass_edges(probabilities.sort(dim=1).values, n_bins)
+        flat = (self._bin_index(probabilities, edges)
+                + n_bins * torch.arange(num_classes, device=z.device)[:, None]).reshape(-1)
+        counts = torch.zeros(num_classes * n_bins, dtype=torch.float64, device=z.device)
+        counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.float64))
+        hits = torch.zeros_like(counts).index_add_(0, flat, targets.reshape(-1))
+        midpoints = ((edges[:, :-1] + edges[:, 1:]) / 2).reshape(-1)
+        self.bin_values = torch.where(counts > 0, hits / counts.clamp(min=1), midpoints).view(num_classes, n_bins)
+        self.edges = edges.contiguous()
+
+    def _transform(self, z):
+        probabilities = _one_vs_rest(z)
+        edges, values = self.edges.to(z.device), self.bin_values.to(z.device)
+        scores = values.gather(1, self._bin_index(probabilities, edges)).T
+        return _renormalise(scores, z == -math.inf)
+
+    def _describe(self):
+        return f"n_bins={self.n_bins}, binning={self.binning!r}"
+
+
+def _pool_adjacent_violators(values: torch.Tensor, start: torch.Tensor) -> torch.Tensor:
+    """Isotonic (non-decreasing) least-squares fit of every row of ``values (C, N)``, given in increasing order of
+    the regressor, with initial blocks starting where ``start (C, N)`` is True (tied regressor values share a block).
+
+    Pool-adjacent-violators, vectorised over rows and blocks: each round recomputes every block mean with one
+    ``index_add`` and merges every run of adjacent blocks whose means do not increase. Merging such a run is a
+    sequence of ordinary PAV pooling steps (after pooling a violating pair the merged mean still violates with the
+    next block of the run), and pooling two adjacent blocks with equal means never changes the solution, so the
+    result is the unique isotonic fit. Each round with a violation removes at least one block, so there are at most
+    ``N`` rounds; on classifier outputs the count grows like ``log N`` (about 10 to 15 rounds for ``N = 10^4`` to
+    ``10^5``), while contrived orders (a long run of positives followed by many short blocks of slowly increasing
+    frequency) need hundreds. Returns the fitted value of every entry ``(C, N)``.
+    """
+    num_rows, num_samples = values.shape
+    offsets = num_samples * torch.arange(num_rows, device=values.device)[:, None]
+    flat_values = values.reshape(-1)
+    ones = torch.ones_like(flat_values)
+    for _ in range(num_samples):
+        block = (start.cumsum(dim=1) - 1 + offsets).reshape(-1)
+        sums = torch.zeros_like(flat_values).index_add_(0, block, flat_values)
+        counts = torch.zeros_like(flat_values).index_add_(0, block, ones)
+        fitted = (sums / counts.clamp(min=1))[block].view(num_rows, num_samples)
+        previous, current = fitted[:, :-1], fitted[:, 1:]
+        if not bool((start[:, 1:] & (previous > current)).any()):
+            return fitted
+        start = torch.cat([start[:, :1], start[:, 1:] & (previous < current)], dim=1)
+    raise RuntimeError("pool-adjacent-violators did not converge")  # unreachable: each round removes a block
+
+
+class IsotonicCalibration(PosthocCalibrator):
+    """Isotonic-regression calibration (Zadrozny & Elkan, "Transforming classifier scores into accurate multiclass
+    probability estimates", KDD 2002), one-vs-rest and renormalised.
+
+    For each class ``k``, ``g_k`` is the non-decreasing function minimising ``Σ_i (g_k(p_ik) − 1[y_i = k])²`` on the
+    calibration split (``p = softmax(z)`` in float64; tied ``p_ik`` pooled), computed by a vectorised
+    pool-adjacent-violators over all classes at once on the logits' device (:func:`_pool_adjacent_violators`; no
+    scikit-learn needed). Between the fitted points ``g_k`` is interpolated linearly and outside them it is clipped
+    to the end values, as scikit-learn's ``IsotonicRegression(out_of_bounds="clip")`` (which netcal uses) does.
+    Then ``q_ik = g_k(p_ik) / Σ_j g_j(p_ij)`` (uniform over unmasked classes when every ``g_j`` is 0).
+
+    Fitted: ``thresholds (C, N)`` (each class's sorted calibration probabilities) and ``fitted_values (C, N)``.
+    """
+
+    def __init__(self):
+        self.thresholds: torch.Tensor | None = None
+        self.fitted_values: torch.Tensor | None = None
+
+    def _fit(self, z, y):
+        probabilities, targets = _one_vs_rest(z, y)
+        thresholds, order = probabilities.sort(dim=1, stable=True)
+        start = torch.ones_like(thresholds, dtype=torch.bool)
+        start[:, 1:] = thresholds[:, 1:] != thresholds[:, :-1]
+        self.fitted_values = _pool_adjacent_violators(targets.gather(1, order), start)
+        self.thresholds = thresholds
+
+    def _transform(self, z):
+        probabilities = _one_vs_rest(z)
+        thresholds, fitted = self.thresholds.to(z.device), self.fitted_values.to(z.device)
+        last = thresholds.shape[1] - 1
+        above = torch.searchsorted(thresholds, probabilities, right=False)  # first threshold >= p
+        right = above.clamp(max=last)
+        left = (above - 1).clamp(min=0)
+        x_left, x_right = thresholds.gather(1, left), thresholds.gather(1, right)
+        width = x_right - x_left
+        fraction = torch.where(width > 0, (probabilities - x_left) / width.clamp(min=torch.finfo(z.dtype).tiny), 1.0)
+        scores = torch.lerp(fitted.gather(1, left), fitted.gather(1, right), fraction.clamp(0.0, 1.0))
+        return _renormalise(scores.T, z == -math.inf)
+
+
+POSTHOC_METHODS = {
+    "temperature": TemperatureScaling,
+    "vector": VectorScaling,
+    "matrix": MatrixScaling,
+    "dirichlet": DirichletCalibration,
+    "histogram": HistogramBinning,
+    "isotonic": IsotonicCalibration,
+}
+"""Name -> calibrator class; every class builds with no arguments (its defaults)."""
