@@ -286,25 +286,18 @@ def test_device_slugs_name_the_model_without_vendor_words():
     assert harness.device_slug({"device": "cpu", "cpu": "AMD EPYC 7763 64-Core Processor"}) == "epyc-7763"
 
 
-def test_result_files_in_the_repository_name_their_device_and_have_their_rows_in_the_history():
-    """Every result JSON of bench/results with a machine description is named ``...-<device>-<date>[-tag]``, and
-    history.jsonl holds its run (its start time); every history row has every field, in order."""
+def test_the_repositorys_history_rows_are_well_formed_and_hold_every_run_of_the_bench_writer():
+    """Every history.jsonl row has every field, in order; every result JSON that the writer made (``meta.suite``) is
+    named ``<suite>-<device>-<date>`` and its run (suite and start time) is in the history."""
     results = ROOT / "bench" / "results"
     history = [json.loads(line) for line in (results / "history.jsonl").read_text().splitlines()]
-    assert all(tuple(row) == harness.HISTORY_FIELDS for row in history)
-    dates = {row["date"] for row in history}
-    checked = 0
+    assert history and all(tuple(row) == harness.HISTORY_FIELDS for row in history)
+    runs = {(row["suite"], row["date"]) for row in history}
     for path in sorted(results.glob("*.json")):
         meta = json.loads(path.read_text()).get("meta")
-        if not isinstance(meta, dict) or not meta.get("date") or not (meta.get("cpu") or meta.get("gpu")):
-            continue
-        stem = path.stem
-        assert f"-{harness.device_slug(meta)}-{meta['date'][:10]}" in stem, (stem, harness.device_slug(meta))
-        if meta.get("suite"):
-            assert stem.startswith(f"{meta['suite']}-{harness.device_slug(meta)}-"), stem
-        assert meta["date"] in dates, f"{path.name}: its run is not in history.jsonl"
-        checked += 1
-    assert checked
+        if isinstance(meta, dict) and meta.get("suite") and (meta.get("cpu") or meta.get("gpu")):
+            assert path.stem == harness.result_stem(meta["suite"], meta), path.name
+            assert (meta["suite"], meta["date"]) in runs, f"{path.name}: its run is not in history.jsonl"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
