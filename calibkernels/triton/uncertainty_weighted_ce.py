@@ -87,7 +87,8 @@ __all__ = [
 MAX_BLOCK = 32768
 MAX_BLOCK_16BIT = 4096
 # * fp32 two-read chunks: 16384 classes by 16 warps (faster than 4096 by 8 at C = 128256).
-TWO_READ_CHUNK = {2: (4096, 4), 4: (16384, 16)}  # element size -> (chunk, num_warps)
+# * 16-bit two-read chunks: 2048 classes by 4 warps (half of MAX_BLOCK_16BIT; the H200 sweep measured this shape).
+TWO_READ_CHUNK = {2: (2048, 4), 4: (16384, 16)}  # element size -> (chunk, num_warps)
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
