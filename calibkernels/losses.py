@@ -43,16 +43,25 @@ class UncertaintyWeightedCE(nn.Module):
     the target's shape) and ``mix_lambda`` (a number or one per row) give ``t = λ e_target + (1 - λ) e_mix_target``
     (mixup / cutmix). ``label_smoothing`` (α) smooths every target: ``t <- (1 - α) t + α / C``. Soft targets run on
     the reference for now (docs/losses.md, "Soft targets"); dual focal refuses them.
+
+    ``gra_detach="p_j"`` (``weight="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
+    ``DualFocalLossGra``, ``(1 - p_y + sg[p_j])^γ · CE``; the fused kernels implement the default ``"weight"``
+    (``sg[u] · CE``) only, so this form runs the reference (``backend`` must be ``"auto"`` or ``"reference"``).
     """
 
     def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", inplace=False, label_smoothing=0.0):
+                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight"):
         super().__init__()
         V.check_weight(weight)
         V.check_mode(mode)
         _check_gamma_and_norm(gamma, norm)
         V.check_reduction(reduction)
         V.check_backend(backend)
+        _reference.check_gra_detach(gra_detach, weight=weight, mode=mode)
+        if gra_detach == "p_j" and backend not in ("auto", "reference"):
+            raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) has no fused kernel: use "
+                             f"backend='auto' or 'reference', not {backend!r}")
+        self.gra_detach = gra_detach
         label_smoothing = V.check_label_smoothing(label_smoothing)
         if weight == "dual_focal" and label_smoothing != 0.0:
             raise ValueError(f"weight='dual_focal' with label_smoothing={label_smoothing}: "
@@ -62,6 +71,12 @@ class UncertaintyWeightedCE(nn.Module):
         self.label_smoothing = label_smoothing
 
     def forward(self, logits, target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None):
+        if self.gra_detach != "weight":
+            return _reference.uncertainty_weighted_ce(
+                logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
+                norm=self.norm, sample_weight=sample_weight, reduction=self.reduction,
+                ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, mix_target=mix_target,
+                mix_lambda=mix_lambda, gra_detach=self.gra_detach)
         return F_ck.uncertainty_weighted_ce(
             logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
@@ -77,6 +92,8 @@ class UncertaintyWeightedCE(nn.Module):
             parts.append(f"gamma={self.gamma}")
         if self.weight == "brier":
             parts.append(f"norm={self.norm}")
+        if self.gra_detach != "weight":
+            parts.append(f"gra_detach={self.gra_detach!r}")
         if self.label_smoothing:
             parts.append(f"label_smoothing={self.label_smoothing}")
         parts.append(f"reduction={self.reduction!r}")
@@ -151,11 +168,14 @@ class LabelSmoothingCE(nn.Module):
 class MMCELoss(nn.Module):
     """CE + λ·MMCE (Kumar et al. 2018), λ = ``lam`` = 2, Laplacian kernel of bandwidth 0.4 on max-probability
     confidence (:func:`calibkernels.reference.mmce_loss`). ``lam`` must be finite and ≥ 0, ``bandwidth`` finite
-    and > 0."""
+    and > 0. ``form="kumar"`` (default: Kumar et al.'s definitions, with the square root) or ``"papers_code"`` (the
+    focal-loss / BSCE-GRA code's ``MMCE`` without the square root and ``MMCE_weighted`` normalised by about
+    n₁⁴, n₀⁴, (n₁n₀)²; λ = 2 was tuned on it, use it to reproduce published numbers)."""
 
     def __init__(self, lam=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100,
-                 backend="auto"):
+                 backend="auto", form="kumar"):
         super().__init__()
+        self.form = _reference.check_mmce_form(form)
         self.backend = _check_reference_only_backend("mmce", backend)
         V.check_reduction(reduction)
         if reduction == "none":
@@ -167,10 +187,11 @@ class MMCELoss(nn.Module):
     def forward(self, logits, target):
         return _reference.mmce_loss(logits, target, lam=self.lam, weighted=self.weighted,
                                     bandwidth=self.bandwidth, reduction=self.reduction,
-                                    ignore_index=self.ignore_index)
+                                    ignore_index=self.ignore_index, form=self.form)
 
     def extra_repr(self):
-        return (f"lam={self.lam}, weighted={self.weighted}, bandwidth={self.bandwidth}, "
+        form = f", form={self.form!r}" if self.form != "kumar" else ""
+        return (f"lam={self.lam}, weighted={self.weighted}, bandwidth={self.bandwidth}{form}, "
                 f"reduction={self.reduction!r}")
 
 
@@ -195,10 +216,10 @@ _COMMON = ("reduction", "ignore_index", "backend")  # every loss
 _FUSED = _COMMON + ("inplace", "label_smoothing")  # losses with a fused kernel (UncertaintyWeightedCE)
 
 
-def _uwce(weight, mode, **defaults):
+def _uwce(weight, mode, extra=(), **defaults):
     def make(**hp):
         return UncertaintyWeightedCE(weight=weight, mode=mode, **hp)
-    return _Factory(make, tuple(defaults) + _FUSED, **defaults)
+    return _Factory(make, tuple(defaults) + tuple(extra) + _FUSED, **defaults)
 
 
 def _soft_target(weight, mode, **defaults):
@@ -208,7 +229,7 @@ def _soft_target(weight, mode, **defaults):
 
 
 def _mmce(weighted):
-    return _Factory(lambda **hp: MMCELoss(weighted=weighted, **hp), ("lam", "bandwidth") + _COMMON)
+    return _Factory(lambda **hp: MMCELoss(weighted=weighted, **hp), ("lam", "bandwidth", "form") + _COMMON)
 
 
 # name -> factory(**hyperparameters), accepting exactly the hyper-parameters its loss uses; defaults as in
@@ -220,7 +241,7 @@ REGISTRY = {
     "flsd": _uwce("flsd", "loss", gamma=3.0),
     "flsd_gra": _uwce("flsd", "grad", gamma=3.0),
     "dual_focal_loss": _uwce("dual_focal", "loss", gamma=5.0),
-    "dual_focal_loss_gra": _uwce("dual_focal", "grad", gamma=5.0),
+    "dual_focal_loss_gra": _uwce("dual_focal", "grad", extra=("gra_detach",), gamma=5.0),
     "bsce": _uwce("brier", "loss", gamma=4.0, norm=2.0),
     "bsce_gra": _uwce("brier", "grad", gamma=4.0, norm=2.0),
     "brier_loss": _Factory(BrierLoss, _COMMON),

@@ -20,7 +20,8 @@ weight          u(p, y)                                           source
 ==============  ===============================================  ==========================================
 
 ``mode="loss"`` differentiates through ``u`` (classic focal/dual-focal/BSCE); ``mode="grad"`` uses ``sg[u]``, so the
-gradient is exactly ``u_i (p_i - e_{y_i})`` (the GRA losses).
+gradient is exactly ``u_i (p_i - e_{y_i})`` (the GRA losses). Dual focal in grad mode also has the official BSCE-GRA
+code's form, ``gra_detach="p_j"``: ``(1 - p_y + sg[p_j])^γ · CE`` (only ``p_j`` detached; reference only).
 
 Numerics (shared by every weight):
 
@@ -64,6 +65,10 @@ __all__ = [
     "mmce",
     "mmce_loss",
     "check_mmce_hyperparameters",
+    "GRA_DETACH",
+    "check_gra_detach",
+    "MMCE_FORMS",
+    "check_mmce_form",
 ]
 
 # FLSD-53's thresholds (calibkernels._codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the band's
@@ -161,8 +166,11 @@ def _power_of_log(log_x, exponent):
     return torch.where(normal, by_pow, torch.where(positive, by_exp, at_zero))
 
 
-def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None):
+def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, detach_p_j=False):
     """Differentiable per-row weight ``u_i (N,)`` for logits ``z (N, C)`` (compute dtype) and targets ``(N,)``.
+
+    ``detach_p_j`` (dual focal only): ``(1 - p_y + sg[p_j])^γ``, the weight of the official BSCE-GRA code's
+    ``DualFocalLossGra``; the gradient still flows through ``p_y``.
 
     Formulas: the module docstring and ``docs/losses.md`` ("The weights"). ``1 - p_y = Σ_{k≠y} p_k`` is taken in the
     log domain, and every power through :func:`_power_of_log`, so the weight and its gradient stay exact and finite on
@@ -194,6 +202,8 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None):
         z_target = z.gather(1, target[:, None])
         z_below_max = torch.where(z < z_target, z, neg_inf).amax(dim=1)
         log_p_j = z_below_max - torch.logsumexp(z, dim=1)
+        if detach_p_j:
+            log_p_j = log_p_j.detach()
         log_base = _logsumexp_or_neg_inf(torch.stack([log_one_minus_p_target, log_p_j], dim=1), dim=1)
         return _power_of_log(log_base, gamma)
     if weight == "brier":
@@ -218,6 +228,7 @@ def uncertainty_weighted_ce(
     label_smoothing=0.0,
     mix_target=None,
     mix_lambda=None,
+    gra_detach="weight",
 ):
     """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i`` (``mode="loss"``) or ``sg[u_i] · CE_i`` (``"grad"``).
 
@@ -236,6 +247,11 @@ def uncertainty_weighted_ce(
         norm: q > 0 of the generalised Brier score (``weight="brier"``).
         sample_weight: ``(...)`` per-sample weight for ``weight="external"``, used as ``sg[w]``.
         reduction: ``"mean"`` (over non-ignored rows; 0 if none), ``"sum"`` or ``"none"`` (ignored rows → 0).
+        gra_detach: what grad mode detaches. ``"weight"`` (default; the BSCE-GRA paper's definition of GRA,
+            every weight): ``sg[u] · CE``. ``"p_j"`` (``weight="dual_focal"``, ``mode="grad"`` only; the official
+            BSCE-GRA code's ``DualFocalLossGra``, which produced the paper's DFL-GRA numbers):
+            ``(1 - p_y + sg[p_j])^γ · CE``, so the gradient is ``u (p - e_y) + CE · ∂u/∂z`` with ``∂u/∂z_k =
+            -γ (1 - p_y + p_j)^{γ-1} p_y (δ_ky - p_k)``. The fused kernels implement ``"weight"`` only.
         backend: accepted for signature parity with :func:`calibkernels.uncertainty_weighted_ce`; must be
             ``"reference"`` or ``"auto"``.
 
@@ -250,11 +266,28 @@ def uncertainty_weighted_ce(
         reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, mix_target=mix_target,
         mix_lambda=mix_lambda,
     )
-    return _uncertainty_weighted_ce(inputs)
+    detach_p_j = check_gra_detach(gra_detach, weight=inputs.weight, mode=inputs.mode) == "p_j"
+    return _uncertainty_weighted_ce(inputs, detach_p_j=detach_p_j)
 
 
-def _uncertainty_weighted_ce(inputs: V.LossInputs):
-    """The reference on already-validated inputs (what the ``"reference"`` backend runs)."""
+GRA_DETACH = ("weight", "p_j")
+
+
+def check_gra_detach(gra_detach, *, weight, mode):
+    """``gra_detach`` is ``"weight"`` (any loss) or ``"p_j"`` (dual focal in grad mode only); returns it."""
+    if not isinstance(gra_detach, str):
+        raise TypeError(f"gra_detach must be one of {GRA_DETACH}, got {type(gra_detach).__name__}")
+    if gra_detach not in GRA_DETACH:
+        raise ValueError(f"gra_detach must be one of {GRA_DETACH}, got {gra_detach!r}")
+    if gra_detach == "p_j" and (weight != "dual_focal" or mode != "grad"):
+        raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) needs weight='dual_focal' and "
+                         f"mode='grad', got weight={weight!r}, mode={mode!r}")
+    return gra_detach
+
+
+def _uncertainty_weighted_ce(inputs: V.LossInputs, detach_p_j=False):
+    """The reference on already-validated inputs (what the ``"reference"`` backend runs); ``detach_p_j``: dual
+    focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole)."""
     if inputs.soft:
         if inputs.weight == "dual_focal":
             inputs = _one_hot_for_dual_focal(inputs)
@@ -263,17 +296,19 @@ def _uncertainty_weighted_ce(inputs: V.LossInputs):
     valid, z, safe_target = _masked_rows(inputs.logits, inputs.target, inputs.ignore_index)
     cross_entropy = torch.logsumexp(z, dim=-1) - z.gather(1, safe_target[:, None]).squeeze(1)
     return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: uncertainty_weight(
-        z, safe_target, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight))
+        z, safe_target, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight,
+        detach_p_j=detach_p_j), detach_weight=not detach_p_j)
 
 
-def _weighted_reduced(inputs: V.LossInputs, valid, cross_entropy, weight_of):
-    """``reduce(u · CE)`` with ``u = weight_of(sample_weight with ignored rows zeroed)``, detached in grad mode."""
+def _weighted_reduced(inputs: V.LossInputs, valid, cross_entropy, weight_of, detach_weight=True):
+    """``reduce(u · CE)`` with ``u = weight_of(sample_weight with ignored rows zeroed)``, detached in grad mode
+    (unless ``detach_weight=False``: the weight then detaches what it must itself)."""
     sample_weight = inputs.sample_weight
     if sample_weight is not None:
         sample_weight = torch.where(valid, sample_weight, torch.zeros((), dtype=sample_weight.dtype,
                                                                        device=sample_weight.device))
     u = weight_of(sample_weight)
-    if inputs.mode == "grad":
+    if inputs.mode == "grad" and detach_weight:
         u = u.detach()
     return _reduce(u * cross_entropy, valid, inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
 
@@ -451,21 +486,47 @@ def check_mmce_hyperparameters(*, lam=None, bandwidth=None):
         _check_number("MMCE kernel bandwidth", bandwidth, positive=True)
 
 
-def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100):
+MMCE_FORMS = ("kumar", "papers_code")
+
+
+def check_mmce_form(form):
+    """MMCE's ``form``: ``"kumar"`` or ``"papers_code"`` (``TypeError`` / ``ValueError`` otherwise); returns it."""
+    if not isinstance(form, str):
+        raise TypeError(f"MMCE form must be one of {MMCE_FORMS}, got {type(form).__name__}")
+    if form not in MMCE_FORMS:
+        raise ValueError(f"MMCE form must be one of {MMCE_FORMS}, got {form!r}")
+    return form
+
+
+def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100, form="kumar"):
     """Maximum mean calibration error of a batch (Kumar, Sarawagi, Jain, ICML 2018), differentiable.
 
-    With confidence ``r_i = max_k p_ik``, correctness ``c_i = 1[argmax p_i = y_i]`` and the Laplacian kernel
-    ``k(r, r') = exp(-|r - r'| / bandwidth)``:
+    With confidence ``r_i = max_k p_ik``, correctness ``c_i = 1[argmax p_i = y_i]`` (a constant), the Laplacian
+    kernel ``k(r, r') = exp(-|r - r'| / bandwidth)``, over the ``m`` non-ignored rows of which ``n₁`` are correct and
+    ``n₀`` wrong, with ``a_i = (1 - r_i)`` on correct rows and ``b_i = r_i`` on wrong rows:
 
-    * unweighted: ``MMCE = sqrt(Σ_ij (c_i - r_i)(c_j - r_j) k(r_i, r_j)) / m``;
-    * weighted (Kumar et al. Eq. 5, the form the focal-loss paper's ``mmce_weighted`` uses): the correct and
-      incorrect samples are compared as two distributions, ``MMCE_w² = Σ_{c=c'=1}(1-r)(1-r')k / n₁²
-      + Σ_{c=c'=0} r r' k / n₀² - 2 Σ_{c=1,c'=0}(1-r) r' k / (n₁ n₀)``; it is 0 when either group is empty.
+    ``form="kumar"`` (default; Kumar et al.'s definitions):
 
-    A ``1e-10`` inside the square root keeps its gradient finite at 0. Ignored rows take no part. ``logits (..., C)``,
-    ``target (...)``; returns a 0-dim tensor. Formulas and conventions: ``docs/losses.md`` ("MMCE").
+    * unweighted (Eq. 1): ``MMCE = sqrt(Σ_ij (c_i - r_i)(c_j - r_j) k(r_i, r_j)) / m``;
+    * weighted (Eq. 5): the correct and wrong rows compared as two distributions,
+      ``MMCE_w = sqrt(Σ a a' k / n₁² + Σ b b' k / n₀² - 2 Σ a b' k / (n₁ n₀))``.
+
+    ``form="papers_code"`` (the focal-loss paper's code, classes ``MMCE`` and ``MMCE_weighted``, which the
+    BSCE-GRA code copies; λ = 2 was tuned on it and the published MMCE numbers come from it):
+
+    * unweighted (``MMCE``): ``Σ_ij (c_i - r_i)(c_j - r_j) k(r_i, r_j) / m²``, **no** square root;
+    * weighted (``MMCE_weighted``): each pair sum is first averaged (``torch.mean`` over the pair matrix) and then
+      divided again, by ``m² + 1e-5``, ``n² + 1e-5`` and ``mn + 1e-5`` with the code's ``m = n₁``, ``n = n₀``:
+      ``sqrt(Σ a a' k / (n₁² (n₁² + 1e-5)) + Σ b b' k / (n₀² (n₀² + 1e-5)) - 2 Σ a b' k / (n₁n₀ (n₁n₀ + 1e-5)))``,
+      i.e. about ``n₁⁴``, ``n₀⁴`` and ``(n₁n₀)²`` where Kumar's form has ``n₁²``, ``n₀²``, ``n₁n₀``.
+
+    Both weighted forms are 0 when either group is empty (as the code's ``cond_k · cond_k_p``), and their radicand is
+    clamped at 0 (a negative rounding residue would make the code's ``sqrt`` NaN). A ``1e-10`` inside every square root
+    keeps its gradient finite at 0 (as in the code). Ignored rows take no part. ``logits (..., C)``, ``target (...)``;
+    returns a 0-dim tensor. Formulas and conventions: ``docs/losses.md`` ("MMCE").
     """
     check_mmce_hyperparameters(bandwidth=bandwidth)
+    check_mmce_form(form)
     logits2d, target1d, _ = V.check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     p = torch.softmax(z, dim=-1)
@@ -476,23 +537,33 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100):
     if not weighted:
         residual = (correct - confidence) * mask
         m = mask.sum().clamp_min(1)
-        return torch.sqrt((residual[:, None] * residual[None, :] * kernel).sum() / (m * m) + 1e-10)
+        quadratic = (residual[:, None] * residual[None, :] * kernel).sum() / (m * m)
+        if form == "papers_code":
+            return quadratic
+        return torch.sqrt(quadratic + 1e-10)
     is_correct = correct * mask
     is_wrong = (1.0 - correct) * mask
     n_correct, n_wrong = is_correct.sum(), is_wrong.sum()
     a = (1.0 - confidence) * is_correct  # under-confidence of correct samples
     b = confidence * is_wrong  # over-confidence of wrong samples
+    n1, n0, n10 = n_correct.clamp_min(1) ** 2, n_wrong.clamp_min(1) ** 2, (n_correct * n_wrong).clamp_min(1)
+    if form == "papers_code":
+        n1, n0, n10 = n1 * (n1 + 1e-5), n0 * (n0 + 1e-5), n10 * (n10 + 1e-5)
     squared = (
-        (a[:, None] * a[None, :] * kernel).sum() / n_correct.clamp_min(1) ** 2
-        + (b[:, None] * b[None, :] * kernel).sum() / n_wrong.clamp_min(1) ** 2
-        - 2.0 * (a[:, None] * b[None, :] * kernel).sum() / (n_correct * n_wrong).clamp_min(1)
+        (a[:, None] * a[None, :] * kernel).sum() / n1
+        + (b[:, None] * b[None, :] * kernel).sum() / n0
+        - 2.0 * (a[:, None] * b[None, :] * kernel).sum() / n10
     )
     both_groups = ((n_correct > 0) & (n_wrong > 0)).to(p.dtype)
     return both_groups * torch.sqrt(squared.clamp_min(0) + 1e-10)
 
 
-def mmce_loss(logits, target, *, lam=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100):
+def mmce_loss(logits, target, *, lam=2.0, weighted=False, bandwidth=0.4, reduction="mean", ignore_index=-100,
+              form="kumar"):
     """Cross-entropy + λ·MMCE (Kumar et al. 2018; λ = ``lam`` = 2 as in Mukhoti et al.'s runs), see :func:`mmce`.
+
+    ``form``: ``"kumar"`` (default) or ``"papers_code"``, the MMCE of the focal-loss / BSCE-GRA code on which λ = 2
+    was tuned (see :func:`mmce`).
 
     MMCE is a batch-level term, so ``reduction="none"`` is not defined. ``"mean"``: mean CE + λ·MMCE;
     ``"sum"``: sum CE + λ·n·MMCE (n non-ignored rows), i.e. n times the mean form, so the paper recipes'
@@ -501,10 +572,11 @@ def mmce_loss(logits, target, *, lam=2.0, weighted=False, bandwidth=0.4, reducti
     """
     V.check_reduction(reduction)
     check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
+    check_mmce_form(form)
     if reduction == "none":
         raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
     ce = uncertainty_weighted_ce(logits, target, weight="none", reduction=reduction, ignore_index=ignore_index)
-    penalty = mmce(logits, target, weighted=weighted, bandwidth=bandwidth, ignore_index=ignore_index)
+    penalty = mmce(logits, target, weighted=weighted, bandwidth=bandwidth, ignore_index=ignore_index, form=form)
     if reduction == "sum":
         penalty = penalty * (target.reshape(-1) != ignore_index).sum()
     return ce + (lam * penalty).to(ce.dtype)
