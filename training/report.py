@@ -14,6 +14,7 @@ histogram binning, isotonic regression), each fitted with its defaults on the sa
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ import calibkernels as ck
 from . import distributed as dist_utils
 
 __all__ = ["collect_logits", "calibration_metrics", "calibration_report", "format_report", "save_report",
-           "format_comparison", "save_comparison", "METRICS", "POSTHOC", "posthoc_metrics"]
+           "format_comparison", "save_comparison", "aggregate_reports", "METRICS", "POSTHOC", "posthoc_metrics"]
 
 # metric key -> (label, shown as a percentage)
 METRICS = {
@@ -154,6 +155,56 @@ def save_report(report: dict, test_logits, test_labels, output_dir, title: str =
     return report
 
 
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1 in the denominator; 0 for a single value)."""
+    values = [float(v) for v in values]
+    return statistics.fmean(values), (statistics.stdev(values) if len(values) > 1 else 0.0)
+
+
+def aggregate_reports(reports: list[dict]) -> dict:
+    """One report of several seeds' reports of the same loss: ``temperature``, ``pre_T`` and ``post_T`` hold the
+    means over seeds (so the result reads like a single report), ``temperature_std``, ``pre_T_std`` and
+    ``post_T_std`` the sample standard deviations, ``seeds`` the seeds and ``runs`` each seed's temperature and
+    metrics."""
+    if not reports:
+        raise ValueError("aggregate_reports needs at least one report")
+    mean_t, std_t = _mean_std([r["temperature"] for r in reports])
+    result = {"temperature": mean_t, "temperature_std": std_t, "n_seeds": len(reports),
+              "seeds": [r.get("seed") for r in reports]}
+    for key in ("n_val", "n_test", "n_bins"):
+        result[key] = reports[0][key]
+    for tag in ("pre_T", "post_T"):
+        means, stds = {}, {}
+        for metric in reports[0][tag]:
+            means[metric], stds[metric] = _mean_std([r[tag][metric] for r in reports])
+        result[tag], result[f"{tag}_std"] = means, stds
+    for key in ("recipe", "loss", "method", "arch", "epochs"):
+        if key in reports[0]:
+            result[key] = reports[0][key]
+    result["runs"] = [{"seed": r.get("seed"), "temperature": r["temperature"], "pre_T": r["pre_T"],
+                       "post_T": r["post_T"]} for r in reports]
+    return result
+
+
+def _cell_pm(key: str, report: dict, tag: str) -> str:
+    """``mean ± std`` of a metric of an aggregated report (just the value for a single report)."""
+    text = _cell(key, report[tag][key])
+    std = report.get(f"{tag}_std")
+    return text if std is None else f"{text} ± {_cell(key, std[key])}"
+
+
+def format_aggregate(report: dict, title: str = "") -> str:
+    """A plain-text pre-T / post-T table of :func:`aggregate_reports` (mean ± sample std over seeds)."""
+    lines = [title] if title else []
+    lines.append(f"test split: {report['n_test']} samples, {report['n_seeds']} seeds {report['seeds']} (each its own "
+                 f"seeded split and initialisation); T = {report['temperature']:.2f} ± {report['temperature_std']:.2f} "
+                 f"(fitted for ECE on each {report['n_val']}-sample validation split); mean ± sample std over seeds")
+    lines.append(f"{'metric':16s} {'pre-T':>18s} {'post-T':>18s}")
+    for key, (label, _) in METRICS.items():
+        lines.append(f"{label:16s} {_cell_pm(key, report, 'pre_T'):>18s} {_cell_pm(key, report, 'post_T'):>18s}")
+    return "\n".join(lines)
+
+
 def _reliability_curve(logits: torch.Tensor, labels: torch.Tensor, n_bins: int):
     """Mean confidence and accuracy of the non-empty equal-width bins (for overlay plots)."""
     bins = ck.metrics.reliability_bins(logits, labels, n_bins=n_bins)
@@ -162,21 +213,34 @@ def _reliability_curve(logits: torch.Tensor, labels: torch.Tensor, n_bins: int):
 
 
 def format_comparison(reports: dict[str, dict]) -> str:
-    """Side-by-side table: one row per loss, pre-T / post-T columns for the key metrics."""
+    """Side-by-side table: one row per loss, pre-T / post-T columns for the key metrics; for aggregated reports
+    (:func:`aggregate_reports`) every cell is ``mean ± std`` over the seeds."""
     keys = ("accuracy", "ece", "adaece", "classwise_ece", "mce", "nll", "brier")
-    header = f"{'loss':22s} {'T':>5s} " + " ".join(f"{METRICS[k][0]:>22s}" for k in keys)
-    sub = f"{'':22s} {'':>5s} " + " ".join(f"{'pre-T / post-T':>22s}" for _ in keys)
+    aggregated = any("pre_T_std" in rep for rep in reports.values())
+    width, t_width = (36, 11) if aggregated else (22, 5)
+    header = f"{'loss':22s} {'T':>{t_width}s} " + " ".join(f"{METRICS[k][0]:>{width}s}" for k in keys)
+    sub = f"{'':22s} {'':>{t_width}s} " + " ".join(f"{'pre-T / post-T':>{width}s}" for _ in keys)
     lines = [header, sub, "-" * len(header)]
     for loss, rep in reports.items():
-        cells = " ".join(f"{_cell(k, rep['pre_T'][k]) + ' / ' + _cell(k, rep['post_T'][k]):>22s}" for k in keys)
-        lines.append(f"{loss:22s} {rep['temperature']:5.2f} {cells}")
+        cells = " ".join(f"{_cell_pm(k, rep, 'pre_T') + ' / ' + _cell_pm(k, rep, 'post_T'):>{width}s}" for k in keys)
+        temperature = f"{rep['temperature']:.2f}"
+        if "temperature_std" in rep:
+            temperature += f" ± {rep['temperature_std']:.2f}"
+        lines.append(f"{loss:22s} {temperature:>{t_width}s} {cells}")
+    if aggregated:
+        seeds = next(iter(reports.values()))["seeds"]
+        lines.append(f"mean ± sample std over {len(seeds)} seeds {seeds}; ECE-type metrics and accuracy in %")
     return "\n".join(lines)
 
 
 def save_comparison(reports: dict[str, dict], test_outputs: dict[str, tuple], output_dir, n_bins: int = 15,
                     title: str = "") -> dict:
     """Write ``comparison.json``, ``comparison.md`` and ``comparison_reliability.png`` (one panel pre-T, one post-T,
-    each overlaying every loss's reliability curve on the diagonal of perfect calibration)."""
+    each overlaying every loss's reliability curve on the diagonal of perfect calibration).
+
+    ``test_outputs[loss]`` is ``(logits, labels)``, or for an aggregated report a list of them, one per seed in the
+    order of ``reports[loss]["runs"]``: the curve then pools every seed's test predictions, each divided by its own
+    seed's T in the post-T panel, and the legend gives the mean ECE over seeds."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -187,13 +251,23 @@ def save_comparison(reports: dict[str, dict], test_outputs: dict[str, tuple], ou
     figure, axes = plt.subplots(1, 2, figsize=(11, 5), sharey=True)
     for ax, tag in zip(axes, ("pre_T", "post_T")):
         ax.plot([0, 1], [0, 1], "k--", linewidth=1, label="perfect calibration")
-        for loss, (logits, labels) in test_outputs.items():
-            temperature = reports[loss]["temperature"] if tag == "post_T" else 1.0
-            conf, acc = _reliability_curve(logits / temperature, labels, n_bins)
-            ece = 100 * reports[loss][tag]["ece"]
-            ax.plot(conf, acc, marker="o", markersize=3,
-                    label=f"{loss} (ECE {ece:.2f}%" + (f", T={temperature:.2f})" if tag == "post_T" else ")"))
-        ax.set_title(f"{title} {'pre-T' if tag == 'pre_T' else 'post-T'}".strip())
+        for loss, outputs in test_outputs.items():
+            report = reports[loss]
+            per_seed = list(outputs) if isinstance(outputs, list) else [outputs]
+            temperatures = ([run["temperature"] for run in report["runs"]] if "runs" in report
+                            else [report["temperature"]])
+            scaled = [logits / (t if tag == "post_T" else 1.0) for (logits, _), t in zip(per_seed, temperatures)]
+            labels = torch.cat([labels for _, labels in per_seed])
+            conf, acc = _reliability_curve(torch.cat(scaled), labels, n_bins)
+            ece = 100 * report[tag]["ece"]
+            label = f"{loss} (ECE {ece:.2f}"
+            if f"{tag}_std" in report:
+                label += f" ± {100 * report[f'{tag}_std']['ece']:.2f}"
+            label += "%" + (f", T={report['temperature']:.2f})" if tag == "post_T" else ")")
+            ax.plot(conf, acc, marker="o", markersize=3, label=label)
+        seeds = next(iter(reports.values())).get("n_seeds")
+        pooled = f" ({seeds} seeds pooled)" if seeds and seeds > 1 else ""
+        ax.set_title(f"{title} {'pre-T' if tag == 'pre_T' else 'post-T'}{pooled}".strip())
         ax.set_xlabel("confidence")
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)

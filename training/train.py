@@ -1,7 +1,8 @@
 """Train a classifier with a calibration loss, then report its calibration before and after temperature scaling.
 
-    python -m training.train                         # the embedded `digits` demo with BSCE-GRA, CPU, < 3 min
-    python -m training.train --compare cross_entropy,bsce_gra,flsd
+    python -m training.train                         # the embedded `digits` demo with BSCE-GRA, CPU, one seed
+    python -m training.train --compare cross_entropy,bsce_gra,flsd   # 3 seeds each: mean ± std
+    python -m training.train --seeds 3               # one loss, 3 seeds: mean ± std
     python -m training.train --recipe cifar10-resnet50 --loss bsce_gra --data-root ~/data --output-dir runs/c10
     torchrun --nproc_per_node=4 -m training.train --recipe cifar100-wrn26-10 --loss flsd --data-root ~/data
     python -m training.train --list-recipes
@@ -48,7 +49,8 @@ from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_sta
 from .data import DataError, build_datasets
 from .models import ARCHITECTURES, build_model
 from .recipes import RECIPES, describe_recipes, get_recipe
-from .report import calibration_report, collect_logits, format_comparison, format_report, save_comparison, save_report
+from .report import (aggregate_reports, calibration_report, collect_logits, format_aggregate, format_report,
+                     save_comparison, save_report)
 
 METHODS = ("standard", "meta-sece", "meta-dece")
 
@@ -56,7 +58,7 @@ METHODS = ("standard", "meta-sece", "meta-dece")
 TRAIN_EXTRA = {"tqdm": "tqdm", "torchvision": "torchvision", "matplotlib": "matplotlib", "sklearn": "scikit-learn"}
 
 # Settings of an invocation, not of the run: --resume never takes them from the checkpoint.
-_PER_INVOCATION = {"list_recipes", "compare", "resume", "output_dir", "download", "pretrained", "device", "compile",
+_PER_INVOCATION = {"list_recipes", "compare", "seeds", "resume", "output_dir", "download", "pretrained", "device", "compile",
                    "channels_last", "workers", "stop_after", "threads", "log_every", "tensorboard", "no_progress"}
 # Values derived from the others (resolve_run_config, run_training), and the record of which flags were given.
 _DERIVED = {"num_classes", "model_kwargs", "reduction", "clip_grad_norm", "explicit"}
@@ -94,7 +96,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                         help="dataset folder (not needed for digits); default $CALIBKERNELS_DATA")
     parser.add_argument("--download", action="store_true", help="let torchvision download CIFAR-10/100 if missing")
     parser.add_argument("--output-dir", default=None, help="default runs/<recipe>-<loss>")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=0, help="seed of the data split, initialisation and shuffling")
+    parser.add_argument("--seeds", type=int, default=None, metavar="N",
+                        help="train each loss N times, with seeds --seed … --seed+N-1 (each its own seeded split and "
+                             "initialisation), and report mean ± sample std of T and of every metric pre-T and post-T "
+                             "(default: 3 with --compare, else 1)")
     parser.add_argument("--epochs", type=int, default=None, help="override the recipe's epochs")
     parser.add_argument("--batch-size", type=int, default=None,
                         help="override the recipe's global batch size (split across DDP ranks)")
@@ -855,7 +861,10 @@ def main(args) -> dict | None:
     if dist_utils.is_distributed() and torch.device(args.device).type == "cuda":
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     try:
+        seeds = _seed_list(args)
         if not args.compare:
+            if len(seeds) > 1:
+                return _run_seeds(args, seeds)
             checkpoint = None
             if args.resume:
                 checkpoint = load_checkpoint(args.resume, map_location="cpu")
@@ -868,19 +877,30 @@ def main(args) -> dict | None:
         if args.resume:
             raise ValueError("--resume resumes one run; resume a --compare member with --loss and its --output-dir")
         # Every member is checked before the first one trains.
-        members = [resolve_run_config(argparse.Namespace(**{**vars(args), "loss": spec, "compare": None,
-                                                             "output_dir": str(base / loss_tag(spec))}))
-                   for spec in specs]
+        members = {spec: [resolve_run_config(argparse.Namespace(**{
+            **vars(args), "loss": spec, "compare": None, "seed": seed,
+            "output_dir": str(_seed_dir(base / loss_tag(spec), seed, len(seeds)))})) for seed in seeds]
+            for spec in specs}
         reports, outputs = {}, {}
         start = time.perf_counter()
-        for spec, run_args in zip(specs, members):
-            result = run_training(run_args)
-            if result is not None:
-                reports[spec] = result["report"]
-                outputs[spec] = (result["test_logits"], result["test_labels"])
+        for index, spec in enumerate(specs):
+            results = []
+            for seed, run_args in zip(seeds, members[spec]):
+                if dist_utils.is_main_process() and len(seeds) > 1:
+                    print(f"\n-- --compare: loss {index + 1}/{len(specs)} {spec}, seed {seed} "
+                          f"({len(seeds)} seeds) --", flush=True)
+                results.append(run_training(run_args))
+            if all(result is not None for result in results):
+                if len(seeds) > 1:
+                    reports[spec] = _save_aggregate(results, base / loss_tag(spec), f"{args.recipe} {spec}")
+                    outputs[spec] = [(r["test_logits"], r["test_labels"]) for r in results]
+                else:
+                    reports[spec] = results[0]["report"]
+                    outputs[spec] = (results[0]["test_logits"], results[0]["test_labels"])
         if dist_utils.is_main_process() and len(reports) == len(specs):
             saved = save_comparison(reports, outputs, base, n_bins=args.n_bins, title=args.recipe)
-            print(f"\n== {args.recipe}: {len(specs)} losses, seed {args.seed}, test split "
+            seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}, mean ± std"
+            print(f"\n== {args.recipe}: {len(specs)} losses, {seed_text}, test split "
                   f"(ECE-type metrics and accuracy in %) ==")
             print(saved["table"])
             print(f"wrote {base / 'comparison.md'}, {base / 'comparison.json'}, {saved['figure']} "
@@ -889,6 +909,50 @@ def main(args) -> dict | None:
         return None
     finally:
         dist_utils.cleanup()
+
+
+def _seed_list(args) -> list[int]:
+    """The seeds of ``--seeds`` (default 3 with ``--compare``, else 1), from ``--seed`` on."""
+    count = args.seeds if getattr(args, "seeds", None) is not None else (3 if args.compare else 1)
+    if count < 1:
+        raise ValueError(f"--seeds must be >= 1, got {count}")
+    if count > 1 and args.resume:
+        raise ValueError("--resume resumes one run; resume one seed's run with --seed and its --output-dir")
+    return [args.seed + offset for offset in range(count)]
+
+
+def _seed_dir(base: Path, seed: int, count: int) -> Path:
+    """A run's folder: ``base`` itself for a single seed, else ``base/seed<seed>``."""
+    return base if count == 1 else base / f"seed{seed}"
+
+
+def _save_aggregate(results: list[dict], output_dir: Path, title: str) -> dict:
+    """Aggregate the seeds' reports (mean ± std), print the table and write it as ``output_dir/report.json``."""
+    report = aggregate_reports([result["report"] for result in results])
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "report.json").write_text(json.dumps(report, indent=2))
+    print(format_aggregate(report, title=f"== {title}: test calibration over {len(results)} seeds =="))
+    print(f"wrote {output_dir / 'report.json'}", flush=True)
+    return report
+
+
+def _run_seeds(args, seeds: list[int]) -> dict | None:
+    """One loss trained with each of ``seeds``, in ``<output-dir>/seed<s>/``; the mean ± std report in
+    ``<output-dir>/report.json``."""
+    base = Path(args.output_dir or Path("runs") / f"{args.recipe}-{loss_tag(args.loss)}")
+    members = [resolve_run_config(argparse.Namespace(**{**vars(args), "seed": seed,
+                                                        "output_dir": str(_seed_dir(base, seed, len(seeds)))}))
+               for seed in seeds]
+    results = []
+    for seed, run_args in zip(seeds, members):
+        if dist_utils.is_main_process():
+            print(f"\n-- seed {seed} ({len(results) + 1}/{len(seeds)}) --", flush=True)
+        results.append(run_training(run_args))
+    if not dist_utils.is_main_process() or any(result is None for result in results):
+        return None
+    title = f"{args.recipe} {args.loss if args.method == 'standard' else args.method}"
+    report = _save_aggregate(results, base, title)
+    return {"report": report, "runs": results}
 
 
 def missing_train_extra() -> list[str]:
