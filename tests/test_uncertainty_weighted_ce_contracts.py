@@ -103,8 +103,9 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
     x64, g64 = z.double().requires_grad_(), gamma.detach().double().requires_grad_()
     exact = torch.autograd.grad(R.uncertainty_weighted_ce(x64, y, gamma=g64, **kw), (x64, g64), grad_out.double())
     assert torch.isfinite(d_gamma).all() and d_gamma[3] == 0 and d_gamma[0] == 0  # saturated and ignored rows
-    torch.testing.assert_close(d_gamma.double(), exact[1], rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(d_logits.double(), exact[0], rtol=1e-4, atol=1e-6)
+    # float32 results against float64: a few ulps of float32 on the row's O(1) terms (u, CE, log(1 - p_y))
+    torch.testing.assert_close(d_gamma.double(), exact[1], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(d_logits.double(), exact[0], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend_device", FUSED)
