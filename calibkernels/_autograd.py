@@ -179,13 +179,12 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
              inputs.ignore_index, V.REDUCTION_CODES[inputs.reduction])
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
     module = _backends.module(backend)
-    if eager and getattr(module, "HAS_CPP_AUTOGRAD", False):
+    flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
+    if eager and hasattr(module, "forward_with_autograd"):
         # the compiled op's own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp): the same contract as
         # UncertaintyWeightedCE without a Python autograd.Function's host time
         loss, flag = module.forward_with_autograd(logits, inputs.target, inputs.sample_weight, gamma_per_sample,
                                                   *codes, compute_grad, inplace and compute_grad)
-        if flag is not None:
-            _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
     elif compute_grad or gamma_needs_grad:
         loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
                                            bool(inplace and compute_grad), backend)
@@ -193,8 +192,8 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
         loss, _, flag = module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, False,
                                        None)
-        if flag is not None:
-            _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
+    if flag is not None:
+        _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
     if inputs.reduction == "none" and loss.shape != inputs.batch_shape:
         loss = loss.reshape(inputs.batch_shape)
     return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

@@ -63,6 +63,26 @@ def out_of_range_message(value: int, num_classes: int, ignore_index: int) -> str
             f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})")
 
 
+def check_target_values(target: torch.Tensor, num_classes: int, ignore_index: int) -> None:
+    """Raise ``ValueError`` unless every target is a class index in ``[0, num_classes)`` or ``ignore_index``. Reads the
+    values: a host synchronisation on a GPU."""
+    # One reduction answers the common case (every target a class index); only a batch with ignored rows or a bad
+    # value pays for the exact check. This runs on every call, and the exact check alone was ~5x the cost.
+    low, high = (int(v) for v in torch.aminmax(target))
+    if low >= 0 and high < num_classes:
+        return
+    bad = out_of_range_targets(target, num_classes, ignore_index)
+    if bool(bad.any()):
+        raise ValueError(out_of_range_message(int(target[bad][0]), num_classes, ignore_index))
+
+
+def target_flag(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """The device-side ``(any bad target, a bad value)`` int64 pair that :mod:`calibkernels._target_checks` reads,
+    computed without a host synchronisation."""
+    bad = out_of_range_targets(target, num_classes, ignore_index)
+    return torch.stack((bad.any().to(torch.int64), torch.where(bad, target, torch.iinfo(torch.int64).min).max()))
+
+
 def check_logits_target(logits, target, *, ignore_index: int = -100, check_values: bool = True):
     """Validate and flatten ``logits (..., C)`` and ``target (...)``; return ``(logits2d, target1d, batch_shape)``.
 
@@ -102,14 +122,7 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
     # The range check needs the values (a device sync on GPU, a graph break under torch.compile); there the kernels'
     # own bounds check raises instead.
     if check_values and not torch.compiler.is_compiling():
-        # One reduction answers the common case (every target a class index); only a batch with ignored rows or a bad
-        # value pays for the exact check. This runs on every call, and the exact check alone was ~5x the cost.
-        low, high = (int(v) for v in torch.aminmax(target1d))
-        if low >= 0 and high < num_classes:
-            return logits2d, target1d, batch_shape
-        bad = out_of_range_targets(target1d, num_classes, ignore_index)
-        if bool(bad.any()):
-            raise ValueError(out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
+        check_target_values(target1d, num_classes, ignore_index)
     return logits2d, target1d, batch_shape
 
 

@@ -142,24 +142,12 @@ def _check_linear_inputs(hidden, linear_weight, target, linear_bias):
     return hidden2d, target1d, batch_shape
 
 
-def _check_target_values(target1d: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    """Every target is a class index in ``[0, C)`` or ``ignore_index`` (reads the values: a host synchronisation)."""
-    low, high = (int(v) for v in torch.aminmax(target1d))
-    if low >= 0 and high < num_classes:
-        return
-    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
-    if bool(bad.any()):
-        raise ValueError(V.out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
-
-
 def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore_index: int) -> None:
     """GPU kernels: one ``(any bad, a bad value)`` device flag for the whole batch, read without stalling the host
     (``CALIBKERNELS_VALIDATE``, docs/losses.md); the kernels make a bad row's loss and gradient NaN."""
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
-    flag = torch.stack((bad.any().to(torch.int64), torch.where(bad, target1d, torch.iinfo(torch.int64).min).max()))
-    _target_checks.submit(flag, num_classes, ignore_index)
+    _target_checks.submit(V.target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index)
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -435,7 +423,7 @@ def fused_linear_uncertainty_weighted_ce(
     name = _backends.resolve(backend, device)
     host_check = name == "reference" or device.type == "cpu"
     if host_check and not torch.compiler.is_compiling():
-        _check_target_values(target1d, num_classes, ignore_index)
+        V.check_target_values(target1d, num_classes, ignore_index)
     sample_weight = V.check_sample_weight(sample_weight, weight, target.shape, device, check_values=host_check)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()

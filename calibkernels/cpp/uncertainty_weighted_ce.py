@@ -57,10 +57,12 @@ def _uncertainty_weighted_ce_scale_grad_fake(grad, grad_output):
     return None
 
 
-def _target_flag(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
-    """``(any bad, a bad value)`` on the device: the CUDA kernel never indexes with a bad target (its row is NaN)."""
-    bad = V.out_of_range_targets(target, num_classes, ignore_index)
-    return torch.stack((bad.any().to(torch.int64), torch.where(bad, target, torch.iinfo(torch.int64).min).max()))
+def _target_flag(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
+    """The device flag of the CUDA kernel's targets (it never indexes with a bad one; that row is NaN), for
+    calibkernels._target_checks; none on the CPU (the kernel raises) or while a CUDA graph is being captured."""
+    if logits.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    return V.target_flag(target, logits.shape[-1], ignore_index)
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
@@ -75,25 +77,17 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
         loss, grad = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
                          reduction, compute_grad, grad_out)
-    flag = None
-    if logits.device.type == "cuda" and eager and not torch.cuda.is_current_stream_capturing():
-        flag = _target_flag(target, logits.shape[-1], ignore_index)
-    return loss, grad, flag
-
-
-# Eager calls go through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp).
-HAS_CPP_AUTOGRAD = True
+    return loss, grad, _target_flag(logits, target, ignore_index) if eager else None
 
 
 def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
                           reduction, compute_grad, inplace):
-    """``(loss, target_flag)`` through the op's C++ autograd kernel (plain eager tensors only)."""
+    """``(loss, target_flag)`` through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp),
+    for plain eager tensors: the backends that have it take it instead of :class:`calibkernels._autograd.
+    UncertaintyWeightedCE`."""
     loss, _ = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
                   compute_grad, logits if inplace else None)
-    flag = None
-    if logits.device.type == "cuda" and not torch.cuda.is_current_stream_capturing():
-        flag = _target_flag(target, logits.shape[-1], ignore_index)
-    return loss, flag
+    return loss, _target_flag(logits, target, ignore_index)
 
 
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:

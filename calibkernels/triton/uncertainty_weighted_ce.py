@@ -575,15 +575,15 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     if gamma_per_sample is not None:
         gamma_per_sample = gamma_per_sample.detach().contiguous()
     target = target.contiguous()
+    # The kernels take any row stride but need unit column stride: otherwise they work on a contiguous copy of the
+    # logits, or write into a contiguous buffer, and the gradient is copied into the caller's grad_out afterwards.
     write_back = None
     if logits.stride(-1) != 1:
-        # the kernels take any row stride but need unit column stride: compute in a contiguous copy
-        if grad_out is not None and grad_out.data_ptr() == logits.data_ptr():
-            write_back, logits = grad_out, logits.contiguous()
-            grad_out = logits
-        else:
-            logits = logits.contiguous()
-    if grad_out is not None and grad_out.stride(-1) != 1 and write_back is None:
+        in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()
+        logits = logits.contiguous()
+        if in_place:  # the copy is ours to overwrite
+            write_back, grad_out = grad_out, logits
+    if grad_out is not None and grad_out.stride(-1) != 1:
         write_back, grad_out = grad_out, torch.empty_like(logits, memory_format=torch.contiguous_format)
     args = (logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out)
@@ -591,9 +591,7 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
         loss, grad = uncertainty_weighted_ce_triton(*args)
         flag = None
     else:
-        loss, grad, flag = uncertainty_weighted_ce_forward(*args)
-        if logits.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            flag = None
+        loss, grad, flag = uncertainty_weighted_ce_forward(*args)  # _target_checks ignores it during a capture
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
