@@ -23,10 +23,12 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/MemoryOverlap.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
 #include <optional>
+#include <tuple>
 
 typedef struct _object PyObject;  // CPython's, declared here so that the CUDA sources need no Python headers
 
@@ -100,6 +102,30 @@ inline void check_grad_out(const char* op, const at::Tensor& logits, const at::T
   TORCH_CHECK(same_view || !grad_out.is_alias_of(logits) ||
                   at::get_overlap_status(grad_out, logits) == at::MemOverlapStatus::No,
               op, "grad_out partially overlaps the logits; pass the logits themselves or a separate buffer");
+}
+
+// Where a device kernel writes the gradient (the op's grad_out contract; `z` is the logits, or their contiguous copy
+// when their columns are strided): nowhere (an empty tensor) without compute_grad; `fresh()`, a new (N, C) buffer,
+// without grad_out; the caller's buffer when its columns are contiguous (the logits themselves in place); else a
+// contiguous buffer whose contents finish_gradient copies into grad_out, which is the copy z itself when grad_out is
+// the logits (that copy is ours to overwrite).
+template <typename Fresh>
+at::Tensor gradient_destination(const at::Tensor& logits, const at::Tensor& z, bool compute_grad,
+                                const std::optional<at::Tensor>& grad_out, Fresh fresh) {
+  if (!compute_grad) return at::empty({0}, z.options());
+  if (!grad_out.has_value()) return fresh();
+  if (grad_out->stride(1) == 1 || grad_out->size(1) == 1) return *grad_out;
+  const bool z_is_a_copy = !z.is_same(logits);
+  return (z_is_a_copy && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
+}
+
+// The op's outputs: (loss, the gradient buffer), or (loss, an empty tensor) once the gradient is in grad_out.
+inline std::tuple<at::Tensor, at::Tensor> finish_gradient(const at::Tensor& loss, const at::Tensor& dest,
+                                                          bool compute_grad,
+                                                          const std::optional<at::Tensor>& grad_out) {
+  if (!compute_grad || !grad_out.has_value()) return {loss, dest};
+  if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
+  return {loss, at::empty({0}, dest.options())};
 }
 
 }  // namespace calibkernels

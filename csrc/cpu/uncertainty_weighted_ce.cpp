@@ -94,26 +94,16 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   const KernelArgs args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
                                ignore_index, reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
-  const bool into_caller_buffer = compute_grad && grad_out.has_value();
-  if (into_caller_buffer) check_grad_out(op, logits, *grad_out);
+  if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
   const at::Tensor z = direct ? logits : logits.contiguous();
   const at::Tensor t = target.contiguous();
-  // Where the kernel writes the gradient: the caller's buffer when its columns are contiguous (the logits themselves
-  // in place: each row is read before it is overwritten), else a contiguous buffer copied into it afterwards; without
-  // grad_out, a reused buffer (no page faults for a fresh N×C each step, see gradient_buffer_cache.h).
-  at::Tensor dest;
-  if (!compute_grad) {
-    dest = at::empty({0}, z.options());
-  } else if (!into_caller_buffer) {
-    dest = GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options());
-  } else if (grad_out->stride(1) == 1 || grad_out->size(1) == 1) {
-    dest = *grad_out;
-  } else {
-    // column-strided caller buffer: when it is the logits, their contiguous copy z is ours to overwrite
-    dest = (!direct && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
-  }
+  // In place each row is read before it is overwritten. A fresh gradient comes from the reused buffers (no page
+  // faults for a new N×C each step, see gradient_buffer_cache.h).
+  const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out, [&] {
+    return GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options());
+  });
   void* grad_ptr = compute_grad ? dest.data_ptr() : nullptr;
   const int64_t grad_stride = compute_grad ? dest.stride(0) : 0;
   const CpuIsa isa = selected_isa();
@@ -122,9 +112,7 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
           ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args, false)
           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args,
                                  isa == CpuIsa::Avx512);
-  if (!into_caller_buffer) return {loss, dest};
-  if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
-  return {loss, at::empty({0}, z.options())};
+  return finish_gradient(loss, dest, compute_grad, grad_out);
 }
 
 }  // namespace

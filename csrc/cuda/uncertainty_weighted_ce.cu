@@ -520,30 +520,17 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
   const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
                                ignore_index, reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
-  const bool into_caller_buffer = compute_grad && grad_out.has_value();
-  if (into_caller_buffer) check_grad_out(op, logits, *grad_out);
+  if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
   const c10::cuda::CUDAGuard guard(logits.device());
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
   const at::Tensor z = direct ? logits : logits.contiguous();
-  // Where the kernel writes the gradient: the caller's buffer when its columns are contiguous (the logits themselves
-  // in place: each thread overwrites only the elements it read itself, after the row's reduction), else a contiguous
-  // buffer copied into it afterwards.
-  at::Tensor dest;
-  if (!compute_grad) {
-    dest = at::empty({0}, z.options());
-  } else if (!into_caller_buffer) {
-    dest = at::empty({z.size(0), z.size(1)}, z.options());
-  } else if (grad_out->stride(1) == 1 || grad_out->size(1) == 1) {
-    dest = *grad_out;
-  } else {
-    dest = (!direct && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
-  }
+  // In place each thread overwrites only the elements it read itself, after the row's reduction.
+  const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out,
+                                               [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
   const at::Tensor loss = run(z, compute_grad ? dest.data_ptr() : nullptr, compute_grad ? dest.stride(0) : 0, target,
                               sample_weight, gamma_per_sample, args);
-  if (!into_caller_buffer) return {loss, dest};
-  if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
-  return {loss, at::empty({0}, z.options())};
+  return finish_gradient(loss, dest, compute_grad, grad_out);
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
