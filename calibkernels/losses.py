@@ -17,11 +17,13 @@ import torch
 from torch import nn
 
 from . import _validation as V
+from . import family as _family
 from . import functional as F_ck
 from . import reference as _reference
+from .family import AdaFocalLoss, AdaptiveBSCEGRA, MbLSLoss, MDCALoss
 
 __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss",
-           "build", "names", "REGISTRY"]
+           "AdaptiveBSCEGRA", "AdaFocalLoss", "MDCALoss", "MbLSLoss", "build", "names", "REGISTRY"]
 
 
 def _check_gamma_and_norm(gamma, norm):
@@ -232,6 +234,34 @@ def _mmce(weighted):
     return _Factory(lambda **hp: MMCELoss(weighted=weighted, **hp), ("lam", "bandwidth", "form") + _COMMON)
 
 
+# Losses MDCA may be added to: those of (logits, class indices) that take the same reduction (not MDCA itself, the
+# soft-target drop-ins, or AdaFocal, whose validation update the sum would hide).
+_MDCA_NO_BASE = ("mdca", "adafocal", "soft_target_cross_entropy", "soft_target_bsce_gra")
+
+
+class _MDCAFactory(_Factory):
+    """``mdca``: ``beta``, ``base`` (a registry name, default ``cross_entropy``) and the common keywords; any other
+    keyword is a hyper-parameter of the base (``mdca:base=focal_loss:gamma=1`` is the official FL+MDCA)."""
+
+    def __init__(self):
+        super().__init__(None, ("beta", "base") + _COMMON, beta=1.0, base="cross_entropy")
+
+    def __call__(self, **hyperparameters):
+        own = {**self.defaults, **{k: v for k, v in hyperparameters.items() if k in self.accepted}}
+        base_name = own.pop("base")
+        if not isinstance(base_name, str) or base_name not in REGISTRY or base_name in _MDCA_NO_BASE:
+            raise ValueError(f"base must be a registry name other than {', '.join(_MDCA_NO_BASE)}, got {base_name!r}")
+        base_hyperparameters = {k: v for k, v in hyperparameters.items() if k not in self.accepted}
+        if base_hyperparameters.get("inplace"):
+            raise ValueError("mdca reads the logits after its base loss: inplace=True is not supported")
+        common = {k: own[k] for k in _COMMON if k in own}
+        try:
+            base = REGISTRY[base_name](**common, **base_hyperparameters)
+        except TypeError as exc:
+            raise TypeError(f"{exc}; mdca itself accepts {', '.join(self.accepted)}") from exc
+        return MDCALoss(base=None if base_name == "cross_entropy" and not base_hyperparameters else base, **own)
+
+
 # name -> factory(**hyperparameters), accepting exactly the hyper-parameters its loss uses; defaults as in
 # docs/losses.md ("Registry names").
 REGISTRY = {
@@ -250,6 +280,11 @@ REGISTRY = {
     "mmce_weighted": _mmce(weighted=True),
     "soft_target_cross_entropy": _soft_target("none", "grad"),
     "soft_target_bsce_gra": _soft_target("brier", "grad", gamma=4.0, norm=2.0),
+    # the rest of the family (calibkernels/family.py; docs/losses.md, "More losses")
+    "bsce_adaptive_gra": _Factory(AdaptiveBSCEGRA, ("gamma", "norm") + _COMMON, gamma=3.0, norm=2.0),
+    "adafocal": _Factory(AdaFocalLoss, tuple(_family.ADAFOCAL_DEFAULTS) + _COMMON),
+    "mdca": _MDCAFactory(),
+    "mbls": _Factory(MbLSLoss, ("margin", "lam") + _COMMON),
 }
 
 

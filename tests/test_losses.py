@@ -24,8 +24,18 @@ USED = {
     "label_smoothing": {"alpha"},
     "mmce": {"lam", "bandwidth"}, "mmce_weighted": {"lam", "bandwidth"},
     "soft_target_cross_entropy": set(), "soft_target_bsce_gra": {"gamma", "norm"},
+    "bsce_adaptive_gra": {"gamma", "norm"},
+    "adafocal": {"n_bins", "lam", "gamma_initial", "gamma_max", "gamma_min", "switch_point"},
+    "mdca": {"beta", "base"},
+    "mbls": {"margin", "lam"},
 }
-SAMPLE_VALUE = {"gamma": 2.0, "norm": 1.5, "alpha": 0.1, "lam": 3.0, "bandwidth": 0.3}
+SAMPLE_VALUE = {"gamma": 2.0, "norm": 1.5, "alpha": 0.1, "lam": 3.0, "bandwidth": 0.3, "beta": 3.0,
+                "base": "focal_loss", "margin": 2.0, "n_bins": 5, "gamma_initial": 2.0, "gamma_max": 1.0,
+                "gamma_min": 0.5, "switch_point": 0.9}
+# AdaFocal's update hyper-parameters act only through update() (tests/test_family.py checks them there)
+ACTS_AFTER_UPDATE = {"adafocal": {"n_bins", "lam", "gamma_max", "gamma_min", "switch_point"}}
+# held fixed while another hyper-parameter changes, so that the one changed acts on these inputs
+CONTEXT = {"mbls": {"margin": 1.0}}
 
 
 def _inputs(n=10, c=5):
@@ -55,11 +65,13 @@ def test_each_name_rejects_the_hyperparameters_it_does_not_use(name):
 def test_each_name_uses_the_hyperparameters_it_accepts(name):
     """Every accepted hyper-parameter reaches the loss: changing it changes the value (never silently ignored)."""
     z, y = _inputs()
-    base = ck.losses.build(name, backend="reference")(z, y)
-    for used in sorted(USED[name]):
-        changed = ck.losses.build(name, backend="reference", **{used: SAMPLE_VALUE[used]})(z, y)
+    context = CONTEXT.get(name, {})
+    base = ck.losses.build(name, backend="reference", **context)(z, y)
+    for used in sorted(USED[name] - ACTS_AFTER_UPDATE.get(name, set())):
+        hyperparameters = {**context, used: SAMPLE_VALUE[used]}
+        changed = ck.losses.build(name, backend="reference", **hyperparameters)(z, y)
         assert not torch.allclose(changed, base), (name, used)
-    total = ck.losses.build(name, backend="reference", reduction="sum")(z, y)
+    total = ck.losses.build(name, backend="reference", reduction="sum", **context)(z, y)
     torch.testing.assert_close(total, base * len(y))
 
 
