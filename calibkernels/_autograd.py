@@ -1,7 +1,9 @@
 """The autograd of the fused loss: one contract, two implementations of it.
 
 Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight, mode,
-gamma, norm, ignore_index, reduction, compute_grad, grad_out) -> (loss, grad, target_flag)``:
+gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
+label_smoothing=0.0) -> (loss, grad, target_flag)`` (the soft-target arguments only where the backend's module sets
+``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
 
 * ``loss``: float32 (float64 for float64 logits), 0-dim for mean/sum, ``(N,)`` for none;
 * the gradient of the reduced loss for ``grad_output = 1`` ("gradient in the forward"), written into ``grad_out`` when
@@ -94,7 +96,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                reduction, inplace, backend):
+                reduction, inplace, backend, mix_target=None, mix_lambda=None, label_smoothing=0.0):
         from . import _backends  # a cycle at import time; resolved once the package is loaded
 
         module = _backends.module(backend)
@@ -103,7 +105,8 @@ class UncertaintyWeightedCE(torch.autograd.Function):
             # read the logits before an in-place kernel overwrites them
             gamma_factor = _gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
         loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                                          ignore_index, reduction, True, logits if inplace else None)
+                                          ignore_index, reduction, True, logits if inplace else None,
+                                          *_soft_arguments(mix_target, mix_lambda, label_smoothing))
         if flag is not None:
             _target_checks.submit(flag, logits.shape[-1], ignore_index)
         if inplace:
@@ -132,13 +135,20 @@ class UncertaintyWeightedCE(torch.autograd.Function):
             # create_graph=True: the gradients are usable as values, and differentiating them raises (a gradient
             # penalty through them must not silently contribute nothing)
             d_logits, d_gamma = (_raise_if_differentiated(t) for t in (d_logits, d_gamma))
-        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None
+        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None
 
 
 _DOUBLE_BACKWARD_MESSAGE = (
     b"calibkernels: the fused kernels do not support double backward (differentiating a gradient of the loss, e.g. "
     b"a gradient penalty or a look-ahead step); use backend='reference' for that loss"
 )
+
+
+def _soft_arguments(mix_target=None, mix_lambda=None, label_smoothing=0.0) -> tuple:
+    """The soft-target arguments of a backend forward: none at all for hard targets (the backends' defaults)."""
+    if mix_target is None and mix_lambda is None and label_smoothing == 0.0:
+        return ()
+    return mix_target, mix_lambda, label_smoothing
 
 
 def _raise_if_differentiated(tensor):
@@ -179,19 +189,27 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
              inputs.ignore_index, V.REDUCTION_CODES[inputs.reduction])
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
     module = _backends.module(backend)
+    soft = ()
+    if inputs.soft:
+        lam = inputs.mix_lambda
+        if lam is not None and not isinstance(lam, torch.Tensor):
+            # a tensor, not a float argument, so that a new λ per batch does not recompile a compiled step
+            lam_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+            lam = torch.tensor(lam, dtype=lam_dtype).to(logits.device, non_blocking=True)
+        soft = (inputs.mix_target, lam, inputs.label_smoothing)
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
     if eager and hasattr(module, "forward_with_autograd"):
         # the compiled op's own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp): the same contract as
         # UncertaintyWeightedCE without a Python autograd.Function's host time
         loss, flag = module.forward_with_autograd(logits, inputs.target, inputs.sample_weight, gamma_per_sample,
-                                                  *codes, compute_grad, inplace and compute_grad)
+                                                  *codes, compute_grad, inplace and compute_grad, *soft)
     elif compute_grad or gamma_needs_grad:
         loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
-                                           bool(inplace and compute_grad), backend)
+                                           bool(inplace and compute_grad), backend, *soft)
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
         loss, _, flag = module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, False,
-                                       None)
+                                       None, *_soft_arguments(*soft))
     if flag is not None:
         _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
     if inputs.reduction == "none" and loss.shape != inputs.batch_shape:

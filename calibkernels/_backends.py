@@ -15,6 +15,7 @@ import torch
 
 from . import _autograd
 from . import _validation as V
+from .reference import _one_hot_for_dual_focal
 from .reference import _uncertainty_weighted_ce as _reference_loss
 
 # backend name -> module implementing it (relative to the calibkernels package)
@@ -99,26 +100,32 @@ def resolve(backend: str, device: torch.device) -> str:
 
 
 _warned_soft_targets = False
-_SOFT_TARGET_MESSAGE = "soft targets run on the reference until the fused kernels support them"
 
 
-def resolve_soft_targets(backend: str) -> str:
-    """The backend for soft targets (label smoothing, a mix, dense probabilities): the fused kernels take one-hot
-    class indices only, so ``"auto"`` runs the reference (with one ``RuntimeWarning`` per process) and a named fused
-    backend raises ``NotImplementedError`` rather than silently running something else."""
+@torch.compiler.assume_constant_result
+def resolve_soft_targets(backend: str, device: torch.device, gamma_needs_grad: bool = False) -> str:
+    """The backend for soft targets (label smoothing, a mix, dense probabilities): as :func:`resolve`, among the
+    backends whose module sets ``SOFT_TARGETS``. A per-sample ``gamma`` that requires grad has its gradient only on
+    the reference with soft targets. ``"auto"`` falls back to the reference with one ``RuntimeWarning`` per process;
+    a named fused backend that cannot run them raises ``NotImplementedError`` rather than running something else."""
     global _warned_soft_targets
-    V.check_backend(backend)
-    if backend == "reference":
-        return backend
+    name = resolve(backend, device)
+    if name == "reference":
+        return name
+    why = None
+    if not getattr(module(name), "SOFT_TARGETS", False):
+        why = "does not support soft targets (label_smoothing > 0, mix_target/mix_lambda, or a dense target)"
+    elif gamma_needs_grad:
+        why = "has no gradient for a per-sample gamma with soft targets"
+    if why is None:
+        return name
     if backend != "auto":
-        raise NotImplementedError(
-            f"calibkernels backend {backend!r} does not support soft targets (label_smoothing > 0, mix_target/"
-            f"mix_lambda, or a dense probability target) yet: use backend='reference' (or 'auto', which runs it)"
-        )
+        raise NotImplementedError(f"calibkernels backend {backend!r} {why}: use backend='reference' (or 'auto', "
+                                  "which runs it)")
     if not _warned_soft_targets:
         _warned_soft_targets = True
-        warnings.warn(f"calibkernels: {_SOFT_TARGET_MESSAGE} (pure PyTorch: slower, more memory).", RuntimeWarning,
-                      stacklevel=3)
+        warnings.warn(f"calibkernels: the fused {name!r} kernel {why}; running the pure-PyTorch reference "
+                      "(slower, more memory).", RuntimeWarning, stacklevel=3)
     return "reference"
 
 
@@ -131,7 +138,9 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool):
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
         return _reference_loss(inputs)
-    if inputs.soft:  # resolve_soft_targets never picks a kernel for them; a kernel would read the targets as indices
-        raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets yet: use "
+    if inputs.soft and inputs.weight == "dual_focal":
+        inputs = _one_hot_for_dual_focal(inputs)  # one-hot targets given in a soft form, or the reference's ValueError
+    if inputs.soft and not getattr(module(backend), "SOFT_TARGETS", False):  # resolve_soft_targets checked it
+        raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets: use "
                                   "backend='reference'")
     return _autograd.run(backend, inputs, inplace)

@@ -43,9 +43,9 @@ def uncertainty_weighted_ce(
         label_smoothing: α in [0, 1]; the target becomes ``(1 - α) t + α / C`` (``F.cross_entropy``'s convention).
         mix_target, mix_lambda: mixup / cutmix in O(N): ``t = λ e_target + (1 - λ) e_mix_target`` with
             ``mix_target`` int64 of the target's shape (usually ``target.flip(0)``) and ``λ`` in [0, 1], a number
-            or one per row. Soft targets (any of these three) run on the reference for now: ``"auto"`` warns once,
-            a named fused backend raises ``NotImplementedError``. ``weight="dual_focal"`` refuses them
-            (docs/losses.md, "Soft targets").
+            or one per row. The fused kernels take these compact forms in one pass (O(N) target data); a dense
+            target costs one more read of ``N×C``. ``weight="dual_focal"`` refuses soft targets (docs/losses.md,
+            "Soft targets").
         reduction: ``"mean"`` (default; over non-ignored rows, 0 if none), ``"sum"`` or ``"none"``.
         ignore_index: target value whose rows contribute neither loss nor gradient.
         backend: ``"auto"`` (fastest available for the tensors' device; warns once if it must fall back to the
@@ -63,10 +63,12 @@ def uncertainty_weighted_ce(
         loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend)
         if loss is not None:
             return loss
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     if V.soft_target_request(target, label_smoothing, mix_target, mix_lambda):
-        name = _backends.resolve_soft_targets(backend)
+        gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
+        name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
     else:
-        name = _backends.resolve(backend, logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu"))
+        name = _backends.resolve(backend, device)
     # GPU kernels check target bounds on the device, which avoids a host synchronisation per call.
     host_check = name == "reference" or logits.device.type == "cpu"
     inputs = V.check_loss_inputs(

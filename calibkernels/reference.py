@@ -57,6 +57,7 @@ from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID
 __all__ = [
     "uncertainty_weight",
     "soft_uncertainty_weight",
+    "compact_flsd_band",
     "soft_target_distribution",
     "uncertainty_weighted_ce",
     "bsce_gra_loss",
@@ -372,7 +373,32 @@ def _log_one_minus_softmax(log_p):
     return torch.where(is_max, at_max[:, None], torch.log1p(-p_others))
 
 
-def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None):
+def compact_flsd_band(z, target, *, mix_target=None, mix_lambda=None, label_smoothing=0.0):
+    """FLSD's band value of ``<t, p>`` for class-index (compact) soft targets, float32 ``(N,)``: the closed form every
+    implementation uses (C++, CUDA and Triton kernels too), in the compute dtype of ``z (N, C)``::
+
+        p_band = float32( (w_y exp(z_y - lse) + w_m exp(z_m - lse)) + c ),
+        w_y = (1 - a) λ,   w_m = (1 - a)(1 - λ),   c = a / C      (without a mix: λ = 1, m = y)
+
+    so that a row at a band boundary (e.g. equal logits) falls in the same band everywhere; a dense target's band is
+    ``float32(Σ_k t_k exp(z_k - lse))``, equal up to summation order.
+    """
+    z = z.detach()
+    one = torch.ones((), dtype=z.dtype, device=z.device)
+    a = torch.full((), label_smoothing, dtype=z.dtype, device=z.device)
+    keep = one - a
+    c = a / z.shape[1]
+    lse = torch.logsumexp(z, dim=1)
+    p_y = torch.exp(z.gather(1, target[:, None]).squeeze(1) - lse)
+    if mix_target is None:
+        return (keep * p_y + c).float()
+    lam = mix_lambda.to(z.dtype) if isinstance(mix_lambda, torch.Tensor) else torch.full((), mix_lambda, dtype=z.dtype,
+                                                                                        device=z.device)
+    p_m = torch.exp(z.gather(1, mix_target[:, None]).squeeze(1) - lse)
+    return ((keep * lam * p_y + keep * (one - lam) * p_m) + c).float()
+
+
+def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None, flsd_band=None):
     """Differentiable per-row weight ``u_i (N,)`` for logits ``z (N, C)`` and a target distribution ``t (N, C)``.
 
     ============  ==========================================================================================
@@ -384,6 +410,7 @@ def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None):
     ============  ==========================================================================================
 
     With a one-hot ``t`` each equals :func:`uncertainty_weight` (up to rounding); dual focal has no soft form.
+    ``flsd_band``: FLSD's float32 band value per row when the target is compact (:func:`compact_flsd_band`).
     """
     if weight == "none":
         return torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
@@ -404,7 +431,9 @@ def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None):
         if weight == "focal":
             return _power_of_log(log_base, gamma)
         zd = z.detach()
-        p_band = (t * torch.exp(zd - torch.logsumexp(zd, dim=1, keepdim=True))).sum(dim=1).float()
+        p_band = flsd_band
+        if p_band is None:
+            p_band = (t * torch.exp(zd - torch.logsumexp(zd, dim=1, keepdim=True))).sum(dim=1).float()
         return _power_of_log(log_base, _flsd_band(p_band, gamma, zd.dtype))
     if weight == "brier":
         is_max = F.one_hot(log_p.argmax(dim=1), log_p.shape[1]).bool()
@@ -429,8 +458,14 @@ def _soft_target_ce(inputs: V.LossInputs):
     log_p = torch.log_softmax(z, dim=-1)
     # 0 · log p = 0 where t_k = 0, also for a -inf logit (a masked class)
     cross_entropy = -torch.where(t > 0, t * log_p, torch.zeros((), dtype=z.dtype, device=z.device)).sum(dim=1)
+    band = None
+    if inputs.weight == "flsd" and not inputs.dense:
+        safe_mix = None if inputs.mix_target is None else torch.where(valid, inputs.mix_target, 0)
+        band = compact_flsd_band(z, target, mix_target=safe_mix, mix_lambda=inputs.mix_lambda,
+                                 label_smoothing=inputs.label_smoothing)
     return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: soft_uncertainty_weight(
-        z, t, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight))
+        z, t, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight,
+        flsd_band=band))
 
 
 def bsce_gra_loss(logits, target, *, gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100, backend="reference",

@@ -10,8 +10,15 @@
 //       Tensor? sample_weight (N,) float (weight == External; used detached),
 //       Tensor? gamma_per_sample (N,) float (weight == Focal only; overrides gamma; never differentiated),
 //       int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad,
-//       Tensor(a!)? grad_out (N, C) in the logits' dtype, any strides; may be the logits themselves (in place))
+//       Tensor(a!)? grad_out (N, C) in the logits' dtype, any strides; may be the logits themselves (in place),
+//       Tensor? mix_target=None (N,) int64: a mixup/cutmix partner class per row (valid on non-ignored rows),
+//       Tensor? mix_lambda=None () or (N,) float, in [0, 1]: t = λ e_target + (1 - λ) e_mix_target (with mix_target),
+//       float label_smoothing=0.0 in [0, 1]: t <- (1 - a) t + a / C)
 //     -> (Tensor loss, Tensor grad)
+//
+//   Soft targets (csrc/uncertainty_weights.h): the compact form above, or a dense target: a floating (N, C) `target`
+//   of probabilities per row (any float dtype; no ignored rows, the mean divides by N; no mix_target). Not with the
+//   dual-focal weight.
 //
 //   loss: float32 (float64 for float64 logits); 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none),
 //         (N,) for none.
@@ -66,9 +73,15 @@ inline void check_arguments(const char* op, const at::Tensor& logits, const at::
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf || dtype == at::kBFloat16, op,
               "logits must be float32, float64, float16 or bfloat16, got ", dtype);
   TORCH_CHECK(logits.size(1) >= 1, op, "logits have zero classes");
-  TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
-              logits.size(0), ",), got ", target.sizes());
-  TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64, got ", target.scalar_type());
+  if (target.is_floating_point()) {
+    TORCH_CHECK(target.sizes() == logits.sizes(), op, "a dense (probability) target must have the logits' shape ",
+                logits.sizes(), ", got ", target.sizes());
+  } else {
+    TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
+                logits.size(0), ",), got ", target.sizes());
+    TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64 (or a floating dense target), got ",
+                target.scalar_type());
+  }
   TORCH_CHECK(weight >= 0 && weight <= 5, op, "unknown weight code ", weight);
   TORCH_CHECK(mode == 0 || mode == 1, op, "unknown mode code ", mode);
   TORCH_CHECK(reduction >= 0 && reduction <= 2, op, "unknown reduction code ", reduction);
@@ -88,6 +101,35 @@ inline void check_arguments(const char* op, const at::Tensor& logits, const at::
               "sample_weight is required by, and only allowed with, the external weight");
   TORCH_CHECK(!gamma_per_sample.has_value() || w == Weight::Focal, op,
               "a per-sample gamma is only supported with the focal weight");
+}
+
+// The soft-target arguments (after check_arguments): mix_target (N,) int64 with mix_lambda () or (N,) float on the
+// logits' device, only with class-index targets; label_smoothing in [0, 1]; never with the dual-focal weight.
+// Returns whether the row targets are soft.
+inline bool check_soft_arguments(const char* op, const at::Tensor& logits, const at::Tensor& target,
+                                 const std::optional<at::Tensor>& mix_target,
+                                 const std::optional<at::Tensor>& mix_lambda, double label_smoothing, int64_t weight) {
+  const bool dense = target.is_floating_point();
+  TORCH_CHECK(mix_target.has_value() == mix_lambda.has_value(), op, "mix_target and mix_lambda go together");
+  if (mix_target.has_value()) {
+    TORCH_CHECK(!dense, op, "mix_target mixes class-index targets, not a dense target");
+    const at::Tensor& m = *mix_target;
+    TORCH_CHECK(m.device() == logits.device() && m.scalar_type() == at::kLong && m.dim() == 1 &&
+                    m.size(0) == logits.size(0),
+                op, "mix_target must be an int64 tensor of shape (", logits.size(0), ",) on ", logits.device(),
+                ", got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
+    const at::Tensor& l = *mix_lambda;
+    TORCH_CHECK(l.device() == logits.device() && l.is_floating_point() &&
+                    (l.dim() == 0 || (l.dim() == 1 && l.size(0) == logits.size(0))),
+                op, "mix_lambda must be a floating tensor of shape () or (", logits.size(0), ",) on ",
+                logits.device(), ", got ", l.scalar_type(), " ", l.sizes(), " on ", l.device());
+  }
+  TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, "label_smoothing must be in [0, 1], got ",
+              label_smoothing);
+  const bool soft = dense || mix_target.has_value() || label_smoothing != 0.0;
+  TORCH_CHECK(!soft || static_cast<Weight>(weight) != Weight::DualFocal, op,
+              "the dual-focal weight has no soft-target form");
+  return soft;
 }
 
 // Checks a caller's gradient buffer (the op's grad_out argument). It may be the logits themselves (in place) but must not partially overlap them.

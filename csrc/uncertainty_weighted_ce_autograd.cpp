@@ -37,7 +37,8 @@ using torch::autograd::variable_list;
 
 using OpSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const std::optional<Tensor>&,
                                                const std::optional<Tensor>&, int64_t, int64_t, double, double,
-                                               int64_t, int64_t, bool, const std::optional<Tensor>&);
+                                               int64_t, int64_t, bool, const std::optional<Tensor>&,
+                                               const std::optional<Tensor>&, const std::optional<Tensor>&, double);
 
 const c10::TypedOperatorHandle<OpSignature>& fused_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -131,10 +132,15 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target,
                                const Tensor& sample_weight, const Tensor& gamma_per_sample, int64_t weight,
                                int64_t mode, double gamma, double norm, int64_t ignore_index, int64_t reduction,
-                               bool inplace) {
+                               bool inplace, const Tensor& mix_target, const Tensor& mix_lambda,
+                               double label_smoothing) {
     const bool logits_grad = ctx->needs_input_grad(0);
     Tensor gamma_factor;
     if (!gamma_per_sample.is_same(absent()) && ctx->needs_input_grad(3) && static_cast<Mode>(mode) == Mode::Loss) {
+      // the hard-target factor; calibkernels._backends sends soft targets with a γ that requires grad to the reference
+      TORCH_CHECK(!target.is_floating_point() && mix_target.is_same(absent()) && label_smoothing == 0.0,
+                  "calibkernels::uncertainty_weighted_ce: the gradient of a per-sample gamma is not implemented for "
+                  "soft targets; use backend='reference'");
       gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction);
     }
     const bool write_logits = inplace && logits_grad;
@@ -144,7 +150,8 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
       std::tie(loss, grad) =
           fused_op().call(logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight,
                           mode, gamma, norm, ignore_index, reduction, logits_grad,
-                          write_logits ? std::optional<Tensor>(logits) : std::nullopt);
+                          write_logits ? std::optional<Tensor>(logits) : std::nullopt, detached_or_none(mix_target),
+                          detached_or_none(mix_lambda), label_smoothing);
     }
     Tensor saved = grad;
     if (write_logits) {
@@ -160,7 +167,7 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const Tensor& grad_loss = grad_outputs[0];
-    variable_list grads(11);
+    variable_list grads(14);
     if (!grad_loss.defined()) return grads;
     if (saved[0].defined()) grads[0] = scale_saved_gradient(saved[0], grad_loss);
     if (saved[1].defined()) grads[3] = saved[1] * grad_loss.to(saved[1].scalar_type());
@@ -175,14 +182,15 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
 std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
     const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
     const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out) {
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
+    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing) {
   const bool grad_mode = at::GradMode::is_enabled();
   const bool logits_grad = grad_mode && compute_grad && logits.requires_grad();
   const bool gamma_grad = grad_mode && gamma_per_sample.has_value() && gamma_per_sample->requires_grad();
   if (!logits_grad && !gamma_grad) {
     const at::AutoDispatchBelowADInplaceOrView below;
     return fused_op().call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                           reduction, compute_grad, grad_out);
+                           reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing);
   }
   const bool inplace = grad_out.has_value();
   TORCH_CHECK_VALUE(!inplace || grad_out->is_same(logits),
@@ -190,7 +198,8 @@ std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
                     "logits themselves (in place) or None");
   auto outputs = FusedLoss::apply(logits, target, sample_weight.has_value() ? *sample_weight : absent(),
                                   gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm, ignore_index,
-                                  reduction, inplace);
+                                  reduction, inplace, mix_target.has_value() ? *mix_target : absent(),
+                                  mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing);
   return {outputs[0], outputs[1]};
 }
 
@@ -219,7 +228,8 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
   {
     const pybind11::gil_scoped_release no_gil;
     loss = std::get<0>(fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm,
-                                       ignore_index, reduction, compute_grad, std::nullopt));
+                                       ignore_index, reduction, compute_grad, std::nullopt, std::nullopt,
+                                       std::nullopt, 0.0));
     if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
   return THPVariable_Wrap(std::move(loss));

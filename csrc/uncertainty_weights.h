@@ -156,5 +156,124 @@ C10_HOST_DEVICE inline A gradient_element(const WeightCoefficients<A>& c, A p, A
   return g;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------------------
+// Soft targets (docs/losses.md, "Soft targets"): a target distribution t per row, Σ_k t_k = 1, given compactly as
+//     t_k = c + w_y [k = y] + w_m [k = m]      (c = a/C, w_y = (1-a) λ, w_m = (1-a)(1-λ); m may equal y)
+// (class indices, a mixup/cutmix mix, label smoothing a), or densely as t_k = (1-a) T_k + a/C. With P = <t, p>:
+//   CE = -Σ_k t_k log p_k;   u = 1 | w_i (external) | (1 - P)^γ (focal; FLSD's γ_i from the band of P) |
+//   S^{γ/q}, S = Σ_k |p_k - t_k|^q (gBS);
+//   g_k = u (p_k - t_k) + L_k, the "loss"-mode term (0 in mode "grad"):
+//     focal / FLSD   L_k = -A p_k (t_k - P),               A = CE γ (1-P)^{γ-1}
+//     gBS, q = 2     L_k = β p_k ((p_k - t_k) - τ),        β = CE γ S^{γ/2-1}, τ = Σ_j p_j² - P
+//     gBS, any q     L_k = K p_k (h_k - H),                K = CE (γ/q) S^{γ/q-1}, h_k = q |p_k - t_k|^{q-1} sign(p_k - t_k),
+//                                                          H = Σ_j h_j p_j
+// (dS/dz_k = p_k (h_k - H) and dP/dz_k = p_k (t_k - P)). Dual focal has no soft form: the kernels refuse it.
+// ---------------------------------------------------------------------------------------------------------------------
+
+// What a soft row's weight needs from the row's reductions.
+template <typename A>
+struct SoftRowQuantities {
+  A one_minus_P;  // 1 - <t, p> = Σ_k t_k (1 - p_k), summed without cancellation where the kernel can
+  A P;            // <t, p>
+  A ce;           // -Σ_k t_k log p_k; read only in "loss" mode
+  A gamma;        // γ of the row (FLSD: flsd_gamma of the band value of P)
+  A q;            // the Brier norm
+  A external;     // w_i (external)
+  A S;            // gBS: Σ_k |p_k - t_k|^q
+  A H;            // gBS: q = 2: τ = Σ_j p_j² - P;  any other q: H = Σ_j h_j p_j
+};
+
+template <typename A>
+struct SoftCoefficients {
+  A u = 1;
+  A focal = 0;  // A of focal / FLSD
+  A P = 0;
+  A beta = 0;   // β of gBS with q = 2
+  A tau = 0;
+  A k = 0;      // K of gBS with any other q
+  A H = 0;
+};
+
+// u and the loss-mode coefficients of a soft row (for grad_output = 1, unscaled). `square`: the gBS norm is 2 and the
+// caller uses β, τ (otherwise K, H).
+template <typename A>
+C10_HOST_DEVICE inline SoftCoefficients<A> soft_weight_coefficients(Weight weight, bool loss_mode,
+                                                                    const SoftRowQuantities<A>& r, bool square) {
+  SoftCoefficients<A> c;
+  c.P = r.P;
+  switch (weight) {
+    case Weight::None:
+    case Weight::External:
+      c.u = weight == Weight::External ? r.external : A(1);
+      break;
+    case Weight::Focal:
+    case Weight::Flsd: {
+      const A base = r.one_minus_P;
+      c.u = weight_power(base, r.gamma);
+      if (loss_mode && r.gamma != A(0) && base > A(0)) c.focal = r.ce * r.gamma * weight_power(base, r.gamma - A(1));
+      break;
+    }
+    case Weight::Brier: {
+      const A q = r.q;
+      c.u = weight_power(r.S, r.gamma / q);
+      if (loss_mode && r.gamma != A(0) && r.S > A(0)) {
+        const A kk = r.ce * (r.gamma / q) * weight_power(r.S, r.gamma / q - A(1));
+        if (square) {
+          c.beta = kk * A(2);
+          c.tau = r.H;
+        } else {
+          c.k = kk;
+          c.H = r.H;
+        }
+      }
+      break;
+    }
+    case Weight::DualFocal:
+      break;  // refused before any row is processed
+  }
+  return c;
+}
+
+// h_k = q |d|^{q-1} sign(d) of gBS for d = p_k - t_k (0 at d = 0: the subgradient, and the limit for q > 1).
+template <typename A>
+C10_HOST_DEVICE inline A soft_brier_h(A d, A q) {
+  if (d == A(0)) return A(0);
+  const A magnitude = q * weight_power(d < A(0) ? -d : d, q - A(1));
+  return d < A(0) ? -magnitude : magnitude;
+}
+
+// g_k of one element from p_k, t_k and d = p_k - t_k (which the caller may form more accurately than p - t, e.g. as
+// (1 - t_y) - (1 - p_y) for the target column).
+template <typename A>
+C10_HOST_DEVICE inline A soft_gradient_element(const SoftCoefficients<A>& c, A p, A t, A d, A q) {
+  A g = c.u * d;
+  if (c.focal != A(0)) g -= c.focal * p * (t - c.P);
+  if (c.beta != A(0)) g += c.beta * p * (d - c.tau);
+  if (c.k != A(0) && p != A(0)) g += c.k * p * (soft_brier_h(d, q) - c.H);
+  return g;
+}
+
+// The same for the columns whose target is the constant c (the compact form's other columns, q = 2 or no gBS) as the
+// affine-quadratic form of the vector sweeps, g_k = p_k (α + β (p_k - τ)) + δ.
+template <typename A>
+struct UniformColumnCoefficients {
+  A alpha, beta, tau, delta;
+};
+
+template <typename A>
+C10_HOST_DEVICE inline UniformColumnCoefficients<A> soft_uniform_columns(const SoftCoefficients<A>& c, A t) {
+  // u (p - t) - A p (t - P) + β p (p - t - τ) = p (u + A (P - t) + β (p - (t + τ))) - u t
+  return {c.u + c.focal * (c.P - t), c.beta, t + c.tau, -c.u * t};
+}
+
+// FLSD's band value of P = <t, p> for compact targets, the same closed form in every implementation (the reference
+// included): float32((w_y exp(z_y - lse) + w_m exp(z_m - lse)) + c), evaluated at the accumulation precision A
+// (without a mix: w_m = 0, m = y). Dense targets use float32(Σ_k t_k exp(z_k - lse)), equal up to summation order.
+template <typename A>
+C10_HOST_DEVICE inline float soft_flsd_band_probability(A z_y, A z_m, A lse, A w_y, A w_m, A c) {
+  return static_cast<float>((w_y * exp_of(z_y - lse) + w_m * exp_of(z_m - lse)) + c);
+}
+
 }  // namespace
 }  // namespace calibkernels

@@ -21,7 +21,7 @@ REDUCTIONS = ["none", "mean", "sum"]
 @pytest.fixture(autouse=True)
 def _quiet_soft_target_warning():
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*soft targets run on the reference.*", category=RuntimeWarning)
+        warnings.filterwarnings("ignore", message=".*soft targets.*", category=RuntimeWarning)
         yield
 
 
@@ -312,24 +312,48 @@ def test_bad_soft_target_inputs_raise_clear_errors():
 
 
 # ---------------------------------------------------------------------------------------------- routing
-def test_auto_warns_once_and_named_kernels_refuse_soft_targets(monkeypatch):
+def test_auto_runs_the_fused_kernel_without_a_warning():
+    z, y, mix, lam, dense, _ = _inputs(dtype=torch.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for kw in (dict(label_smoothing=0.1), dict(mix_target=mix, mix_lambda=lam.float())):
+            torch.testing.assert_close(ck.uncertainty_weighted_ce(z, y, **kw),
+                                       R.uncertainty_weighted_ce(z, y, **kw), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense.float()),
+                                   R.uncertainty_weighted_ce(z, dense.float()), rtol=1e-5, atol=1e-6)
+
+
+def test_auto_falls_back_once_and_named_kernels_refuse_what_they_cannot_run(monkeypatch):
     z, y, mix, _, dense, _ = _inputs(dtype=torch.float32)
     monkeypatch.setattr(_backends, "_warned_soft_targets", False)
+    monkeypatch.setattr(_backends.module("cpu"), "SOFT_TARGETS", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = ck.uncertainty_weighted_ce(z, y, label_smoothing=0.1)
         ck.uncertainty_weighted_ce(z, dense.float(), weight="focal")
         ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=0.3)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-    assert len(messages) == 1 and "soft targets run on the reference until the fused kernels support them" in \
-        messages[0]
+    assert len(messages) == 1 and "does not support soft targets" in messages[0]
     torch.testing.assert_close(first, R.uncertainty_weighted_ce(z, y, label_smoothing=0.1), rtol=0, atol=0)
-    for backend in ("cpu", "triton", "cuda"):
-        for kw in (dict(label_smoothing=0.1), dict(mix_target=mix, mix_lambda=0.3)):
-            with pytest.raises(NotImplementedError, match="backend='reference'"):
-                ck.uncertainty_weighted_ce(z, y, backend=backend, **kw)
+    for kw in (dict(label_smoothing=0.1), dict(mix_target=mix, mix_lambda=0.3)):
         with pytest.raises(NotImplementedError, match="backend='reference'"):
-            ck.uncertainty_weighted_ce(z, dense.float(), backend=backend)
+            ck.uncertainty_weighted_ce(z, y, backend="cpu", **kw)
+    with pytest.raises(NotImplementedError, match="backend='reference'"):
+        ck.uncertainty_weighted_ce(z, dense.float(), backend="cpu")
+
+
+def test_a_per_sample_gamma_that_requires_grad_runs_on_the_reference(monkeypatch):
+    z, y, *_ = _inputs(dtype=torch.float32)
+    monkeypatch.setattr(_backends, "_warned_soft_targets", False)
+    gamma = torch.full((z.shape[0],), 2.0, requires_grad=True)
+    with pytest.warns(RuntimeWarning, match="per-sample gamma"):
+        loss = ck.uncertainty_weighted_ce(z, y, weight="focal", mode="loss", gamma=gamma, label_smoothing=0.1)
+    loss.backward()
+    expected_gamma = gamma.detach().clone().requires_grad_()
+    R.uncertainty_weighted_ce(z, y, weight="focal", mode="loss", gamma=expected_gamma, label_smoothing=0.1).backward()
+    torch.testing.assert_close(gamma.grad, expected_gamma.grad)
+    with pytest.raises(NotImplementedError, match="per-sample gamma"):
+        ck.uncertainty_weighted_ce(z, y, weight="focal", mode="loss", gamma=gamma, label_smoothing=0.1, backend="cpu")
 
 
 def test_modules_take_soft_targets():
@@ -339,7 +363,7 @@ def test_modules_take_soft_targets():
     expected = ck.bsce_gra_loss(z, y, label_smoothing=0.1, mix_target=mix, mix_lambda=lam.float())
     torch.testing.assert_close(criterion(z, y, mix_target=mix, mix_lambda=lam.float()), expected, rtol=0, atol=0)
     torch.testing.assert_close(
-        R.bsce_gra_loss(z, y, label_smoothing=0.1, mix_target=mix, mix_lambda=lam.float()), expected, rtol=0, atol=0)
+        R.bsce_gra_loss(z, y, label_smoothing=0.1, mix_target=mix, mix_lambda=lam.float()), expected)
     drop_in = ck.losses.build("soft_target_bsce_gra")
     assert isinstance(drop_in, ck.losses.SoftTargetUncertaintyWeightedCE)
     torch.testing.assert_close(drop_in(z, dense.float()), ck.bsce_gra_loss(z, dense.float()), rtol=0, atol=0)

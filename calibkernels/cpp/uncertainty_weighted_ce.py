@@ -35,7 +35,10 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"Original error: {exc}"
     ) from exc
 
-__all__ = ["forward", "scale_grad_", "is_available"]
+__all__ = ["forward", "scale_grad_", "is_available", "SOFT_TARGETS"]
+
+# The CPU and CUDA kernels take soft targets (label smoothing, a mix, a dense target): calibkernels._backends.
+SOFT_TARGETS = True
 
 _OP = torch.ops.calibkernels.uncertainty_weighted_ce.default
 _SCALE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_.default
@@ -44,7 +47,8 @@ _QUALNAME = "calibkernels::uncertainty_weighted_ce"
 
 @torch.library.register_fake(_QUALNAME)
 def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
-                                  ignore_index, reduction, compute_grad, grad_out):
+                                  ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
+                                  label_smoothing=0.0):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
     loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     loss = logits.new_empty((logits.shape[0],) if reduction == V.REDUCTION_CODES["none"] else (), dtype=loss_dtype)
@@ -60,13 +64,13 @@ def _uncertainty_weighted_ce_scale_grad_fake(grad, grad_output):
 def _target_flag(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
     """The device flag of the CUDA kernel's targets (it never indexes with a bad one; that row is NaN), for
     calibkernels._target_checks; none on the CPU (the kernel raises) or while a CUDA graph is being captured."""
-    if logits.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return None
+    if logits.device.type != "cuda" or target.is_floating_point() or torch.cuda.is_current_stream_capturing():
+        return None  # a dense target has no indices to check
     return V.target_flag(target, logits.shape[-1], ignore_index)
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out):
+            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     """``(loss, grad, target_flag)`` of the compiled op (the backend forward of :mod:`calibkernels._autograd`)."""
     eager = is_plain_eager(logits)
     if sample_weight is not None:
@@ -76,17 +80,17 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     # Eager: below the Autograd key, straight to the device kernel. Traced: the op itself, one graph node.
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
         loss, grad = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                         reduction, compute_grad, grad_out)
+                         reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing)
     return loss, grad, _target_flag(logits, target, ignore_index) if eager else None
 
 
 def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                          reduction, compute_grad, inplace):
+                          reduction, compute_grad, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     """``(loss, target_flag)`` through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp),
     for plain eager tensors: the backends that have it take it instead of :class:`calibkernels._autograd.
     UncertaintyWeightedCE`."""
     loss, _ = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-                  compute_grad, logits if inplace else None)
+                  compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing)
     return loss, _target_flag(logits, target, ignore_index)
 
 

@@ -11,6 +11,17 @@
 
 namespace calibkernels {
 
+// Soft targets of the rows (soft_target_rows.h): label smoothing, a mix, or a dense target. The tensors are the
+// caller's, alive for the call.
+struct SoftTargetArgs {
+  bool active = false;
+  const at::Tensor* dense = nullptr;  // (N, C) probabilities, contiguous, in the accumulation dtype
+  const int64_t* mix = nullptr;       // (N,) partner classes
+  const double* lambda = nullptr;     // λ of row i at lambda[i * lambda_stride]
+  int64_t lambda_stride = 0;
+  double smoothing = 0;               // a
+};
+
 struct KernelArgs {
   Weight weight;
   Mode mode;
@@ -19,6 +30,7 @@ struct KernelArgs {
   int64_t ignore_index;
   Reduction reduction;
   int64_t valid_rows;  // non-ignored rows (the mean's divisor), counted by the caller's target check
+  SoftTargetArgs soft = {};
 };
 
 // Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (the logits' dtype,

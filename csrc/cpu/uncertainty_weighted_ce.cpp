@@ -63,14 +63,23 @@ CpuIsa selected_isa() {
 
 // Validates targets (the kernel is the last line of defence: under torch.compile the Python range check is
 // skipped) and counts the non-ignored rows for the mean; raises the reference's ValueError, with the same text.
-int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index) {
+// With a mix, mix_target must be a class on every non-ignored row.
+int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index,
+                      const std::optional<at::Tensor>& mix_target) {
+  if (target.is_floating_point()) return target.size(0);  // dense: every row counts
   const int64_t* t = target.const_data_ptr<int64_t>();
+  const at::Tensor mix = mix_target.has_value() ? mix_target->contiguous() : at::Tensor();
+  const int64_t* m = mix.defined() ? mix.const_data_ptr<int64_t>() : nullptr;
   const int64_t n = target.numel();
   int64_t valid = 0;
   for (int64_t i = 0; i < n; ++i) {
     if (t[i] == ignore_index) continue;
     TORCH_CHECK_VALUE(t[i] >= 0 && t[i] < num_classes, "target value ", t[i], " is out of range for ", num_classes,
                       " classes (valid: 0..", num_classes - 1, ", or ignore_index=", ignore_index, ")");
+    if (m != nullptr) {
+      TORCH_CHECK_VALUE(m[i] >= 0 && m[i] < num_classes, "mix_target value ", m[i], " is out of range for ",
+                        num_classes, " classes (valid: 0..", num_classes - 1, ")");
+    }
     ++valid;
   }
   return valid;
@@ -78,27 +87,61 @@ int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ign
 
 KernelArgs check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                 const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma,
-                double norm, int64_t ignore_index, int64_t reduction) {
+                double norm, int64_t ignore_index, int64_t reduction, const std::optional<at::Tensor>& mix_target,
+                const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   TORCH_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op, "expected CPU tensors");
   check_arguments(op, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, reduction);
-  return {static_cast<Weight>(weight), static_cast<Mode>(mode), gamma, norm, ignore_index,
-          static_cast<Reduction>(reduction), check_targets(target, logits.size(1), ignore_index)};
+  const bool soft = check_soft_arguments(op, logits, target, mix_target, mix_lambda, label_smoothing, weight);
+  KernelArgs args{static_cast<Weight>(weight), static_cast<Mode>(mode), gamma, norm, ignore_index,
+                  static_cast<Reduction>(reduction), check_targets(target, logits.size(1), ignore_index, mix_target)};
+  args.soft.active = soft;
+  args.soft.smoothing = label_smoothing;
+  return args;
+}
+
+// The kernel's view of the soft-target tensors (kept alive by the caller).
+struct SoftTargetTensors {
+  at::Tensor dense, mix, lambda;
+};
+
+SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, const at::Tensor& target,
+                                       const std::optional<at::Tensor>& mix_target,
+                                       const std::optional<at::Tensor>& mix_lambda) {
+  SoftTargetTensors held;
+  if (!args.soft.active) return held;
+  if (target.is_floating_point()) {
+    const auto acc = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+    held.dense = target.to(acc).contiguous();
+    args.soft.dense = &held.dense;
+  }
+  if (mix_target.has_value()) {
+    held.mix = mix_target->contiguous();
+    held.lambda = mix_lambda->detach().to(at::kDouble).contiguous();
+    TORCH_CHECK_VALUE(held.lambda.ge(0).logical_and(held.lambda.le(1)).all().item<bool>(),
+                      "mix_lambda must be in [0, 1] everywhere (NaN is refused)");
+    args.soft.mix = held.mix.const_data_ptr<int64_t>();
+    args.soft.lambda = held.lambda.const_data_ptr<double>();
+    args.soft.lambda_stride = held.lambda.dim() == 0 ? 0 : 1;
+  }
+  return held;
 }
 
 
 std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out) {
-  const KernelArgs args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                               ignore_index, reduction);
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
+    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
+  KernelArgs args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction, mix_target, mix_lambda, label_smoothing);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
   const at::Tensor z = direct ? logits : logits.contiguous();
   const at::Tensor t = target.contiguous();
+  const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix_target, mix_lambda);
   // In place each row is read before it is overwritten. A fresh gradient comes from the reused buffers (no page
   // faults for a new N×C each step, see gradient_buffer_cache.h).
   const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out, [&] {

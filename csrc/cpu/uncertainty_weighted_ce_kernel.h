@@ -502,10 +502,65 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   return {T(1), u * ce, T(0)};
 }
 
+#include "cpu/soft_target_rows.h"
+
 template <typename T>
 std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return std::nullopt;
   return t->detach().to(c10::CppTypeToScalarType<T>::value).contiguous();
+}
+
+// The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
+template <typename scalar_t, typename acc_t>
+void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const int64_t* t_ptr,
+                      const acc_t* weight_ptr, const acc_t* gamma_ptr, const RowSpec<acc_t>& spec,
+                      const KernelArgs& args, acc_t scale, acc_t* loss_ptr, bool avx512) {
+  constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;
+  const int64_t n = z.size(0), c = z.size(1), z_stride = z.stride(0);
+  const SoftTargetArgs& st = args.soft;
+  const scalar_t* z_ptr = z.const_data_ptr<scalar_t>();
+  const acc_t* dense_ptr = st.dense != nullptr ? st.dense->template const_data_ptr<acc_t>() : nullptr;
+  const acc_t a = static_cast<acc_t>(st.smoothing);
+  const acc_t keep = acc_t(1) - a, uniform = a / static_cast<acc_t>(c);
+  std::vector<RowLoss<acc_t>> row_parts(n);
+  const int64_t grain = std::max<int64_t>(1, 16384 / c);
+  (void)avx512;
+  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+    std::vector<acc_t> scratch(kWiden ? c : 0);
+    std::vector<acc_t> exps(c);
+    RowLoss<acc_t>* parts = row_parts.data();
+    for (int64_t i = begin; i < end; ++i) {
+      scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
+      soft::RowTarget<acc_t> tg{nullptr, keep, uniform, acc_t(0), acc_t(0), 0, 0};
+      if (dense_ptr != nullptr) {
+        tg.dense = dense_ptr + i * c;
+      } else {
+        const int64_t y = t_ptr[i];
+        if (y == args.ignore_index) {
+          parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
+          if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
+          continue;
+        }
+        const acc_t lam = st.lambda != nullptr ? static_cast<acc_t>(st.lambda[i * st.lambda_stride]) : acc_t(1);
+        tg.y = y;
+        tg.m = st.mix != nullptr ? st.mix[i] : y;
+        tg.w_y = keep * lam;
+        tg.w_m = keep * (acc_t(1) - lam);
+      }
+      const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
+      const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
+      const scalar_t* z_row = z_ptr + i * z_stride;
+      if constexpr (kWiden) {
+        at::vec::convert(z_row, scratch.data(), c);
+        parts[i] = soft::general_soft_row<acc_t>(scratch.data(), grad_row ? scratch.data() : nullptr, c, tg, spec,
+                                                 gamma, ext, scale, exps.data());
+        if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
+      } else {
+        parts[i] = soft::general_soft_row<acc_t>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps.data());
+      }
+    }
+    finish_row_losses(parts, loss_ptr, begin, end);
+  });
 }
 
 // Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (row stride
@@ -527,88 +582,93 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const acc_t* weight_ptr = weights ? weights->template const_data_ptr<acc_t>() : nullptr;
   const acc_t* gamma_ptr = gammas ? gammas->template const_data_ptr<acc_t>() : nullptr;
   const scalar_t* z_ptr = z.const_data_ptr<scalar_t>();
-  const int64_t* t_ptr = target.const_data_ptr<int64_t>();
+  const int64_t* t_ptr = target.scalar_type() == at::kLong ? target.const_data_ptr<int64_t>() : nullptr;
   acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
   std::vector<RowLoss<acc_t>> row_parts(n);
   const RowSpec<acc_t> spec{args.weight, args.mode, static_cast<acc_t>(args.gamma), static_cast<acc_t>(args.norm)};
 
-  auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
-    constexpr PowQ kPow = decltype(pow_tag)::value;
-    constexpr bool kDual = decltype(dual_tag)::value;
-    constexpr bool kAvx512 = decltype(avx512_tag)::value;
-    // only the AVX-512 float sweeps of the one-exponential path have the streaming form; in place the lines are the
-    // logits', already in the cache
-    constexpr bool kCanStream = kAvx512OneExponentialPath<scalar_t, kPow, kDual, kAvx512>;
-    const bool stream = kCanStream && grad_ptr != nullptr &&
-                        static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
-                        use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
-    // enough columns per task that scheduling is amortised
-    const int64_t grain = std::max<int64_t>(1, 16384 / c);
-    at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
-      std::vector<acc_t> scratch(kWiden ? c : 0);
-      // the exponentials of rows whose gradient row aliases the logits row (in place, widened) or is streamed,
-      // 64-byte aligned
-      const bool aliased = kWiden || static_cast<const void*>(grad_ptr) == static_cast<const void*>(z_ptr);
-      const bool need_exp_row = grad_ptr != nullptr && (stream || aliased);
-      std::vector<acc_t> exp_row(need_exp_row ? c + 64 / sizeof(acc_t) : 0);
-      acc_t* exp_ptr = nullptr;
-      if (need_exp_row) {
-        const auto misalign = reinterpret_cast<uintptr_t>(exp_row.data()) % 64;
-        exp_ptr = exp_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
-      }
-      RowLoss<acc_t>* parts = row_parts.data();
-      for (int64_t i = begin; i < end; ++i) {
-        scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
-        const int64_t y = t_ptr[i];
-        if (y == args.ignore_index) {
-          parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
-          if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
-          continue;
-        }
-        const scalar_t* z_row = z_ptr + i * z_stride;
-        const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
-        const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
-        if constexpr (kWiden) {
-          at::vec::convert(z_row, scratch.data(), c);
-          parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
-                                                              spec, gamma, ext, scale, 0, exp_ptr, false);
-          if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
-        } else {
-          parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale,
-                                                              kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                                                              exp_ptr, stream);
-        }
-      }
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-      // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
-      if constexpr (kCanStream) {
-        if (stream) avx512::stream_fence();
-      }
-#endif
-      finish_row_losses(parts, loss_ptr, begin, end);
-    });
-  };
-  using F = std::false_type;
-  using T = std::true_type;
-  auto run_rows = [&](auto pow_tag, auto dual_tag) {
-    if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
-      run_rows_with(pow_tag, dual_tag, T{});
-    } else {
-      run_rows_with(pow_tag, dual_tag, F{});
-    }
-  };
-  if (args.weight == Weight::Brier) {
-    if (args.norm == 2.0) {
-      run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
-    } else if (args.norm == 1.0) {
-      run_rows(std::integral_constant<PowQ, PowQ::Linear>{}, F{});
-    } else {
-      run_rows(std::integral_constant<PowQ, PowQ::General>{}, F{});
-    }
-  } else if (args.weight == Weight::DualFocal) {
-    run_rows(std::integral_constant<PowQ, PowQ::None>{}, T{});
+  if (args.soft.active) {
+    launch_soft_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args, scale,
+                                      loss_ptr, avx512);
   } else {
-    run_rows(std::integral_constant<PowQ, PowQ::None>{}, F{});
+    auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
+      constexpr PowQ kPow = decltype(pow_tag)::value;
+      constexpr bool kDual = decltype(dual_tag)::value;
+      constexpr bool kAvx512 = decltype(avx512_tag)::value;
+      // only the AVX-512 float sweeps of the one-exponential path have the streaming form; in place the lines are the
+      // logits', already in the cache
+      constexpr bool kCanStream = kAvx512OneExponentialPath<scalar_t, kPow, kDual, kAvx512>;
+      const bool stream = kCanStream && grad_ptr != nullptr &&
+                          static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
+                          use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
+      // enough columns per task that scheduling is amortised
+      const int64_t grain = std::max<int64_t>(1, 16384 / c);
+      at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+        std::vector<acc_t> scratch(kWiden ? c : 0);
+        // the exponentials of rows whose gradient row aliases the logits row (in place, widened) or is streamed,
+        // 64-byte aligned
+        const bool aliased = kWiden || static_cast<const void*>(grad_ptr) == static_cast<const void*>(z_ptr);
+        const bool need_exp_row = grad_ptr != nullptr && (stream || aliased);
+        std::vector<acc_t> exp_row(need_exp_row ? c + 64 / sizeof(acc_t) : 0);
+        acc_t* exp_ptr = nullptr;
+        if (need_exp_row) {
+          const auto misalign = reinterpret_cast<uintptr_t>(exp_row.data()) % 64;
+          exp_ptr = exp_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
+        }
+        RowLoss<acc_t>* parts = row_parts.data();
+        for (int64_t i = begin; i < end; ++i) {
+          scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
+          const int64_t y = t_ptr[i];
+          if (y == args.ignore_index) {
+            parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
+            if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
+            continue;
+          }
+          const scalar_t* z_row = z_ptr + i * z_stride;
+          const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
+          const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
+          if constexpr (kWiden) {
+            at::vec::convert(z_row, scratch.data(), c);
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
+                                                                spec, gamma, ext, scale, 0, exp_ptr, false);
+            if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
+          } else {
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale,
+                                                                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
+                                                                exp_ptr, stream);
+          }
+        }
+  #if CALIBKERNELS_HAVE_AVX512_SWEEPS
+        // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
+        if constexpr (kCanStream) {
+          if (stream) avx512::stream_fence();
+        }
+  #endif
+        finish_row_losses(parts, loss_ptr, begin, end);
+      });
+    };
+    using F = std::false_type;
+    using T = std::true_type;
+    auto run_rows = [&](auto pow_tag, auto dual_tag) {
+      if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
+        run_rows_with(pow_tag, dual_tag, T{});
+      } else {
+        run_rows_with(pow_tag, dual_tag, F{});
+      }
+    };
+    if (args.weight == Weight::Brier) {
+      if (args.norm == 2.0) {
+        run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
+      } else if (args.norm == 1.0) {
+        run_rows(std::integral_constant<PowQ, PowQ::Linear>{}, F{});
+      } else {
+        run_rows(std::integral_constant<PowQ, PowQ::General>{}, F{});
+      }
+    } else if (args.weight == Weight::DualFocal) {
+      run_rows(std::integral_constant<PowQ, PowQ::None>{}, T{});
+    } else {
+      run_rows(std::integral_constant<PowQ, PowQ::None>{}, F{});
+    }
   }
 
   if (args.reduction == Reduction::None) return row_loss;
