@@ -498,12 +498,18 @@ def _ddp_worker(rank, world_size, port, shards, out_dir):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
         meter = CalibrationMeter(n_bins=15)
+        others = {"smooth": metrics.SmoothECEMeter(), "top-label": metrics.DebiasedECEMeter(),
+                  "marginal": metrics.DebiasedECEMeter(mode="marginal")}
         logits, labels = shards[rank]
         for chunk_logits, chunk_labels in zip(logits.split(50), labels.split(50)):
             meter.update(chunk_logits, chunk_labels)
+            for other in others.values():
+                other.update(chunk_logits, chunk_labels)
         merged = meter.compute()
         local = meter.compute(sync=False) if meter.num_samples else None
-        torch.save({"merged": merged, "local": local}, os.path.join(out_dir, f"rank{rank}.pt"))
+        merged_others = {"smooth": others["smooth"].compute(return_bandwidth=True),
+                         **{mode: others[mode].compute() for mode in ("top-label", "marginal")}}
+        torch.save({"merged": merged, "local": local, "others": merged_others}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
@@ -521,6 +527,12 @@ def test_meter_merges_across_two_gloo_ranks(tmp_path):
         result = torch.load(tmp_path / f"rank{rank}.pt")
         for key in metrics.METRIC_KEYS:
             assert result["merged"][key] == pytest.approx(expected[key], rel=1e-6, abs=1e-9), (rank, key)
+    value, sigma = metrics.smooth_ece(logits, labels, return_bandwidth=True)
+    for rank in range(2):  # the smooth ECE and debiased meters (tests/test_metrics_streaming_smooth.py) merge exactly
+        others = torch.load(tmp_path / f"rank{rank}.pt")["others"]
+        assert others["smooth"][1] == sigma and others["smooth"][0] == pytest.approx(value, rel=1e-12)
+        for mode in ("top-label", "marginal"):
+            assert others[mode] == pytest.approx(metrics.debiased_ece(logits, labels, mode=mode), rel=1e-12), mode
     rank0_alone = metrics.calibration_metrics(*shards[0])
     assert torch.load(tmp_path / "rank0.pt")["local"]["ece"] == pytest.approx(rank0_alone["ece"], abs=1e-9)
 

@@ -23,6 +23,9 @@
   package's own), ``bootstrap_distribution``, ``bin_accuracy_band``. The functions ``smooth_ece`` and ``bootstrap``
   share their modules' names, so ``calibkernels.metrics.smooth_ece`` is the function; the modules are in
   ``sys.modules`` under their full names.
+* :mod:`.meters` — ``SmoothECEMeter`` (constant state: one spread kernel grid per bandwidth the bisection can try)
+  and ``DebiasedECEMeter`` (keeps every sample: equal-mass bins need all of them), streaming and merged across DDP
+  ranks like ``CalibrationMeter``.
 """
 
 from .binned import (
@@ -47,11 +50,14 @@ from .smooth import dece, sece
 from .bootstrap import BATCHED_METRICS, bin_accuracy_band, bootstrap, bootstrap_distribution
 from .debiased import debiased_ece
 from .smooth_ece import smooth_ece, smooth_reliability_curve
+from .meters import DebiasedECEMeter, SmoothECEMeter
 # --- end metrics past the anchors ---
 
 __all__ = [
     "METRIC_KEYS",
     "CalibrationMeter",
+    "DebiasedECEMeter",
+    "SmoothECEMeter",
     "BATCHED_METRICS",
     "accuracy",
     "adaptive_ece",

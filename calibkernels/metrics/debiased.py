@@ -29,8 +29,8 @@ p=2, debias=True, num_bins=15, mode=...)``), reproduced exactly:
 * ``n_b / N`` divides by all N samples (every sample lands in some bin).
 
 Everything is vectorised (sort, ``searchsorted``, ``scatter_add``; the marginal mode handles all classes in one
-batch) and accumulated in float64. The equal-mass boundaries need every sample at once, so there is no streaming form:
-under DDP, gather the logits (or probabilities) of all ranks first.
+batch) and accumulated in float64. The equal-mass boundaries need every sample at once, so the streaming form
+(:class:`calibkernels.metrics.DebiasedECEMeter`) keeps every sample and gathers them across DDP ranks.
 """
 
 from __future__ import annotations

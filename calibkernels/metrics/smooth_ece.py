@@ -30,9 +30,10 @@ Numerics, chosen to agree with the authors' ``relplot`` package (``relplot.smECE
   ``σ < 0.001 or σ < smECE_σ`` (σ too narrow) and the upper end down otherwise; σ* is the final upper end (a multiple
   of 2^-10 with ``smECE_σ* ≤ σ*``, within 2^-10 of the fixed point) and the result is ``smECE_σ*``.
 
-The estimator needs every sample at once (the kernel sum runs over all of them), so there is no streaming form: under
-DDP, gather the logits (or confidences) of all ranks first. Everything is vectorised (no Python loop over samples);
-the bisection is a loop of 10 steps, each one FFT correlation of a ``G``-point grid.
+The kernel sums are linear in the samples once they are spread onto the grid, and the bisection only ever visits
+about ten grid sizes (:func:`automatic_grid_sizes`), so a streaming meter keeps one spread grid of each size and
+merges ranks with one all-reduce (:class:`calibkernels.metrics.SmoothECEMeter`). Everything is vectorised (no Python
+loop over samples); the bisection is a loop of 10 steps, each one FFT correlation of a ``G``-point grid.
 """
 
 from __future__ import annotations
@@ -130,14 +131,31 @@ def automatic_smooth_ece(confidence: torch.Tensor, correct: torch.Tensor):
     (a multiple of 2^-step, so few distinct values) and each group is evaluated in one batched pass. The spread
     grids are computed once per grid size (every σ >= 0.01 shares G = 1001), so a step costs one FFT per group.
     """
-    rows, device = confidence.shape[0], confidence.device
     grids = {}  # grid size -> (2, B, G) spread grid of every row
 
-    def evaluate_rows(group, sigma):
-        size = grid_points(sigma)
+    def grid_of_size(size):
         if size not in grids:
             grids[size] = _spread(confidence, correct, size)
-        return _smooth_ece_of_grid(grids[size][:, group], sigma)
+        return grids[size]
+
+    return automatic_smooth_ece_of_grids(grid_of_size, confidence.shape[0], confidence.device)
+
+
+def automatic_grid_sizes() -> list[int]:
+    """Every grid size the automatic bandwidth's bisection can evaluate: those of the trial bandwidths
+    ``j / 2^BISECTION_STEPS >= MIN_AUTOMATIC_BANDWIDTH`` (σ = 1 included). A streaming meter keeps one spread grid of
+    each size (:class:`calibkernels.metrics.SmoothECEMeter`)."""
+    steps = 2 ** BISECTION_STEPS
+    return sorted({grid_points(j / steps) for j in range(1, steps + 1) if j / steps >= MIN_AUTOMATIC_BANDWIDTH})
+
+
+def automatic_smooth_ece_of_grids(grid_of_size, rows: int, device):
+    """:func:`automatic_smooth_ece` from spread grids: ``grid_of_size(G)`` returns the ``(2, rows, G)`` grid of
+    :func:`_spread` (the residuals and the counts of every sample, spread linearly; sums over samples, so grids of
+    separate batches add up)."""
+
+    def evaluate_rows(group, sigma):
+        return _smooth_ece_of_grid(grid_of_size(grid_points(sigma))[:, group], sigma)
 
     lower = torch.zeros(rows, dtype=torch.float64, device=device)
     upper = torch.ones(rows, dtype=torch.float64, device=device)
@@ -157,6 +175,19 @@ def automatic_smooth_ece(confidence: torch.Tensor, correct: torch.Tensor):
     if bool(never_moved.any()):
         at_upper[never_moved] = evaluate_rows(never_moved, 1.0)
     return at_upper, upper
+
+
+def curve_from_grid(grid: torch.Tensor, sigma: float, value: float, num_samples: int) -> dict:
+    """The :func:`smooth_reliability_curve` dict from the ``(2, 1, G)`` spread grid at bandwidth ``sigma``."""
+    residual, density, t = _smoothed(grid, sigma)
+    residual, density = residual[0], density[0]
+    return {
+        "confidence": t.cpu(),
+        "accuracy": (t - residual / (density + DENSITY_FLOOR)).cpu(),
+        "density": (density / num_samples).cpu(),
+        "smooth_ece": float(value),
+        "bandwidth": sigma,
+    }
 
 
 def check_bandwidth(bandwidth) -> float | None:
@@ -220,12 +251,5 @@ def smooth_reliability_curve(inputs, labels, *, bandwidth: float | None = None, 
         sigma = float(sigma[0])
     else:
         value = smooth_ece_at(confidence, correct, sigma)
-    residual, density, t = _smoothed(_spread(confidence, correct, grid_points(sigma)), sigma)
-    residual, density = residual[0], density[0]
-    return {
-        "confidence": t.cpu(),
-        "accuracy": (t - residual / (density + DENSITY_FLOOR)).cpu(),
-        "density": (density / confidence.shape[1]).cpu(),
-        "smooth_ece": float(value[0]),
-        "bandwidth": sigma,
-    }
+    return curve_from_grid(_spread(confidence, correct, grid_points(sigma)), sigma, float(value[0]),
+                           confidence.shape[1])

@@ -42,7 +42,8 @@ from .binned import (
     nll_sum,
 )
 
-__all__ = ["CalibrationMeter", "METRIC_KEYS", "calibration_metrics"]
+__all__ = ["CalibrationMeter", "METRIC_KEYS", "calibration_metrics", "all_gather_rows", "agree_on_width",
+           "communication_device"]
 
 METRIC_KEYS = ("accuracy", "ece", "adaece", "classwise_ece", "mce", "nll", "brier")
 _NUM_SCALARS = 4  # N, Σ NLL, Σ Brier, Σ correct
@@ -52,6 +53,43 @@ def _distributed_world_size() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size()
     return 1
+
+
+# ----------------------------------------------------------------------------------------------- DDP helpers
+def communication_device():
+    """Where collectives run: the current CUDA device for NCCL, the CPU otherwise (gloo, mpi)."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def agree_on_width(known: int | None, comm, owner: str, what: str = "classes") -> int:
+    """The width (number of classes) every rank agrees on; a rank that saw no batch passes ``None``. Raises
+    ``ValueError`` when no rank knows it or two ranks disagree (mismatched shapes would hang a later collective)."""
+    known = known or 0
+    width_range = torch.tensor([known, -(known or 2**62)], dtype=torch.int64, device=comm)
+    dist.all_reduce(width_range, op=dist.ReduceOp.MAX)
+    width, smallest_known = int(width_range[0]), -int(width_range[1])
+    if width == 0:
+        raise ValueError(f"{owner}.compute(): no rank has seen any samples")
+    if smallest_known != width:
+        raise ValueError(f"ranks disagree on the number of {what} ({smallest_known} vs {width})")
+    return width
+
+
+def all_gather_rows(packed: torch.Tensor) -> torch.Tensor:
+    """Concatenate the ``(n_r, w)`` float64 rows of every rank in rank order, on every rank (``n_r`` may differ:
+    padded to the longest, then trimmed). ``packed`` lives on the communication device."""
+    world = dist.get_world_size()
+    size = torch.tensor([packed.shape[0]], dtype=torch.int64, device=packed.device)
+    sizes = [torch.zeros_like(size) for _ in range(world)]
+    dist.all_gather(sizes, size)
+    sizes = [int(s) for s in sizes]
+    padded = torch.zeros(max(sizes), packed.shape[1], dtype=packed.dtype, device=packed.device)
+    padded[: packed.shape[0]] = packed
+    gathered = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(gathered, padded)
+    return torch.cat([g[:s] for g, s in zip(gathered, sizes)])
 
 
 class CalibrationMeter:
@@ -124,26 +162,13 @@ class CalibrationMeter:
             self._correct.append(correct.to(torch.bool).to(device))
 
     # ----------------------------------------------------------------------------------------------- DDP merging
-    @staticmethod
-    def _communication_device():
-        if dist.get_backend() == "nccl":
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
     def _merged_state(self):
         """``(bins, classwise, scalars, confidences, correct)`` summed / concatenated over every rank."""
         local_conf = torch.cat(self._confidences) if self._confidences else None
         local_correct = torch.cat(self._correct) if self._correct else None
-        comm = self._communication_device()
+        comm = communication_device()
         # Agree on C first: a rank that saw no batch has no state yet, and mismatched shapes would hang all_reduce.
-        known = self.num_classes or 0
-        class_range = torch.tensor([known, -(known or 2**62)], dtype=torch.int64, device=comm)
-        dist.all_reduce(class_range, op=dist.ReduceOp.MAX)
-        num_classes, smallest_known = int(class_range[0]), -int(class_range[1])
-        if num_classes == 0:
-            raise ValueError("CalibrationMeter.compute(): no rank has seen any samples")
-        if smallest_known != num_classes:
-            raise ValueError(f"ranks disagree on the number of classes ({smallest_known} vs {num_classes})")
+        num_classes = agree_on_width(self.num_classes, comm, "CalibrationMeter")
         if self.num_classes is None:
             self._allocate(num_classes, comm)
 
@@ -161,16 +186,7 @@ class CalibrationMeter:
             packed = torch.zeros(0, 2, dtype=torch.float64, device=comm)
         else:
             packed = torch.stack([local_conf.to(torch.float64), local_correct.to(torch.float64)], dim=1).to(comm)
-        world = dist.get_world_size()
-        size = torch.tensor([packed.shape[0]], dtype=torch.int64, device=comm)
-        sizes = [torch.zeros_like(size) for _ in range(world)]
-        dist.all_gather(sizes, size)
-        sizes = [int(s) for s in sizes]
-        padded = torch.zeros(max(sizes), 2, dtype=torch.float64, device=comm)
-        padded[: packed.shape[0]] = packed
-        gathered = [torch.empty_like(padded) for _ in range(world)]
-        dist.all_gather(gathered, padded)
-        everything = torch.cat([g[:s] for g, s in zip(gathered, sizes)])
+        everything = all_gather_rows(packed)
         if everything.shape[0] == 0:
             return bins, classwise, scalars, None, None
         return bins, classwise, scalars, everything[:, 0].to(self._confidence_dtype), everything[:, 1]
