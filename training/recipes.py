@@ -5,6 +5,13 @@ docs/papers.md): SGD momentum 0.9, weight decay 5e-4, **sum** reduction over the
 lr 0.1 → 0.01 → 0.001 at epochs 150/250 of 350 (CIFAR, batch 128, 45k/5k train/validation split) or 40/60 of 100
 (Tiny-ImageNet, batch 64, 50 train images per class held out as validation, the official val set as test).
 
+Loss options every recipe carries (training/loss_schedules.py): ``gamma_schedule`` (FLSc-531 and the like; off by
+default) with the switch epochs the papers' scripts used for this recipe (CIFAR 100/250 of 350, Tiny-ImageNet 30/70 of
+100; scaled from CIFAR's otherwise), ``ce_warmup_epochs`` (0), and ``mmce_form="papers_code"``: ``--loss mmce`` and
+``--loss mmce_weighted`` use the form of the focal-loss / BSCE-GRA code, on which λ = 2 was tuned and from which the
+published MMCE numbers come, unless the spec names ``form=``. With the recipes' sum reduction the MMCE loss is
+``Σ CE + λ·m·MMCE``, exactly the papers' ``len(data) · (mean CE + λ·MMCE)``.
+
 The fine-tuning recipes' optimiser settings beyond "Adam, cosine, 90 epochs" (ImageNet) and "50 epochs" (ViT) are not
 published; the values below are this project's choice and are marked as such.
 
@@ -53,6 +60,11 @@ class Recipe:
     model_ema_steps: int = 32          # optimiser steps between EMA updates
     warmup_epochs: int = 0             # linear LR warm-up epochs (from warmup_decay · lr), then the main schedule
     warmup_decay: float = 0.01
+    # loss options (training/loss_schedules.py)
+    gamma_schedule: str = "none"       # "none" | "flsc-531" | "flsc-532": the focal exponent by epoch (Mukhoti et al.)
+    gamma_schedule_epochs: tuple[int, ...] = ()  # the published switch epochs of FLSc at `epochs` (else scaled)
+    ce_warmup_epochs: int = 0          # cross-entropy for these first epochs, then the chosen loss
+    mmce_form: str = "papers_code"     # MMCE's form when --loss mmce* does not say (λ = 2 was tuned on this one)
     notes: str = ""
     model_kwargs: dict = field(default_factory=dict)
 
@@ -62,7 +74,7 @@ class Recipe:
 
 def _cifar(dataset: str, arch_name: str, arch: str, num_classes: int) -> Recipe:
     return Recipe(name=f"{dataset}-{arch_name}", dataset=dataset, arch=arch, num_classes=num_classes, epochs=350,
-                  batch_size=128, lr=0.1, milestones=(150, 250),
+                  batch_size=128, lr=0.1, milestones=(150, 250), gamma_schedule_epochs=(100, 250),
                   notes="Mukhoti et al. 2020 / BSCE-GRA paper recipe; 45k/5k seeded train/validation split")
 
 
@@ -75,7 +87,7 @@ for _dataset, _classes in (("cifar10", 10), ("cifar100", 100)):
 
 RECIPES["tinyimagenet-resnet50"] = Recipe(
     name="tinyimagenet-resnet50", dataset="tinyimagenet", arch="tv_resnet50", num_classes=200, epochs=100,
-    batch_size=64, lr=0.1, milestones=(40, 60), image_size=64,
+    batch_size=64, lr=0.1, milestones=(40, 60), image_size=64, gamma_schedule_epochs=(30, 70),
     notes="torchvision ResNet-50 from scratch on 64 px; 50 train images/class held out as validation, official val "
           "as test")
 RECIPES["imagenet-resnet50-finetune"] = Recipe(

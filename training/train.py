@@ -45,6 +45,7 @@ import calibkernels as ck
 
 from . import distributed as dist_utils
 from . import soft_targets
+from .loss_schedules import GAMMA_SCHEDULES, LossSchedule, parse_epochs, switch_epochs
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import DataError, build_datasets
 from .models import ARCHITECTURES, build_model
@@ -61,7 +62,7 @@ TRAIN_EXTRA = {"tqdm": "tqdm", "torchvision": "torchvision", "matplotlib": "matp
 _PER_INVOCATION = {"list_recipes", "compare", "seeds", "resume", "output_dir", "download", "pretrained", "device", "compile",
                    "channels_last", "workers", "stop_after", "threads", "log_every", "tensorboard", "no_progress"}
 # Values derived from the others (resolve_run_config, run_training), and the record of which flags were given.
-_DERIVED = {"num_classes", "model_kwargs", "reduction", "clip_grad_norm", "explicit"}
+_DERIVED = {"num_classes", "model_kwargs", "reduction", "clip_grad_norm", "explicit", "mmce_form"}
 # They fix the model or the data splits, so a resumed run cannot change them.
 _FIXED_BY_CHECKPOINT = ("recipe", "arch", "loss", "method", "seed", "image_size", "meta_fraction")
 
@@ -145,6 +146,15 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     soft.add_argument("--warmup-epochs", type=int, default=None, help="linear LR warm-up epochs")
     soft.add_argument("--warmup-decay", type=float, default=None,
                       help="the warm-up's first-epoch lr factor (it rises linearly to 1)")
+    schedule = parser.add_argument_group("loss schedule (default: the recipe's; training/README.md, 'Loss schedules')")
+    schedule.add_argument("--gamma-schedule", default=None, choices=list(GAMMA_SCHEDULES),
+                          help="the loss's exponent γ by epoch: flsc-531 is 5, then 3, then 1 (Mukhoti et al.'s "
+                               "FLSc-531), switching at the recipe's epochs scaled to --epochs")
+    schedule.add_argument("--gamma-schedule-epochs", default=None, metavar="A,B",
+                          help="the two epochs at which the γ schedule switches; none given: the recipe's, scaled "
+                               "to --epochs")
+    schedule.add_argument("--ce-warmup-epochs", type=int, default=None, metavar="K",
+                          help="train with cross-entropy for the first K epochs, then with --loss")
     parser.add_argument("--log-every", type=int, default=None,
                         help="print an epoch summary line every this many epochs (default: about 15 lines per run)")
     parser.add_argument("--tensorboard", action="store_true",
@@ -171,17 +181,27 @@ def parse_loss_spec(spec: str) -> tuple[str, dict]:
     return name, hyperparameters
 
 
-def build_criterion(spec: str, reduction: str, backend: str, label_smoothing: float = 0.0) -> nn.Module:
+# Loss modules with a fused kernel (the others run the reference and keep backend "auto").
+_FUSED_MODULES = (ck.losses.UncertaintyWeightedCE, ck.losses.AdaptiveBSCEGRA, ck.losses.AdaFocalLoss,
+                  ck.losses.MbLSLoss, ck.losses.MDCALoss)
+
+
+def build_criterion(spec: str, reduction: str, backend: str, label_smoothing: float = 0.0,
+                    mmce_form: str | None = None) -> nn.Module:
     """The loss module of ``spec`` with the recipe's reduction; ``backend`` goes to losses that have fused kernels;
-    ``label_smoothing`` (> 0) needs a loss of the uncertainty-weighted CE family."""
+    ``label_smoothing`` (> 0) needs a loss of the uncertainty-weighted CE family; ``mmce_form`` (the recipe's) is the
+    MMCE form of ``mmce`` / ``mmce_weighted`` unless ``spec`` gives ``form=``."""
     name, hyperparameters = parse_loss_spec(spec)
     if label_smoothing:
         if "label_smoothing" in hyperparameters:
             raise ValueError(f"label smoothing given twice: --label-smoothing and in the loss {spec!r}")
         hyperparameters["label_smoothing"] = label_smoothing
+    if mmce_form is not None and name in ("mmce", "mmce_weighted"):
+        hyperparameters.setdefault("form", mmce_form)
     criterion = ck.losses.build(name, reduction=reduction, **hyperparameters)
-    if isinstance(criterion, ck.losses.UncertaintyWeightedCE):
-        criterion.backend = backend
+    for module in criterion.modules():
+        if isinstance(module, _FUSED_MODULES):
+            module.backend = backend
     return criterion
 
 
@@ -206,9 +226,10 @@ def resolve_run_config(args) -> argparse.Namespace:
     args.reduction = recipe.reduction
     args.clip_grad_norm = recipe.clip_grad_norm
     for name in ("label_smoothing", "mixup_alpha", "cutmix_alpha", "model_ema", "model_ema_decay", "model_ema_steps",
-                 "warmup_epochs", "warmup_decay"):
+                 "warmup_epochs", "warmup_decay", "gamma_schedule", "ce_warmup_epochs"):
         if getattr(args, name, None) is None:
             setattr(args, name, getattr(recipe, name))
+    args.mmce_form = recipe.mmce_form
     args.mix_dense = bool(getattr(args, "mix_dense", False))
     for name in ("label_smoothing", "mixup_alpha", "cutmix_alpha"):
         value = getattr(args, name)
@@ -245,7 +266,29 @@ def resolve_run_config(args) -> argparse.Namespace:
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
     check_loss_spec(args.loss, args.label_smoothing, mixing)
+    loss_schedule(args, build_criterion(args.loss, "mean", "auto", args.label_smoothing), recipe)  # checks it
     return args
+
+
+def loss_schedule(args, criterion: nn.Module, recipe) -> LossSchedule:
+    """The run's :class:`training.loss_schedules.LossSchedule` (γ schedule, cross-entropy warm-up) around
+    ``criterion``; raises ValueError for options that do not fit the loss, the method or the run's length."""
+    gamma_schedule = getattr(args, "gamma_schedule", "none") or "none"
+    warmup = int(getattr(args, "ce_warmup_epochs", 0) or 0)
+    if (gamma_schedule != "none" or warmup) and args.method != "standard":
+        raise ValueError("--gamma-schedule and --ce-warmup-epochs need --method standard")
+    if warmup < 0 or (warmup and warmup >= args.epochs):
+        raise ValueError(f"--ce-warmup-epochs must be >= 0 and < --epochs ({args.epochs}), got {warmup}")
+    switch = None
+    if gamma_schedule != "none":
+        switch = switch_epochs(args.epochs, recipe.gamma_schedule_epochs, recipe.epochs,
+                               parse_epochs(getattr(args, "gamma_schedule_epochs", None)))
+    warmup_criterion = None
+    if warmup:
+        warmup_criterion = build_criterion("cross_entropy", args.reduction, args.backend,
+                                           getattr(args, "label_smoothing", 0.0))
+    return LossSchedule(criterion, gamma_schedule=gamma_schedule, switch=switch, ce_warmup_epochs=warmup,
+                        warmup_criterion=warmup_criterion)
 
 
 def check_loss_spec(spec: str, label_smoothing: float = 0.0, mixing: bool = False) -> None:
@@ -649,7 +692,9 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
     model_without_ddp = model
-    criterion = build_criterion(args.loss, args.reduction, args.backend, getattr(args, "label_smoothing", 0.0))
+    criterion = build_criterion(args.loss, args.reduction, args.backend, getattr(args, "label_smoothing", 0.0),
+                                getattr(args, "mmce_form", recipe.mmce_form))
+    schedule = loss_schedule(args, criterion, recipe)
     optimizer = _make_optimizer(recipe, model, args.lr)
     scheduler = soft_targets.make_scheduler(optimizer, recipe.scheduler, args.epochs, recipe.milestones,
                                             getattr(args, "warmup_epochs", 0), getattr(args, "warmup_decay", 0.01))
@@ -706,6 +751,8 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             scheduler.T_max = args.epochs  # from the current lr, the cosine now reaches 0 at the new last epoch
         if meta is not None and checkpoint.get("meta") is not None:
             meta.load_state_dict(checkpoint["meta"])
+        if checkpoint.get("loss_state"):  # a loss with state of its own (AdaFocal's γ table)
+            criterion.load_state_dict(checkpoint["loss_state"])
         start_epoch, first_step = int(checkpoint["epoch"]), int(checkpoint.get("batches_done", 0))
         if main_process:
             _truncate_log(output_dir, start_epoch)
@@ -718,6 +765,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             "batches_done": batches_done, "args": {k: v for k, v in vars(args).items()},
             "recipe": recipe.to_dict(), "rng": rng_state(), "meta": meta.state_dict() if meta is not None else None,
             "world_size": world, "model_ema": ema.state_dict() if ema is not None else None,
+            "loss_state": criterion.state_dict(),
         }
 
     if main_process:
@@ -729,6 +777,10 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         (output_dir / "args.json").write_text(json.dumps(vars(args), indent=2, default=str))
         loss_text = (f"loss {args.loss}" if args.method == "standard" else
                      f"{args.method}: focal loss with the γ-Net's per-sample γ ({len(splits.meta)} meta-validation)")
+        if getattr(criterion, "form", None) is not None:
+            loss_text += f" (MMCE form {criterion.form})"
+        if schedule.describe():
+            loss_text += f" [{schedule.describe()}]"
         print(f"{recipe.name}: {args.arch} on {recipe.dataset} ({len(splits.train)} train / {len(splits.val)} val / "
               f"{len(splits.test)} test), {loss_text} ({args.reduction} reduction), {args.epochs} epochs, "
               f"batch {args.batch_size}, lr {args.lr}, {world} process(es) on {device}")
@@ -741,7 +793,8 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         for epoch in range(start_epoch, args.epochs):
             train_sampler.set_epoch(epoch)
             train_sampler.skip = first_step * per_rank_batch
-            stats = train_one_epoch(train_model, criterion, optimizer, train_loader, device, epoch, args, scaler,
+            epoch_criterion = schedule.criterion_for(epoch)
+            stats = train_one_epoch(train_model, epoch_criterion, optimizer, train_loader, device, epoch, args, scaler,
                                     stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator, ema=ema)
             first_step = 0
             train_sampler.skip = 0
@@ -753,6 +806,9 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
                 raise TrainingInterrupted(stop.signal_name, stop.signum)
             scheduler.step()
             _sync_buffers(model_without_ddp)
+            if schedule.updates_after(epoch):  # AdaFocal: the γ table from the validation split, on every rank
+                amp = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
+                criterion.update(*collect_logits(eval_model, val_loader, device, amp, args.channels_last))
             last = epoch + 1 == args.epochs
             val, val_ema = {}, {}
             if (epoch + 1) % args.eval_every == 0 or last:
@@ -769,6 +825,12 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
                     row.update({f"val_ema_{k}": val_ema.get(k, math.nan) for k in ck.metrics.METRIC_KEYS})
                 if meta is not None:
                     row["gamma"] = meta.gamma_histogram()
+                if schedule.gammas or schedule.ce_warmup_epochs:
+                    warming_up = epoch < schedule.ce_warmup_epochs
+                    row["loss_phase"] = "ce_warmup" if warming_up else "loss"
+                    row["loss_gamma"] = schedule.gamma_at(epoch) if schedule.gammas and not warming_up else math.nan
+                if isinstance(criterion, ck.losses.AdaFocalLoss):
+                    row["adafocal_gamma"] = criterion.gamma.tolist()  # log.jsonl only (a list)
                 log.write(row)
                 save_checkpoint(make_checkpoint(epoch + 1), checkpoint_path)
                 if (epoch + 1) % log_every == 0 or last or epoch == start_epoch:
