@@ -44,13 +44,6 @@ Vectorized<T> load_masked(const T* p, int64_t count, T fill) {
                                         : Vectorized<T>::set(Vectorized<T>(fill), Vectorized<T>::loadu(p, count), count);
 }
 
-// CE's pieces of a compact row: lse - z_k for a column with exponential e_k = exp(z_k - ref) (e_k = 1 at the
-// reference point, where log1p(denom - 1) = log1p(Σ of the other columns) keeps the precision as p_k → 1).
-template <typename T>
-T ce_of_column(T z_k, T ref, T denom, T others) {
-  return z_k == ref ? std::log1p(others) : (ref - z_k) + std::log(denom);
-}
-
 // The row's CE, P = <t, p>, 1 - P and the FLSD band from a compact row's sums: the exponentials e_y, e_m relative to
 // ref, `rest` = Σ over the columns other than y and m, `shift_sum` = Σ_k (z_k - ref) over all columns (read only
 // when c > 0).
@@ -61,7 +54,10 @@ struct CompactSums {
 
 template <typename T>
 struct CompactRow {
-  T denom, p_y, p_m, one_minus_p_y, one_minus_t_y, d_y, d_m, t_y, t_m, ce, P, one_minus_P, lse;
+  T denom, p_y, p_m, one_minus_p_y, d_y, d_m, t_y, t_m, P, one_minus_P;
+  // CE = ce_offset + ce_scale · L with L = log(denom) = log1p(log_arg): the logarithm can wait for the vectorised
+  // pass of finish_row_losses when nothing in the row needs the CE (mode "grad", no FLSD band)
+  T ce_offset, ce_scale, log_arg;
 };
 
 template <typename T>
@@ -69,26 +65,38 @@ CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref
   CompactRow<T> r;
   const bool mixed = tg.m != tg.y;
   r.denom = s.e_y + s.e_m + s.rest;
+  const T inv = T(1) / r.denom;
   const T others_y = s.e_m + s.rest;  // Σ_{k≠y} e_k (e_m is 0 without a distinct m)
-  r.p_y = s.e_y / r.denom;
-  r.one_minus_p_y = others_y / r.denom;
-  r.p_m = mixed ? s.e_m / r.denom : r.p_y;
-  const T one_minus_p_m = mixed ? (s.e_y + s.rest) / r.denom : r.one_minus_p_y;
-  r.lse = ref + std::log(r.denom);
-  const T ce_y = ce_of_column(z_y, ref, r.denom, others_y);
-  const T ce_m = mixed ? ce_of_column(z_m, ref, r.denom, s.e_y + s.rest) : ce_y;
-  T ce = 0;
-  if (tg.w_y > T(0)) ce += tg.w_y * ce_y;
-  if (tg.w_m > T(0)) ce += tg.w_m * ce_m;
-  if (tg.c > T(0)) ce += tg.c * (static_cast<T>(C) * std::log(r.denom) - s.shift_sum);
-  r.ce = ce;
+  r.p_y = s.e_y * inv;
+  r.one_minus_p_y = others_y * inv;
+  r.p_m = mixed ? s.e_m * inv : r.p_y;
+  const T one_minus_p_m = mixed ? (s.e_y + s.rest) * inv : r.one_minus_p_y;
+  // denom - 1 exactly where the reference column's exponential is 1 (the target's, or m's when it is the row max),
+  // so log1p keeps lse - z accurate as p → 1
+  r.log_arg = (mixed && z_m == ref && z_y != ref) ? (s.e_m - T(1)) + (s.e_y + s.rest) : (s.e_y - T(1)) + others_y;
+  // CE = Σ_k t_k (lse - z_k) = w_y (ref - z_y) + w_m (ref - z_m) + c Σ_k (ref - z_k) + (w_y + w_m + c C) L
+  T offset = 0, scale = 0;
+  if (tg.w_y > T(0)) {
+    offset += tg.w_y * (ref - z_y);
+    scale += tg.w_y;
+  }
+  if (tg.w_m > T(0)) {
+    offset += tg.w_m * (ref - z_m);
+    scale += tg.w_m;
+  }
+  if (tg.c > T(0)) {
+    offset -= tg.c * s.shift_sum;
+    scale += tg.c * static_cast<T>(C);
+  }
+  r.ce_offset = offset;
+  r.ce_scale = scale;
   const T cm1 = tg.c * static_cast<T>(C - 1);
   r.one_minus_P = tg.w_y * r.one_minus_p_y + tg.w_m * one_minus_p_m + cm1;
   r.P = tg.w_y * r.p_y + tg.w_m * r.p_m + tg.c;
   r.t_y = tg.c + tg.w_y + (mixed ? T(0) : tg.w_m);
   r.t_m = mixed ? tg.c + tg.w_m : r.t_y;
-  r.one_minus_t_y = (mixed ? tg.w_m : T(0)) + cm1;
-  r.d_y = r.one_minus_t_y - r.one_minus_p_y;  // p_y - t_y without cancellation as p_y → 1
+  const T one_minus_t_y = (mixed ? tg.w_m : T(0)) + cm1;
+  r.d_y = one_minus_t_y - r.one_minus_p_y;  // p_y - t_y without cancellation as p_y → 1
   r.d_m = mixed ? r.p_m - r.t_m : r.d_y;
   return r;
 }
@@ -127,6 +135,135 @@ void uniform_gradient(const T* e, T* out, int64_t lo, int64_t hi, T inv_denom, c
     const Vec g = at::vec::fmadd(p, at::vec::fmadd(beta, p - tau, alpha), delta);
     g.store(out + k, count);
   }
+}
+
+// Σ_k (z_k - ref) over the whole row (CE's label-smoothing term).
+template <typename T>
+T shift_sum_of(const T* z, int64_t C, T ref) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec ref_vec(ref);
+  Vec total(T(0));
+  for (int64_t k = 0; k < C; k += W) total = total + (load_masked(z + k, std::min<int64_t>(W, C - k), ref) - ref_vec);
+  return horizontal_sum(total);
+}
+
+template <typename T>
+RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
+                            T external, T scale, T* exps);
+
+// A compact row (class indices, a mix, smoothing) with the weights none / external / focal / FLSD / gBS with q = 2
+// (kSquare): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
+// process_row; the AVX-512 form for float rows when kAvx512), then one sweep writing the gradient, and the columns y
+// and m written exactly. `exps` is a scratch row of C elements (z may be the gradient row: in place).
+template <typename T, bool kSquare, bool kAvx512>
+RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
+                            T external, T scale, T* exps, int64_t ahead, bool stream) {
+  constexpr bool kWide = kAvx512 && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
+  const int64_t y = tg.y, m = tg.m;
+  const bool mixed = m != y;
+  const T z_y = z[y];
+  // the exponentials go straight to a fresh gradient row (rescaled there in place, as on the hard path); through the
+  // scratch row when the gradient is streamed out of it or overwrites z
+  T* const e_row = (grad != nullptr && !stream && static_cast<const T*>(grad) != z) ? grad : exps;
+  T sum_others = 0, sum_sq_others = 0;  // Σ_{k≠y} e_k and Σ_{k≠y} e_k²
+  T shift_sum = 0;                      // Σ_k (z_k - ref), for label smoothing's CE term
+  bool shift_done = false;
+  auto sweep = [&](T ref, int64_t distance) {
+    sum_others = 0;
+    sum_sq_others = 0;
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+    if constexpr (kWide) {
+      shift_sum = 0;
+      shift_done = tg.c > T(0);
+      if (shift_done) {
+        avx512::exp_store_sweep<kSquare, true, true>(z, e_row, C, y, ref, sum_others, sum_sq_others, distance,
+                                                     &shift_sum);
+      } else {
+        avx512::exp_store_sweep<kSquare, true>(z, e_row, C, y, ref, sum_others, sum_sq_others, distance);
+      }
+    }
+#endif
+    if constexpr (!kWide) {
+      exp_store_sweep<T, kSquare, true>(z, e_row, 0, y, ref, sum_others, sum_sq_others, distance);
+      exp_store_sweep<T, kSquare, true>(z, e_row, y + 1, C, ref, sum_others, sum_sq_others, distance);
+    }
+  };
+  T ref = z_y;
+  bool target_reference = std::isfinite(z_y);
+  if (!target_reference) ref = row_max(z, C);
+  if (ref == -std::numeric_limits<T>::infinity() || std::isnan(ref)) {
+    return general_soft_row(z, grad, C, tg, spec, gamma, external, scale, exps);  // the reference's NaN/-inf rules
+  }
+  sweep(ref, ahead);
+  if (target_reference && !(sum_others <= T(kTargetReferenceLimit))) {  // also NaN
+    ref = row_max(z, C);
+    target_reference = false;
+    sweep(ref, 0);
+  }
+  const T z_m = z[m];  // read after the sweep, which brought the row into the cache
+  const T e_y = target_reference ? T(1) : std::exp(z_y - ref);
+  const T e_m = mixed ? e_row[m] : T(0);
+  if (tg.c > T(0) && !shift_done) shift_sum = shift_sum_of(z, C, ref);
+  const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others - e_m, shift_sum});
+
+  const bool loss_mode = spec.mode == Mode::Loss;
+  const bool need_log = loss_mode || spec.weight == Weight::Flsd;
+  const T log_denom = need_log ? std::log1p(cr.log_arg) : T(0);
+  SoftRowQuantities<T> r{};
+  r.one_minus_P = cr.one_minus_P;
+  r.P = cr.P;
+  r.ce = cr.ce_offset + cr.ce_scale * log_denom;
+  r.gamma = spec.weight == Weight::Flsd
+                ? flsd_gamma(soft_flsd_band_probability(z_y, z_m, ref + log_denom, tg.w_y, tg.w_m, tg.c), gamma)
+                : gamma;
+  r.q = spec.q;
+  r.external = external;
+  if constexpr (kSquare) {
+    // S = Σ_{k∉{y,m}} (p_k - c)² + d_y² + d_m², the first sum from Σ p_k² and Σ p_k over those columns
+    const T inv2 = (T(1) / cr.denom) * (T(1) / cr.denom);
+    const T rest_sq = std::max(T(0), sum_sq_others - e_m * e_m) * inv2;
+    const T rest = std::max(T(0), sum_others - e_m) / cr.denom;
+    const T n_rest = static_cast<T>(C - (mixed ? 2 : 1));
+    const T uniform_part = std::max(T(0), rest_sq - T(2) * tg.c * rest + n_rest * tg.c * tg.c);
+    r.S = uniform_part + cr.d_y * cr.d_y + (mixed ? cr.d_m * cr.d_m : T(0));
+    r.H = (sum_sq_others + e_y * e_y) * inv2 - cr.P;  // τ = Σ p² - P
+  }
+  const SoftCoefficients<T> coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
+  if (grad != nullptr) {
+    const UniformColumnCoefficients<T> uc = soft_uniform_columns(coefs, tg.c);
+    const T g_y = scale * soft_gradient_element(coefs, cr.p_y, cr.t_y, cr.d_y, spec.q);
+    const T g_m = mixed ? scale * soft_gradient_element(coefs, cr.p_m, cr.t_m, cr.d_m, spec.q) : g_y;
+    bool streamed = false;
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+    if constexpr (kWide) {
+      const T inv = T(1) / cr.denom, alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
+      auto rescale = [&](auto square_tag) {
+        constexpr bool kSq = decltype(square_tag)::value;
+        if (stream) {
+          avx512::rescale_stream_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, y, g_y, delta,
+                                                  mixed ? m : int64_t(-1), g_m);
+        } else {
+          avx512::rescale_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
+        }
+      };
+      if (beta != T(0)) {
+        rescale(std::true_type{});
+      } else {
+        rescale(std::false_type{});
+      }
+      streamed = stream;
+    }
+#endif
+    if constexpr (!kWide) uniform_gradient(e_row, grad, 0, C, T(1) / cr.denom, uc, scale);
+    if (!streamed) {
+      grad[y] = g_y;
+      if (mixed) grad[m] = g_m;
+    }
+  }
+  if (need_log) return {T(1), coefs.u * r.ce, T(0)};
+  // u · (offset + scale · L) as weight · (offset' + log1p(arg)) for finish_row_losses (scale > 0: Σ_k t_k = 1)
+  return {coefs.u * cr.ce_scale, cr.ce_offset / cr.ce_scale, cr.log_arg};
 }
 
 // ---------------------------------------------------------------------------------------------------------------------
@@ -195,8 +332,9 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     s.shift_sum += (z_y - ref) + (tg.m != tg.y ? z_m - ref : T(0));
     cr = compact_row(tg, C, z_y, z_m, ref, s);
     denom = cr.denom;
-    lse = cr.lse;
-    r.ce = cr.ce;
+    const T log_denom = std::log1p(cr.log_arg);
+    lse = ref + log_denom;
+    r.ce = cr.ce_offset + cr.ce_scale * log_denom;
     r.P = cr.P;
     r.one_minus_P = cr.one_minus_P;
     if (spec.weight == Weight::Flsd) {

@@ -524,10 +524,32 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   const acc_t keep = acc_t(1) - a, uniform = a / static_cast<acc_t>(c);
   std::vector<RowLoss<acc_t>> row_parts(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / c);
-  (void)avx512;
+  // compact targets with the weights whose gradient sweep needs only p_k take the hard path's sweeps
+  const bool compact = dense_ptr == nullptr && (args.weight != Weight::Brier || args.norm == 2.0);
+  const bool square = args.weight == Weight::Brier;
+  // streaming stores as for hard rows (use_streaming_stores): float rows out of place, on the AVX-512 sweeps
+  const bool stream = compact && !kWiden && std::is_same_v<acc_t, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS &&
+                      avx512 && grad_ptr != nullptr &&
+                      static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
+                      use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
+  auto row = [&](const acc_t* z_row, acc_t* grad_row, const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
+                 acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
+    if (!compact) return soft::general_soft_row<acc_t>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps);
+    using F = std::false_type;
+    using Tr = std::true_type;
+    auto go = [&](auto square_tag, auto avx512_tag) {
+      return soft::compact_soft_row<acc_t, decltype(square_tag)::value, decltype(avx512_tag)::value>(
+          z_row, grad_row, c, tg, spec, gamma, ext, scale, exps, ahead, stream);
+    };
+    if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) return square ? go(Tr{}, Tr{}) : go(F{}, Tr{});
+    return square ? go(Tr{}, F{}) : go(F{}, F{});
+  };
   at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scratch(kWiden ? c : 0);
-    std::vector<acc_t> exps(c);
+    // the exponentials' scratch row, 64-byte aligned for the AVX-512 sweeps
+    std::vector<acc_t> exp_storage(c + 64 / sizeof(acc_t));
+    const auto misalign = reinterpret_cast<uintptr_t>(exp_storage.data()) % 64;
+    acc_t* const exps = exp_storage.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
     RowLoss<acc_t>* parts = row_parts.data();
     for (int64_t i = begin; i < end; ++i) {
       scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
@@ -552,13 +574,16 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
       const scalar_t* z_row = z_ptr + i * z_stride;
       if constexpr (kWiden) {
         at::vec::convert(z_row, scratch.data(), c);
-        parts[i] = soft::general_soft_row<acc_t>(scratch.data(), grad_row ? scratch.data() : nullptr, c, tg, spec,
-                                                 gamma, ext, scale, exps.data());
+        parts[i] = row(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0);
         if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
       } else {
-        parts[i] = soft::general_soft_row<acc_t>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps.data());
+        parts[i] = row(z_row, grad_row, tg, gamma, ext, exps,
+                       kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
       }
     }
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+    if (stream) avx512::stream_fence();  // make the streamed rows visible before the op returns
+#endif
     finish_row_losses(parts, loss_ptr, begin, end);
   });
 }

@@ -133,15 +133,16 @@ CALIBKERNELS_AVX512 inline float row_max(const float* z, int64_t C) {
 // (kSquare) Σ_{k≠skip} exp(z[k] - m)². The target column `skip` is left out of the sums lane-wise, so a row needs
 // one sweep and the sums carry no "total - e_y" cancellation.
 // z[k + ahead] is prefetched alongside (process_row: a row's first sweep, whose reads would otherwise start cold;
-// ahead = 0 touches only the line being loaded).
-template <bool kSquare, bool kStore>
+// ahead = 0 touches only the line being loaded). kShift (soft targets with label smoothing): also adds
+// Σ_k (z[k] - m) over every column to *shift_sum.
+template <bool kSquare, bool kStore, bool kShift = false>
 CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, int64_t skip, float m, float& sum,
-                                         float& sum_sq, int64_t ahead) {
+                                         float& sum_sq, int64_t ahead, float* shift_sum = nullptr) {
   const __m512 max_vec = _mm512_set1_ps(m);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   const int64_t skip_vec = skip - skip % kWidth;
   const __mmask16 skip_lane_off = static_cast<__mmask16>(~(1u << (skip % kWidth)));
-  __m512 total = _mm512_setzero_ps(), total_sq = _mm512_setzero_ps();
+  __m512 total = _mm512_setzero_ps(), total_sq = _mm512_setzero_ps(), shifts = _mm512_setzero_ps();
   for (int64_t begin = 0; begin < C; begin += kBlock) {
     const int64_t end = begin + kBlock < C ? begin + kBlock : C;
     __m512 block = _mm512_setzero_ps(), block_sq = _mm512_setzero_ps();
@@ -152,14 +153,18 @@ CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, 
     int64_t k = begin;
     for (; k + kWidth <= end; k += kWidth) {
       _mm_prefetch(reinterpret_cast<const char*>(z + k + ahead), _MM_HINT_T0);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_loadu_ps(z + k), max_vec));
+      const __m512 shifted = _mm512_sub_ps(_mm512_loadu_ps(z + k), max_vec);
+      if constexpr (kShift) shifts = _mm512_add_ps(shifts, shifted);
+      const __m512 e = exp_nonpositive(shifted);
       if constexpr (kStore) _mm512_storeu_ps(out + k, e);
       add(e, k == skip_vec ? skip_lane_off : static_cast<__mmask16>(0xFFFF));
     }
     if (k < end) {
       // lanes past the row are -inf, so their exponential is 0 (and they are masked out of the store and sums)
       const __mmask16 lanes = tail_mask(end - k);
-      const __m512 e = exp_nonpositive(_mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, lanes, z + k), max_vec));
+      const __m512 shifted = _mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, lanes, z + k), max_vec);
+      if constexpr (kShift) shifts = _mm512_mask_add_ps(shifts, lanes, shifts, shifted);
+      const __m512 e = exp_nonpositive(shifted);
       if constexpr (kStore) _mm512_mask_storeu_ps(out + k, lanes, e);
       add(e, k == skip_vec ? static_cast<__mmask16>(lanes & skip_lane_off) : lanes);
     }
@@ -168,26 +173,29 @@ CALIBKERNELS_AVX512 void exp_store_sweep(const float* z, float* out, int64_t C, 
   }
   sum += _mm512_reduce_add_ps(total);
   if constexpr (kSquare) sum_sq += _mm512_reduce_add_ps(total_sq);
+  if constexpr (kShift) *shift_sum += _mm512_reduce_add_ps(shifts);
 }
 
-// g_k = p_k (α + β (p_k - τ)) (kSquare) or α p_k, with p_k = e_k · inv_denom: the gradient that both rescale sweeps
-// write, in one place so that their results are bit-identical (test_streaming_stores_agree_with_ordinary_stores).
-template <bool kSquare>
+// g_k = p_k (α + β (p_k - τ)) (kSquare) or α p_k, plus δ (kDelta: soft targets' constant target columns), with
+// p_k = e_k · inv_denom: the gradient that both rescale sweeps write, in one place so that their results are
+// bit-identical (test_streaming_stores_agree_with_ordinary_stores).
+template <bool kSquare, bool kDelta = false>
 CALIBKERNELS_AVX512 inline __m512 gradient_of_exponential(__m512 e, __m512 inv_denom, __m512 alpha, __m512 beta,
-                                                          __m512 tau) {
+                                                          __m512 tau, __m512 delta = _mm512_setzero_ps()) {
   const __m512 p = _mm512_mul_ps(e, inv_denom);
-  if constexpr (kSquare) return _mm512_mul_ps(p, _mm512_fmadd_ps(beta, _mm512_sub_ps(p, tau), alpha));
-  return _mm512_mul_ps(p, alpha);
+  const __m512 coef = kSquare ? _mm512_fmadd_ps(beta, _mm512_sub_ps(p, tau), alpha) : alpha;
+  if constexpr (kDelta) return _mm512_fmadd_ps(p, coef, delta);
+  return _mm512_mul_ps(p, coef);
 }
 
 // out = gradient_of_exponential(e) (out may be e).
-template <bool kSquare>
+template <bool kSquare, bool kDelta = false>
 CALIBKERNELS_AVX512 void rescale_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha, float beta,
-                                       float tau) {
+                                       float tau, float delta = 0.0f) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
-               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau);
+               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), delta_vec = _mm512_set1_ps(delta);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
-    return gradient_of_exponential<kSquare>(x, inv_vec, alpha_vec, beta_vec, tau_vec);
+    return gradient_of_exponential<kSquare, kDelta>(x, inv_vec, alpha_vec, beta_vec, tau_vec, delta_vec);
   };
   int64_t k = 0;
   for (; k + kWidth <= C; k += kWidth) _mm512_storeu_ps(out + k, grad(_mm512_loadu_ps(e + k)));
@@ -201,17 +209,26 @@ CALIBKERNELS_AVX512 void rescale_sweep(const float* e, float* out, int64_t C, fl
 // `target_value` (blended in: a later ordinary store into a streamed line would defeat the streaming): streaming
 // stores for the 64-byte lines wholly inside the row, masked ordinary stores for the partial lines at its ends (shared
 // with the neighbouring rows, possibly another thread's). Callers fence with stream_fence().
-template <bool kSquare>
+// kDelta (soft targets): δ added to every column, and a second exact column `second` (-1: none) set to
+// `second_value` the same way.
+template <bool kSquare, bool kDelta = false>
 CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha,
-                                              float beta, float tau, int64_t target, float target_value) {
+                                              float beta, float tau, int64_t target, float target_value,
+                                              float delta = 0.0f, int64_t second = -1, float second_value = 0.0f) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
-               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), target_vec = _mm512_set1_ps(target_value);
+               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), target_vec = _mm512_set1_ps(target_value),
+               delta_vec = _mm512_set1_ps(delta), second_vec = _mm512_set1_ps(second_value);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
-    return gradient_of_exponential<kSquare>(x, inv_vec, alpha_vec, beta_vec, tau_vec);
+    return gradient_of_exponential<kSquare, kDelta>(x, inv_vec, alpha_vec, beta_vec, tau_vec, delta_vec);
+  };
+  auto set_lane = [](__m512 g, int64_t column, int64_t k, __m512 value) CALIBKERNELS_AVX512 {
+    const uint64_t lane = static_cast<uint64_t>(column - k);  // wraps to a huge value for column < k (or -1)
+    return lane < static_cast<uint64_t>(kWidth) ? _mm512_mask_mov_ps(g, static_cast<__mmask16>(1u << lane), value) : g;
   };
   auto with_target = [&](__m512 g, int64_t k) CALIBKERNELS_AVX512 {
-    const uint64_t lane = static_cast<uint64_t>(target - k);  // wraps to a huge value for target < k
-    return lane < static_cast<uint64_t>(kWidth) ? _mm512_mask_mov_ps(g, static_cast<__mmask16>(1u << lane), target_vec) : g;
+    g = set_lane(g, target, k, target_vec);
+    if constexpr (kDelta) g = set_lane(g, second, k, second_vec);
+    return g;
   };
   const int64_t misalign = static_cast<int64_t>((reinterpret_cast<uintptr_t>(out) & 63) / sizeof(float));
   int64_t k = 0;

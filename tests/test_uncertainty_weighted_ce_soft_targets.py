@@ -1,0 +1,312 @@
+"""The compiled kernels (C++ CPU; CUDA C++ on a GPU) with soft targets: label smoothing, mixup/cutmix mixes and dense
+probability targets, against the float64 reference and F.cross_entropy, in every weight × mode × reduction, every
+dtype, odd shapes, extreme and -inf logits, in place, the streaming-store and instruction-set forms, float64
+gradcheck, opcheck and torch.compile (docs/losses.md, "Soft targets"). The Triton kernel's soft targets are tested in
+test_uncertainty_weighted_ce_triton.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import calibkernels as ck
+from calibkernels import _backends
+from calibkernels import reference as R
+
+from _tolerance import assert_within_reference_error
+
+WEIGHTS = ["none", "focal", "flsd", "brier", "external"]
+MODES = ["loss", "grad"]
+REDUCTIONS = ["none", "mean", "sum"]
+KINDS = ["smooth", "mix", "mix_rows", "mix_smooth", "dense", "dense_smooth"]
+
+
+def _backends_to_test():
+    found = []
+    if _backends.unavailable_reason("cpu", torch.device("cpu")) is None:
+        found.append(("cpu", "cpu"))
+    if torch.cuda.is_available() and _backends.unavailable_reason("cuda", torch.device("cuda")) is None:
+        found.append(("cuda", "cuda"))
+    return found or [pytest.param(None, None, marks=pytest.mark.skip("no compiled kernel in this install"))]
+
+
+BACKENDS = _backends_to_test()
+
+
+def _case(kind, n, c, device, seed, dtype=torch.float32, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(n, c, generator=g, dtype=torch.float64) * scale).to(dtype).to(device)
+    y = torch.randint(0, c, (n,), generator=g)
+    if n > 3:
+        y[2] = -100
+    kw = {}
+    target = y.to(device)
+    if kind in ("smooth", "mix_smooth", "dense_smooth"):
+        kw["label_smoothing"] = 0.1
+    if kind in ("mix", "mix_smooth"):
+        kw.update(mix_target=y.flip(0).clamp(min=0).to(device), mix_lambda=0.35)
+    if kind == "mix_rows":
+        mix = torch.randint(0, c, (n,), generator=g)
+        mix[0] = y[0]  # a row mixed with its own class
+        lam = torch.rand(n, generator=g)
+        lam[1] = 1.0
+        kw.update(mix_target=mix.to(device), mix_lambda=lam.to(device))
+    if kind.startswith("dense"):
+        target = torch.softmax(torch.randn(n, c, generator=g) * 2, dim=1).to(device)
+    return z, target, kw
+
+
+def _pair(backend, z, target, weight, mode, reduction, kw, norm=2.0, gamma=2.0, dtype=None):
+    x = z.detach().clone()
+    if dtype is not None:
+        x = x.to(dtype)
+    x.requires_grad_(True)
+    sample_weight = None
+    if weight == "external":
+        sample_weight = torch.linspace(0.2, 2.0, x.shape[0], dtype=torch.float64).to(x.device)
+    tgt = target.to(x.dtype) if target.is_floating_point() and backend == "reference" else target
+    kw = dict(kw)
+    if isinstance(kw.get("mix_lambda"), torch.Tensor) and backend == "reference" and x.dtype == torch.float64:
+        kw["mix_lambda"] = kw["mix_lambda"].double()
+    loss = ck.uncertainty_weighted_ce(x, tgt, weight=weight, mode=mode, reduction=reduction, norm=norm, gamma=gamma,
+                                      sample_weight=sample_weight, backend=backend, **kw)
+    loss.sum().backward()
+    return loss.detach(), x.grad
+
+
+def _check(backend, z, target, weight, mode, reduction, kw, norm=2.0, gamma=2.0, what=""):
+    got = _pair(backend, z, target, weight, mode, reduction, kw, norm, gamma)
+    exact = _pair("reference", z, target, weight, mode, reduction, kw, norm, gamma, dtype=torch.float64)
+    low = _pair("reference", z, target, weight, mode, reduction, kw, norm, gamma)
+    assert got[0].dtype == z.dtype and got[0].shape == exact[0].shape
+    assert_within_reference_error(got[0], exact[0], low[0], z.dtype, f"{what} loss")
+    assert_within_reference_error(got[1], exact[1], low[1], z.dtype, f"{what} gradient")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_every_weight_mode_and_reduction_against_the_reference(backend, device, weight, mode, kind):
+    for i, reduction in enumerate(REDUCTIONS):
+        z, target, kw = _case(kind, 19, 37, device, seed=hash((weight, mode, kind, i)) % 2**31)
+        _check(backend, z, target, weight, mode, reduction, kw, what=f"{weight}/{mode}/{kind}/{reduction}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("norm", [1.0, 1.5, 3.0])
+@pytest.mark.parametrize("kind", ["smooth", "mix_rows", "dense_smooth"])
+def test_brier_norms_other_than_two(backend, device, norm, kind):
+    for mode in MODES:
+        z, target, kw = _case(kind, 13, 29, device, seed=int(norm * 10) + len(kind))
+        _check(backend, z, target, "brier", mode, "mean", kw, norm=norm, gamma=3.0, what=f"q={norm}/{mode}/{kind}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("c", [1, 2, 17, 1000, 4099])
+def test_odd_class_counts(backend, device, c):
+    for kind in ("mix_smooth", "mix_rows", "dense"):
+        for weight, mode in (("brier", "grad"), ("focal", "loss"), ("brier", "loss")):
+            z, target, kw = _case(kind, 7, c, device, seed=c + len(kind))
+            _check(backend, z, target, weight, mode, "sum", kw, what=f"C={c}/{kind}/{weight}/{mode}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_every_dtype(backend, device, dtype):
+    for kind in ("smooth", "mix_rows", "dense_smooth"):
+        for weight in ("none", "focal", "brier"):
+            z, target, kw = _case(kind, 16, 33, device, seed=7, dtype=dtype)
+            _check(backend, z, target, weight, "loss", "mean", kw, what=f"{dtype}/{kind}/{weight}")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_extreme_and_infinite_logits(backend, device):
+    n, c = 12, 40
+    z, _, _ = _case("smooth", n, c, device, seed=3)
+    y = torch.randint(0, c, (n,), device=device)
+    z[0, (int(y[0]) + 1) % c] = z[0, y[0]] + 1e4  # past the target-referenced range: the row-max form
+    z[1, y[1]] = z[1, y[1]] + 1e4  # a saturated target
+    z[3] = z[3] * 1e3
+    mix = torch.roll(y, 1)
+    for kw in (dict(label_smoothing=0.2), dict(mix_target=mix, mix_lambda=0.7),
+               dict(mix_target=mix, mix_lambda=0.7, label_smoothing=0.05)):
+        for weight, mode in (("brier", "grad"), ("focal", "loss"), ("flsd", "loss"), ("brier", "loss")):
+            _check(backend, z, y, weight, mode, "none", kw, what=f"extreme/{weight}/{mode}/{sorted(kw)}")
+    # -inf in columns that are neither y nor m: finite without smoothing, +inf CE with it (as the reference)
+    z2 = z.clone()
+    z2[:, 0] = -float("inf")
+    y2 = torch.randint(1, c, (n,), device=device)
+    for kw in (dict(mix_target=torch.roll(y2, 1), mix_lambda=0.6), dict(label_smoothing=0.1)):
+        _check(backend, z2, y2, "brier", "grad", "none", kw, what=f"-inf/{sorted(kw)}")
+    dense = torch.softmax(torch.randn(n, c, device=device), dim=1)
+    dense[:, 0] = 0
+    dense = dense / dense.sum(dim=1, keepdim=True)
+    _check(backend, z2, dense, "focal", "loss", "none", {}, what="-inf/dense with t = 0 there")
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_weight_none_matches_f_cross_entropy(backend, device):
+    z, _, _ = _case("smooth", 24, 50, device, seed=11)
+    y = torch.randint(0, 50, (24,), device=device)
+    y[5] = -100
+    for a in (0.0, 0.1, 1.0):
+        got = ck.uncertainty_weighted_ce(z, y, weight="none", label_smoothing=a, backend=backend)
+        torch.testing.assert_close(got, F.cross_entropy(z, y, label_smoothing=a), rtol=2e-6, atol=1e-6)
+    probs = torch.softmax(torch.randn(24, 50, device=device), dim=1)
+    for a in (0.0, 0.2):
+        for reduction in REDUCTIONS:
+            got = ck.uncertainty_weighted_ce(z, probs, weight="none", label_smoothing=a, reduction=reduction,
+                                             backend=backend)
+            want = F.cross_entropy(z, probs, label_smoothing=a, reduction=reduction)
+            torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5)
+    lam = 0.3
+    got = ck.uncertainty_weighted_ce(z, y, weight="none", mix_target=y.flip(0).clamp(min=0), mix_lambda=lam,
+                                     backend=backend)
+    mixed = lam * F.one_hot(y.clamp(min=0), 50).float() + (1 - lam) * F.one_hot(y.flip(0).clamp(min=0), 50).float()
+    want = F.cross_entropy(z, mixed, reduction="none")
+    torch.testing.assert_close(got, want[y >= 0].mean(), rtol=2e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("weight", WEIGHTS)
+def test_gradcheck_in_float64(backend, device, weight):
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(5, 6, generator=g, dtype=torch.float64).to(device).requires_grad_()
+    y = torch.tensor([0, 3, -100, 5, 2], device=device)
+    mix = torch.tensor([1, 3, 0, 4, 0], device=device)
+    lam = torch.rand(5, generator=g, dtype=torch.float64).to(device)
+    dense = torch.softmax(torch.randn(5, 6, generator=g, dtype=torch.float64), dim=1).to(device)
+    sw = {"sample_weight": torch.rand(5, generator=g, dtype=torch.float64).to(device)} if weight == "external" else {}
+    for target, kw in ((y, dict(mix_target=mix, mix_lambda=lam, label_smoothing=0.1)), (dense, {})):
+        def fn(x):
+            return ck.uncertainty_weighted_ce(x, target, weight=weight, mode="loss", gamma=2.0, backend=backend,
+                                              reduction="sum", **kw, **sw)
+        assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_in_place_and_inference(backend, device):
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in ("mix_smooth", "dense"):
+            z, target, kw = _case(kind, 9, 21, device, seed=2, dtype=dtype)
+            want = _pair(backend, z, target, "brier", "loss", "mean", kw)
+            leaf = z.detach().clone().requires_grad_()
+            h = leaf * 1.0
+            loss = ck.uncertainty_weighted_ce(h, target, weight="brier", mode="loss", gamma=2.0, backend=backend,
+                                              inplace=True, **kw)
+            loss.backward()
+            torch.testing.assert_close(loss.detach(), want[0], rtol=0, atol=0)
+            torch.testing.assert_close(leaf.grad, want[1], rtol=0, atol=0)
+            with torch.no_grad():
+                plain = ck.uncertainty_weighted_ce(z, target, weight="brier", mode="loss", gamma=2.0, backend=backend,
+                                                   **kw)
+            torch.testing.assert_close(plain, want[0], rtol=0, atol=0)
+            with pytest.raises(ValueError, match="leaf"):
+                ck.uncertainty_weighted_ce(z.detach().clone().requires_grad_(), target, backend=backend, inplace=True,
+                                           **kw)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_kernel_refuses_what_it_cannot_run(backend, device):
+    op = torch.ops.calibkernels.uncertainty_weighted_ce.default
+    z = torch.randn(4, 5, device=device)
+    y = torch.tensor([0, 1, 2, 3], device=device)
+    lam = torch.tensor(0.5, device=device)
+    with pytest.raises(RuntimeError, match="dual-focal"):
+        op(z, y, None, None, 3, 1, 2.0, 2.0, -100, 1, False, None, None, None, 0.1)
+    with pytest.raises(RuntimeError, match="go together"):
+        op(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, False, None, y, None, 0.0)
+    with pytest.raises(RuntimeError, match="label_smoothing"):
+        op(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, False, None, None, None, 1.5)
+    with pytest.raises(RuntimeError, match="dense"):
+        op(z, z.softmax(1), None, None, 4, 1, 2.0, 2.0, -100, 1, False, None, y, lam, 0.0)
+    if device == "cpu":
+        with pytest.raises(ValueError, match="mix_target value 9"):
+            op(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, False, None, torch.tensor([0, 9, 1, 1]), lam, 0.0)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
+def test_opcheck_and_compile(backend, device):
+    op = torch.ops.calibkernels.uncertainty_weighted_ce.default
+    z = torch.randn(6, 7, device=device)
+    y = torch.tensor([0, 1, -100, 3, 4, 6], device=device)
+    mix = torch.tensor([1, 1, 0, 2, 2, 0], device=device)
+    lam = torch.rand(6, device=device)
+    dense = torch.softmax(torch.randn(6, 7, device=device), dim=1)
+    for args in ((z, y, None, None, 4, 0, 2.0, 2.0, -100, 1, True, None, mix, lam, 0.1),
+                 (z, dense, None, None, 1, 0, 2.0, 2.0, -100, 0, True, None, None, None, 0.05)):
+        torch.library.opcheck(op, args)
+
+    def step(x, target, mix_target, mix_lambda):
+        return ck.uncertainty_weighted_ce(x, target, mix_target=mix_target, mix_lambda=mix_lambda,
+                                          label_smoothing=0.1, backend=backend)
+
+    compiled = torch.compile(step, fullgraph=True)
+    for lam_value in (0.3, 0.8):  # a new λ per batch, as mixup draws it
+        lam_t = torch.full((), lam_value, device=device)
+        x1 = z.clone().requires_grad_()
+        x2 = z.clone().requires_grad_()
+        got = compiled(x1, y, mix, lam_t)
+        got.backward()
+        want = step(x2, y, mix, lam_t)
+        want.backward()
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(x1.grad, x2.grad, rtol=1e-6, atol=1e-7)
+
+
+def _cpu_isa():
+    import calibkernels._C as C
+
+    return C.CPU_ISA
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("focal", "loss"), ("none", "grad"), ("brier", "loss")])
+def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
+    """Compact rows write the gradient with the hard rows' streaming stores (AVX-512, out of place): the arithmetic
+    is the same, so bit-identical to ordinary stores, with y and m in partial and whole cache lines."""
+    if _cpu_isa() != "avx512":
+        pytest.skip("the streaming stores are part of the AVX-512 sweeps")
+    for c in (3, 17, 40, 1000):
+        z, _, _ = _case("smooth", 37, c, "cpu", seed=c)
+        y = torch.randint(0, c, (37,))
+        y[0], y[1] = 0, c - 1
+        y[3] = -100
+        mix = torch.roll(y, 1).clamp(min=0)
+        mix[5] = y[5]
+        kw = dict(mix_target=mix, mix_lambda=torch.rand(37), label_smoothing=0.1)
+        monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
+        streamed = _pair("cpu", z, y, weight, mode, "mean", kw)
+        monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")
+        ordinary = _pair("cpu", z, y, weight, mode, "mean", kw)
+        assert torch.equal(streamed[0], ordinary[0]) and torch.equal(streamed[1], ordinary[1]), f"C = {c}"
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(isa):
+    code = (
+        "import torch, calibkernels as ck\n"
+        "torch.manual_seed(0)\n"
+        "z = torch.randn(33, 301) * 3; y = torch.randint(0, 301, (33,)); y[4] = -100\n"
+        "dense = torch.softmax(torch.randn(33, 301), 1)\n"
+        "cases = [(y, dict(label_smoothing=0.1, mix_target=y.flip(0).clamp(min=0), mix_lambda=torch.rand(33))),\n"
+        "         (dense, dict(label_smoothing=0.05))]\n"
+        "for target, kw in cases:\n"
+        "  for weight, mode in (('brier', 'grad'), ('focal', 'loss'), ('flsd', 'grad'), ('brier', 'loss')):\n"
+        "    out = []\n"
+        "    for backend in ('cpu', 'reference'):\n"
+        "      x = z.clone().requires_grad_(); l = ck.uncertainty_weighted_ce(x, target, weight=weight, mode=mode,\n"
+        "          gamma=2.0, backend=backend, **kw); l.backward(); out.append((l, x.grad))\n"
+        "    torch.testing.assert_close(out[0][0], out[1][0], rtol=2e-5, atol=1e-6)\n"
+        "    torch.testing.assert_close(out[0][1], out[1][1], rtol=2e-5, atol=1e-7)\n"
+        "import calibkernels._C as C; print(C.CPU_ISA)\n"
+    )
+    env = dict(os.environ, CALIBKERNELS_CPU_ISA=isa)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() in (isa, "default")
