@@ -39,7 +39,7 @@ from torch import nn
 
 from . import _autograd, _backends, _target_checks
 from . import _validation as V
-from .reference import _check_number
+from .reference import _DUAL_FOCAL_SOFT, _check_number
 from .reference import _uncertainty_weighted_ce as _reference_loss
 
 __all__ = ["fused_linear_uncertainty_weighted_ce", "FusedLinearUncertaintyWeightedCE", "default_chunk_size"]
@@ -83,6 +83,12 @@ class _Spec(NamedTuple):
     gamma: float  # 0.0 when a per-sample gamma tensor is given
     norm: float
     ignore_index: int
+    label_smoothing: float = 0.0  # soft targets (docs/losses.md, "Soft targets")
+    dense: bool = False           # the target is (N, C) probabilities
+
+    @property
+    def soft_arguments(self) -> tuple:
+        return () if self.label_smoothing == 0.0 else (None, None, self.label_smoothing)
 
 
 # ---------------------------------------------------------------------------------------------------- input checks
@@ -94,7 +100,7 @@ def _check_tensor(name: str, value) -> torch.Tensor:
 
 def _check_linear_inputs(hidden, linear_weight, target, linear_bias):
     """Shapes, dtypes and devices of ``hidden (..., H)``, ``linear_weight (C, H)``, ``target (...)``, ``linear_bias
-    (C,)``; returns ``(hidden2d (N, H), target1d (N,) int64, batch_shape)``."""
+    (C,)``; returns ``(hidden2d (N, H), target1d (N,) int64 or a dense target (N, C), batch_shape)``."""
     hidden = _check_tensor("hidden", hidden)
     linear_weight = _check_tensor("linear_weight", linear_weight)
     target = _check_tensor("target", target)
@@ -125,8 +131,21 @@ def _check_linear_inputs(hidden, linear_weight, target, linear_bias):
             raise TypeError(f"linear_bias dtype {linear_bias.dtype} does not match hidden dtype {hidden.dtype}")
         if linear_bias.device != hidden.device:
             raise ValueError(f"linear_bias is on {linear_bias.device} but hidden is on {hidden.device}")
-    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class indices (int64), got {target.dtype}")
+    if target.is_floating_point():  # dense probabilities (..., C): soft targets
+        if tuple(target.shape) == tuple(hidden.shape[:-1]):
+            raise TypeError(f"target has the shape of class indices {tuple(target.shape)} but holds {target.dtype}: "
+                            "integer class indices (int64) are needed, or dense probabilities of shape (..., C)")
+        if tuple(target.shape) != tuple(hidden.shape[:-1]) + (num_classes,):
+            raise ValueError(f"a dense target must have shape {tuple(hidden.shape[:-1]) + (num_classes,)} (hidden's "
+                             f"leading shape and C), got {tuple(target.shape)}")
+        if target.device != hidden.device:
+            raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
+        hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
+        if hidden2d.shape[0] == 0:
+            raise ValueError("empty batch: hidden has no rows")
+        return hidden2d, target.reshape(-1, num_classes), tuple(hidden.shape[:-1])
+    if target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"target must hold integer class indices (int64) or probabilities, got {target.dtype}")
     if tuple(target.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"target shape {tuple(target.shape)} does not match hidden shape {tuple(hidden.shape)}: "
                          f"expected {tuple(hidden.shape[:-1])}")
@@ -160,7 +179,8 @@ def _check_chunk_size(chunk_size) -> None:
 
 
 # ------------------------------------------------------------------------------------------------------ one chunk
-def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bool, gamma_grad: bool):
+def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bool, gamma_grad: bool, mix_target=None,
+                  mix_lambda=None):
     """Run the loss on one chunk's logits ``z (R, C)``; return ``(row_loss (R,), G, dL/dγ (R,) or None)``.
 
     ``G``, the gradient of the chunk's summed loss, is written over ``z`` by the compiled backends (``z`` is returned);
@@ -174,7 +194,9 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
         def rows(zc, g):
             inputs = V.LossInputs(logits=zc, target=target, weight=spec.weight, mode=spec.mode,
                                   gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
-                                  reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],))
+                                  reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
+                                  label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
+                                  dense=spec.dense)
             return _reference_loss(inputs)
 
         if not (compute_grad or gamma_grad):
@@ -193,9 +215,10 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
     if gamma_grad:  # read the logits before the kernel overwrites them
         gamma_factor = _autograd._gamma_gradient_factor(z, target, gamma, spec.ignore_index,
                                                         V.REDUCTION_CODES["sum"])
+    soft = (mix_target, mix_lambda, spec.label_smoothing) if mix_target is not None else spec.soft_arguments
     row_loss, _, _ = module.forward(
         z, target, sample_weight, gamma, V.WEIGHT_CODES[spec.weight], V.MODE_CODES[spec.mode], spec.gamma, spec.norm,
-        spec.ignore_index, V.REDUCTION_CODES["none"], compute_grad, z if compute_grad else None)
+        spec.ignore_index, V.REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft)
     return row_loss, (z if compute_grad else None), gamma_factor
 
 
@@ -238,7 +261,8 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, hidden: torch
 
 
 def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec: _Spec, chunk: int,
-                  need_hidden: bool, need_weight: bool, need_bias: bool, need_gamma: bool, row_scale=None):
+                  need_hidden: bool, need_weight: bool, need_bias: bool, need_gamma: bool, row_scale=None,
+                  mix_target=None, mix_lambda=None):
     """One pass over the chunks: ``(row_loss (N,), d hidden, d weight, d bias, d gamma)`` of ``Σ_i s_i L_i``, with
     ``s_i = row_scale[i]`` (1 when ``None``); a gradient not asked for is ``None``. The weight and bias gradients are
     float32 for half-precision inputs (the accumulators); the caller casts them."""
@@ -265,7 +289,9 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
             torch.addmm(linear_bias, h, weight_t, out=z)
         loss, grad, gamma_factor = _chunk_kernel(
             z, target[start:stop], None if sample_weight is None else sample_weight[start:stop],
-            None if gamma is None else gamma[start:stop], spec, compute_grad, need_gamma)
+            None if gamma is None else gamma[start:stop], spec, compute_grad, need_gamma,
+            None if mix_target is None else mix_target[start:stop],
+            None if mix_lambda is None else mix_lambda[start:stop])
         row_loss[start:stop] = loss
         if need_gamma:
             d_gamma[start:stop] = gamma_factor if row_scale is None else gamma_factor * row_scale[start:stop]
@@ -282,6 +308,13 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
         if need_bias:
             d_bias += grad.sum(0, dtype=acc_dtype)
     return row_loss, d_hidden, d_weight, d_bias, d_gamma
+
+
+def _valid_rows(target, ignore_index):
+    """The mean's divisor: the non-ignored rows of the whole batch (every row of a dense target), at least 1."""
+    if target.is_floating_point():
+        return torch.tensor(max(target.shape[0], 1), device=target.device)
+    return (target != ignore_index).sum().clamp(min=1)
 
 
 def _to(tensor, dtype):
@@ -309,8 +342,10 @@ class FusedLinearUWCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, linear_weight, linear_bias, target, sample_weight, gamma, backend, weight, mode,
-                gamma_value, norm, reduction, ignore_index, chunk):
-        spec = _Spec(backend, weight, mode, gamma_value, norm, ignore_index)
+                gamma_value, norm, reduction, ignore_index, chunk, mix_target=None, mix_lambda=None,
+                label_smoothing=0.0):
+        spec = _Spec(backend, weight, mode, gamma_value, norm, ignore_index, label_smoothing,
+                     target.is_floating_point())
         need_gamma = gamma is not None and ctx.needs_input_grad[5] and mode == "loss"
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.chunk, ctx.reduction = spec, chunk, reduction
@@ -318,16 +353,17 @@ class FusedLinearUWCE(torch.autograd.Function):
         if reduction == "none":
             # grad_output is per row: the backward recomputes the chunks (module docstring)
             row_loss, *_ = _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec,
-                                         chunk, False, False, False, False)
-            ctx.save_for_backward(hidden, linear_weight, linear_bias, target, sample_weight, gamma)
+                                         chunk, False, False, False, False, None, mix_target, mix_lambda)
+            ctx.save_for_backward(hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
+                                  mix_lambda)
             return row_loss
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         row_loss, d_hidden, d_weight, d_bias, d_gamma = _chunked_pass(
             hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec, chunk, need_hidden, need_weight,
-            need_bias, need_gamma)
+            need_bias, need_gamma, None, mix_target, mix_lambda)
         loss = row_loss.sum()
         if reduction == "mean":
-            scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(loss.dtype)
+            scale = 1.0 / _valid_rows(target, ignore_index).to(loss.dtype)
             loss = loss * scale
             for grad in (d_hidden, d_weight, d_bias, d_gamma):
                 if grad is not None:
@@ -340,14 +376,16 @@ class FusedLinearUWCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         if grad_loss is None:  # the loss was not used
-            return (None,) * 14
+            return (None,) * 17
         if ctx.reduction == "none":
-            hidden, linear_weight, linear_bias, target, sample_weight, gamma = ctx.saved_tensors
+            (hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
+             mix_lambda) = ctx.saved_tensors
             need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
             need_gamma = gamma is not None and ctx.needs_input_grad[5] and ctx.spec.mode == "loss"
             _, d_hidden, d_weight, d_bias, d_gamma = _chunked_pass(
                 hidden, linear_weight, linear_bias, target, sample_weight, gamma, ctx.spec, ctx.chunk, need_hidden,
-                need_weight, need_bias, need_gamma, row_scale=grad_loss.detach())
+                need_weight, need_bias, need_gamma, row_scale=grad_loss.detach(), mix_target=mix_target,
+                mix_lambda=mix_lambda)
             d_weight = _to(d_weight, linear_weight.dtype)
             d_bias = None if d_bias is None else _to(d_bias, linear_bias.dtype)
             d_gamma = None if d_gamma is None else _to(d_gamma, gamma.dtype)
@@ -358,7 +396,7 @@ class FusedLinearUWCE(torch.autograd.Function):
         if torch.is_grad_enabled() and _autograd.is_plain_eager(grad_loss):
             grads = [_raise_if_differentiated(t) for t in grads]
         d_hidden, d_weight, d_bias, d_gamma = grads
-        return d_hidden, d_weight, d_bias, None, None, d_gamma, None, None, None, None, None, None, None, None
+        return (d_hidden, d_weight, d_bias, None, None, d_gamma) + (None,) * 11
 
 
 # ------------------------------------------------------------------------------------------------------ public API
@@ -377,6 +415,9 @@ def fused_linear_uncertainty_weighted_ce(
     ignore_index: int = -100,
     backend: str = "auto",
     chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
+    mix_target: torch.Tensor | None = None,
+    mix_lambda: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``uncertainty_weighted_ce(hidden @ linear_weight.T + linear_bias, target, ...)`` without materialising the
     ``N × C`` logits (the output layer of a language model: ``C`` = vocabulary size).
@@ -389,7 +430,8 @@ def fused_linear_uncertainty_weighted_ce(
     Args:
         hidden: ``(..., H)`` float32/float16/bfloat16 (float64 on the reference and CPU backends).
         linear_weight: ``(C, H)``, same dtype and device as ``hidden`` (an ``nn.Linear(H, C).weight``).
-        target: ``(...)`` (``hidden``'s leading shape) int64 class indices in ``[0, C)`` or ``ignore_index``.
+        target: ``(...)`` (``hidden``'s leading shape) int64 class indices in ``[0, C)`` or ``ignore_index``; or
+            dense probabilities ``(..., C)`` (soft targets: every row counts, no ``ignore_index``).
         linear_bias: optional ``(C,)``, same dtype and device.
         weight, mode, gamma, norm, sample_weight, reduction, ignore_index, backend: as in
             :func:`calibkernels.uncertainty_weighted_ce`. ``"mean"`` divides by the non-ignored rows of the whole
@@ -397,6 +439,8 @@ def fused_linear_uncertainty_weighted_ce(
             that requires grad gets ``∂L/∂γ_i = L_i log(1 - p_{i,y})`` (times the reduction's scale) in
             ``mode="loss"``, none in ``mode="grad"``.
         chunk_size: rows per chunk, ``>= 1``; ``None`` picks :func:`default_chunk_size`.
+        label_smoothing, mix_target, mix_lambda: soft targets, as in :func:`calibkernels.uncertainty_weighted_ce`
+            (O(N) target data per chunk for the compact forms).
 
     Returns:
         the loss in ``hidden``'s dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
@@ -416,24 +460,44 @@ def fused_linear_uncertainty_weighted_ce(
     _check_chunk_size(chunk_size)
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    smoothing = V.check_label_smoothing(label_smoothing)
+    soft = V.soft_target_request(target, smoothing, mix_target, mix_lambda)
     hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
     num_rows, hidden_size = hidden2d.shape
     num_classes = linear_weight.shape[0]
     device = hidden.device
-    name = _backends.resolve(backend, device)
+    dense = target1d.is_floating_point()
+    if soft and weight == "dual_focal":
+        raise ValueError(f"weight='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
+    if soft:
+        gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
+        name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
+    else:
+        name = _backends.resolve(backend, device)
     host_check = name == "reference" or device.type == "cpu"
-    if host_check and not torch.compiler.is_compiling():
+    mix1d = lam = None
+    if dense:
+        if mix_target is not None:
+            raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself")
+        if not torch.compiler.is_compiling():
+            V.check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index)
+    elif host_check and not torch.compiler.is_compiling():
         V.check_target_values(target1d, num_classes, ignore_index)
-    sample_weight = V.check_sample_weight(sample_weight, weight, target.shape, device, check_values=host_check)
+    if mix_target is not None:
+        mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device)
+        if not isinstance(lam, torch.Tensor):
+            lam = torch.full((num_rows,), lam, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
+                             device=device)
+    sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device, check_values=host_check)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
-    gamma = V.check_per_sample_gamma(gamma, weight, target.shape, device, check_values=host_check)
+    gamma = V.check_per_sample_gamma(gamma, weight, batch_shape, device, check_values=host_check)
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
     if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
                                                           else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
+    if name != "reference" and device.type == "cuda" and not dense and _autograd.is_plain_eager(hidden2d):
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
         _submit_device_target_check(target1d, num_classes, ignore_index)
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():
@@ -449,16 +513,17 @@ def fused_linear_uncertainty_weighted_ce(
         or (gamma_tensor is not None and gamma_tensor.requires_grad and mode == "loss"))
     if needs_grad:
         loss = FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, name,
-                                     weight, mode, gamma_value, norm, reduction, ignore_index, chunk)
+                                     weight, mode, gamma_value, norm, reduction, ignore_index, chunk, mix1d, lam,
+                                     smoothing)
     else:
         with torch.no_grad():
-            spec = _Spec(name, weight, mode, gamma_value, float(norm), ignore_index)
+            spec = _Spec(name, weight, mode, gamma_value, float(norm), ignore_index, smoothing, dense)
             row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
                                          None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
-                                         False, False, False, False)
+                                         False, False, False, False, None, mix1d, lam)
             loss = row_loss if reduction == "none" else row_loss.sum()
             if reduction == "mean":
-                loss = loss / (target1d != ignore_index).sum().clamp(min=1).to(loss.dtype)
+                loss = loss / _valid_rows(target1d, ignore_index).to(loss.dtype)
     if reduction == "none":
         loss = loss.reshape(batch_shape)
     return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
@@ -466,11 +531,12 @@ def fused_linear_uncertainty_weighted_ce(
 
 class FusedLinearUncertaintyWeightedCE(nn.Module):
     """Module form of :func:`fused_linear_uncertainty_weighted_ce`: the output layer's weight is passed to
-    ``forward(hidden (..., H), linear_weight (C, H), target (...), linear_bias=None, sample_weight=None)``, as with
+    ``forward(hidden (..., H), linear_weight (C, H), target (...), linear_bias=None, sample_weight=None,
+    mix_target=None, mix_lambda=None)``, as with
     Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer keeps owning its parameters."""
 
     def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", chunk_size=None):
+                 backend="auto", chunk_size=None, label_smoothing=0.0):
         super().__init__()
         V.check_weight(weight)
         V.check_mode(mode)
@@ -482,14 +548,17 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
         V.check_reduction(reduction)
         V.check_backend(backend)
         _check_chunk_size(chunk_size)
+        self.label_smoothing = V.check_label_smoothing(label_smoothing)
         self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
         self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size
 
-    def forward(self, hidden, linear_weight, target, linear_bias=None, sample_weight=None):
+    def forward(self, hidden, linear_weight, target, linear_bias=None, sample_weight=None, mix_target=None,
+                mix_lambda=None):
         return fused_linear_uncertainty_weighted_ce(
             hidden, linear_weight, target, linear_bias, weight=self.weight, mode=self.mode, gamma=self.gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
-            backend=self.backend, chunk_size=self.chunk_size)
+            backend=self.backend, chunk_size=self.chunk_size, label_smoothing=self.label_smoothing,
+            mix_target=mix_target, mix_lambda=mix_lambda)
 
     def extra_repr(self):
         parts = [f"weight={self.weight!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
@@ -499,4 +568,6 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
         parts.append(f"backend={self.backend!r}")
         if self.chunk_size is not None:
             parts.append(f"chunk_size={self.chunk_size}")
+        if self.label_smoothing:
+            parts.append(f"label_smoothing={self.label_smoothing}")
         return ", ".join(parts)

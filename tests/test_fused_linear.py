@@ -102,6 +102,62 @@ def test_matches_reference_on_materialised_logits(backend_device, weight):
         _assert_all_close(got, want, dtype, f"{weight} {mode} {reduction}")
 
 
+def _soft_backends():
+    """The backends that run soft targets (their module sets SOFT_TARGETS), and the reference."""
+    return [p for p in BACKENDS if p.values[0][0] == "reference"
+            or getattr(_backends.module(p.values[0][0]), "SOFT_TARGETS", False)]
+
+
+@pytest.mark.parametrize("backend_device", _soft_backends())
+@pytest.mark.parametrize("weight", ["none", "focal", "flsd", "brier", "external"])
+def test_soft_targets_match_reference_on_materialised_logits(backend_device, weight):
+    """Label smoothing, a mix with one λ per row (a row mixed with its own class), a scalar-λ mix with smoothing and
+    a dense target, in chunks of 7 rows over 26 (a chunk boundary inside the mix), every mode and reduction."""
+    backend, device = backend_device
+    dtype = _dtype_for(backend)
+    hidden, linear_weight, bias, target = _problem(26, 8, 13, dtype, device)
+    g = torch.Generator().manual_seed(3)
+    mix = torch.randint(0, 13, (26,), generator=g).to(device)
+    mix[0] = target[0]
+    lam = torch.rand(26, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
+    dense = torch.softmax(torch.randn(26, 13, generator=g, dtype=torch.float64), dim=1).to(dtype=dtype, device=device)
+    sample_weight = torch.rand(26, dtype=dtype, device=device) if weight == "external" else None
+    forms = [(target, dict(label_smoothing=0.1)), (target, dict(mix_target=mix, mix_lambda=lam)),
+             (target, dict(mix_target=mix, mix_lambda=0.3, label_smoothing=0.05)), (dense, dict(label_smoothing=0.1))]
+    reductions = REDUCTIONS
+    if backend == "triton":  # the interpreter is slow: the per-row mix and the dense form, one reduction
+        forms, reductions = [forms[1], forms[3]], ["sum"]
+    for (tgt, soft), mode, reduction in itertools.product(forms, MODES, reductions):
+        kw = dict(weight=weight, mode=mode, gamma=2.5, reduction=reduction, sample_weight=sample_weight, **soft)
+        grad_output = _grad_output(reduction, (26,), dtype, device)
+        got = _fused(hidden, linear_weight, bias, tgt, grad_output, backend=backend, chunk_size=7, **kw)
+        ref_kw = dict(kw)
+        if isinstance(ref_kw.get("mix_lambda"), torch.Tensor):
+            ref_kw["mix_lambda"] = ref_kw["mix_lambda"].double()
+        want = _reference(hidden, linear_weight, bias, tgt.double() if tgt.is_floating_point() else tgt, grad_output,
+                          **ref_kw)
+        _assert_all_close(got, want, dtype, f"{weight} {mode} {reduction} {sorted(soft)}")
+
+
+def test_soft_target_module_and_refusals():
+    hidden, linear_weight, bias, target = _problem(9, 4, 6, torch.float64, "cpu")
+    criterion = FusedLinearUncertaintyWeightedCE(label_smoothing=0.1, chunk_size=4)
+    assert "label_smoothing=0.1" in repr(criterion)
+    mix = torch.roll(target, 1).clamp(min=0)
+    got = criterion(hidden, linear_weight, target, bias, mix_target=mix, mix_lambda=0.4)
+    want = R.uncertainty_weighted_ce(hidden @ linear_weight.T + bias, target, label_smoothing=0.1, mix_target=mix,
+                                     mix_lambda=0.4)
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match="dual_focal"):
+        fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", label_smoothing=0.1)
+    with pytest.raises(ValueError, match="dense target must have shape"):
+        fused_linear(hidden, linear_weight, torch.rand(9, 5, dtype=torch.float64), bias)
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fused_linear(hidden, linear_weight, target, bias, label_smoothing=2.0)
+    with pytest.raises(ValueError, match="mix_target"):
+        fused_linear(hidden, linear_weight, target, bias, mix_target=mix)
+
+
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction):
