@@ -299,7 +299,10 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   CompactRow<T> cr{};
   if (dense) {
     // Σ e_k, Σ t_k, Σ t_k (z_k - ref) over t_k > 0 (0 · log 0 = 0, also for a -inf logit), Σ t_k e_k
-    Vec sum_e(T(0)), sum_t(T(0)), sum_tz(T(0)), sum_te(T(0));
+    // gBS with q = 2 takes S = Σ p² - 2 P + Σ t² from these sums (no S sweep; its cancellation where p ≈ t is
+    // absolute, ≈ eps, where u = S^{γ/2} is negligible anyway)
+    const bool square_sums = spec.weight == Weight::Brier && spec.q == T(2);
+    Vec sum_e(T(0)), sum_t(T(0)), sum_tz(T(0)), sum_te(T(0)), sum_ee(T(0)), sum_tt(T(0));
     for (int64_t k = 0; k < C; k += W) {
       const int64_t count = std::min<int64_t>(W, C - k);
       const Vec shifted = load_masked(z + k, count, ref) - ref_vec;
@@ -310,6 +313,10 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       sum_t = sum_t + t;
       sum_tz = sum_tz + Vec::blendv(zero, t * shifted, t > zero);
       sum_te = at::vec::fmadd(t, e, sum_te);
+      if (square_sums) {
+        sum_ee = at::vec::fmadd(e, e, sum_ee);
+        sum_tt = at::vec::fmadd(t, t, sum_tt);
+      }
     }
     denom = horizontal_sum(sum_e);
     const T log_denom = std::log(denom);
@@ -319,6 +326,11 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     r.P = horizontal_sum(sum_te) / denom;
     r.one_minus_P = t_total - r.P;
     if (spec.weight == Weight::Flsd) r.gamma = flsd_gamma(static_cast<float>(r.P), gamma);
+    if (square_sums) {
+      const T sum_p2 = horizontal_sum(sum_ee) / (denom * denom);
+      r.S = std::max(T(0), sum_p2 - T(2) * r.P + horizontal_sum(sum_tt));
+      r.H = sum_p2 - r.P;
+    }
   } else {
     const T z_y = z[tg.y], z_m = z[tg.m];
     CompactSums<T> s{std::exp(z_y - ref), tg.m != tg.y ? std::exp(z_m - ref) : T(0), T(0), T(0)};
@@ -343,7 +355,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   }
   const T inv_denom = T(1) / denom;
   const bool square = q == T(2);
-  if (spec.weight == Weight::Brier) {
+  if (spec.weight == Weight::Brier && !(dense && square)) {
     // S = Σ |p_k - t_k|^q and, for the "loss" mode, Σ p_k² (q = 2) or H = Σ h_k p_k
     Vec sum_s(T(0)), sum_h(T(0));
     const Vec inv(inv_denom), q_vec(q);
