@@ -30,6 +30,23 @@ def _cpu_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
     return tuple(Case(n, c, dtype, weight, mode, "cpu") for n, c in CPU_SHAPES for dtype in CPU_DTYPES)
 
 
+def _soft_target_cases(shapes, dtype: str, device: str, weights=("brier", "none")) -> tuple[Case, ...]:
+    """Every target kind (hard, smooth, mix, mix_smooth, dense) of each shape and weight (mode "grad"): a case's kinds
+    are timed together, interleaved (harness.bench_cases)."""
+    return tuple(Case(n, c, dtype, weight, "grad", device, target)
+                 for n, c in shapes for weight in weights for target in harness.TARGET_KINDS)
+
+
+# Soft targets: the compact forms (label smoothing, a per-row mix, both) and the dense (N, C) form against class
+# indices, same shape, dtype and loss; F.cross_entropy on weight "none" (with label_smoothing=, the per-row mix of two
+# CEs, or probabilities). --quick: BSCE-GRA only.
+CPU_SOFT = ["calibkernels_cpu", "calibkernels_cpu_inplace", "reference_compiled", "torch_cross_entropy"]
+CPU_SOFT_TARGETS = Suite("cpu-soft-targets", _soft_target_cases([(4096, 1000)], "fp32", "cpu"), tuple(CPU_SOFT))
+CPU_SOFT_TARGETS_QUICK = Suite("cpu-soft-targets-quick",
+                               _soft_target_cases([(4096, 1000)], "fp32", "cpu", weights=("brier",)),
+                               tuple(CPU_SOFT[:3]))
+
+
 # Host cost (issue #20): the eager training step as a user writes it, ck.uncertainty_weighted_ce(logits, target)
 # (BSCE-GRA, default backend), against F.cross_entropy's step, at a shape where the kernels' work is negligible and at
 # a small real one; one torch thread and the default count. One reused leaf, leaf.grad = None between steps.
@@ -44,11 +61,13 @@ CPU_SUITES = [
     Suite("cpu-bsce-gra", _cpu_cases("brier"), tuple(CPU_FUSED)),
     # weight "none" is plain cross-entropy: the kernel against F.cross_entropy
     Suite("cpu-ce", _cpu_cases("none"), tuple(CPU_CE)),
+    CPU_SOFT_TARGETS,
     CPU_HOST_STEP,
 ]
 CPU_QUICK_SUITES = [
     Suite("cpu-bsce-gra-quick", (HEADLINE_CPU,), tuple(CPU_FUSED)),
     Suite("cpu-ce-quick", (Case(4096, 1000, "fp32", "none", "grad", "cpu"),), tuple(CPU_CE)),
+    CPU_SOFT_TARGETS_QUICK,
     CPU_HOST_STEP,
 ]
 
@@ -65,6 +84,8 @@ CUDA_FUSED = ["calibkernels_triton", "calibkernels_triton_inplace", "calibkernel
 CUDA_CE = CUDA_FUSED + ["torch_cross_entropy", "liger_cross_entropy"]
 CUDA_KERNELS_ONLY = ["calibkernels_triton", "calibkernels_triton_inplace", "calibkernels_cuda",
                      "calibkernels_cuda_inplace"]
+# soft targets on the GPU: the fused kernels, F.cross_entropy and Liger (hard and "smooth" only) on weight "none"
+CUDA_SOFT = CUDA_KERNELS_ONLY + ["torch_cross_entropy", "liger_cross_entropy"]
 
 
 def _cuda_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
@@ -78,6 +99,7 @@ CUDA_SUITES = [
     Suite("cuda-imagenet-large-batch",
           (Case(65536, 1000, "bf16", "brier", "grad", "cuda"), Case(65536, 1000, "bf16", "none", "grad", "cuda")),
           tuple(CUDA_KERNELS_ONLY)),
+    Suite("cuda-soft-targets", _soft_target_cases([(GPU_N, 1000), (GPU_N, 32000)], "bf16", "cuda"), tuple(CUDA_SOFT)),
 ]
 CUDA_QUICK_SUITES = [
     Suite("cuda-bsce-gra-quick", (HEADLINE_CUDA,), tuple(CUDA_FUSED)),

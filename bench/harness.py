@@ -3,6 +3,14 @@
 What is measured (issues 3, 4, 5): one **training step of the loss**, forward + backward, for logits ``(N, C)`` and
 int64 targets, i.e. ``loss = f(logits, target); loss.backward()``, until the gradient sits in ``leaf.grad``.
 
+Targets (``Case.target``, :data:`TARGET_KINDS`): ``"hard"`` class indices, or one of the soft forms of docs/losses.md
+"Soft targets", built by :func:`make_inputs` from the same class indices: ``"smooth"`` (``label_smoothing=0.1``),
+``"mix"`` (``mix_target = target.flip(0)``, one ``mix_lambda`` per row drawn from Beta(0.2, 0.2) with a fixed seed),
+``"mix_smooth"`` (both) and ``"dense"`` (the float32 ``(N, C)`` distribution of ``"mix_smooth"``, as
+``timm.data.Mixup`` builds it). A soft case's target is a :class:`SoftTarget`; the steps call
+``f(logits, soft.target, **soft.kwargs)``. Cases that differ only in their target kind share the logits and are timed
+together, interleaved, so a run compares the kinds as it compares providers.
+
 Fairness rules, the same for every provider:
 
 * Each repetition starts from a fresh **non-leaf** copy of the logits, ``logits = leaf.clone()``, made *outside* the
@@ -18,8 +26,8 @@ Fairness rules, the same for every provider:
   compilation and Triton's JIT). ``torch._dynamo.reset()`` runs before each compiled provider is built, so every
   case gets its own static-shape graph and the recompile limit is never hit.
 * Bandwidth: ``2·N·C·bytes / time`` (read the logits once, write the gradient once: the minimum traffic of a fused
-  step; target and loss are negligible). It is an "effective" bandwidth: a provider that moves more data than that
-  minimum still gets credit only for the minimum.
+  step; target and loss are negligible), plus ``N·C·4`` for a dense float32 target, which is read once. It is an
+  "effective" bandwidth: a provider that moves more data than that minimum still gets credit only for the minimum.
 * Peak extra memory: the peak of memory allocated during the step **above what existed before it** (the leaf, its
   non-leaf copy and the targets). A fused kernel needs one ``N×C`` buffer (the gradient) and, with ``inplace=True``,
   none (the gradient overwrites the logits copy). Also reported in units of ``N·C·bytes`` ("×NC").
@@ -46,9 +54,10 @@ Providers (Liger-Kernel's naming; ``PROVIDERS``): ``calibkernels_cpu``/``_cuda``
 the same with ``_inplace``, ``calibkernels`` (``ck.uncertainty_weighted_ce`` with the default backend and, for the
 default loss, no keywords: the call a user writes), ``reference`` (eager
 :func:`calibkernels.reference.uncertainty_weighted_ce`), ``reference_compiled`` (``torch.compile`` of a function that
-calls the reference and then ``.backward()``), ``torch_cross_entropy`` (``F.cross_entropy``, weight ``"none"`` only)
-and ``liger_cross_entropy`` (Liger-Kernel's fused cross-entropy, weight ``"none"`` only, CUDA, when ``liger_kernel``
-is importable).
+calls the reference and then ``.backward()``), ``torch_cross_entropy`` (``F.cross_entropy``, weight ``"none"`` only;
+with a mix, ``(λ·CE(z, y) + (1 − λ)·CE(z, y2)).mean()`` over per-row cross-entropies) and ``liger_cross_entropy``
+(Liger-Kernel's fused cross-entropy, weight ``"none"`` only, hard and ``"smooth"`` targets, CUDA, when
+``liger_kernel`` is importable).
 
 Results (:func:`publish`): ``<suite>-<device>-<date>.json`` and ``.md`` in ``bench/results/`` (or ``--results-dir``),
 replacing the earlier files of the same suite and device, and one row per measured case appended to
@@ -88,18 +97,22 @@ from calibkernels import reference as ck_reference
 
 __all__ = [
     "Case",
+    "SoftTarget",
+    "TARGET_KINDS",
     "Provider",
     "Suite",
     "Result",
     "PROVIDERS",
     "DTYPES",
     "make_inputs",
+    "soft_target",
     "unavailable_reason",
     "build_step",
     "time_steps",
     "time_step",
     "time_host_steps",
     "bench_case",
+    "bench_cases",
     "bench_host_case",
     "time_fn",
     "rows_to_markdown",
@@ -114,6 +127,7 @@ __all__ = [
     "write_json",
     "markdown_table",
     "HISTORY_FIELDS",
+    "HISTORY_FIELDS_V1",
     "history_rows",
     "append_history",
     "publish",
@@ -125,6 +139,11 @@ MB = 1e6  # reported memory is in MB (10^6 bytes), bandwidth in GB/s (10^9 bytes
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "bench" / "results"
 MEASURES = ("step", "host_step")
+# Target kinds (Case.target): class indices, and the soft forms of docs/losses.md "Soft targets" (make_inputs)
+TARGET_KINDS = ("hard", "smooth", "mix", "mix_smooth", "dense")
+LABEL_SMOOTHING = 0.1  # label_smoothing of the "smooth" and "mix_smooth" kinds (and in the "dense" distribution)
+MIX_ALPHA = 0.2  # the mixes' per-row lambda ~ Beta(MIX_ALPHA, MIX_ALPHA) (mixup's alpha for ImageNet)
+DENSE_TARGET_DTYPE = torch.float32  # what timm.data.Mixup builds, whatever the logits' dtype
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,7 +151,8 @@ MEASURES = ("step", "host_step")
 # ----------------------------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Case:
-    """One benchmark input: logits ``(n, c)`` of ``dtype`` on ``device``, loss ``weight``/``mode`` (mean reduction)."""
+    """One benchmark input: logits ``(n, c)`` of ``dtype`` on ``device``, loss ``weight``/``mode`` (mean reduction),
+    targets of kind ``target`` (:data:`TARGET_KINDS`)."""
 
     n: int
     c: int
@@ -140,10 +160,13 @@ class Case:
     weight: str = "brier"
     mode: str = "grad"
     device: str = "cpu"
+    target: str = "hard"  # a kind of TARGET_KINDS
 
     def __post_init__(self):
         if self.dtype not in DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; expected one of {sorted(DTYPES)}")
+        if self.target not in TARGET_KINDS:
+            raise ValueError(f"unknown target kind {self.target!r}; expected one of {TARGET_KINDS}")
         if self.n <= 0 or self.c <= 0:
             raise ValueError(f"N and C must be positive, got ({self.n}, {self.c})")
 
@@ -153,7 +176,15 @@ class Case:
 
     @property
     def id(self) -> str:
-        return f"{self.device}-{self.n}x{self.c}-{self.dtype}-{self.weight}-{self.mode}"
+        """``<device>-<N>x<C>-<dtype>-<weight>-<mode>``, then ``-<target>`` for a soft target kind (hard cases keep the
+        ids of the runs before target kinds existed)."""
+        suffix = "" if self.target == "hard" else f"-{self.target}"
+        return f"{self.device}-{self.n}x{self.c}-{self.dtype}-{self.weight}-{self.mode}{suffix}"
+
+    @property
+    def hard(self) -> "Case":
+        """The same case with class-index targets."""
+        return self if self.target == "hard" else replace(self, target="hard")
 
     @property
     def nc_bytes(self) -> int:
@@ -162,12 +193,14 @@ class Case:
 
     @property
     def min_traffic_bytes(self) -> int:
-        """``2·N·C·bytes``: read the logits once, write the gradient once."""
-        return 2 * self.nc_bytes
+        """``2·N·C·bytes``: read the logits once, write the gradient once; plus the dense target, read once."""
+        dense = self.n * self.c * DENSE_TARGET_DTYPE.itemsize if self.target == "dense" else 0
+        return 2 * self.nc_bytes + dense
 
 
 # A step takes (logits, target) and runs forward + backward; it returns the loss tensor (callers detach it: a detach
-# inside the step would be timed).
+# inside the step would be timed). ``target`` is what make_inputs made for the case: the int64 class indices for a
+# hard case, a SoftTarget for a soft one.
 Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -175,8 +208,10 @@ Step = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 class Provider:
     """One implementation being benchmarked.
 
-    ``make_step(case)`` returns the step function; ``weights`` restricts the cases it applies to (``None``: all);
-    ``requires(device)`` returns ``None`` when it can run on that device, else the reason it cannot.
+    ``make_step(case)`` returns the step function; ``weights`` and ``targets`` restrict the cases it applies to
+    (losses and target kinds; ``None``: all); ``requires(device)`` returns ``None`` when it can run on that device,
+    else the reason it cannot; ``backend`` names the calibkernels backend a fused provider runs (soft targets need
+    one whose module sets ``SOFT_TARGETS``).
     """
 
     name: str
@@ -186,11 +221,14 @@ class Provider:
     requires: Callable[[torch.device], str | None] = lambda device: None
     weights: tuple[str, ...] | None = None
     inplace: bool = False
+    targets: tuple[str, ...] | None = None
+    backend: str | None = None
 
     def applies_to(self, case: Case, any_weight: bool = False) -> bool:
-        """Whether the provider runs ``case``: its device, and its loss unless ``any_weight`` (host-step suites pair
-        providers of different losses on purpose)."""
-        return case.device in self.devices and (any_weight or self.weights is None or case.weight in self.weights)
+        """Whether the provider runs ``case``: its device and target kind, and its loss unless ``any_weight``
+        (host-step suites pair providers of different losses on purpose)."""
+        return (case.device in self.devices and (self.targets is None or case.target in self.targets)
+                and (any_weight or self.weights is None or case.weight in self.weights))
 
     def computed_case(self, case: Case) -> Case:
         """The case this provider actually computes (plain cross-entropy for a ``weights=("none",)`` provider)."""
@@ -225,43 +263,48 @@ class Suite:
             raise ValueError(f"baseline {self.baseline!r} is not one of the suite's providers {self.providers}")
 
 
-def _backend_step(backend: str, inplace: bool) -> Callable[[Case], Step]:
-    def make(case: Case) -> Step:
+def _loss_step(loss_fn: Callable[..., torch.Tensor], case: Case, **keywords) -> Step:
+    """The step ``loss_fn(logits, target, **keywords).backward()``; for a soft case the target is a
+    :class:`SoftTarget`, and the call is ``loss_fn(logits, soft.target, **keywords, **soft.kwargs)``."""
+    if case.target == "hard":
         def step(logits, target):
-            loss = ck.uncertainty_weighted_ce(logits, target, weight=case.weight, mode=case.mode, backend=backend,
-                                              inplace=inplace)
+            loss = loss_fn(logits, target, **keywords)
+            loss.backward()
+            return loss
+    else:
+        def step(logits, soft):
+            loss = loss_fn(logits, soft.target, **keywords, **soft.kwargs)
             loss.backward()
             return loss
 
-        return step
+    return step
+
+
+def _backend_step(backend: str, inplace: bool) -> Callable[[Case], Step]:
+    def make(case: Case) -> Step:
+        return _loss_step(ck.uncertainty_weighted_ce, case, weight=case.weight, mode=case.mode, backend=backend,
+                          inplace=inplace)
 
     return make
 
 
 def _default_call_step(case: Case) -> Step:
     """``ck.uncertainty_weighted_ce(logits, target)`` as a user writes it: default backend, and no keywords at all
-    for the default loss (BSCE-GRA)."""
-    if (case.weight, case.mode) == (ck_codes.DEFAULT_WEIGHT, ck_codes.DEFAULT_MODE):
+    for the default loss (BSCE-GRA) but the soft target's."""
+    default_loss = (case.weight, case.mode) == (ck_codes.DEFAULT_WEIGHT, ck_codes.DEFAULT_MODE)
+    if default_loss and case.target == "hard":
         def step(logits, target):
             loss = ck.uncertainty_weighted_ce(logits, target)
             loss.backward()
             return loss
-    else:
-        def step(logits, target):
-            loss = ck.uncertainty_weighted_ce(logits, target, weight=case.weight, mode=case.mode)
-            loss.backward()
-            return loss
 
-    return step
+        return step
+    keywords = {} if default_loss else {"weight": case.weight, "mode": case.mode}
+    return _loss_step(ck.uncertainty_weighted_ce, case, **keywords)
 
 
 def _reference_eager(case: Case) -> Step:
-    def step(logits, target):
-        loss = ck_reference.uncertainty_weighted_ce(logits, target, weight=case.weight, mode=case.mode)
-        loss.backward()
-        return loss
-
-    return step
+    return _loss_step(ck_reference.uncertainty_weighted_ce, case, weight=case.weight, mode=case.mode)
 
 
 def _reference_compiled(case: Case) -> Step:
@@ -273,22 +316,37 @@ def _reference_compiled(case: Case) -> Step:
     return torch.compile(_reference_eager(case))
 
 
-def _torch_cross_entropy(case: Case) -> Step:
-    def step(logits, target):
-        loss = F.cross_entropy(logits, target)
-        loss.backward()
-        return loss
+def _mixed_cross_entropy(logits, target, *, mix_target, mix_lambda, label_smoothing=0.0):
+    """Mixup's compact loss in plain PyTorch with one λ per row: ``mean_i(λ_i CE(z_i, y_i) + (1 − λ_i) CE(z_i,
+    y2_i))``, the per-row form of ``lam * F.cross_entropy(z, y) + (1 - lam) * F.cross_entropy(z, y2)``."""
+    first = F.cross_entropy(logits, target, reduction="none", label_smoothing=label_smoothing)
+    second = F.cross_entropy(logits, mix_target, reduction="none", label_smoothing=label_smoothing)
+    return (mix_lambda * first + (1 - mix_lambda) * second).mean()
 
-    return step
+
+def _torch_cross_entropy(case: Case) -> Step:
+    if case.target == "hard":
+        def step(logits, target):
+            loss = F.cross_entropy(logits, target)
+            loss.backward()
+            return loss
+
+        return step
+    if case.target in ("mix", "mix_smooth"):
+        return _loss_step(_mixed_cross_entropy, case)
+    # "smooth": F.cross_entropy(logits, y, label_smoothing=a); "dense": F.cross_entropy(logits, probabilities)
+    return _loss_step(F.cross_entropy, case)
 
 
 def _liger_cross_entropy(case: Case) -> Step:
     from liger_kernel.transformers import LigerCrossEntropyLoss
 
-    criterion = LigerCrossEntropyLoss(reduction="mean")
+    smoothing = LABEL_SMOOTHING if case.target == "smooth" else 0.0
+    criterion = LigerCrossEntropyLoss(reduction="mean", label_smoothing=smoothing)
+    hard = case.target == "hard"
 
     def step(logits, target):
-        loss = criterion(logits, target)
+        loss = criterion(logits, target if hard else target.target)
         if isinstance(loss, tuple):  # versions that also return the z-loss / accuracy
             loss = loss[0]
         loss.backward()
@@ -315,17 +373,17 @@ PROVIDERS: dict[str, Provider] = {
     p.name: p
     for p in [
         Provider("calibkernels_cpu", "calibkernels C++ (cpu)", ("cpu",), _backend_step("cpu", False),
-                 _needs_backend("cpu")),
+                 _needs_backend("cpu"), backend="cpu"),
         Provider("calibkernels_cpu_inplace", "calibkernels C++ (cpu), inplace", ("cpu",), _backend_step("cpu", True),
-                 _needs_backend("cpu"), inplace=True),
+                 _needs_backend("cpu"), inplace=True, backend="cpu"),
         Provider("calibkernels_triton", "calibkernels Triton", ("cuda",), _backend_step("triton", False),
-                 _needs_backend("triton")),
+                 _needs_backend("triton"), backend="triton"),
         Provider("calibkernels_triton_inplace", "calibkernels Triton, inplace", ("cuda",),
-                 _backend_step("triton", True), _needs_backend("triton"), inplace=True),
+                 _backend_step("triton", True), _needs_backend("triton"), inplace=True, backend="triton"),
         Provider("calibkernels_cuda", "calibkernels CUDA C++", ("cuda",), _backend_step("cuda", False),
-                 _needs_backend("cuda")),
+                 _needs_backend("cuda"), backend="cuda"),
         Provider("calibkernels_cuda_inplace", "calibkernels CUDA C++, inplace", ("cuda",),
-                 _backend_step("cuda", True), _needs_backend("cuda"), inplace=True),
+                 _backend_step("cuda", True), _needs_backend("cuda"), inplace=True, backend="cuda"),
         Provider("calibkernels", "ck.uncertainty_weighted_ce, default backend", ("cpu", "cuda"),
                  _default_call_step),
         Provider("reference", "eager reference", ("cpu", "cuda"), _reference_eager),
@@ -334,18 +392,23 @@ PROVIDERS: dict[str, Provider] = {
         Provider("torch_cross_entropy", "F.cross_entropy", ("cpu", "cuda"), _torch_cross_entropy,
                  weights=("none",)),
         Provider("liger_cross_entropy", "Liger-Kernel cross-entropy", ("cuda",), _liger_cross_entropy,
-                 _needs_module("liger_kernel"), weights=("none",), inplace=True),
+                 _needs_module("liger_kernel"), weights=("none",), inplace=True, targets=("hard", "smooth")),
     ]
 }
 
 
 def unavailable_reason(provider: Provider, case: Case, any_weight: bool = False) -> str | None:
-    """``None`` if ``provider`` can run ``case`` here, else why not (no GPU, backend not built, not installed)."""
+    """``None`` if ``provider`` can run ``case`` here, else why not (no GPU, backend not built, not installed, no
+    soft targets in that backend yet)."""
     if not provider.applies_to(case, any_weight):
         return f"{provider.name} does not apply to {case.id}"
     if case.device == "cuda" and not torch.cuda.is_available():
         return "no CUDA device"
-    return provider.requires(torch.device(case.device))
+    reason = provider.requires(torch.device(case.device))
+    if reason is None and case.target != "hard" and provider.backend is not None:
+        if not getattr(_backends.module(provider.backend), "SOFT_TARGETS", False):
+            reason = f"the {provider.backend!r} backend does not support soft targets"
+    return reason
 
 
 def build_step(provider: Provider, case: Case, any_weight: bool = False) -> Step:
@@ -358,17 +421,72 @@ def build_step(provider: Provider, case: Case, any_weight: bool = False) -> Step
 # ----------------------------------------------------------------------------------------------------------------
 # Inputs
 # ----------------------------------------------------------------------------------------------------------------
-def make_inputs(case: Case, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leaf logits ``(N, C)`` (``requires_grad``) ~ 𝒩(0, 2²), uniform targets in ``[0, C)``, on the case's device.
+@dataclass(frozen=True)
+class SoftTarget:
+    """The target of a soft case (:func:`soft_target`): the loss is ``f(logits, target, **kwargs)``.
+
+    ``target``: the int64 class indices ``(N,)``, or for kind ``"dense"`` the float32 ``(N, C)`` distribution;
+    ``kwargs``: the keywords of ``ck.uncertainty_weighted_ce`` and of the reference, ``label_smoothing``,
+    ``mix_target``, ``mix_lambda`` (empty for ``"dense"``)."""
+
+    kind: str
+    target: torch.Tensor
+    kwargs: dict = field(default_factory=dict)
+
+
+def make_inputs(case: Case, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | SoftTarget]:
+    """Leaf logits ``(N, C)`` (``requires_grad``) ~ 𝒩(0, 2²), uniform targets in ``[0, C)``, on the case's device;
+    for a soft case the target is the :class:`SoftTarget` of those class indices (:func:`soft_target`).
 
     A scale of 2 gives a spread of confidences (neither uniform softmax nor one-hot), so every branch of the weight
     is exercised; the values do not change the work of any provider. Generated with a fixed seed so every provider
-    sees the same data.
+    sees the same data, and every target kind the same logits and class indices.
     """
     generator = torch.Generator(device="cpu").manual_seed(seed)
     logits = (2.0 * torch.randn(case.n, case.c, generator=generator)).to(device=case.device, dtype=case.torch_dtype)
     target = torch.randint(0, case.c, (case.n,), generator=generator).to(case.device)
-    return logits.requires_grad_(), target
+    return logits.requires_grad_(), target if case.target == "hard" else soft_target(case, target, seed)
+
+
+def _mix_lambdas(n: int, seed: int) -> torch.Tensor:
+    """``n`` draws of Beta(MIX_ALPHA, MIX_ALPHA), float32, from a fixed seed (the global generator's state is kept)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return torch.distributions.Beta(MIX_ALPHA, MIX_ALPHA).sample((n,)).float()
+
+
+def soft_target(case: Case, target: torch.Tensor, seed: int = 0) -> SoftTarget:
+    """The target of ``case.target``'s kind from the class indices ``target`` (docs/losses.md "Soft targets"):
+
+    * ``"smooth"``: ``label_smoothing = LABEL_SMOOTHING`` (0.1);
+    * ``"mix"``: ``mix_target = target.flip(0)`` (mixup's partner, the batch reversed) and one ``mix_lambda`` per row
+      ~ Beta(0.2, 0.2) (float32, ``(N,)``, fixed seed): mixup draws one λ per batch, a number that reaches the kernels
+      as a 0-dim λ tensor; one per row exercises the general path;
+    * ``"mix_smooth"``: both;
+    * ``"dense"``: the float32 ``(N, C)`` distribution of ``"mix_smooth"``, ``λ·s(e_y) + (1 − λ)·s(e_y2)`` with
+      ``s(e) = (1 − α)·e + α/C``, as ``timm.data.Mixup`` builds its targets (float32 whatever the logits' dtype).
+    """
+    kind = case.target
+    if kind == "hard":
+        raise ValueError("a hard case's target is the class indices themselves")
+    kwargs: dict = {}
+    if kind in ("smooth", "mix_smooth"):
+        kwargs["label_smoothing"] = LABEL_SMOOTHING
+    if kind in ("mix", "mix_smooth", "dense"):
+        kwargs["mix_target"] = target.flip(0)
+        kwargs["mix_lambda"] = _mix_lambdas(case.n, seed).to(target.device)
+    if kind != "dense":
+        return SoftTarget(kind, target, kwargs)
+    lam = kwargs["mix_lambda"].double()[:, None]
+    off = LABEL_SMOOTHING / case.c
+    first, second = (torch.full((case.n, case.c), off, dtype=torch.float64, device=target.device)
+                     .scatter_(1, y[:, None], 1.0 - LABEL_SMOOTHING + off) for y in (target, kwargs["mix_target"]))
+    return SoftTarget(kind, (lam * first + (1.0 - lam) * second).to(DENSE_TARGET_DTYPE))
+
+
+def _target_call(target: torch.Tensor | SoftTarget) -> tuple[torch.Tensor, dict]:
+    """``(target, keywords)`` of the loss call for a case's target (:func:`make_inputs`)."""
+    return (target.target, target.kwargs) if isinstance(target, SoftTarget) else (target, {})
 
 
 def _fresh_logits(leaf: torch.Tensor) -> torch.Tensor:
@@ -418,9 +536,10 @@ def _warm_up(names: list[str], warm: Callable[[str], None], failed: Callable[[st
             failed(name, exc)
 
 
-def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor, *, warmup: int = 2,
+def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target, *, warmup: int = 2,
                reps: int = 10, min_reps: int = 3, max_time_s: float = 5.0,
-               on_error: Callable[[str, Exception], None] | None = None) -> dict[str, Timing]:
+               on_error: Callable[[str, Exception], None] | None = None,
+               targets: dict | None = None) -> dict[str, Timing]:
     """Median time of each step, **interleaved**: repetition ``r`` runs every step once (in an order rotated by one
     each repetition) before repetition ``r + 1`` starts, so load from other processes on a shared machine hits all
     providers alike instead of whichever happened to run during a busy second.
@@ -429,14 +548,16 @@ def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor,
     ``min_reps`` and its timed repetitions have used ``max_time_s`` (so a slow eager reference does not dominate the
     run time, and fast kernels still get all ``reps``). Fresh non-leaf logits copy per repetition, made untimed.
     A step that raises is dropped and reported through ``on_error`` (re-raised when ``on_error`` is None).
+    ``targets``: a target per step name, in place of ``target`` (steps of several target kinds on the same logits).
     """
     device = leaf.device.type
     names = list(steps)
     failed = _dropper(names, on_error)
+    target_of = {name: target for name in names} if targets is None else targets
 
     def warm(name):
         for _ in range(warmup):
-            steps[name](_fresh_logits(leaf), target)
+            steps[name](_fresh_logits(leaf), target_of[name])
 
     _warm_up(names, warm, failed, device)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -461,12 +582,12 @@ def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor,
                     flush.zero_()  # evict the logits from L2, as triton.testing.do_bench does
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    steps[name](logits, target)
+                    steps[name](logits, target_of[name])
                     end.record()
                     pending[name].append((start, end))
                 else:
                     start_s = time.perf_counter()
-                    steps[name](logits, target)
+                    steps[name](logits, target_of[name])
                     times[name].append(1e3 * (time.perf_counter() - start_s))
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 failed(name, exc)
@@ -635,7 +756,8 @@ def peak_extra_memory(step: Step, leaf: torch.Tensor, target: torch.Tensor) -> i
 # ----------------------------------------------------------------------------------------------------------------
 def check_provider(provider: Provider, case: Case, seed: int = 0, step: Step | None = None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Run one step of ``provider`` and of the float64 reference on the same inputs.
+    """Run one step of ``provider`` and of the float64 reference on the same inputs (a soft case: the same soft
+    target, its keywords passed to the reference).
 
     Returns ``(loss, grad, ref_loss, ref_grad)``; the provider's values are in the logits' dtype, the reference's in
     float64 (the inputs cast exactly to float64), so callers can compare with a tolerance suited to the dtype.
@@ -646,7 +768,9 @@ def check_provider(provider: Provider, case: Case, seed: int = 0, step: Step | N
     grad = leaf.grad.detach().clone()
     leaf.grad = None
     exact = leaf.detach().double().requires_grad_()
-    ref_loss = ck_reference.uncertainty_weighted_ce(exact, target, weight=case.weight, mode=case.mode)
+    ref_target, soft_kwargs = _target_call(target)  # the same soft arguments (λ and a dense target as given)
+    ref_loss = ck_reference.uncertainty_weighted_ce(exact, ref_target, weight=case.weight, mode=case.mode,
+                                                    **soft_kwargs)
     ref_loss.backward()
     return loss.detach(), grad, ref_loss.detach(), exact.grad
 
@@ -682,6 +806,7 @@ class Result:
     baseline: str | None = None  # host steps: the provider the ratios are taken against
     ratio_to_baseline: float | None = None  # this median / the baseline's median
     paired_ratio_to_baseline: float | None = None  # median over repetitions of this time / the baseline's time
+    ratio_to_hard: float | None = None  # soft targets: this median / the same provider's on the hard case, same run
     config: dict = field(default_factory=dict)  # other parameters of the measurement (e.g. the resolved backend)
 
 
@@ -696,44 +821,61 @@ def bench_case(case: Case, providers: list[Provider], *, warmup: int = 2, reps: 
 
     Unavailable providers are recorded as skipped and failing ones as errors; neither stops the others.
     """
-    results = {p.name: Result(asdict(case), case.id, p.name, p.label, "ok") for p in providers}
-    steps: dict[str, Step] = {}
-    for provider in providers:
-        reason = unavailable_reason(provider, case)
-        if reason is not None:
-            results[provider.name].status = f"skipped: {reason}"
-            continue
-        try:
-            steps[provider.name] = build_step(provider, case)
-        except Exception as exc:  # noqa: BLE001 - one failing provider must not lose the other measurements
-            results[provider.name].status = _error_status(exc)
+    return bench_cases([(case, providers)], warmup=warmup, reps=reps, max_time_s=max_time_s, memory=memory, seed=seed)
+
+
+def bench_cases(items: list[tuple[Case, list[Provider]]], *, warmup: int = 2, reps: int = 10,
+                max_time_s: float = 5.0, memory: bool = True, seed: int = 0) -> list[Result]:
+    """:func:`bench_case` for cases that differ only in their target kind (``Case.hard`` the same): one set of
+    logits, each case's target (:func:`make_inputs`), and every (case, provider) step timed together, interleaved,
+    so the target kinds are compared as the providers are. Results in the order of ``items``."""
+    bases = {case.hard for case, _ in items}
+    if len(bases) != 1:
+        raise ValueError(f"bench_cases takes the target kinds of one case, got {sorted(c.id for c in bases)}")
+    results: dict[tuple[Case, str], Result] = {}
+    steps: dict[tuple[Case, str], Step] = {}
+    for case, providers in items:
+        for provider in providers:
+            key = (case, provider.name)
+            results[key] = result = Result(asdict(case), case.id, provider.name, provider.label, "ok")
+            reason = unavailable_reason(provider, case)
+            if reason is not None:
+                result.status = f"skipped: {reason}"
+                continue
+            try:
+                steps[key] = build_step(provider, case)
+            except Exception as exc:  # noqa: BLE001 - one failing provider must not lose the other measurements
+                result.status = _error_status(exc)
     if not steps:
         return list(results.values())
 
-    def on_error(name, exc):
-        results[name].status = _error_status(exc)
-        steps.pop(name, None)
+    def on_error(key, exc):
+        results[key].status = _error_status(exc)
+        steps.pop(key, None)
 
-    leaf, target = make_inputs(case, seed)
+    base = bases.pop()
+    leaf, target = make_inputs(base, seed)
+    kinds = {case: target if case.target == "hard" else soft_target(case, target, seed) for case, _ in items}
+    targets = {key: kinds[key[0]] for key in steps}
     try:
         timings = time_steps(dict(steps), leaf, target, warmup=warmup, reps=reps, max_time_s=max_time_s,
-                             on_error=on_error)
-        for name, timing in timings.items():
-            result = results[name]
+                             on_error=on_error, targets=targets)
+        for key, timing in timings.items():
+            result = results[key]
             result.median_ms, result.min_ms, result.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
             result.reps, result.times_ms = timing.reps, [round(t, 4) for t in timing.times_ms]
-            result.gb_per_s = case.min_traffic_bytes / (timing.median_ms * 1e-3) / 1e9
+            result.gb_per_s = key[0].min_traffic_bytes / (timing.median_ms * 1e-3) / 1e9
         if memory:
-            for name in timings:
+            for key in timings:
                 try:
-                    peak = peak_extra_memory(steps[name], leaf, target)
-                    results[name].peak_extra_mb = peak / MB
-                    results[name].peak_extra_nc = peak / case.nc_bytes
+                    peak = peak_extra_memory(steps[key], leaf, targets[key])
+                    results[key].peak_extra_mb = peak / MB
+                    results[key].peak_extra_nc = peak / key[0].nc_bytes
                 except Exception as exc:  # noqa: BLE001
-                    results[name].status = _error_status(exc)
+                    results[key].status = _error_status(exc)
     finally:
-        del leaf, target, steps
-        if case.device == "cuda":
+        del leaf, target, kinds, targets, steps
+        if base.device == "cuda":
             torch.cuda.empty_cache()
     return list(results.values())
 
@@ -818,12 +960,14 @@ def bench_one(provider: Provider, case: Case, **kwargs) -> Result:
     return bench_case(case, [provider], **kwargs)[0]
 
 
-def _filtered(suites, providers_filter, cases_filter):
+def _filtered(suites, providers_filter, cases_filter, targets_filter=None):
     for suite in suites:
         host = suite.measure == "host_step"
         for case in suite.cases:
             case_id = host_case_id(case) if host else case.id
             if cases_filter and not any(f in case_id for f in cases_filter):
+                continue
+            if targets_filter and case.target not in targets_filter:
                 continue
             for name in suite.providers:
                 if providers_filter and name not in providers_filter:
@@ -834,17 +978,20 @@ def _filtered(suites, providers_filter, cases_filter):
 
 def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time_s: float = 5.0, memory: bool = True,
                providers_filter: list[str] | None = None, cases_filter: list[str] | None = None,
-               progress: bool = True, host_reps: int | None = None, host_rep_ms: float = 20.0) -> list[Result]:
+               progress: bool = True, host_reps: int | None = None, host_rep_ms: float = 20.0,
+               targets_filter: list[str] | None = None) -> list[Result]:
     """Measure every (case, provider) pair of the suites; fills ``speedup_vs_reference`` when the eager reference
-    ran on the same case. Host-step suites run with ``host_reps`` repetitions (default: the suite's ``reps``, else
-    100) of about ``host_rep_ms`` each."""
-    # group the pairs by case (in order): a case's providers are timed together, interleaved; a host-step suite's
-    # cases are measured on their own (its threads, baseline and repetitions)
-    groups: dict[tuple, list[Provider]] = {}
-    for suite, case, provider in _filtered(suites, providers_filter, cases_filter):
-        key = ("step", case, None) if suite.measure == "step" else ("host_step", case, suite)
-        if provider not in groups.setdefault(key, []):
-            groups[key].append(provider)
+    ran on the same case, and ``ratio_to_hard`` when the provider ran the case's hard targets. Host-step suites run
+    with ``host_reps`` repetitions (default: the suite's ``reps``, else 100) of about ``host_rep_ms`` each."""
+    # group the pairs by case (in order), the target kinds of a case together: a group's providers and target kinds
+    # are timed together, interleaved (bench_cases); a host-step suite's cases are measured on their own (its
+    # threads, baseline and repetitions)
+    groups: dict[tuple, dict[Case, list[Provider]]] = {}
+    for suite, case, provider in _filtered(suites, providers_filter, cases_filter, targets_filter):
+        key = ("step", case.hard, None) if suite.measure == "step" else ("host_step", case, suite)
+        providers = groups.setdefault(key, {}).setdefault(case, [])
+        if provider not in providers:
+            providers.append(provider)
     try:
         from tqdm import tqdm
     except ImportError:  # tqdm is optional: fall back to one line per case
@@ -852,29 +999,36 @@ def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time
     items = list(groups.items())
     bar = tqdm(items, desc="bench", unit="case", file=sys.stderr, disable=not progress) if tqdm else items
     results = []
-    for (measure, case, suite), providers in bar:
+    for (measure, case, suite), by_case in bar:
         label = case.id if measure == "step" else f"{host_case_id(case)} host step"
+        kinds = [c.target for c in by_case if c.target != "hard"]
+        label += f" (+ targets {', '.join(kinds)})" if kinds else ""
         if tqdm:
-            bar.set_postfix_str(f"{label} ({len(providers)} providers)")
+            bar.set_postfix_str(f"{label} ({len({p.name for ps in by_case.values() for p in ps})} providers)")
         elif progress:
             print(f"[bench] {label}", file=sys.stderr, flush=True)
         if measure == "step":
-            case_results = bench_case(case, providers, warmup=warmup, reps=reps, max_time_s=max_time_s,
-                                      memory=memory)
+            case_results = bench_cases(list(by_case.items()), warmup=warmup, reps=reps, max_time_s=max_time_s,
+                                       memory=memory)
         else:
+            (providers,) = by_case.values()
             case_results = bench_host_case(
                 case, providers, threads=suite.threads,
                 baseline=suite.baseline if any(p.name == suite.baseline for p in providers) else None,
                 reps=host_reps if host_reps is not None else (suite.reps or 100), rep_ms=host_rep_ms)
         for result in case_results:
             if result.status != "ok" and progress:
-                print(f"[bench] {label} {result.provider}: {result.status}", file=sys.stderr, flush=True)
+                print(f"[bench] {result.case_id} {result.provider}: {result.status}", file=sys.stderr, flush=True)
         results.extend(case_results)
-    reference_ms = {r.case_id: r.median_ms for r in results
-                    if r.provider == "reference" and r.status == "ok" and r.measure == "step"}
-    for r in results:
-        if r.status == "ok" and r.measure == "step" and r.case_id in reference_ms:
+    steps = [r for r in results if r.status == "ok" and r.measure == "step"]
+    reference_ms = {r.case_id: r.median_ms for r in steps if r.provider == "reference"}
+    hard_ms = {(r.case_id, r.provider): r.median_ms for r in steps if r.case.get("target", "hard") == "hard"}
+    for r in steps:
+        if r.case_id in reference_ms:
             r.speedup_vs_reference = reference_ms[r.case_id] / r.median_ms
+        hard_id = Case(**r.case).hard.id
+        if hard_id != r.case_id and (hard_id, r.provider) in hard_ms:
+            r.ratio_to_hard = r.median_ms / hard_ms[hard_id, r.provider]
     return results
 
 
@@ -984,22 +1138,29 @@ def markdown_table(meta: dict, results: list[Result]) -> str:
     steps = [r for r in results if r.status == "ok" and r.measure == "step"]
     hosts = [r for r in results if r.status == "ok" and r.measure == "host_step"]
     if steps:
+        soft = any(r.case.get("target", "hard") != "hard" for r in steps)
         lines += [
             "",
-            "Forward + backward of the mean loss. Time: median over repetitions (providers of a case interleaved), "
-            "min: fastest repetition. Speed-up: vs the eager reference on the "
-            "same case. GB/s: 2·N·C·bytes / time. Peak extra: peak allocation above the inputs during the step (MB, "
-            "and in units of one N×C buffer).",
+            "Forward + backward of the mean loss. Time: median over repetitions (providers and target kinds of a case "
+            "interleaved), min: fastest repetition. "
+            + ("Time / hard: vs the same provider on the case's hard targets (class indices). " if soft else "")
+            + "Speed-up: vs the eager reference on the "
+            "same case. GB/s: 2·N·C·bytes / time"
+            + (" (+ N·C·4 for a dense float32 target)" if soft else "")
+            + ". Peak extra: peak allocation above the inputs during the step (MB, and in units of one N×C buffer).",
             "",
-            "| N × C | dtype | weight / mode | provider | time (ms) | min (ms) | speed-up vs reference | GB/s "
-            "| peak extra (MB) | peak extra (×NC) |",
-            "|---|---|---|---|--:|--:|--:|--:|--:|--:|",
+            "| N × C | dtype | weight / mode | target | provider | time (ms) | min (ms) | "
+            + ("time / hard | " if soft else "")
+            + "speed-up vs reference | GB/s | peak extra (MB) | peak extra (×NC) |",
+            "|---|---|---|---|---|--:|--:|" + ("--:|" if soft else "") + "--:|--:|--:|--:|",
         ]
         for r in steps:
             c = r.case
             lines.append(
-                f"| {c['n']} × {c['c']} | {c['dtype']} | {c['weight']} / {c['mode']} | {r.label} "
-                f"| {_fmt(r.median_ms, '.2f')} | {_fmt(r.min_ms, '.2f')} | {_fmt(r.speedup_vs_reference, '.2f')}"
+                f"| {c['n']} × {c['c']} | {c['dtype']} | {c['weight']} / {c['mode']} | {c.get('target', 'hard')} "
+                f"| {r.label} | {_fmt(r.median_ms, '.2f')} | {_fmt(r.min_ms, '.2f')} "
+                + (f"| {_fmt(r.ratio_to_hard, '.2f')} " if soft else "")
+                + f"| {_fmt(r.speedup_vs_reference, '.2f')}"
                 f"{'×' if r.speedup_vs_reference is not None else ''} "
                 f"| {_fmt(r.gb_per_s, '.1f')} "
                 f"| {_fmt(r.peak_extra_mb, '.1f')} | {_fmt(r.peak_extra_nc, '.2f')} |"
@@ -1015,14 +1176,15 @@ def markdown_table(meta: dict, results: list[Result]) -> str:
             + (", ".join(baselines) or "the baseline")
             + ": of the medians, and the median of the per-repetition ratios (each pair measured next to each other).",
             "",
-            "| N × C | dtype | torch threads | provider | loss | per step (µs) | min (µs) | k steps / rep | reps "
-            "| ratio of medians | median of paired ratios |",
-            "|---|---|--:|---|---|--:|--:|--:|--:|--:|--:|",
+            "| N × C | dtype | torch threads | provider | loss | target | per step (µs) | min (µs) | k steps / rep "
+            "| reps | ratio of medians | median of paired ratios |",
+            "|---|---|--:|---|---|---|--:|--:|--:|--:|--:|--:|",
         ]
         for r in hosts:
             c = r.case
             lines.append(
                 f"| {c['n']} × {c['c']} | {c['dtype']} | {r.threads} | {r.label} | {c['weight']} / {c['mode']} "
+                f"| {c.get('target', 'hard')} "
                 f"| {_fmt(r.median_ms * 1e3, '.1f')} | {_fmt(r.min_ms * 1e3, '.1f')} | {r.steps_per_rep} | {r.reps} "
                 f"| {_fmt(r.ratio_to_baseline, '.3f')} | {_fmt(r.paired_ratio_to_baseline, '.3f')} |"
             )
@@ -1034,11 +1196,14 @@ def markdown_table(meta: dict, results: list[Result]) -> str:
 # ----------------------------------------------------------------------------------------------------------------
 # history.jsonl and the result files (format: bench/README.md, "history.jsonl")
 # ----------------------------------------------------------------------------------------------------------------
-HISTORY_SCHEMA = 1
+# Version 2 added ``target`` (the target kind); version-1 rows, earlier in the append-only file, have every other field
+# and only hard targets.
+HISTORY_SCHEMA = 2
 HISTORY_FIELDS = ("schema", "suite", "kernel", "device", "device_type", "date", "commit", "dirty", "torch", "triton",
-                  "case_id", "n", "c", "dtype", "weight", "mode", "provider", "config", "measure", "median_ms",
-                  "min_ms", "max_ms", "mean_ms", "reps", "gb_per_s", "peak_extra_mb", "peak_extra_nc",
+                  "case_id", "n", "c", "dtype", "weight", "mode", "target", "provider", "config", "measure",
+                  "median_ms", "min_ms", "max_ms", "mean_ms", "reps", "gb_per_s", "peak_extra_mb", "peak_extra_nc",
                   "speedup_vs_reference", "value", "status", "times_ms", "extra", "source_file")
+HISTORY_FIELDS_V1 = tuple(name for name in HISTORY_FIELDS if name != "target")
 HOST_STEP_TIMING = ("host clock; per repetition the mean of steps_per_rep back-to-back steps on one leaf "
                     "(leaf.grad = None between steps); median over repetitions")
 
@@ -1073,6 +1238,8 @@ def history_rows(meta: dict, results: list, suite: str, source_file: str) -> lis
         extra = {"load_average_1min": meta.get("load_average_1min"), "label": r.get("label")}
         if meta.get("git_commit_full"):
             extra["commit_full"] = meta["git_commit_full"]
+        if r.get("ratio_to_hard") is not None:
+            extra["ratio_to_hard"] = r["ratio_to_hard"]
         if measure == "host_step":
             config.update(torch_threads=r.get("threads"), steps_per_rep=r.get("steps_per_rep"))
             extra.update(timing=HOST_STEP_TIMING, baseline=r.get("baseline"),
@@ -1080,7 +1247,8 @@ def history_rows(meta: dict, results: list, suite: str, source_file: str) -> lis
                          paired_ratio_to_baseline=r.get("paired_ratio_to_baseline"))
         row = history_row(
             meta, suite, source_file, kernel="uncertainty_weighted_ce", case_id=r["case_id"], n=case["n"],
-            c=case["c"], dtype=case["dtype"], weight=case["weight"], mode=case["mode"], provider=r["provider"],
+            c=case["c"], dtype=case["dtype"], weight=case["weight"], mode=case["mode"],
+            target=case.get("target", "hard"), provider=r["provider"],
             config=config, measure=measure, median_ms=r.get("median_ms"), min_ms=r.get("min_ms"),
             max_ms=r.get("max_ms"), reps=r.get("reps") or None, gb_per_s=r.get("gb_per_s"),
             peak_extra_mb=r.get("peak_extra_mb"), peak_extra_nc=r.get("peak_extra_nc"),
@@ -1237,8 +1405,13 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
     parser.add_argument("--providers", nargs="+", default=None, metavar="NAME",
                         help=f"only these providers (of {', '.join(PROVIDERS)})")
     parser.add_argument("--cases", nargs="+", default=None, metavar="SUBSTRING",
-                        help="only cases whose id contains one of these, e.g. 4096x1000-fp32 (host-step cases: "
-                             "cpu-4x10-fp32)")
+                        help="only cases whose id contains one of these, e.g. 4096x1000-fp32 or "
+                             "4096x1000-fp32-brier-grad-mix_smooth (host-step cases: cpu-4x10-fp32)")
+    parser.add_argument("--targets", nargs="+", default=None, choices=TARGET_KINDS, metavar="KIND",
+                        help=f"only cases of these target kinds (of {', '.join(TARGET_KINDS)})")
+    parser.add_argument("--only-suites", nargs="+", default=None, metavar="NAME",
+                        help="only these suites of the run (e.g. cpu-soft-targets); the run's default name is then "
+                             "the suite's when there is one")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions per measurement (default 60 on CPU, 50 on CUDA; host steps: the suite's)")
@@ -1260,8 +1433,13 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
     if args.threads:
         torch.set_num_threads(args.threads)
     chosen = (quick_suites if args.quick else suites)[args.device]
+    if args.only_suites:
+        unknown = sorted(set(args.only_suites) - {s.name for s in chosen})
+        if unknown:
+            parser.error(f"unknown suite(s) {unknown} in this run; known: {', '.join(s.name for s in chosen)}")
+        chosen = [s for s in chosen if s.name in args.only_suites]
     if args.list:
-        for suite, case, provider in _filtered(chosen, args.providers, args.cases):
+        for suite, case, provider in _filtered(chosen, args.providers, args.cases, args.targets):
             host = suite.measure == "host_step"
             print(host_case_id(case) + " host_step" if host else case.id, provider.name,
                   unavailable_reason(provider, case, any_weight=host) or "")
@@ -1269,16 +1447,22 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
     warmup = args.warmup if args.warmup is not None else 2
     reps = args.reps if args.reps is not None else (60 if args.device == "cpu" else 50)
     max_time = args.max_time if args.max_time is not None else 5.0
-    suite_name = args.suite or (args.device + ("-quick" if args.quick else "")
-                                + ("-subset" if args.cases or args.providers else ""))
+    subset = bool(args.cases or args.providers or args.targets)
+    if args.suite:
+        suite_name = args.suite
+    elif args.only_suites and len(chosen) == 1:
+        suite_name = chosen[0].name + ("-subset" if subset else "")
+    else:
+        suite_name = (args.device + ("-quick" if args.quick else "")
+                      + ("-subset" if subset or args.only_suites else ""))
     meta = machine_info(args.device)
-    meta.update(suite=suite_name, quick=args.quick, warmup=warmup, reps=reps, max_time_s=max_time,
-                host_reps=args.reps, host_rep_ms=args.host_rep_ms)
+    meta.update(suite=suite_name, quick=args.quick, suites=[suite.name for suite in chosen], targets=args.targets,
+                warmup=warmup, reps=reps, max_time_s=max_time, host_reps=args.reps, host_rep_ms=args.host_rep_ms)
     print(f"[bench] {meta.get('gpu') or meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads",
           file=sys.stderr)
     results = run_suites(chosen, warmup=warmup, reps=reps, max_time_s=max_time, memory=not args.no_memory,
                          providers_filter=args.providers, cases_filter=args.cases, host_reps=args.reps,
-                         host_rep_ms=args.host_rep_ms)
+                         host_rep_ms=args.host_rep_ms, targets_filter=args.targets)
     table = markdown_table(meta, results)
     written = publish({"meta": meta, "results": [asdict(r) for r in results]}, table, suite=suite_name,
                       rows_of=lambda payload, source: history_rows(payload["meta"], payload["results"], suite_name,

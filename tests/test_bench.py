@@ -19,17 +19,19 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at
 
 from bench import harness  # noqa: E402
 from bench.harness import Case, Suite  # noqa: E402
+from calibkernels import reference as ck_reference  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
 CPU_PROVIDERS = [name for name, p in harness.PROVIDERS.items() if "cpu" in p.devices]
 CUDA_PROVIDERS = [name for name, p in harness.PROVIDERS.items() if "cuda" in p.devices]
+KINDS = harness.TARGET_KINDS
 
 
-def _tiny_case(provider: str, device: str, dtype: str = "fp32") -> Case:
+def _tiny_case(provider: str, device: str, dtype: str = "fp32", target: str = "hard") -> Case:
     # odd sizes (not multiples of a vector width); weight "none" where the provider is plain cross-entropy
     weight = "none" if harness.PROVIDERS[provider].weights == ("none",) else "brier"
-    return Case(37, 19, dtype, weight, "grad", device)
+    return Case(37, 19, dtype, weight, "grad", device, target)
 
 
 def _assert_runs_and_matches_reference(provider: str, case: Case, timed: bool = True):
@@ -49,18 +51,20 @@ def _assert_runs_and_matches_reference(provider: str, case: Case, timed: bool = 
     torch.testing.assert_close(grad.double().cpu(), ref_grad.cpu(), rtol=rtol, atol=atol)
 
 
+@pytest.mark.parametrize("target", KINDS)
 @pytest.mark.parametrize("provider", CPU_PROVIDERS)
-def test_cpu_provider_runs_and_matches_reference(provider):
-    case = _tiny_case(provider, "cpu")
+def test_cpu_provider_runs_and_matches_reference(provider, target):
+    case = _tiny_case(provider, "cpu", target=target)
     reason = harness.unavailable_reason(harness.PROVIDERS[provider], case)
     if reason is not None:
         pytest.skip(reason)
     _assert_runs_and_matches_reference(provider, case)
 
 
+@pytest.mark.parametrize("target", KINDS)
 @pytest.mark.parametrize("provider", ["calibkernels_cpu", "calibkernels_cpu_inplace", "torch_cross_entropy"])
-def test_cpu_provider_bf16_matches_reference(provider):
-    case = _tiny_case(provider, "cpu", "bf16")
+def test_cpu_provider_bf16_matches_reference(provider, target):
+    case = _tiny_case(provider, "cpu", "bf16", target)  # a dense target stays float32, as timm builds it
     reason = harness.unavailable_reason(harness.PROVIDERS[provider], case)
     if reason is not None:
         pytest.skip(reason)
@@ -68,11 +72,12 @@ def test_cpu_provider_bf16_matches_reference(provider):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("target", KINDS)
 @pytest.mark.parametrize("provider", CUDA_PROVIDERS)
-def test_cuda_provider_runs_and_matches_reference(provider):
+def test_cuda_provider_runs_and_matches_reference(provider, target):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    case = _tiny_case(provider, "cuda")
+    case = _tiny_case(provider, "cuda", target=target)
     reason = harness.unavailable_reason(harness.PROVIDERS[provider], case)
     if reason is not None:
         pytest.skip(reason)
@@ -121,7 +126,8 @@ def test_script_writes_json_and_markdown(tmp_path, capsys):
     reference = by_provider["reference"]
     assert reference["status"] == "ok" and reference["speedup_vs_reference"] == pytest.approx(1.0)
     table = out.with_suffix(".md").read_text()
-    assert "| 16 × 7 | fp32 | brier / grad | eager reference |" in table
+    assert "| 16 × 7 | fp32 | brier / grad | hard | eager reference |" in table
+    assert "time / hard" not in table  # the column of runs with soft targets
     if by_provider["calibkernels_cpu"]["status"] == "ok":
         assert "calibkernels C++ (cpu)" in table
 
@@ -196,11 +202,137 @@ def test_host_steps_reuse_one_leaf_and_reset_its_gradient():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
+# Soft targets
+# ---------------------------------------------------------------------------------------------------------------------
+def test_soft_target_kinds_share_the_logits_and_keep_the_hard_ids():
+    hard = Case(37, 19, "fp32", "brier", "grad", "cpu")
+    assert hard.id == "cpu-37x19-fp32-brier-grad" and hard.target == "hard" and hard.hard is hard
+    with pytest.raises(ValueError, match="target kind"):
+        Case(8, 4, target="onehot")
+    leaf, y = harness.make_inputs(hard, seed=3)
+    assert isinstance(y, torch.Tensor) and y.dtype == torch.int64
+    soft = {}
+    for kind in KINDS[1:]:
+        case = Case(37, 19, "fp32", "brier", "grad", "cpu", kind)
+        assert case.id == f"{hard.id}-{kind}" and case.hard == hard
+        logits, soft[kind] = harness.make_inputs(case, seed=3)
+        assert torch.equal(logits, leaf) and isinstance(soft[kind], harness.SoftTarget) and soft[kind].kind == kind
+    assert torch.equal(soft["smooth"].target, y) and soft["smooth"].kwargs == {"label_smoothing": 0.1}
+    mix = soft["mix"].kwargs
+    assert set(mix) == {"mix_target", "mix_lambda"} and torch.equal(mix["mix_target"], y.flip(0))
+    lam = mix["mix_lambda"]
+    assert lam.shape == (37,) and lam.dtype == torch.float32 and bool(((lam >= 0) & (lam <= 1)).all())
+    assert lam.unique().numel() > 30  # one lambda per row
+    assert torch.equal(lam, harness.make_inputs(Case(37, 19, target="mix"), seed=3)[1].kwargs["mix_lambda"])
+    assert soft["mix_smooth"].kwargs["label_smoothing"] == 0.1 and torch.equal(soft["mix_smooth"].kwargs["mix_lambda"],
+                                                                               lam)
+    dense = soft["dense"]
+    assert dense.kwargs == {} and dense.target.shape == (37, 19) and dense.target.dtype == torch.float32
+    torch.testing.assert_close(dense.target.double().sum(1), torch.ones(37, dtype=torch.float64))
+    # the dense target is the dense form of "mix_smooth": the same loss and gradient in float64
+    z = leaf.detach().double()
+    compact = ck_reference.uncertainty_weighted_ce(z, y, **soft["mix_smooth"].kwargs)
+    torch.testing.assert_close(ck_reference.uncertainty_weighted_ce(z, dense.target.double()), compact, rtol=1e-6,
+                               atol=0)
+    assert Case(37, 19, target="dense").min_traffic_bytes == 2 * hard.nc_bytes + 37 * 19 * 4
+
+
+def test_providers_apply_to_the_target_kinds_they_compute():
+    ce, liger = harness.PROVIDERS["torch_cross_entropy"], harness.PROVIDERS["liger_cross_entropy"]
+    for kind in KINDS:
+        assert ce.applies_to(Case(8, 4, "fp32", "none", "grad", "cpu", kind))
+        assert liger.applies_to(Case(8, 4, "fp32", "none", "grad", "cuda", kind)) == (kind in ("hard", "smooth"))
+        assert harness.PROVIDERS["calibkernels_triton"].applies_to(Case(8, 4, device="cuda", target=kind))
+
+
+def test_the_target_kinds_of_a_case_are_timed_together_interleaved():
+    seen = []
+
+    def recorder(case):
+        def step(logits, target):
+            seen.append((case.target, type(target).__name__))
+            loss = logits.sum()
+            loss.backward()
+            return loss
+
+        return step
+
+    provider = harness.Provider("recorder", "recorder", ("cpu",), recorder)
+    cases = [Case(8, 5, "fp32", "brier", "grad", "cpu", kind) for kind in ("hard", "smooth", "dense")]
+    results = harness.bench_cases([(case, [provider]) for case in cases], warmup=0, reps=3, memory=False)
+    assert [(r.case_id, r.status, r.reps) for r in results] == [(c.id, "ok", 3) for c in cases]
+    assert all(r.case["target"] == c.target for r, c in zip(results, cases))
+    assert set(seen) == {("hard", "Tensor"), ("smooth", "SoftTarget"), ("dense", "SoftTarget")}
+    for r in range(3):  # each repetition runs every kind once before the next repetition starts
+        assert {kind for kind, _ in seen[3 * r:3 * r + 3]} == {"hard", "smooth", "dense"}
+    with pytest.raises(ValueError, match="target kinds of one case"):
+        harness.bench_cases([(cases[0], [provider]), (Case(8, 6, target="smooth"), [provider])])
+
+
+def test_a_run_with_soft_targets_reports_the_ratio_to_hard_targets(tmp_path):
+    cases = tuple(Case(16, 7, "fp32", "none", "grad", "cpu", kind) for kind in KINDS)
+    suites = {"cpu": [Suite("tiny-soft", cases, ("calibkernels_cpu", "reference", "torch_cross_entropy"))]}
+    out, history = tmp_path / "soft", tmp_path / "history.jsonl"
+    results = harness.main(suites, suites, argv=["--device", "cpu", "--out", str(out), "--history", str(history),
+                                                 "--warmup", "0", "--reps", "2", "--no-memory",
+                                                 "--targets", "hard", "mix", "dense"])
+    ok = [r for r in results if r.status == "ok"]
+    assert {r.case["target"] for r in results} == {"hard", "mix", "dense"}
+    assert {r.provider for r in ok} >= {"reference", "torch_cross_entropy"}
+    for r in ok:
+        hard = r.case["target"] == "hard"
+        assert (r.ratio_to_hard is None) == hard and r.speedup_vs_reference > 0
+    table = out.with_suffix(".md").read_text()
+    assert "time / hard" in table and "| 16 × 7 | fp32 | none / grad | mix | F.cross_entropy |" in table
+    rows = [json.loads(line) for line in history.read_text().splitlines()]
+    assert len(rows) == len(results) and all(tuple(row) == harness.HISTORY_FIELDS for row in rows)
+    assert {(row["case_id"], row["target"]) for row in rows} == {
+        ("cpu-16x7-fp32-none-grad", "hard"), ("cpu-16x7-fp32-none-grad-mix", "mix"),
+        ("cpu-16x7-fp32-none-grad-dense", "dense")}
+    assert all(("ratio_to_hard" in row["extra"]) == (row["target"] != "hard") for row in rows)
+    meta = json.loads(out.with_suffix(".json").read_text())["meta"]
+    assert meta["suite"] == "cpu-subset" and meta["targets"] == ["hard", "mix", "dense"]
+
+
+def test_rows_of_result_files_from_before_target_kinds_are_hard():
+    meta = dict(harness.machine_info("cpu"), date="2000-01-01T00:00:00+00:00")
+    old = {"case": {"n": 16, "c": 7, "dtype": "fp32", "weight": "brier", "mode": "grad", "device": "cpu"},
+           "case_id": "cpu-16x7-fp32-brier-grad", "provider": "reference", "label": "eager reference",
+           "status": "ok", "median_ms": 1.0, "min_ms": 0.5, "max_ms": 2.0, "reps": 2, "times_ms": [1.0, 2.0]}
+    (row,) = harness.history_rows(meta, [old], "old", "bench/results/old.json")
+    assert row["target"] == "hard" and row["case_id"] == old["case_id"]
+    assert "| hard |" in harness.markdown_table(meta, [harness.Result(**old)])
+
+
+def test_the_soft_target_suites():
+    from bench import bench_uncertainty_weighted_ce as B
+
+    def suite(runs, name):
+        (found,) = [s for s in runs if s.name == name]
+        return found
+
+    full, quick = suite(B.SUITES["cpu"], "cpu-soft-targets"), suite(B.QUICK_SUITES["cpu"], "cpu-soft-targets-quick")
+    assert {(c.n, c.c, c.dtype, c.weight, c.target) for c in full.cases} == {
+        (4096, 1000, "fp32", weight, kind) for weight in ("brier", "none") for kind in KINDS}
+    assert set(full.providers) == {"calibkernels_cpu", "calibkernels_cpu_inplace", "reference_compiled",
+                                   "torch_cross_entropy"}
+    assert {(c.weight, c.target) for c in quick.cases} == {("brier", kind) for kind in KINDS}
+    assert B.HEADLINE_CPU in quick.cases and "torch_cross_entropy" not in quick.providers
+    gpu = suite(B.SUITES["cuda"], "cuda-soft-targets")
+    assert {(c.n, c.c, c.dtype, c.weight, c.target) for c in gpu.cases} == {
+        (8192, c, "bf16", weight, kind) for c in (1000, 32000) for weight in ("brier", "none") for kind in KINDS}
+    assert {"calibkernels_triton", "calibkernels_cuda", "torch_cross_entropy", "liger_cross_entropy"} <= set(
+        gpu.providers)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
 # Result files and history.jsonl
 # ---------------------------------------------------------------------------------------------------------------------
 def _assert_well_formed_history_row(row: dict, source_file: str):
     assert tuple(row) == harness.HISTORY_FIELDS  # every field, in the documented order
-    assert row["schema"] == 1 and row["kernel"] == "uncertainty_weighted_ce" and row["device_type"] == "cpu"
+    assert row["schema"] == 2 and row["kernel"] == "uncertainty_weighted_ce" and row["device_type"] == "cpu"
+    assert row["target"] in harness.TARGET_KINDS and row["case_id"].endswith(
+        "" if row["target"] == "hard" else f"-{row['target']}")
     assert row["source_file"] == source_file and row["status"] == "ok"
     dt.datetime.fromisoformat(row["date"])
     assert row["commit"] is None or (len(row["commit"]) == 7 and int(row["commit"], 16) >= 0)
@@ -287,11 +419,13 @@ def test_device_slugs_name_the_model_without_vendor_words():
 
 
 def test_the_repositorys_history_rows_are_well_formed_and_hold_every_run_of_the_bench_writer():
-    """Every history.jsonl row has every field, in order; every result JSON that the writer made (``meta.suite``) is
-    named ``<suite>-<device>-<date>`` and its run (suite and start time) is in the history."""
+    """Every history.jsonl row has every field of its version, in order (version 1: all but ``target``); every
+    result JSON that the writer made (``meta.suite``) is named ``<suite>-<device>-<date>`` and its run (suite and start
+    time) is in the history."""
     results = ROOT / "bench" / "results"
     history = [json.loads(line) for line in (results / "history.jsonl").read_text().splitlines()]
-    assert history and all(tuple(row) == harness.HISTORY_FIELDS for row in history)
+    fields = {1: harness.HISTORY_FIELDS_V1, 2: harness.HISTORY_FIELDS}
+    assert history and all(tuple(row) == fields[row["schema"]] for row in history)
     runs = {(row["suite"], row["date"]) for row in history}
     for path in sorted(results.glob("*.json")):
         meta = json.loads(path.read_text()).get("meta")
