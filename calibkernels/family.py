@@ -4,17 +4,14 @@ MbLS (formulas, defaults and sources: ``docs/losses.md``, "More losses").
 Each loss has a readable reference function (pure PyTorch, any device and dtype, gradients by autograd) and a module
 that runs the fused kernel wherever the loss is a per-sample weight on cross-entropy:
 
-====================  ==================================================================  =========================
-registry name         loss                                                                 module
-====================  ==================================================================  =========================
-``bsce_adaptive_gra`` ``sg[‖p - e_y‖_q^{γ_i}] · CE``, γ_i = 5 / 3 / γ for p_y < .2 / .5 / ≥    :class:`AdaptiveBSCEGRA`
-``adafocal``          ``-(1 - p_y)^{γ_b} log p_y`` (``(1 + p_y)^{|γ_b|}`` when γ_b < 0),       :class:`AdaFocalLoss`
-                      γ_b of the sample's p_y bin, updated from validation calibration
-``mdca``              base loss + β · (1/C) Σ_j |mean_i p_ij - mean_i 1[y_i = j]|          :class:`MDCALoss`
-``mbls``              CE + λ · (1/C) Σ_k max(0, max_j z_j - z_k - m)                       :class:`MbLSLoss`
-====================  ==================================================================  =========================
+* ``bsce_adaptive_gra`` (:class:`AdaptiveBSCEGRA`): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for
+  p_y < 0.2 / < 0.5 / otherwise (the official BSCE-GRA code's ``BSCELossAdaptiveGra``).
+* ``adafocal`` (:class:`AdaFocalLoss`): ``-(1 - p_y)^{γ_b} log p_y``, or ``-(1 + p_y)^{|γ_b|} log p_y`` when
+  γ_b < 0, with γ_b the exponent of the sample's p_y bin, updated from the validation set's calibration.
+* ``mdca`` (:class:`MDCALoss`): a base loss + β · (1/C) Σ_j |mean_i p_ij - mean_i 1[y_i = j]|.
+* ``mbls`` (:class:`MbLSLoss`): CE + λ · (1/C) Σ_k max(0, max_j z_j - z_k - m).
 
-Rows whose target equals ``ignore_index`` contribute nothing (to the batch terms of MDCA either); ``"mean"`` averages
+Rows whose target equals ``ignore_index`` contribute nothing, to MDCA's batch term neither; ``"mean"`` averages
 over the other rows. The batch-level MDCA term follows the MMCE convention of :mod:`calibkernels.reference`:
 ``reduction="sum"`` adds ``β · m · MDCA`` (``m`` non-ignored rows), so a summed recipe keeps the balance of the mean
 form.
@@ -140,8 +137,8 @@ class AdaptiveBSCEGRA(nn.Module):
         if self.backend == "reference":
             return bsce_adaptive_gra_loss(logits, target, gamma=self.gamma, norm=self.norm,
                                           reduction=self.reduction, ignore_index=self.ignore_index)
-        with torch.no_grad():
-            valid, z, safe, _ = _rows(logits, target, self.ignore_index)
+        with torch.no_grad():  # the fused op checks the targets (on the device for GPU tensors)
+            valid, z, safe, _ = _rows(logits, target, self.ignore_index, check_values=False)
             weight = torch.where(valid, _adaptive_brier_weight(z, safe, self.gamma, self.norm), 0.0)
         return F_ck.uncertainty_weighted_ce(
             logits, target, weight="external", mode="grad", sample_weight=weight.reshape(target.shape),

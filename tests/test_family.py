@@ -331,3 +331,10 @@ def test_mdca_spec_with_a_base_and_its_hyperparameters():
 
     module = build_criterion("mdca:beta=1:base=focal_loss:gamma=1", "sum", "auto")
     assert module.base.weight == "focal" and module.base.gamma == 1.0 and module.base.reduction == "sum"
+
+
+@pytest.mark.parametrize("name", ["bsce_adaptive_gra", "adafocal", "mdca", "mbls"])
+def test_bad_targets_raise_the_fused_ops_error(name):
+    for backend in ("cpu", "reference"):
+        with pytest.raises(ValueError, match="out of range"):
+            ck.losses.build(name, backend=backend)(torch.randn(3, 4), torch.tensor([0, 5, 1]))
