@@ -18,6 +18,35 @@ Brier score / external), and, in the same launch, the gradient of the *reduced* 
 
 (Lin et al. 2017; Mukhoti et al. 2020; Tao, Dong & Xu, ICML 2023; the BSCE-GRA paper, Eq. 3/11.)
 
+Soft targets (docs/losses.md, "Soft targets"; :func:`calibkernels.reference.soft_uncertainty_weight` is the oracle)
+put a target distribution ``t`` where the hard path has ``e_y``. It arrives in one of two forms:
+
+    compact   class indices y, an optional mix class m with λ (mixup / cutmix) and smoothing a:
+              t_k = c + w_y [k = y] + w_m [k = m],   c = a/C,  w_y = (1-a) λ,  w_m = (1-a)(1-λ)
+              (no mix: w_m = 0; m = y: the two weights add up on one column)
+    dense     a floating (N, C) target T, read as fp32:  t_k = (1-a) T_k + c
+
+With ``P = <t, p>``:
+
+    CE = -Σ_k t_k log p_k = Σ_k t_k (m - z_k) + (Σ_k t_k) log d            (classes with t_k = 0 add nothing, -inf ones
+                                                                            included)
+    u: focal (1-P)^γ,  FLSD (1-P)^{γ_i} with γ_i from the band value below,  Brier S^{γ/q}, S = Σ_k |p_k - t_k|^q
+    mode="grad":  dL/dz_k = u ((Σ_j t_j) p_k - t_k)
+    mode="loss":  + CE du/dz_k,  focal / FLSD  du/dz_k = -γ (1-P)^{γ-1} p_k (t_k - P)
+                                 Brier         du/dz_k = (γ/q) S^{γ/q-1} p_k (h_k - H),
+                                               h_k = q |p_k - t_k|^{q-1} sign(p_k - t_k),  H = Σ_j h_j p_j
+
+The differences that would cancel are taken from sums of non-negative terms instead:
+
+    compact   1 - P = c (C-1) + w_y (1 - p_y) + w_m (1 - p_m),  1 - p_y = (Σ_{k∉{y,m}} e^{z_k-m} + e^{z_m-m}) / d
+              t_y - P = w_y (1 - p_y) - w_m p_m;  p_y - t_y = (1 - t_y) - (1 - p_y) where p_y > 1/2;  -log p_y as
+              log1p(Σ_{k≠y} e^{z_k - z_y}) where p_y > 1/2
+    dense     1 - P = Σ_k p_k (1 - t_k) + (Σt - 1),  1 - t_k = (1-a)(1 - T_k) + (a - c)
+
+FLSD's band value is, as in every implementation, ``float32((w_y e^{z_y-lse} + w_m e^{z_m-lse}) + c)`` for compact
+targets (``lse = m + log d``) and ``float32(Σ_k t_k e^{z_k-lse})`` for dense ones. Dual focal has no soft form (its
+``p_j`` needs one target class): soft targets with ``weight="dual_focal"`` raise ``ValueError``.
+
 Kernel design (docs/performance.md):
 
 * One program per row; online softmax with ``exp2``; the running max ``m``, the sum ``d = Σ e^{z-m}``, the sum over the
@@ -35,6 +64,15 @@ Kernel design (docs/performance.md):
   ``grad_output`` on the device and leaves the buffer untouched when it is exactly 1 (so ``loss.backward()`` costs one
   read and one write of N×C in total).
 * ``inplace=True``: the gradient overwrites the logits buffer (zero extra N×C memory).
+* Soft targets keep that traffic: their own kernel (``_soft_target_ce_fwd_kernel``, one program per row, the same
+  launch shapes). A compact target is O(N) data (y, m and λ per row: three loads), and ``t_k`` is formed from three
+  scalars per column; the statistics exclude the columns y and m (so ``1 - p_y``, ``1 - p_m`` never cancel) and add
+  ``Σ (m - z)`` for the smoothing term of CE and, for the Brier weight, ``Σ e²`` (q = 2: ``Σ_{k∉{y,m}} (p_k - c)² =
+  Σ p² - 2c Σ p + n c²``) or, without smoothing, ``Σ e^q``. A dense target adds one read of the N×C target (twice on
+  the two-read path, beside the logits) and the sums ``Σ t (m - z)``, ``Σ e (1 - t)``, ``Σ e t``, ``Σ t`` (and
+  ``Σ e²``, ``Σ t²`` for q = 2). In registers every S is summed term by term; on the two-read path the Brier weight
+  with q ≠ 2 and smoothing or a dense target, whose ``|p_k - t_k|`` needs ``d``, reads the row once more before the
+  gradient pass.
 * No host synchronisation on the hot path, and few launches: a one-program kernel counts the non-ignored rows (read
   by the loss kernel for the mean's scale) and flags bad targets, the loss kernel, a one-program reduction that
   writes the loss in the logits' dtype; backward is one persistent-grid scaling launch (a no-op for ``grad_output``
@@ -68,8 +106,10 @@ import triton
 import triton.language as tl
 
 from .. import _validation as V
+from .._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
 
 __all__ = [
+    "SOFT_TARGETS",
     "MAX_BLOCK",
     "MAX_BLOCK_16BIT",
     "uncertainty_weighted_ce_forward",
@@ -92,6 +132,10 @@ TWO_READ_CHUNK = {2: (2048, 4), 4: (16384, 16)}  # element size -> (chunk, num_w
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+# Soft targets (label smoothing, a compact mix, a dense target) run here: calibkernels._backends routes them to
+# backends whose module says so.
+SOFT_TARGETS = True
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SCALE_BLOCK = 4096
 
@@ -106,6 +150,9 @@ _NONE, _FOCAL, _FLSD, _DUAL_FOCAL, _BRIER, _EXTERNAL = (tl.constexpr(code) for c
     WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL))
 _LOSS_MODE = tl.constexpr(MODE_LOSS)
 _MEAN = tl.constexpr(REDUCTION_MEAN)
+# FLSD-53 (Mukhoti et al.): the bands of calibkernels._codes, as in csrc/uncertainty_weighted_ce.h
+_FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA, _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA = (tl.constexpr(v) for v in (
+    FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA, FLSD_MID_THRESHOLD, FLSD_MID_GAMMA))
 
 
 
@@ -116,6 +163,53 @@ _MEAN = tl.constexpr(REDUCTION_MEAN)
 def _pow(base, exponent):
     """``base ** exponent`` for ``base ≥ 0`` via exp2/log2, with ``x ** 0 = 1`` (also ``0 ** 0``)."""
     return tl.where(exponent == 0.0, 1.0, tl.exp2(exponent * tl.log2(base)))
+
+
+@triton.jit
+def _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad):
+    """``L_i = u_i · CE_i`` into ``row_loss`` (fp32): 0 on an ignored row, NaN on a row with a bad target."""
+    row_loss = tl.where(is_valid, u * cross_entropy, 0.0)
+    row_loss = tl.where(is_bad, float("nan"), row_loss)
+    tl.store(row_loss_ptr + row, row_loss)
+
+
+@triton.jit
+def _gradient_scale(valid_count_ptr, REDUCTION: tl.constexpr):
+    """The reduction's factor of every gradient entry: 1 / (non-ignored rows) for the mean, else 1."""
+    if REDUCTION == _MEAN:
+        scale = 1.0 / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+    else:
+        scale = tl.full((), 1.0, tl.float32)
+    return scale
+
+
+@triton.jit
+def _statistics_chunk(logits_row, offs, num_classes, m):
+    """One chunk of a two-read statistics pass: ``(z, mask, m_new, m_new_safe, rescale)``, the chunk's logits in fp32
+    (-inf past the row; asked to stay in L2 for the gradient pass's second read), the new running max, its stand-in 0
+    while every logit so far is -inf, and ``e^{m - m_new}``, which rescales the running sums."""
+    NEG_INF: tl.constexpr = float("-inf")
+    LOG2E: tl.constexpr = 1.4426950408889634
+    col_mask = offs < num_classes
+    z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_last").to(tl.float32)
+    m_new = tl.maximum(m, tl.max(z, 0))
+    m_new_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
+    rescale = tl.exp2((m - m_new_safe) * LOG2E)
+    return z, col_mask, m_new, m_new_safe, rescale
+
+
+@triton.jit
+def _focal_gamma(row, p_band, gamma, gamma_ptr, WEIGHT: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr):
+    """The row's γ of the focal weights: FLSD-53's band of ``p_band`` (5 below 0.2f, 3 below 0.5f, else γ), the
+    row's own γ (a per-sample tensor) or the argument."""
+    if WEIGHT == _FLSD:
+        g = tl.where(p_band < _FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA,
+                     tl.where(p_band < _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA, gamma))
+    elif PER_SAMPLE_GAMMA:
+        g = tl.load(gamma_ptr + row).to(tl.float32)
+    else:
+        g = gamma
+    return g
 
 
 @triton.jit
@@ -134,10 +228,6 @@ def _uncertainty_weighted_ce_row(
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
-    FLSD_LOW_THRESHOLD: tl.constexpr = 0.2  # FLSD-53 (Mukhoti et al.), as in csrc/uncertainty_weighted_ce.h
-    FLSD_LOW_GAMMA: tl.constexpr = 5.0
-    FLSD_MID_THRESHOLD: tl.constexpr = 0.5
-    FLSD_MID_GAMMA: tl.constexpr = 3.0
 
     logits_row = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row).to(tl.int64)
@@ -182,12 +272,7 @@ def _uncertainty_weighted_ce_row(
         n_ties = tl.full((), 0.0, tl.float32)
         for start in range(0, num_classes, BLOCK):
             offs = start + cols
-            col_mask = offs < num_classes
-            # keep the row in L2 for the gradient pass's second read
-            z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_last").to(tl.float32)
-            m_new = tl.maximum(m, tl.max(z, 0))
-            m_new_safe = tl.where(m_new == NEG_INF, 0.0, m_new)
-            rescale = tl.exp2((m - m_new_safe) * LOG2E)
+            z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
             e_others = tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * LOG2E))
             d_others = d_others * rescale + tl.sum(e_others, 0)
             if WEIGHT == _BRIER:
@@ -237,12 +322,9 @@ def _uncertainty_weighted_ce_row(
             # the band from float32(exp(z_y - lse)), lse = m + log(d), as every implementation computes it (the
             # kernel's own p_y can differ in the last ulp and put a row at a threshold in the other band)
             p_band = tl.exp(z_target - (m_safe + tl.log(d)))
-            g = tl.where(p_band < FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA,
-                         tl.where(p_band < FLSD_MID_THRESHOLD, FLSD_MID_GAMMA, gamma))
-        elif PER_SAMPLE_GAMMA:
-            g = tl.load(gamma_ptr + row).to(tl.float32)
         else:
-            g = gamma
+            p_band = one_minus_p  # not read
+        g = _focal_gamma(row, p_band, gamma, gamma_ptr, WEIGHT, PER_SAMPLE_GAMMA)
         u = _pow(one_minus_p, g)
         coef_p = u
         if MODE == _LOSS_MODE:
@@ -279,16 +361,11 @@ def _uncertainty_weighted_ce_row(
             coef_h = cross_entropy * du
             extra_y = -coef_h * p_target * brier_q  # du/dz_y = -γ S^{γ/q-1} p_y S, cancellation-free
 
-    row_loss = tl.where(is_valid, u * cross_entropy, 0.0)
-    row_loss = tl.where(is_bad, float("nan"), row_loss)
-    tl.store(row_loss_ptr + row, row_loss)
+    _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad)
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        if REDUCTION == _MEAN:
-            scale = 1.0 / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
-        else:
-            scale = 1.0
+        scale = _gradient_scale(valid_count_ptr, REDUCTION)
         grad_target = (-coef_p * one_minus_p + extra_y) * scale
         grad_row = grad_ptr + row * grad_row_stride
         inv_d = 1.0 / d
@@ -346,6 +423,412 @@ def _uncertainty_weighted_ce_fwd_kernel(
         tl.program_id(0).to(tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
         row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
         WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Soft targets: one program per row, as above, with the target distribution t of the row (module docstring)
+# ---------------------------------------------------------------------------------------------------------------------
+@triton.jit
+def _neg_log_probability(z_k, e_k, e_others, p_k, m_safe, log2_d):
+    """``-log p_k`` from ``e_k = e^{z_k - m}`` and the sum ``e_others`` of the other classes' ``e^{z - m}``: for
+    ``p_k > 1/2`` as ``log1p(e_others / e_k)`` (Kahan's log1p), so a confident class keeps its relative precision."""
+    LN2: tl.constexpr = 0.6931471805599453
+    odds_against = e_others / e_k
+    one_plus = 1.0 + odds_against
+    log1p_odds = tl.where(one_plus == 1.0, odds_against, tl.log(one_plus) * odds_against / (one_plus - 1.0))
+    return tl.where(p_k > 0.5, log1p_odds, (m_safe - z_k) + log2_d * LN2)
+
+
+@triton.jit
+def _brier_power(delta, norm, NORM_IS_TWO: tl.constexpr):
+    """``|δ|^q``, a term of the generalised Brier score ``S = Σ_k |δ_k|^q`` (0 at ``δ = 0``)."""
+    if NORM_IS_TWO:
+        power = delta * delta
+    else:
+        power = tl.exp2(norm * tl.log2(tl.abs(delta)))
+    return power
+
+
+@triton.jit
+def _brier_h(delta, norm, NORM_IS_TWO: tl.constexpr):
+    """``h = dS/dδ = q |δ|^{q-1} sign(δ)``, taken as 0 at ``δ = 0`` (the limit for q > 1, a subgradient below)."""
+    if NORM_IS_TWO:
+        h = 2.0 * delta
+    else:
+        magnitude = norm * tl.exp2((norm - 1.0) * tl.log2(tl.abs(delta)))
+        h = tl.where(delta == 0.0, 0.0, tl.where(delta < 0.0, -magnitude, magnitude))
+    return h
+
+
+@triton.jit
+def _smoothed_target(raw, col_mask, one_minus_a, c, a_minus_c):
+    """``(t, 1 - t)`` of dense target entries ``T``: ``t = (1-a) T + c`` and ``1 - t = (1-a)(1 - T) + (a - c)``, both
+    sums of non-negative terms (no cancellation); ``t = 0`` on masked lanes."""
+    t = tl.where(col_mask, raw * one_minus_a + c, 0.0)
+    one_minus_t = tl.where(col_mask, (1.0 - raw) * one_minus_a + a_minus_c, 0.0)
+    return t, one_minus_t
+
+
+@triton.jit
+def _dense_sums(z, e, t, one_minus_t, m_safe, SQUARES: tl.constexpr):
+    """A block's sums for a dense target: ``Σ e``, ``Σ t (m - z)`` (0 where ``t = 0``, also for ``z = -inf``),
+    ``Σ e²`` (SQUARES), ``Σ e (1 - t)``, ``Σ e t``, ``Σ t``, ``Σ t²`` (SQUARES)."""
+    sum_e_sq = tl.full((), 0.0, tl.float32)
+    sum_t_sq = tl.full((), 0.0, tl.float32)
+    if SQUARES:
+        sum_e_sq = tl.sum(e * e, 0)
+        sum_t_sq = tl.sum(t * t, 0)
+    gap = tl.sum(tl.where(t > 0.0, t * (m_safe - z), 0.0), 0)
+    return (tl.sum(e, 0), gap, sum_e_sq, tl.sum(e * one_minus_t, 0), tl.sum(e * t, 0), tl.sum(t, 0), sum_t_sq)
+
+
+@triton.jit
+def _compact_sums(z, e, special, col_mask, m_safe, norm, GAPS: tl.constexpr, POWERS: tl.constexpr,
+                  NORM_IS_TWO: tl.constexpr):
+    """A block's sums for a compact target, over the columns that are neither the target nor the mix class:
+    ``Σ e``, ``Σ (m - z)`` over all columns (GAPS: smoothing), ``Σ e^q`` (POWERS: the Brier weight's ``Σ p^q``)."""
+    e_rest = tl.where(special, 0.0, e)
+    gap = tl.full((), 0.0, tl.float32)
+    sum_q = tl.full((), 0.0, tl.float32)
+    if GAPS:
+        gap = tl.sum(tl.where(col_mask, m_safe - z, 0.0), 0)
+    if POWERS:
+        if NORM_IS_TWO:
+            sum_q = tl.sum(e_rest * e_rest, 0)
+        else:
+            sum_q = tl.sum(tl.where(special, 0.0, tl.exp2((z - m_safe) * (norm * 1.4426950408889634))), 0)
+    return tl.sum(e_rest, 0), gap, sum_q
+
+
+@triton.jit
+def _soft_columns(p, offs, raw, DENSE: tl.constexpr, one_minus_a, c, a_minus_c, t_sum, P, one_minus_P,
+                  safe_target, safe_mix, delta_target, delta_mix, t_minus_P_target, t_minus_P_mix, Q):
+    """Per column: ``δ = p - t`` (the Brier weight's), ``Σt p - t`` (the cross-entropy's gradient) and ``t - P``
+    (the focal weight's). Dense: from the entries ``raw``; ``t - P`` as ``(1 - P) - (1 - t)`` where ``t > 1/2``.
+    Compact: the other columns have ``t = c``, ``t - P = -Q`` (``Q = P - c``); the target and mix columns take the
+    row's cancellation-free scalars."""
+    if DENSE:
+        t = raw * one_minus_a + c
+        one_minus_t = (1.0 - raw) * one_minus_a + a_minus_c
+        delta = p - t
+        ce_delta = t_sum * p - t
+        t_minus_P = tl.where(t > 0.5, one_minus_P - one_minus_t, t - P)
+    else:
+        is_target = offs == safe_target
+        is_mix = offs == safe_mix
+        delta = tl.where(is_target, delta_target, tl.where(is_mix, delta_mix, p - c))
+        ce_delta = delta
+        t_minus_P = tl.where(is_target, t_minus_P_target, tl.where(is_mix, t_minus_P_mix, -Q))
+    return delta, ce_delta, t_minus_P
+
+
+@triton.jit
+def _load_soft_chunk(logits_row, target_row, offs, num_classes, m_safe, log2_d, DENSE: tl.constexpr,
+                     EVICTION: tl.constexpr, one_minus_a, c, a_minus_c, t_sum, P, one_minus_P, safe_target, safe_mix,
+                     delta_target, delta_mix, t_minus_P_target, t_minus_P_mix, Q):
+    """A chunk of a later pass over the row: ``(mask, p, δ, Σt p - t, t - P)`` (:func:`_soft_columns`) with
+    ``p_k = 2^{(z_k - m) log2 e - log2 d}`` (see the hard-target kernel) and, dense, the target's entries."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    col_mask = offs < num_classes
+    z = tl.load(logits_row + offs, mask=col_mask, other=float("-inf"), eviction_policy=EVICTION).to(tl.float32)
+    p = tl.exp2((z - m_safe) * LOG2E - log2_d)
+    raw = p
+    if DENSE:
+        raw = tl.load(target_row + offs, mask=col_mask, other=0.0, eviction_policy=EVICTION).to(tl.float32)
+    delta, ce_delta, t_minus_P = _soft_columns(p, offs, raw, DENSE, one_minus_a, c, a_minus_c, t_sum, P, one_minus_P,
+                                               safe_target, safe_mix, delta_target, delta_mix, t_minus_P_target,
+                                               t_minus_P_mix, Q)
+    return col_mask, p, delta, ce_delta, t_minus_P
+
+
+@triton.jit
+def _soft_weight(row, cross_entropy, one_minus_P, p_band, brier_s, sample_weight_ptr, gamma_ptr, gamma, norm,
+                 WEIGHT: tl.constexpr, MODE: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr):
+    """``(u, A, K)``: the weight and its loss-mode coefficients, ``du/dz_k = -A/CE · p_k (t_k - P)`` (focal, FLSD:
+    ``A = CE γ (1-P)^{γ-1}``) or ``K/CE · p_k (h_k - H)`` (Brier: ``K = CE (γ/q) S^{γ/q-1}``); both 0 where the
+    base is 0 (the limit of the product with CE)."""
+    coef_focal = tl.full((), 0.0, tl.float32)
+    coef_brier = tl.full((), 0.0, tl.float32)
+    if WEIGHT == _NONE:
+        u = tl.full((), 1.0, tl.float32)
+    elif WEIGHT == _EXTERNAL:
+        u = tl.load(sample_weight_ptr + row).to(tl.float32)
+    elif WEIGHT == _FOCAL or WEIGHT == _FLSD:
+        g = _focal_gamma(row, p_band, gamma, gamma_ptr, WEIGHT, PER_SAMPLE_GAMMA)
+        u = _pow(one_minus_P, g)
+        if MODE == _LOSS_MODE:
+            coef_focal = tl.where((g == 0.0) | (one_minus_P == 0.0), 0.0,
+                                  cross_entropy * g * _pow(one_minus_P, g - 1.0))
+    else:  # WEIGHT == _BRIER
+        exponent = gamma / norm
+        u = _pow(brier_s, exponent)
+        if MODE == _LOSS_MODE:
+            coef_brier = tl.where((gamma == 0.0) | (brier_s == 0.0), 0.0,
+                                  cross_entropy * exponent * _pow(brier_s, exponent - 1.0))
+    return u, coef_focal, coef_brier
+
+
+@triton.jit
+def _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
+                   WEIGHT: tl.constexpr, MODE: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+    """``u (Σt p - t) + CE du/dz`` of a block of columns (grad_output = 1, before the reduction's scale)."""
+    grad = u * ce_delta
+    if MODE == _LOSS_MODE:
+        if WEIGHT == _FOCAL or WEIGHT == _FLSD:
+            grad -= coef_focal * p * t_minus_P
+        elif WEIGHT == _BRIER:
+            grad += coef_brier * p * (_brier_h(delta, norm, NORM_IS_TWO) - brier_h_sum)
+    return grad
+
+
+@triton.jit
+def _store_gradient(ptrs, grad, col_mask, scale, is_valid, is_bad, EVICTION: tl.constexpr):
+    grad = tl.where(is_valid, grad * scale, 0.0)
+    grad = tl.where(is_bad, float("nan"), grad)
+    tl.store(ptrs, grad.to(ptrs.dtype.element_ty), mask=col_mask, eviction_policy=EVICTION)
+
+
+@triton.jit
+def _soft_target_ce_fwd_kernel(
+    logits_ptr, logits_row_stride,
+    target_ptr, target_row_stride, mix_ptr, lambda_ptr, lambda_stride,
+    sample_weight_ptr, gamma_ptr,
+    row_loss_ptr, grad_ptr, grad_row_stride,
+    valid_count_ptr,
+    num_rows, num_classes, gamma, norm, ignore_index, smoothing,
+    WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
+    DENSE: tl.constexpr, HAS_MIX: tl.constexpr, SMOOTH: tl.constexpr,
+):
+    """Row losses and gradient rows for soft targets, one program per row: a dense ``target (N, C)`` (DENSE) or
+    class indices with an optional mix (HAS_MIX: ``mix_target (N,)``, λ at ``lambda_ptr + row * lambda_stride``),
+    both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``)."""
+    NEG_INF: tl.constexpr = float("-inf")
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
+    IS_BRIER: tl.constexpr = WEIGHT == _BRIER
+    row = tl.program_id(0).to(tl.int64)
+    logits_row = logits_ptr + row * logits_row_stride
+    target_row = target_ptr + row * target_row_stride
+    cols = tl.arange(0, BLOCK)
+    zero = tl.full((), 0.0, tl.float32)
+    # t_k = c + w_y [k = y] + w_m [k = m] (compact) or (1-a) T_k + c (dense); a - c = c (C - 1) = Σ_k c (1 - p_k)
+    one_minus_a = 1.0 - smoothing
+    c = smoothing / num_classes
+    a_minus_c = smoothing - c
+
+    # ---- the row's target ---------------------------------------------------------------------------------------
+    if DENSE:
+        is_valid = row >= 0  # no ignored rows
+        is_bad = row < 0
+        safe_target = row  # placeholders of the compact form, never read
+        safe_mix = row
+    else:
+        target = tl.load(target_ptr + row).to(tl.int64)
+        is_valid = target != ignore_index
+        in_range = (target >= 0) & (target < num_classes)
+        is_bad = is_valid & ((target < 0) | (target >= num_classes))
+        safe_target = tl.where(in_range, target, 0)  # bad rows read class 0 and are poisoned with NaN below
+        if HAS_MIX:
+            mix = tl.load(mix_ptr + row).to(tl.int64)
+            mix_in_range = (mix >= 0) & (mix < num_classes)
+            is_bad = is_bad | (is_valid & ((mix < 0) | (mix >= num_classes)))
+            safe_mix = tl.where(mix_in_range & in_range, mix, safe_target)
+            lam = tl.load(lambda_ptr + row * lambda_stride).to(tl.float32)
+            w_target = one_minus_a * lam
+            w_mix = one_minus_a * (1.0 - lam)
+        else:
+            safe_mix = safe_target
+            w_target = one_minus_a + zero
+            w_mix = zero
+        z_target = tl.load(logits_row + safe_target).to(tl.float32)
+        z_mix = tl.load(logits_row + safe_mix).to(tl.float32)
+        # a mix onto the target itself merges its weight into the target's
+        distinct = safe_mix != safe_target
+        w_y = tl.where(distinct, w_target, w_target + w_mix)
+        w_m = tl.where(distinct, w_mix, 0.0)
+
+    # ---- statistics: one pass (single read) or the streamed statistics pass with the online max -----------------
+    # dense: Σe, Σ t(m - z), Σe², Σ e(1 - t), Σ e t, Σt, Σt²;  compact (over the other columns): Σe, Σ(m - z) over
+    # all columns (smoothing), Σe^q (Brier)
+    GAPS: tl.constexpr = SMOOTH
+    POWERS: tl.constexpr = IS_BRIER and (NORM_IS_TWO or not SMOOTH)
+    SQUARES: tl.constexpr = IS_BRIER and NORM_IS_TWO
+    if SINGLE_READ:
+        col_mask = cols < num_classes
+        z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
+        m = tl.max(z, 0)
+        m_safe = tl.where(m == NEG_INF, 0.0, m)
+        e = tl.exp2((z - m_safe) * LOG2E)
+        if DENSE:
+            raw = tl.load(target_row + cols, mask=col_mask, other=0.0).to(tl.float32)
+            t, one_minus_t = _smoothed_target(raw, col_mask, one_minus_a, c, a_minus_c)
+            sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq = _dense_sums(z, e, t, one_minus_t, m_safe, SQUARES)
+        else:
+            raw = e  # placeholder
+            special = (cols == safe_target) | (cols == safe_mix)
+            sum_e, gap, sum_q = _compact_sums(z, e, special, col_mask, m_safe, norm, GAPS, POWERS, NORM_IS_TWO)
+    else:
+        m = tl.full((), NEG_INF, tl.float32)
+        m_safe = zero
+        sum_e = zero
+        gap = zero
+        sum_q = zero
+        sum_e_omt = zero
+        sum_e_t = zero
+        sum_t = zero
+        sum_t_sq = zero
+        for start in range(0, num_classes, BLOCK):
+            offs = start + cols
+            z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
+            e = tl.exp2((z - m_new_safe) * LOG2E)
+            if NORM_IS_TWO:
+                rescale_q = rescale * rescale
+            else:
+                rescale_q = tl.exp2((m - m_new_safe) * (norm * LOG2E))
+            if DENSE:
+                raw = tl.load(target_row + offs, mask=col_mask, other=0.0, eviction_policy="evict_last")
+                t, one_minus_t = _smoothed_target(raw.to(tl.float32), col_mask, one_minus_a, c, a_minus_c)
+                b_e, b_gap, b_q, b_e_omt, b_e_t, b_t, b_t_sq = _dense_sums(z, e, t, one_minus_t, m_new_safe, SQUARES)
+                # Σ t (m - z) follows the max: + (m_new - m_old) Σt of the columns seen so far
+                gap = gap + (m_new_safe - m_safe) * sum_t + b_gap
+                sum_e_omt = sum_e_omt * rescale + b_e_omt
+                sum_e_t = sum_e_t * rescale + b_e_t
+                sum_t += b_t
+                sum_t_sq += b_t_sq
+            else:
+                special = (offs == safe_target) | (offs == safe_mix)
+                b_e, b_gap, b_q = _compact_sums(z, e, special, col_mask, m_new_safe, norm, GAPS, POWERS, NORM_IS_TWO)
+                if GAPS:
+                    gap = gap + (m_new_safe - m_safe) * start + b_gap
+            sum_e = sum_e * rescale + b_e
+            sum_q = sum_q * rescale_q + b_q
+            m = m_new
+            m_safe = m_new_safe
+
+    # ---- per-row scalars: CE, 1 - P, FLSD's band value, and the compact form's target / mix columns -------------
+    if DENSE:
+        d = sum_e
+        log2_d = tl.log2(d)
+        inv_d = 1.0 / d
+        # CE = Σ_k t_k (lse - z_k) = Σ t (m - z) + Σt log d: non-negative terms only
+        cross_entropy = gap + sum_t * (log2_d * LN2)
+        # 1 - P = Σ_k t_k (1 - p_k) = Σ_k p_k (1 - t_k) + (Σt - 1): no 1 - p_k, so no cancellation at p_k → 1
+        one_minus_P = tl.maximum(sum_e_omt * inv_d + (sum_t - 1.0), 0.0)
+        P = sum_e_t * inv_d
+        if SINGLE_READ:
+            p_band = tl.sum(t * tl.exp(z - (m_safe + tl.log(d))), 0)
+        else:
+            p_band = P
+        delta_target = zero  # placeholders of the compact form
+        delta_mix = zero
+        t_minus_P_target = zero
+        t_minus_P_mix = zero
+        Q = zero
+    else:
+        d_rest = sum_e
+        e_target = tl.exp2((z_target - m_safe) * LOG2E)
+        e_mix = tl.where(distinct, tl.exp2((z_mix - m_safe) * LOG2E), 0.0)
+        d = d_rest + e_target + e_mix
+        log2_d = tl.log2(d)
+        inv_d = 1.0 / d
+        p_y = tl.exp2((z_target - m_safe) * LOG2E - log2_d)
+        p_m = tl.exp2((z_mix - m_safe) * LOG2E - log2_d)
+        # 1 - p_y and 1 - p_m as sums over the other classes (never a difference)
+        one_minus_p_y = (d_rest + e_mix) * inv_d
+        one_minus_p_m = tl.where(distinct, (d_rest + e_target) * inv_d, one_minus_p_y)
+        nll_y = _neg_log_probability(z_target, e_target, d_rest + e_mix, p_y, m_safe, log2_d)
+        nll_m = _neg_log_probability(z_mix, e_mix, d_rest + e_target, p_m, m_safe, log2_d)
+        # CE = w_y (-log p_y) + w_m (-log p_m) + c Σ_k (lse - z_k); a zero weight takes no part (-inf logits)
+        cross_entropy = tl.where(w_y > 0.0, w_y * nll_y, 0.0) + tl.where(w_m > 0.0, w_m * nll_m, 0.0)
+        if SMOOTH:
+            cross_entropy += c * (gap + num_classes * (log2_d * LN2))
+        one_minus_P = a_minus_c + w_y * one_minus_p_y + w_m * one_minus_p_m
+        Q = w_y * p_y + w_m * p_m
+        P = c + Q
+        t_minus_P_target = w_y * one_minus_p_y - w_m * p_m
+        t_minus_P_mix = w_m * one_minus_p_m - w_y * p_y
+        # p - t of the two columns, as (1 - t) - (1 - p) where p > 1/2
+        delta_target = tl.where(p_y > 0.5, (a_minus_c + w_m) - one_minus_p_y, p_y - (c + w_y))
+        delta_mix = tl.where(p_m > 0.5, (a_minus_c + w_y) - one_minus_p_m, p_m - (c + w_m))
+        # FLSD's band value, the closed form every implementation evaluates (without a mix: w_m = 0, m = y)
+        lse = m_safe + tl.log(d)
+        p_band = (w_target * tl.exp(z_target - lse) + w_mix * tl.exp(z_mix - lse)) + c
+        sum_t = zero + 1.0  # placeholder: Σ_k t_k = 1
+
+    if SINGLE_READ:
+        p = e * inv_d
+        delta, ce_delta, t_minus_P = _soft_columns(
+            p, cols, raw, DENSE, one_minus_a, c, a_minus_c, sum_t, P, one_minus_P, safe_target, safe_mix,
+            delta_target, delta_mix, t_minus_P_target, t_minus_P_mix, Q)
+
+    # ---- the Brier weight's S = Σ |p - t|^q and H = Σ h_k p_k -------------------------------------------------------
+    brier_s = zero
+    brier_h_sum = zero
+    if IS_BRIER:
+        if SINGLE_READ:
+            brier_s = tl.sum(tl.where(col_mask, _brier_power(delta, norm, NORM_IS_TWO), 0.0), 0)
+            if MODE == _LOSS_MODE:
+                brier_h_sum = tl.sum(tl.where(col_mask, _brier_h(delta, norm, NORM_IS_TWO) * p, 0.0), 0)
+        elif DENSE and NORM_IS_TWO:
+            # Σ (p - t)² = Σp² - 2P + Σt², H = 2 (Σp² - P), from the statistics pass
+            p_sq = sum_q * inv_d * inv_d
+            brier_s = tl.maximum(p_sq - 2.0 * P + sum_t_sq, 0.0)
+            brier_h_sum = 2.0 * (p_sq - P)
+        elif DENSE or SMOOTH:
+            # q ≠ 2 with |p_k - t_k| depending on d: one more read of the row once d is known
+            for start in range(0, num_classes, BLOCK):
+                col_mask, p, delta, ce_delta, t_minus_P = _load_soft_chunk(
+                    logits_row, target_row, start + cols, num_classes, m_safe, log2_d, DENSE, "evict_last",
+                    one_minus_a, c, a_minus_c, sum_t, P, one_minus_P, safe_target, safe_mix, delta_target, delta_mix,
+                    t_minus_P_target, t_minus_P_mix, Q)
+                brier_s += tl.sum(tl.where(col_mask, _brier_power(delta, norm, NORM_IS_TWO), 0.0), 0)
+                if MODE == _LOSS_MODE:
+                    brier_h_sum += tl.sum(tl.where(col_mask, _brier_h(delta, norm, NORM_IS_TWO) * p, 0.0), 0)
+        else:
+            # compact: the other columns' terms from the statistics pass, the target and mix columns' added
+            if NORM_IS_TWO:
+                # Σ_rest (p - c)² = Σ_rest p² - 2c p_rest + n_rest c²,  Σ_rest h p = 2 (Σ_rest p² - c p_rest)
+                p_sq = sum_q * inv_d * inv_d
+                p_rest = d_rest * inv_d
+                n_rest = (num_classes - 1) - distinct.to(tl.int32)
+                brier_s = tl.maximum(p_sq + c * (n_rest * c - 2.0 * p_rest), 0.0)
+                brier_h_sum = 2.0 * (p_sq - c * p_rest)
+            else:
+                # no smoothing: t = 0 on the other columns, Σ_rest p^q = Σ_rest e^q / d^q, Σ_rest h p = q Σ_rest p^q
+                brier_s = tl.exp2(tl.log2(sum_q) - norm * log2_d)
+                brier_h_sum = norm * brier_s
+            brier_s += _brier_power(delta_target, norm, NORM_IS_TWO)
+            brier_s += tl.where(distinct, _brier_power(delta_mix, norm, NORM_IS_TWO), 0.0)
+            brier_h_sum += _brier_h(delta_target, norm, NORM_IS_TWO) * p_y
+            brier_h_sum += tl.where(distinct, _brier_h(delta_mix, norm, NORM_IS_TWO) * p_m, 0.0)
+
+    # ---- weight, loss ----------------------------------------------------------------------------------------------
+    u, coef_focal, coef_brier = _soft_weight(row, cross_entropy, one_minus_P, p_band, brier_s, sample_weight_ptr,
+                                             gamma_ptr, gamma, norm, WEIGHT, MODE, PER_SAMPLE_GAMMA)
+    _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad)
+
+    # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
+    if COMPUTE_GRAD:
+        scale = _gradient_scale(valid_count_ptr, REDUCTION)
+        grad_row = grad_ptr + row * grad_row_stride
+        if SINGLE_READ:
+            grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
+                                  WEIGHT, MODE, NORM_IS_TWO)
+            _store_gradient(grad_row + cols, grad, col_mask, scale, is_valid, is_bad, "")
+        else:
+            # last chunk first: the chunks read most recently are the likeliest still in L2
+            num_chunks = tl.cdiv(num_classes, BLOCK)
+            for chunk in range(0, num_chunks):
+                offs = (num_chunks - 1 - chunk) * BLOCK + cols
+                col_mask, p, delta, ce_delta, t_minus_P = _load_soft_chunk(
+                    logits_row, target_row, offs, num_classes, m_safe, log2_d, DENSE, "evict_first",
+                    one_minus_a, c, a_minus_c, sum_t, P, one_minus_P, safe_target, safe_mix, delta_target, delta_mix,
+                    t_minus_P_target, t_minus_P_mix, Q)
+                grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
+                                      WEIGHT, MODE, NORM_IS_TWO)
+                _store_gradient(grad_row + offs, grad, col_mask, scale, is_valid, is_bad, "evict_first")
 
 
 @triton.jit
@@ -441,6 +924,49 @@ def _launch_config(num_classes: int, element_size: int) -> tuple[bool, int, int]
     return False, chunk, max(1, min(warps, chunk // 128))
 
 
+def _soft_target_arguments(logits, target, weight, mix_target, mix_lambda, label_smoothing):
+    """Check the soft-target arguments (shapes, dtypes, devices; no values are read) and return them normalised:
+    ``(target, mix_target, mix_lambda, label_smoothing, soft)``, with contiguous targets, a number λ as a 0-dim
+    float32 tensor on the logits' device, and ``soft`` whether the row targets are anything but class indices."""
+    if mix_target is None and mix_lambda is None and label_smoothing == 0.0 and not target.is_floating_point():
+        return target, None, None, 0.0, False  # hard targets: the common case, checked first
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+        raise TypeError(f"label_smoothing must be a number in [0, 1], got {type(label_smoothing).__name__}")
+    label_smoothing = float(label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
+    if (mix_target is None) != (mix_lambda is None):
+        raise ValueError("mix_target and mix_lambda go together (t = lam e_target + (1 - lam) e_mix_target)")
+    num_rows = logits.shape[0]
+    dense = target.is_floating_point()
+    if dense:
+        if tuple(target.shape) != tuple(logits.shape):
+            raise ValueError(f"a dense (probability) target must have the logits' shape {tuple(logits.shape)}, got "
+                             f"{tuple(target.shape)}")
+        if mix_target is not None:
+            raise ValueError("mix_target/mix_lambda mix class-index targets, not a dense target")
+        target = target.detach()
+        if target.stride(-1) != 1:
+            target = target.contiguous()
+    if mix_target is not None:
+        if (mix_target.dtype != torch.int64 or tuple(mix_target.shape) != (num_rows,)
+                or mix_target.device != logits.device):
+            raise ValueError(f"mix_target must be an int64 tensor of shape ({num_rows},) on {logits.device}, got "
+                             f"{mix_target.dtype} {tuple(mix_target.shape)} on {mix_target.device}")
+        if not isinstance(mix_lambda, torch.Tensor):
+            mix_lambda = torch.full((), float(mix_lambda), dtype=torch.float32, device=logits.device)
+        if (not mix_lambda.is_floating_point() or mix_lambda.shape not in ((), (num_rows,))
+                or mix_lambda.device != logits.device):
+            raise ValueError(f"mix_lambda must be a floating tensor of shape () or ({num_rows},) on {logits.device}, "
+                             f"got {mix_lambda.dtype} {tuple(mix_lambda.shape)} on {mix_lambda.device}")
+        mix_target, mix_lambda = mix_target.contiguous(), mix_lambda.detach()
+    soft = dense or mix_target is not None or label_smoothing != 0.0
+    if soft and weight == WEIGHT_DUAL_FOCAL:
+        raise ValueError("the dual-focal weight has no soft-target form (its p_j needs one target class): "
+                         "no label smoothing, mix or dense target with weight='dual_focal'")
+    return target, mix_target, mix_lambda, label_smoothing, soft
+
+
 def uncertainty_weighted_ce_forward(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -455,7 +981,10 @@ def uncertainty_weighted_ce_forward(
     compute_grad: bool,
     grad_out: Optional[torch.Tensor] = None,
     loss_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mix_target: Optional[torch.Tensor] = None,
+    mix_lambda: Optional[torch.Tensor] = None,
+    label_smoothing: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the kernels; return ``(loss, grad, target_flag)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in
     ``loss_dtype``). Three launches: the target count/check, the fused loss + gradient, the reduction (mean/sum).
 
@@ -463,6 +992,9 @@ def uncertainty_weighted_ce_forward(
     mean/sum, ``(N,)`` for none. The gradient is written into ``grad_out`` when given (``(N, C)``, unit column stride,
     e.g. the logits themselves; ``grad`` is then empty), else returned as a new ``(N, C)`` tensor; neither when
     ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
+    Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
+    ``label_smoothing``, or a floating ``target (N, C)`` (dense: no target check, ``target_flag`` is ``None``, the
+    mean divides by N).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
     """
@@ -472,6 +1004,9 @@ def uncertainty_weighted_ce_forward(
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"expected (N, C) logits with unit column stride, got shape {tuple(logits.shape)} "
                          f"stride {logits.stride()}")
+    target, mix_target, mix_lambda, label_smoothing, soft = _soft_target_arguments(
+        logits, target, weight, mix_target, mix_lambda, label_smoothing)
+    dense = target.is_floating_point()
     num_rows, num_classes = logits.shape
     device = logits.device
     single_read, block, num_warps = _launch_config(num_classes, logits.element_size())
@@ -484,25 +1019,40 @@ def uncertainty_weighted_ce_forward(
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:
         dest, grad = grad_out, empty
-    counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
-    valid_count, error = counts[:1], counts[1:]
-    _uncertainty_weighted_ce_targets_kernel[(1,)](
-        target, num_rows, num_classes, int(ignore_index), valid_count, error,
-        BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
+    if dense:  # no class indices: nothing to check, every row counts for the mean
+        valid_count, error = torch.full((1,), num_rows, dtype=torch.int64, device=device), None
+    else:
+        counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
+        valid_count, error = counts[:1], counts[1:]
+        _uncertainty_weighted_ce_targets_kernel[(1,)](
+            target, num_rows, num_classes, int(ignore_index), valid_count, error,
+            BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
     per_sample_gamma = gamma_per_sample is not None
-    _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
-        logits, logits.stride(0),
-        target,
-        sample_weight if sample_weight is not None else row_loss,  # placeholders are never read
-        gamma_per_sample if per_sample_gamma else row_loss,
-        row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
-        valid_count,
-        num_rows, num_classes, float(gamma), float(norm), int(ignore_index),
-        WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
-        COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma,
-        BLOCK=block, SINGLE_READ=single_read, NORM_IS_TWO=weight == WEIGHT_BRIER and float(norm) == 2.0,
-        num_warps=num_warps,
-    )
+    # placeholders are never read
+    weight_args = (sample_weight if sample_weight is not None else row_loss,
+                   gamma_per_sample if per_sample_gamma else row_loss)
+    output_args = (row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
+                   valid_count)
+    meta = dict(WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
+                COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma,
+                BLOCK=block, SINGLE_READ=single_read, NORM_IS_TWO=weight == WEIGHT_BRIER and float(norm) == 2.0,
+                num_warps=num_warps)
+    if soft:
+        has_mix = mix_target is not None
+        _soft_target_ce_fwd_kernel[(num_rows,)](
+            logits, logits.stride(0),
+            target, target.stride(0) if dense else 0,
+            mix_target if has_mix else target, mix_lambda if has_mix else row_loss,
+            mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0,
+            *weight_args, *output_args,
+            num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
+            DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, **meta,
+        )
+    else:
+        _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
+            logits, logits.stride(0), target, *weight_args, *output_args,
+            num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
+        )
     if reduction == REDUCTION_NONE:
         return (row_loss if loss_dtype == torch.float32 else row_loss.to(loss_dtype)), grad, error
     loss = torch.empty((), dtype=loss_dtype, device=device)
@@ -545,28 +1095,31 @@ def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
 def uncertainty_weighted_ce_triton(
     logits: torch.Tensor, target: torch.Tensor, sample_weight: Optional[torch.Tensor],
     gamma_per_sample: Optional[torch.Tensor], weight: int, loss_mode: int, gamma: float, norm: float, ignore_index: int,
-    reduction: int, compute_grad: bool, grad_out: Optional[torch.Tensor],
+    reduction: int, compute_grad: bool, grad_out: Optional[torch.Tensor], mix_target: Optional[torch.Tensor] = None,
+    mix_lambda: Optional[torch.Tensor] = None, label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The compiled op's contract (``csrc/uncertainty_weighted_ce.h``) on the Triton kernels: ``(loss, grad)``, the
     gradient written into ``grad_out`` when given. No target check is queued from here (traced code never reads the
     flag back; the bad rows are NaN)."""
     loss, grad, _ = uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode,
-                                                    gamma, norm, ignore_index, reduction, compute_grad, grad_out)
+                                                    gamma, norm, ignore_index, reduction, compute_grad, grad_out,
+                                                    torch.float32, mix_target, mix_lambda, label_smoothing)
     return loss, grad
 
 
 @uncertainty_weighted_ce_triton.register_fake
 def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index, reduction,
-      compute_grad, grad_out):
+      compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_NONE else (), dtype=torch.float32)
     return loss, logits.new_empty(tuple(logits.shape) if compute_grad and grad_out is None else (0,))
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out):
+            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     """``(loss, grad, target_flag)``: the backend forward of :mod:`calibkernels._autograd`. Eager calls launch the
     kernels directly (a ``custom_op`` call pays dispatcher and mutation bookkeeping in Python, more host time than the
-    launches); traced calls go through the registered op."""
+    launches); traced calls go through the registered op. Soft targets: ``mix_target``/``mix_lambda`` (a number or
+    a tensor), ``label_smoothing``, or a floating ``(N, C)`` ``target`` (refused with the dual-focal weight)."""
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
                         "(use backend='reference' for float64)")
@@ -574,6 +1127,8 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
         sample_weight = sample_weight.detach().contiguous()
     if gamma_per_sample is not None:
         gamma_per_sample = gamma_per_sample.detach().contiguous()
+    target, mix_target, mix_lambda, label_smoothing, soft = _soft_target_arguments(
+        logits, target, weight, mix_target, mix_lambda, label_smoothing)
     target = target.contiguous()
     # The kernels take any row stride but need unit column stride: otherwise they work on a contiguous copy of the
     # logits, or write into a contiguous buffer, and the gradient is copied into the caller's grad_out afterwards.
@@ -587,11 +1142,13 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
         write_back, grad_out = grad_out, torch.empty_like(logits, memory_format=torch.contiguous_format)
     args = (logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out)
+    soft_args = (mix_target, mix_lambda, label_smoothing) if soft else ()
     if torch.compiler.is_compiling() or type(logits) is not torch.Tensor:
-        loss, grad = uncertainty_weighted_ce_triton(*args)
+        loss, grad = uncertainty_weighted_ce_triton(*args, *soft_args)
         flag = None
     else:
-        loss, grad, flag = uncertainty_weighted_ce_forward(*args)  # _target_checks ignores it during a capture
+        # _target_checks ignores the flag during a capture
+        loss, grad, flag = uncertainty_weighted_ce_forward(*args, torch.float32, *soft_args)
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
