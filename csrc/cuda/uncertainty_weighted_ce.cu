@@ -30,12 +30,28 @@
 // any row stride, launched on the current stream with no host synchronisation (the mean's non-ignored count is a
 // device tensor that the kernel reads).
 //
+// Soft targets (label_smoothing a, mix_target m with mix_lambda λ, or a floating (N, C) target; the maths is
+// csrc/uncertainty_weights.h's "Soft targets", used as written there) run a second kernel, soft_target_kernel, with
+// the same launch shapes; without them the kernel above runs exactly as before. Per row the target distribution is
+//   compact  t_k = c + W_y [k=y] + W_m [k=m],  c = a/C, W_y = (1-a) λ, W_m = (1-a)(1-λ) (m = y: W_y takes both);
+//   dense    t_k = (1-a) T_k + c, T read in its dtype (float32, or the logits' dtype) as the logits are read.
+// Compact rows cost what a hard row does: the logits read once (twice when streamed), the gradient written once, with
+// the first pass the hard path's online softmax over the columns other than y and m (so 1 - p_y and 1 - p_m are sums,
+// not differences), Σ e^{2(z-m)} there for gBS with q = 2 (S and τ in closed form), and, for smoothing's
+// Σ_k (lse - z_k), Σ_k (z_k - R) relative to a running R ≥ every logit (no cancellation). gBS with another q, whose
+// |p_k - c|^q needs the final log-sum-exp, adds a pass for S and H over the registers (streamed: over the row, which
+// the pass before it left in L2). Dense rows take a first pass for the max and Σ e, then one over the logits and the
+// target for CE (= Σ t (max - z) + Σt log d), P, 1 - P, S and τ or H; a target is read once per pass (once when the
+// row stays in registers). Their only column that can have p > 1/2 is a unique max, whose 1 - p is Σ_{k≠max} p_k.
+//
 // Target policy (the Triton kernel's, see calibkernels/cpp/uncertainty_weighted_ce.py VALIDATE_TARGETS): a target
-// outside [0, C) that is not ignore_index is never used as an index; that row's loss and gradient are NaN (so a
-// mean/sum becomes NaN), and the Python wrapper raises ValueError in eager mode.
+// (or, with a mix, a mix_target) outside [0, C) on a row that is not ignore_index is never used as an index; that
+// row's loss and gradient are NaN (so a mean/sum becomes NaN), and the Python wrapper raises ValueError in eager mode.
+// A dense target has no ignored rows.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -109,40 +125,50 @@ __device__ __forceinline__ Stats<A> merge(const Stats<A>& a, const Stats<A>& b, 
   return r;
 }
 
+// Lane `lane ^ offset`'s statistics (the fields `brier` and `dual` use; the others are left as merge ignores them).
+template <typename A>
+__device__ __forceinline__ Stats<A> shuffled(const Stats<A>& s, int offset, bool brier, bool dual) {
+  Stats<A> o;
+  o.m = __shfl_xor_sync(0xffffffffu, s.m, offset);
+  o.d = __shfl_xor_sync(0xffffffffu, s.d, offset);
+  o.sq = brier ? __shfl_xor_sync(0xffffffffu, s.sq, offset) : A(0);
+  o.zb = dual ? __shfl_xor_sync(0xffffffffu, s.zb, offset) : s.zb;
+  o.nt = dual ? __shfl_xor_sync(0xffffffffu, s.nt, offset) : 0;
+  return o;
+}
+
 template <typename A>
 __device__ __forceinline__ Stats<A> warp_allreduce(Stats<A> s, A q, bool brier, bool dual) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    Stats<A> o;
-    o.m = __shfl_xor_sync(0xffffffffu, s.m, offset);
-    o.d = __shfl_xor_sync(0xffffffffu, s.d, offset);
-    o.sq = brier ? __shfl_xor_sync(0xffffffffu, s.sq, offset) : A(0);
-    o.zb = dual ? __shfl_xor_sync(0xffffffffu, s.zb, offset) : s.zb;
-    o.nt = dual ? __shfl_xor_sync(0xffffffffu, s.nt, offset) : 0;
-    s = merge(s, o, q, brier, dual);
-  }
+  for (int offset = 16; offset > 0; offset >>= 1) s = merge(s, shuffled(s, offset, brier, dual), q, brier, dual);
   return s;
 }
 
-// All-reduce over the kGroup threads that share a row: a warp (shuffles only) or the whole block.
-template <int kGroup, typename A>
-__device__ __forceinline__ Stats<A> group_allreduce(Stats<A> s, A q, bool brier, bool dual) {
-  s = warp_allreduce(s, q, brier, dual);
+// All-reduce over the kGroup threads that share a row: a warp (`warp_reduce`, shuffles only) or the whole block
+// (then one shared-memory step between the warps, padded with `identity`). S is POD.
+template <int kGroup, typename S, typename WarpReduce>
+__device__ __forceinline__ S group_reduce(S s, const S& identity, WarpReduce warp_reduce) {
+  s = warp_reduce(s);
   if constexpr (kGroup > 32) {
     constexpr int kWarps = kGroup / 32;
-    __shared__ Stats<A> partial[kWarps + 1];
+    __shared__ S partial[kWarps + 1];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lane == 0) partial[warp] = s;
     __syncthreads();
     if (warp == 0) {
-      Stats<A> t = lane < kWarps ? partial[lane] : empty_stats<A>();
-      t = warp_allreduce(t, q, brier, dual);
+      S t = lane < kWarps ? partial[lane] : identity;
+      t = warp_reduce(t);
       if (lane == 0) partial[kWarps] = t;
     }
     __syncthreads();
     s = partial[kWarps];
   }
   return s;
+}
+
+template <int kGroup, typename A>
+__device__ __forceinline__ Stats<A> group_allreduce(Stats<A> s, A q, bool brier, bool dual) {
+  return group_reduce<kGroup>(s, empty_stats<A>(), [=](Stats<A> v) { return warp_allreduce(v, q, brier, dual); });
 }
 
 template <typename A>
@@ -201,6 +227,14 @@ struct Tile {
 #pragma unroll
         for (int v = 0; v < V; ++v) z[j * V + v] = (c0 + v < C) ? static_cast<A>(row[c0 + v]) : neg_inf<A>();
       }
+    }
+  }
+
+  // Column `col`'s element of the row set to g, if thread t's share of the tile at `base` holds it.
+  __device__ __forceinline__ static void overwrite(scalar_t* row, int64_t base, int t, int64_t col, A g) {
+    const int64_t offset = col - base;
+    if (offset >= 0 && offset < static_cast<int64_t>(kGroup) * kPT && (offset / V) % kGroup == t) {
+      row[col] = static_cast<scalar_t>(g);
     }
   }
 
@@ -268,6 +302,30 @@ __device__ __forceinline__ void accumulate(const A (&z)[kPT], ColumnOf column_of
   }
 }
 
+// -log p_k = lse - z_k from e_k = e^{z_k - m} and rest = Σ_{j≠k} e^{z_j - m} (d = e_k + rest): for a confident
+// class (p_k > 1/2) log1p(rest / e_k) keeps the digits that (m - z_k) + log d would cancel.
+template <typename A>
+__device__ __forceinline__ A class_ce(A p, A e, A rest, A m, A z, A log_d) {
+  return (p > A(0.5)) ? log1p_(rest / e) : (m - z) + log_d;
+}
+
+// The gradient's factor for grad_output = 1: 1 / (non-ignored rows, at least 1) for the mean, else 1.
+template <typename A>
+__device__ __forceinline__ A gradient_scale(const Params<A>& P) {
+  return (P.reduction == static_cast<int>(Reduction::Mean))
+             ? A(1) / static_cast<A>(*P.valid_count > 1 ? *P.valid_count : int64_t(1))
+             : A(1);
+}
+
+// An ignored (fill 0) or invalid (fill NaN) row: its loss and gradient row, without reading the logits.
+template <int kGroup, typename scalar_t, typename A>
+__device__ __forceinline__ void fill_row(const Params<A>& P, int64_t row, int t, scalar_t* grad_row, A fill) {
+  if (t == 0) P.row_loss[row] = fill;
+  if (grad_row != nullptr) {
+    for (int64_t c = t; c < P.num_classes; c += kGroup) grad_row[c] = static_cast<scalar_t>(fill);
+  }
+}
+
 // Per-row scalars of the gradient (csrc/uncertainty_weights.h): for k ≠ y
 //   g_k = scale · (p_k (α + β (p_k^{q-1} - τ)) + [tie] (z_k < z_y ∧ z_k = zb) c_J),
 // and g_y = grad_target.
@@ -301,8 +359,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   const A log_d = log_(d);
   const A p_y = e_y / d;
   const A omp = d_others / d;  // 1 - p_y without cancellation
-  // CE = -log p_y; for confident rows log1p(d_¬y / e_y) keeps the digits that m + log(d) - z_y would cancel.
-  const A ce = (p_y > A(0.5)) ? log1p_(d_others / e_y) : (m - z_y) + log_d;
+  const A ce = class_ce(p_y, e_y, d_others, m, z_y, log_d);  // CE = -log p_y
 
   const auto weight = static_cast<Weight>(P.weight);
   RowQuantities<A> w{p_y, omp, ce, P.gamma, q, A(1), A(0), A(1), A(0)};
@@ -322,9 +379,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   r.log_d = log_d;
   r.zb = s.zb;
   r.tie = r.c.c_tie != A(0);
-  r.scale = (P.reduction == static_cast<int>(Reduction::Mean))
-                ? A(1) / static_cast<A>(*P.valid_count > 1 ? *P.valid_count : int64_t(1))
-                : A(1);
+  r.scale = gradient_scale(P);
   r.grad_target = r.c.g_y * r.scale;
   r.loss = r.c.u * ce;
   return r;
@@ -363,11 +418,7 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
       P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
 
   if (ignored || bad) {  // no read of the logits at all; `y` is never used as an index
-    const A fill = bad ? std::numeric_limits<A>::quiet_NaN() : A(0);
-    if (t == 0) P.row_loss[row] = fill;
-    if (grad_row != nullptr) {
-      for (int64_t c = t; c < C; c += kGroup) grad_row[c] = static_cast<scalar_t>(fill);
-    }
+    fill_row<kGroup>(P, row, t, grad_row, bad ? std::numeric_limits<A>::quiet_NaN() : A(0));
     return;
   }
 
@@ -416,15 +467,449 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
   }
 }
 
+// ----------------------------------------------------------------------------------------------------------------
+// Soft targets (csrc/uncertainty_weights.h, "Soft targets"): a separate kernel, so the hard-target kernel above is
+// untouched. Per row, t_k = c + W_y [k = y] + W_m [k = m] (compact: class indices, an optional mix m with λ, label
+// smoothing a; c = a/C) or t_k = (1-a) T_k + c (dense: a floating (N, C) target T).
+// ----------------------------------------------------------------------------------------------------------------
+template <typename scalar_t>
+using Acc = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+
+template <typename A>
+struct SoftParams {
+  Params<A> hard;              // `target` holds the class indices (compact form); nullptr with a dense target
+  const int64_t* mix_target;   // (N,), or nullptr: no mix (λ = 1, m = y)
+  const A* mix_lambda;         // λ of row i at mix_lambda[i * lambda_stride] (stride 0: one λ for every row)
+  int64_t lambda_stride;
+  const void* dense_target;    // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
+  int64_t dense_row_stride;    // elements
+  A smoothing;                 // a
+};
+
+// Sums of K values over a row's threads (the statistics passes after the row's max and log d are known).
+template <typename A, int K>
+struct Sums {
+  A v[K];
+};
+
+template <int kGroup, typename A, int K>
+__device__ __forceinline__ Sums<A, K> group_sum(const Sums<A, K>& s) {
+  auto warp_sum = [](Sums<A, K> x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+#pragma unroll
+      for (int k = 0; k < K; ++k) x.v[k] += __shfl_xor_sync(0xffffffffu, x.v[k], offset);
+    }
+    return x;
+  };
+  return group_reduce<kGroup>(s, Sums<A, K>{}, warp_sum);
+}
+
+// Online statistics of a compact row: the hard path's Stats over the columns other than y and m (sq: Σ e^{2(z-max)}
+// for gBS with q = 2), and label smoothing's Σ_k (z_k - R) over the finite logits seen, with how many it holds,
+// relative to R = max(that max, z_y, z_m) (`top`: z_y and z_m are read before the pass), which is ≥ each of them. The
+// sum follows R like d follows the max (minus count · ΔR), so it stays a sum of non-positive terms. Finite logits, not
+// columns < C: the padding reads as -inf, and a per-element column test kept 32 comparisons live through the kernel
+// (twice the registers); a row with a -inf logit has fewer than C.
+template <typename A>
+struct SoftStats {
+  Stats<A> base;
+  A offsets;
+  int count;
+};
+
+template <typename A>
+__device__ __forceinline__ A reference_point(A m, A top) {
+  return m > top ? m : top;
+}
+
+// `offsets` taken from the reference point `from` to `to` ≥ from.
+template <typename A>
+__device__ __forceinline__ A moved_offsets(A offsets, int count, A from, A to) {
+  return (count == 0 || from == to) ? offsets : offsets - static_cast<A>(count) * (to - from);
+}
+
+template <typename A>
+__device__ __forceinline__ SoftStats<A> merge_soft(const SoftStats<A>& a, const SoftStats<A>& b, A q, bool squares,
+                                                   A top) {
+  SoftStats<A> r;
+  r.base = merge(a.base, b.base, q, squares, false);
+  const A to = reference_point(r.base.m, top);
+  r.offsets = moved_offsets(a.offsets, a.count, reference_point(a.base.m, top), to) +
+              moved_offsets(b.offsets, b.count, reference_point(b.base.m, top), to);
+  r.count = a.count + b.count;
+  return r;
+}
+
+template <int kGroup, typename A>
+__device__ __forceinline__ SoftStats<A> soft_allreduce(const SoftStats<A>& s, A q, bool squares, A top) {
+  auto warp_reduce = [=](SoftStats<A> x) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      SoftStats<A> o;
+      o.base = shuffled(x.base, offset, squares, false);
+      o.offsets = __shfl_xor_sync(0xffffffffu, x.offsets, offset);
+      o.count = __shfl_xor_sync(0xffffffffu, x.count, offset);
+      x = merge_soft(x, o, q, squares, top);
+    }
+    return x;
+  };
+  return group_reduce<kGroup>(s, SoftStats<A>{empty_stats<A>(), A(0), 0}, warp_reduce);
+}
+
+// Folds a tile into a compact row's statistics: `accumulate` (above) with the mix column mapped onto y, so that both
+// are left out, then (`offsets`: smoothing) z - R of every finite logit.
+template <typename A, int kPT, typename ColumnOf>
+__device__ __forceinline__ void accumulate_soft(const A (&z)[kPT], ColumnOf column_of, int64_t C, int64_t y,
+                                                int64_t mix, A z_y, A top, A q, bool squares, bool offsets,
+                                                SoftStats<A>& s) {
+  const A r_before = reference_point(s.base.m, top);
+  accumulate(z, [&](int e) { const int64_t col = column_of(e); return col == mix ? y : col; }, C, y, z_y, q, squares,
+             false, s.base);
+  if (!offsets) return;
+  const A r = reference_point(s.base.m, top);
+  s.offsets = moved_offsets(s.offsets, s.count, r_before, r);
+#pragma unroll
+  for (int e = 0; e < kPT; ++e) {
+    if (z[e] > neg_inf<A>()) {  // then R ≥ z[e] is finite
+      s.offsets += z[e] - r;
+      ++s.count;
+    }
+  }
+}
+
+// A dense target's values in a Tile's layout (the columns of the thread's logits), as t = keep · T + add on the
+// columns < C and 0 on the padding. target_t is float32 or the logits' type, so each logits vector's columns are
+// 16 or 32 bytes of target, read as one or two 16-byte vectors.
+template <typename scalar_t, typename target_t, typename A, int kGroup, int kPT>
+struct TargetTile {
+  static constexpr int V = Tile<scalar_t, A, kGroup, kPT>::V;
+  static constexpr int kChunks = static_cast<int>(V * sizeof(target_t) / 16);
+  static_assert(V * sizeof(target_t) % 16 == 0, "a logits vector's target columns must be whole 16-byte vectors");
+
+  template <bool kLast = false>
+  __device__ __forceinline__ static void load(const target_t* row, bool aligned, int64_t base, int t, int64_t C,
+                                              A keep, A add, A (&out)[kPT]) {
+#pragma unroll
+    for (int j = 0; j < kPT / V; ++j) {
+      const int64_t c0 = base + (static_cast<int64_t>(j) * kGroup + t) * V;
+      if (aligned && c0 + V <= C) {
+        Pack<target_t, V> p;
+        const int4* src = reinterpret_cast<const int4*>(row + c0);
+#pragma unroll
+        for (int k = 0; k < kChunks; ++k) reinterpret_cast<int4*>(&p)[k] = kLast ? __ldcs(src + k) : src[k];
+#pragma unroll
+        for (int v = 0; v < V; ++v) out[j * V + v] = keep * static_cast<A>(p.v[v]) + add;
+      } else {
+#pragma unroll
+        for (int v = 0; v < V; ++v) {
+          out[j * V + v] = (c0 + v < C) ? keep * static_cast<A>(row[c0 + v]) + add : A(0);
+        }
+      }
+    }
+  }
+};
+
+// Calls visit(base) for each tile of a row: the one tile of a register-resident row, or the kTileCols-column tiles
+// of a streamed row, first to last or (reverse) last to first. Each streamed pass runs the other way from the pass
+// before it, so that it starts on the tiles the likeliest still in L2.
+template <bool kResident, int64_t kTileCols, typename Visit>
+__device__ __forceinline__ void for_each_tile(int64_t C, bool reverse, Visit visit) {
+  if constexpr (kResident) {
+    visit(int64_t(0));
+  } else if (reverse) {
+    for (int64_t base = ((C - 1) / kTileCols) * kTileCols; base >= 0; base -= kTileCols) visit(base);
+  } else {
+    for (int64_t base = 0; base < C; base += kTileCols) visit(base);
+  }
+}
+
+// One column's terms of gBS's S = Σ |d_k|^q and of τ = Σ p_k d_k (q = 2, `square`) or H = Σ h_k p_k (any other q),
+// d = p - t.
+template <typename A>
+__device__ __forceinline__ void add_brier_terms(A p, A d, A q, bool square, A& S, A& H) {
+  if (square) {
+    S += d * d;
+    H += p * d;
+  } else {
+    S += weight_power(d < A(0) ? -d : d, q);
+    if (p != A(0)) H += p * soft_brier_h(d, q);  // h may overflow where p underflowed (q < 1)
+  }
+}
+
+// γ of a row: the argument, the focal weight's per-sample γ, or FLSD's γ_i from the band value band() of P.
+template <typename A, typename Band>
+__device__ __forceinline__ A row_gamma(const Params<A>& P, int64_t row, Band band) {
+  const auto weight = static_cast<Weight>(P.weight);
+  if (weight == Weight::Focal && P.gamma_per_sample != nullptr) return P.gamma_per_sample[row];
+  if (weight == Weight::Flsd) return flsd_gamma(band(), P.gamma);
+  return P.gamma;
+}
+
+// The row's weight coefficients and loss (written by the group's first thread) from its soft quantities, whose
+// gamma and external fields are filled here.
+template <typename A, typename Band>
+__device__ __forceinline__ SoftCoefficients<A> soft_row_coefficients(const Params<A>& P, int64_t row, int lane,
+                                                                     SoftRowQuantities<A> r, Band band) {
+  r.gamma = row_gamma(P, row, band);
+  r.q = P.norm;
+  r.external = static_cast<Weight>(P.weight) == Weight::External ? P.sample_weight[row] : A(1);
+  const SoftCoefficients<A> cf = soft_weight_coefficients(static_cast<Weight>(P.weight),
+                                                          P.mode == static_cast<int>(Mode::Loss), r,
+                                                          r.q == A(2));
+  if (lane == 0) P.row_loss[row] = cf.u * r.ce;
+  return cf;
+}
+
+// A compact row (y and m valid; m == y without a mix). Pass 1 is the hard path's online softmax over the columns
+// other than y and m, plus smoothing's offsets; z_y and z_m come from one load each. gBS with q ≠ 2 adds a pass for
+// S and H over those columns (from registers, or over the L2-resident row when streamed).
 template <typename scalar_t, int kGroup, int kPT, bool kResident, typename A>
-void launch_config(const Params<A>& P) {
+__device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_t row, int lane, int64_t y,
+                                                 int64_t mix, scalar_t* grad_row) {
+  using T = Tile<scalar_t, A, kGroup, kPT>;
+  constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
+  const Params<A>& P = SP.hard;
+  const int64_t C = P.num_classes;
+  const A q = P.norm;
+  const bool brier = P.weight == static_cast<int>(Weight::Brier);
+  const bool square = q == A(2);
+  const bool general = brier && !square;  // S and H need their own pass
+  const A a = SP.smoothing;
+  const A c = a / static_cast<A>(C);
+  const A lambda = SP.mix_target != nullptr ? SP.mix_lambda[row * SP.lambda_stride] : A(1);
+  const A w_y = (A(1) - a) * lambda, w_m = (A(1) - a) * (A(1) - lambda);
+  const bool two = mix != y;  // a mix onto y itself merges its weight into y's
+  const A W_y = two ? w_y : w_y + w_m, W_m = two ? w_m : A(0);
+
+  const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
+  const bool in_aligned = aligned16(z_row);
+  const bool out_aligned = grad_row != nullptr && aligned16(grad_row);
+  const A z_y = static_cast<A>(z_row[y]);
+  const A z_m = static_cast<A>(z_row[mix]);
+  const A top = z_y > z_m ? z_y : z_m;
+
+  SoftStats<A> s{empty_stats<A>(), A(0), 0};
+  A z[kPT];
+  for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
+    T::load(z_row, in_aligned, base, lane, C, z);
+    accumulate_soft(z, [&](int e) { return T::column(base, lane, e); }, C, y, mix, z_y, top, q, brier && square,
+                    c != A(0), s);
+  });
+  if constexpr (kGroup == 32) __syncwarp();  // every read of the row (z_y, z_m included) before any write
+  s = soft_allreduce<kGroup>(s, q, brier && square, top);
+
+  // The row's max M over every column (= R); the other columns' sums moved to it.
+  const A m_o = s.base.m;
+  const A M = reference_point(m_o, top);
+  A d_o = s.base.d, sq_o = s.base.sq;
+  if (m_o == neg_inf<A>()) {
+    d_o = A(0);
+    sq_o = A(0);
+  } else if (m_o != M) {
+    const A f = exp_(m_o - M);
+    d_o *= f;
+    sq_o *= f * f;
+  }
+  const A e_y = exp_(z_y - M), e_m = two ? exp_(z_m - M) : A(0);
+  const A d = d_o + e_m + e_y;
+  const A log_d = log_(d);
+  // 1 - p of y and m as sums over the other classes, never a difference
+  const A rest_y = d_o + e_m, rest_m = d_o + e_y;
+  const A p_y = e_y / d, p_m = e_m / d;
+  const A omp_y = rest_y / d, omp_m = rest_m / d;
+  const A spread = c * static_cast<A>(C - 1);  // Σ_k c (1 - p_k), and 1 - t_k without y's or m's own weight
+  const A t_y = c + W_y, t_m = c + W_m;
+  // p - t of y and m, as (1 - t) - (1 - p) where p > 1/2 (where p - t would cancel)
+  const A d_y = p_y > A(0.5) ? (spread + W_m) - omp_y : p_y - t_y;
+  const A d_m = p_m > A(0.5) ? (spread + W_y) - omp_m : p_m - t_m;
+
+  // CE = W_y (-log p_y) + W_m (-log p_m) + c Σ_k (lse - z_k), Σ_k (lse - z_k) = C log d - Σ_k (z_k - M) (+inf with a
+  // -inf logit); a term of weight 0 takes no part (a -inf logit there would make it 0 · inf)
+  A ce = A(0);
+  if (W_y != A(0)) ce += W_y * class_ce(p_y, e_y, rest_y, M, z_y, log_d);
+  if (W_m != A(0)) ce += W_m * class_ce(p_m, e_m, rest_m, M, z_m, log_d);
+  if (c != A(0)) {
+    ce += c * (s.count == C ? static_cast<A>(C) * log_d - s.offsets : std::numeric_limits<A>::infinity());
+  }
+
+  A S = A(0), H = A(0);
+  if (brier) {
+    if (square) {
+      // Σ_{k∉{y,m}} (p_k - c)² = R2 - 2c R1 + n c² and Σ_{k∉{y,m}} p_k (p_k - c) = R2 - c R1 (τ = Σ_j p_j (p_j - t_j))
+      const A r1 = d_o / d, r2 = sq_o / (d * d);
+      const A n = static_cast<A>(C - 1 - (two ? 1 : 0));
+      S = (r2 - A(2) * c * r1) + n * c * c;
+      S = S > A(0) ? S : A(0);
+      H = r2 - c * r1;
+    } else {
+      Sums<A, 2> b{};
+      for_each_tile<kResident, kTileCols>(C, true, [&](int64_t base) {
+        if constexpr (!kResident) T::load(z_row, in_aligned, base, lane, C, z);
+#pragma unroll
+        for (int e = 0; e < kPT; ++e) {
+          const int64_t col = T::column(base, lane, e);
+          if (col >= C || col == y || col == mix) continue;
+          const A p = exp_((z[e] - M) - log_d);
+          add_brier_terms(p, p - c, q, false, b.v[0], b.v[1]);
+        }
+      });
+      b = group_sum<kGroup>(b);
+      S = b.v[0];
+      H = b.v[1];
+    }
+    add_brier_terms(p_y, d_y, q, square, S, H);
+    if (two) add_brier_terms(p_m, d_m, q, square, S, H);
+  }
+
+  const A omP = (W_y * omp_y + W_m * omp_m) + spread;
+  const A P_row = (W_y * p_y + W_m * p_m) + c;
+  const SoftCoefficients<A> cf = soft_row_coefficients(
+      P, row, lane, SoftRowQuantities<A>{omP, P_row, ce, A(0), q, A(1), S, H},
+      [&] { return soft_flsd_band_probability(z_y, z_m, M + log_d, w_y, w_m, c); });
+  if (grad_row == nullptr) return;
+
+  const A scale = gradient_scale(P);
+  const A g_y = soft_gradient_element(cf, p_y, t_y, d_y, q) * scale;
+  const A g_m = soft_gradient_element(cf, p_m, t_m, d_m, q) * scale;
+  const UniformColumnCoefficients<A> uc = soft_uniform_columns(cf, c);
+  for_each_tile<kResident, kTileCols>(C, !general, [&](int64_t base) {
+    if constexpr (!kResident) T::template load<true>(z_row, in_aligned, base, lane, C, z);
+#pragma unroll
+    for (int e = 0; e < kPT; ++e) {
+      const A p = exp_((z[e] - M) - log_d);
+      const A g = general ? soft_gradient_element(cf, p, c, p - c, q)
+                          : p * (uc.alpha + uc.beta * (p - uc.tau)) + uc.delta;
+      z[e] = g * scale;
+    }
+    T::store(grad_row, out_aligned, base, lane, C, z);
+    // y's and m's own values over the ones just stored, by the thread that stored them (so in program order): a
+    // per-element choice in the loop above kept every column's comparison live and doubled the registers
+    T::overwrite(grad_row, base, lane, y, g_y);
+    if (two) T::overwrite(grad_row, base, lane, mix, g_m);
+  });
+}
+
+// A dense row. Pass 1: max and d over every column (the hard path's accumulate, no column left out). Pass 2, with
+// the row's max M and log d known: the target's sums (CE, P, 1 - P, gBS's S and τ or H). The row's only column that
+// can have p > 1/2 is its unique max (d < 2: a second column at the max would add e^0 = 1 to d): there 1 - p is taken
+// as Σ_{k≠max} p_k, summed in pass 2, and that column's terms are added after it.
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, typename A>
+__device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t row, int lane, scalar_t* grad_row) {
+  using T = Tile<scalar_t, A, kGroup, kPT>;
+  using TT = TargetTile<scalar_t, target_t, A, kGroup, kPT>;
+  constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
+  enum { kTargetSum, kGap, kOneMinusP, kP, kRest, kS, kH, kTargetAtMax, kNumSums };
+  const Params<A>& P = SP.hard;
+  const int64_t C = P.num_classes;
+  const A q = P.norm;
+  const bool brier = P.weight == static_cast<int>(Weight::Brier);
+  const bool square = q == A(2);
+  const A keep = A(1) - SP.smoothing, add = SP.smoothing / static_cast<A>(C);
+
+  const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
+  const target_t* t_row = static_cast<const target_t*>(SP.dense_target) + row * SP.dense_row_stride;
+  const bool in_aligned = aligned16(z_row), t_aligned = aligned16(t_row);
+  const bool out_aligned = grad_row != nullptr && aligned16(grad_row);
+
+  Stats<A> s = empty_stats<A>();
+  A z[kPT], t[kPT];
+  for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
+    T::load(z_row, in_aligned, base, lane, C, z);
+    if constexpr (kResident) TT::load(t_row, t_aligned, base, lane, C, keep, add, t);
+    accumulate(z, [&](int e) { return T::column(base, lane, e); }, C, int64_t(-1), A(0), q, false, false, s);
+  });
+  if constexpr (kGroup == 32) __syncwarp();
+  s = group_allreduce<kGroup>(s, q, false, false);
+  const A M = s.m, d = s.d;
+  const A log_d = log_(d);
+  const bool unique_max = d < A(2);
+
+  // Σt, Σ t (M - z) (CE = Σ t (M - z) + Σt log d, non-negative terms; t = 0 takes no part, also at z = -inf), then
+  // over the columns other than a unique max: Σ t (1 - p), Σ p (= 1 - p_max), S, τ or H; and P = Σ t p, t_max.
+  Sums<A, kNumSums> r{};
+  for_each_tile<kResident, kTileCols>(C, true, [&](int64_t base) {
+    if constexpr (!kResident) {
+      T::load(z_row, in_aligned, base, lane, C, z);
+      TT::load(t_row, t_aligned, base, lane, C, keep, add, t);
+    }
+#pragma unroll
+    for (int e = 0; e < kPT; ++e) {
+      const A p = exp_((z[e] - M) - log_d);  // 0 on the padding, where t = 0
+      r.v[kTargetSum] += t[e];
+      r.v[kP] += t[e] * p;
+      if (t[e] > A(0)) r.v[kGap] += t[e] * (M - z[e]);
+      if (unique_max && z[e] == M) {
+        r.v[kTargetAtMax] += t[e];
+        continue;
+      }
+      r.v[kRest] += p;
+      r.v[kOneMinusP] += t[e] * (A(1) - p);
+      if (brier) add_brier_terms(p, p - t[e], q, square, r.v[kS], r.v[kH]);
+    }
+  });
+  r = group_sum<kGroup>(r);
+  const A rest = r.v[kRest];                    // 1 - p_max of a unique max
+  const A t_max = r.v[kTargetAtMax];
+  const A d_max = (A(1) - t_max) - rest;        // its p - t
+  A omP = r.v[kOneMinusP], S = r.v[kS], H = r.v[kH];
+  if (unique_max) {
+    omP += t_max * rest;
+    if (brier) add_brier_terms(exp_(-log_d), d_max, q, square, S, H);  // p_max as the gradient pass computes it
+  }
+  const A ce = r.v[kGap] + r.v[kTargetSum] * log_d;
+  const SoftCoefficients<A> cf = soft_row_coefficients(
+      P, row, lane, SoftRowQuantities<A>{omP, r.v[kP], ce, A(0), q, A(1), S, H},
+      [&] { return static_cast<float>(r.v[kP]); });
+  if (grad_row == nullptr) return;
+
+  const A scale = gradient_scale(P);
+  // CE's gradient is Σt p - t: a row's sum may be off 1 by its rounding (u (Σt - 1) p beside the header's u (p - t))
+  const A excess = cf.u * (r.v[kTargetSum] - A(1));
+  for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
+    if constexpr (!kResident) {
+      T::template load<true>(z_row, in_aligned, base, lane, C, z);
+      TT::template load<true>(t_row, t_aligned, base, lane, C, keep, add, t);
+    }
+#pragma unroll
+    for (int e = 0; e < kPT; ++e) {
+      const A p = exp_((z[e] - M) - log_d);
+      const A delta = (unique_max && z[e] == M) ? d_max : p - t[e];
+      z[e] = (soft_gradient_element(cf, p, t[e], delta, q) + excess * p) * scale;
+    }
+    T::store(grad_row, out_aligned, base, lane, C, z);
+  });
+}
+
+// The soft-target kernel: target_t is int64_t for the compact form (class indices, `SoftParams::hard.target`), else
+// the element type of the dense target. Launch shape as for the hard kernel.
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
+__global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
+    soft_target_kernel(const SoftParams<Acc<scalar_t>> SP) {
+  using A = Acc<scalar_t>;
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
-  constexpr int kThreads = kGroup * kRowsPerBlock;
-  const int64_t blocks = (P.num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
-  uncertainty_weighted_ce_kernel<scalar_t, kGroup, kPT, kResident>
-      <<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(P);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const Params<A>& P = SP.hard;
+  const int lane = kGroup == 32 ? (threadIdx.x & 31) : threadIdx.x;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (kGroup == 32 ? (threadIdx.x >> 5) : 0);
+  if (row >= P.num_rows) return;  // uniform over the row's group
+  scalar_t* grad_row =
+      P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
+  if constexpr (std::is_same<target_t, int64_t>::value) {
+    const int64_t C = P.num_classes;
+    const int64_t y = P.target[row];
+    if (y == P.ignore_index) {  // whatever its mix_target
+      fill_row<kGroup>(P, row, lane, grad_row, A(0));
+      return;
+    }
+    const int64_t mix = SP.mix_target != nullptr ? SP.mix_target[row] : y;
+    if (y < 0 || y >= C || mix < 0 || mix >= C) {  // never used as an index
+      fill_row<kGroup>(P, row, lane, grad_row, std::numeric_limits<A>::quiet_NaN());
+      return;
+    }
+    compact_soft_row<scalar_t, kGroup, kPT, kResident>(SP, row, lane, y, mix, grad_row);
+  } else {
+    dense_soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP, row, lane, grad_row);
+  }
 }
 
 // Largest C of each path (float32/float16/bfloat16); float64 has only the warp and streaming paths.
@@ -432,19 +917,67 @@ constexpr int64_t kWarpSmallMaxC = 32 * 8;
 constexpr int64_t kWarpMaxC = 32 * 32;
 constexpr int64_t kBlock256MaxC = 256 * 16;
 
+template <int kGroup_, int kPT_, bool kResident_>
+struct Shape {
+  static constexpr int kGroup = kGroup_;
+  static constexpr int kPT = kPT_;
+  static constexpr bool kResident = kResident_;
+};
+
+// Calls launch(Shape<kGroup, kPT, kResident>{}) with the launch shape of rows of C classes.
+template <typename scalar_t, typename Launch>
+void with_shape(int64_t C, Launch launch) {
+  if (C <= kWarpSmallMaxC) {
+    launch(Shape<32, 8, true>{});
+  } else if (C <= kWarpMaxC) {
+    launch(Shape<32, 32, true>{});
+  } else if constexpr (std::is_same<scalar_t, double>::value) {
+    launch(Shape<512, 8, false>{});  // 1024 threads would cap double at 64 registers and spill
+  } else if (C <= kBlock256MaxC) {
+    launch(Shape<256, 16, true>{});
+  } else {
+    launch(Shape<256, 16, false>{});
+  }
+}
+
+// Launches `kernel` (kGroup threads per row) over num_rows rows on the current stream.
+template <int kGroup, typename KernelParams>
+void launch_rows(void (*kernel)(KernelParams), int64_t num_rows, const KernelParams& params) {
+  constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
+  constexpr int kThreads = kGroup * kRowsPerBlock;
+  const int64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename scalar_t, typename A>
 void launch(const Params<A>& P) {
-  const int64_t C = P.num_classes;
-  if (C <= kWarpSmallMaxC) {
-    launch_config<scalar_t, 32, 8, true>(P);
-  } else if (C <= kWarpMaxC) {
-    launch_config<scalar_t, 32, 32, true>(P);
-  } else if constexpr (std::is_same<scalar_t, double>::value) {
-    launch_config<scalar_t, 512, 8, false>(P);  // 1024 threads would cap double at 64 registers and spill
-  } else if (C <= kBlock256MaxC) {
-    launch_config<scalar_t, 256, 16, true>(P);
+  with_shape<scalar_t>(P.num_classes, [&](auto shape) {
+    using S = decltype(shape);
+    launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P);
+  });
+}
+
+// target_t: int64_t (class indices) or a dense target's element type, float32 or the logits' (dense_target_for).
+template <typename scalar_t, typename target_t, typename A>
+void launch_soft(const SoftParams<A>& SP) {
+  with_shape<scalar_t>(SP.hard.num_classes, [&](auto shape) {
+    using S = decltype(shape);
+    launch_rows<S::kGroup>(soft_target_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>,
+                           SP.hard.num_rows, SP);
+  });
+}
+
+// A dense target in `target_dtype`: the logits' dtype, or float32 with 16-bit logits (dense_target_for).
+template <typename scalar_t, typename A>
+void launch_dense(const SoftParams<A>& SP, at::ScalarType target_dtype) {
+  if constexpr (std::is_same<scalar_t, float>::value || std::is_same<scalar_t, double>::value) {
+    launch_soft<scalar_t, scalar_t>(SP);
+  } else if (target_dtype == at::kFloat) {
+    launch_soft<scalar_t, float>(SP);
   } else {
-    launch_config<scalar_t, 256, 16, false>(P);
+    launch_soft<scalar_t, scalar_t>(SP);
   }
 }
 
@@ -454,6 +987,8 @@ void launch(const Params<A>& P) {
 struct Args {
   int64_t weight, mode, reduction, ignore_index;
   double gamma, norm;
+  bool soft = false;             // check_soft_arguments: the soft-target kernel
+  double label_smoothing = 0.0;
 };
 
 Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
@@ -466,22 +1001,43 @@ Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::o
   return {weight, mode, reduction, ignore_index, gamma, norm};
 }
 
+// A dense target as the soft kernel reads it: float32 or the logits' dtype as given, any other floating dtype
+// converted to the accumulation dtype; columns contiguous, any row stride.
+at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
+  const auto dtype = target.scalar_type();
+  const bool native = dtype == z.scalar_type() || (dtype == at::kFloat && z.scalar_type() != at::kDouble);
+  const at::Tensor t = native ? target : target.to(z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+  return (t.stride(1) == 1 || t.size(1) == 1) ? t : t.contiguous();
+}
+
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
 // `grad_stride`, may alias z) when non-null. Returns the loss: float32 (float64 for float64 logits), 0-dim for
-// mean/sum, (N,) for none; the reductions are device ops (no host synchronisation).
+// mean/sum, (N,) for none; the reductions are device ops (no host synchronisation). With args.soft the soft-target
+// kernel runs (a dense target: every row counts for the mean).
 at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
                const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
+               const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda,
                const Args& args) {
   const int64_t n = z.size(0);
   const auto acc_dtype = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor row_loss = at::empty({n}, z.options().dtype(acc_dtype));
-  const at::Tensor t = target.contiguous();
+  const bool dense = target.is_floating_point();
+  const at::Tensor t = dense ? dense_target_for(z, target) : target.contiguous();
   // The mean's divisor, counted on the device and read by the kernel (scale of the gradient) and by the division below.
   at::Tensor valid_count;
-  if (args.reduction == static_cast<int64_t>(Reduction::Mean)) valid_count = t.ne(args.ignore_index).sum();
-  at::Tensor weights, gammas;
+  if (args.reduction == static_cast<int64_t>(Reduction::Mean)) {
+    valid_count = dense ? at::full({}, n, t.options().dtype(at::kLong)) : t.ne(args.ignore_index).sum();
+  }
+  // a soft row's count of finite logits is an int
+  TORCH_CHECK(!args.soft || z.size(1) <= std::numeric_limits<int32_t>::max(),
+              "calibkernels::uncertainty_weighted_ce (CUDA): soft targets take at most 2^31 - 1 classes");
+  at::Tensor weights, gammas, mixes, lambdas;
   if (sample_weight.has_value()) weights = sample_weight->detach().to(acc_dtype).contiguous();
   if (gamma_per_sample.has_value()) gammas = gamma_per_sample->detach().to(acc_dtype).contiguous();
+  if (mix_target.has_value()) {
+    mixes = mix_target->contiguous();
+    lambdas = mix_lambda->detach().to(acc_dtype);  // () or (N,), read at i * stride
+  }
 
   if (n > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cuda", [&] {
@@ -491,7 +1047,7 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
       P.logits_row_stride = z.stride(0);
       P.grad = grad_ptr;
       P.grad_row_stride = grad_stride;
-      P.target = t.const_data_ptr<int64_t>();
+      P.target = dense ? nullptr : t.const_data_ptr<int64_t>();
       P.sample_weight = weights.defined() ? weights.const_data_ptr<A>() : nullptr;
       P.gamma_per_sample = gammas.defined() ? gammas.const_data_ptr<A>() : nullptr;
       P.valid_count = valid_count.defined() ? valid_count.const_data_ptr<int64_t>() : nullptr;
@@ -504,7 +1060,23 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
       P.weight = static_cast<int>(args.weight);
       P.mode = static_cast<int>(args.mode);
       P.reduction = static_cast<int>(args.reduction);
-      launch<scalar_t>(P);
+      if (!args.soft) {
+        launch<scalar_t>(P);
+        return;
+      }
+      SoftParams<A> S;
+      S.hard = P;
+      S.mix_target = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
+      S.mix_lambda = lambdas.defined() ? lambdas.const_data_ptr<A>() : nullptr;
+      S.lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
+      S.dense_target = dense ? t.const_data_ptr() : nullptr;
+      S.dense_row_stride = dense ? t.stride(0) : 0;
+      S.smoothing = static_cast<A>(args.label_smoothing);
+      if (dense) {
+        launch_dense<scalar_t>(S, t.scalar_type());
+      } else {
+        launch_soft<scalar_t, int64_t>(S);
+      }
     });
   }
   if (args.reduction == static_cast<int64_t>(Reduction::None)) return row_loss;
@@ -516,10 +1088,13 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
 std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out) {
-  const Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                               ignore_index, reduction);
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
+    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
+  Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                         reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
+  args.soft = check_soft_arguments(op, logits, target, mix_target, mix_lambda, label_smoothing, weight);
+  args.label_smoothing = label_smoothing;
   if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
   const c10::cuda::CUDAGuard guard(logits.device());
   // Rows may be strided; columns must be contiguous for the vector loads.
@@ -529,7 +1104,7 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
   const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out,
                                                [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
   const at::Tensor loss = run(z, compute_grad ? dest.data_ptr() : nullptr, compute_grad ? dest.stride(0) : 0, target,
-                              sample_weight, gamma_per_sample, args);
+                              sample_weight, gamma_per_sample, mix_target, mix_lambda, args);
   return finish_gradient(loss, dest, compute_grad, grad_out);
 }
 
