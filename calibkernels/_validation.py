@@ -306,7 +306,7 @@ class LossInputs:
     reduction: str
     ignore_index: int
     batch_shape: tuple  # leading shape of the input, to reshape reduction="none" results
-    # Soft targets (docs/losses.md, "Soft targets"); only the reference runs them. `target` is then (N,) int64
+    # Soft targets (docs/losses.md, "Soft targets"). `target` is then (N,) int64
     # indices (with `mix_target`/`mix_lambda` and/or `label_smoothing`) or, with `dense`, (N, C) probabilities.
     label_smoothing: float = 0.0
     mix_target: torch.Tensor | None = None  # (N,) int64
@@ -334,12 +334,14 @@ def check_loss_inputs(
     label_smoothing=0.0,
     mix_target=None,
     mix_lambda=None,
+    kernel_checks_mix: bool = False,
 ) -> LossInputs:
     """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
 
     ``check_values=False`` skips the checks that read tensor values (a device synchronisation on GPU), for backends
     whose kernels check the targets on the device. Soft-target values (a dense target, ``mix_target``,
-    ``mix_lambda``) are always checked on the host: only the reference runs them.
+    ``mix_lambda``) are checked on the host, unless ``kernel_checks_mix`` (the C++ CPU kernel checks the mix's
+    values itself, with the same errors).
 
     A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
     ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
@@ -377,7 +379,7 @@ def check_loss_inputs(
     mix1d = lam = None
     if mix_target is not None:
         mix1d, lam = check_mix(mix_target, mix_lambda, target1d, target.shape, logits.shape[-1], ignore_index,
-                               logits.device)
+                               logits.device, check_values=not kernel_checks_mix)
         if not isinstance(lam, torch.Tensor) and lam == 1.0:
             mix1d = lam = None
         elif not isinstance(lam, torch.Tensor) and lam == 0.0:

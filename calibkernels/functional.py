@@ -58,11 +58,12 @@ def uncertainty_weighted_ce(
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
     if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and not inplace
-            and mix_target is None and mix_lambda is None and type(label_smoothing) is float and label_smoothing == 0.0
             and logits.dim() == 2 and logits.device.type == "cpu" and not torch.compiler.is_compiling()):
-        loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend)
-        if loss is not None:
-            return loss
+        soft = _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda)
+        if soft is not None:
+            loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft)
+            if loss is not None:
+                return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     if V.soft_target_request(target, label_smoothing, mix_target, mix_lambda):
         gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
@@ -74,18 +75,39 @@ def uncertainty_weighted_ce(
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
-        mix_target=mix_target, mix_lambda=mix_lambda,
+        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu",
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     return _backends.run(name, inputs, inplace)
 
 
-def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend):
+def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda):
+    """The soft-target arguments of :func:`_fast_cpu_call` (``()`` for hard targets), or ``None`` when they need the
+    general path: a dense target, dual focal, a λ of exactly 0 or 1, anything its checks would reject."""
+    if mix_target is None and mix_lambda is None:
+        if type(label_smoothing) is float and label_smoothing == 0.0:
+            return ()
+    elif not (type(mix_target) is torch.Tensor and mix_target.dtype == torch.int64
+              and mix_target.shape == target.shape and mix_target.device.type == "cpu"):
+        return None
+    elif type(mix_lambda) is float:
+        if not 0.0 < mix_lambda < 1.0:
+            return None
+    elif not (type(mix_lambda) is torch.Tensor and mix_lambda.is_floating_point() and mix_lambda.device.type == "cpu"
+              and (mix_lambda.dim() == 0 or mix_lambda.shape == target.shape)):
+        return None
+    if type(label_smoothing) not in (float, int) or not 0 <= label_smoothing <= 1 or weight == "dual_focal":
+        return None
+    return mix_target, mix_lambda, float(label_smoothing)
+
+
+def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=()):
     """The common eager call on CPU tensors, straight into the compiled op and its C++ autograd: the per-call host
     time of the general path (argument normalisation, the host-side target check) is as large as the whole step of
     ``F.cross_entropy`` at small shapes. ``None`` when any argument needs the general path, which also makes every
-    error message. The kernel checks the target values itself (the same ValueError as the general path)."""
+    error message. The kernel checks the target values itself (the same ValueError as the general path), and those
+    of a mix (``soft``: class-index soft targets, see :func:`_fast_soft_arguments`)."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
     reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
@@ -93,9 +115,11 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
             or not 0 < norm < _INF or type(ignore_index) is not int or backend not in ("auto", "cpu")
             or target.dtype != torch.int64 or target.shape != logits.shape[:1] or logits.shape[0] == 0
-            or not logits.is_floating_point() or not _cpu_kernel_available()):
+            or not logits.is_floating_point() or not _cpu_kernel_available()
+            or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):
         return None
-    return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index, reduction_code)
+    return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index, reduction_code,
+                   *soft)
 
 
 _INF = float("inf")

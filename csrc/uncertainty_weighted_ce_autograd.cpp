@@ -205,31 +205,50 @@ std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
 
 }  // namespace
 
-// calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction): the loss of the
-// common eager call (no sample weight, no per-sample gamma, out of place) in the logits' dtype, through the op and
-// its autograd above. A plain function rather than torch.ops: the boxed call of a twelve-argument op from Python
-// costs microseconds that a small training step notices.
+// calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target,
+// mix_lambda, label_smoothing]): the loss of the common eager call (no sample weight, no per-sample gamma, out of
+// place; class-index targets, optionally mixed and smoothed) in the logits' dtype, through the op and its autograd
+// above. A plain function rather than torch.ops: the boxed call of a fifteen-argument op from Python costs
+// microseconds that a small training step notices. mix_target is None or a tensor; mix_lambda None, a tensor or a
+// number (a 0-dim tensor is made for it here).
 PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* logits_obj = nullptr;
   PyObject* target_obj = nullptr;
+  PyObject* mix_obj = Py_None;
+  PyObject* lambda_obj = Py_None;
   long long weight = 0, mode = 0, ignore_index = 0, reduction = 0;
-  double gamma = 0, norm = 0;
-  if (!PyArg_ParseTuple(args, "OOLLddLL", &logits_obj, &target_obj, &weight, &mode, &gamma, &norm, &ignore_index,
-                        &reduction)) {
+  double gamma = 0, norm = 0, label_smoothing = 0;
+  if (!PyArg_ParseTuple(args, "OOLLddLL|OOd", &logits_obj, &target_obj, &weight, &mode, &gamma, &norm, &ignore_index,
+                        &reduction, &mix_obj, &lambda_obj, &label_smoothing)) {
     return nullptr;
   }
   TORCH_CHECK_TYPE(THPVariable_Check(logits_obj) && THPVariable_Check(target_obj),
                    "eager_loss: logits and target must be tensors");
   const Tensor& logits = THPVariable_Unpack(logits_obj);
   const Tensor& target = THPVariable_Unpack(target_obj);
+  std::optional<Tensor> mix_target, mix_lambda;
+  if (mix_obj != Py_None) {
+    TORCH_CHECK_TYPE(THPVariable_Check(mix_obj), "eager_loss: mix_target must be a tensor or None");
+    mix_target = THPVariable_Unpack(mix_obj);
+  }
+  if (lambda_obj != Py_None) {
+    if (THPVariable_Check(lambda_obj)) {
+      mix_lambda = THPVariable_Unpack(lambda_obj);
+    } else {
+      const double lam = PyFloat_AsDouble(lambda_obj);
+      if (lam == -1.0 && PyErr_Occurred()) return nullptr;
+      mix_lambda = at::scalar_tensor(lam, logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble
+                                                                                                      : at::kFloat));
+    }
+  }
   const bool compute_grad = at::GradMode::is_enabled() && logits.requires_grad();
   Tensor loss;
   {
     const pybind11::gil_scoped_release no_gil;
     loss = std::get<0>(fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm,
-                                       ignore_index, reduction, compute_grad, std::nullopt, std::nullopt,
-                                       std::nullopt, 0.0));
+                                       ignore_index, reduction, compute_grad, std::nullopt, mix_target, mix_lambda,
+                                       label_smoothing));
     if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
   return THPVariable_Wrap(std::move(loss));

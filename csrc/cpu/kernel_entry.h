@@ -17,7 +17,8 @@ struct SoftTargetArgs {
   bool active = false;
   const at::Tensor* dense = nullptr;  // (N, C) probabilities, contiguous, in the accumulation dtype
   const int64_t* mix = nullptr;       // (N,) partner classes
-  const double* lambda = nullptr;     // λ of row i at lambda[i * lambda_stride]
+  const float* lambda_float = nullptr;    // λ of row i at lambda_*[i * lambda_stride], float32 or float64
+  const double* lambda_double = nullptr;
   int64_t lambda_stride = 0;
   double smoothing = 0;               // a
 };

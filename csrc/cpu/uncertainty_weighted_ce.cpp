@@ -78,7 +78,9 @@ int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ign
                       " classes (valid: 0..", num_classes - 1, ", or ignore_index=", ignore_index, ")");
     if (m != nullptr) {
       TORCH_CHECK_VALUE(m[i] >= 0 && m[i] < num_classes, "mix_target value ", m[i], " is out of range for ",
-                        num_classes, " classes (valid: 0..", num_classes - 1, ")");
+                        num_classes, " classes (valid: 0..", num_classes - 1,
+                        " on every row whose target is not ignore_index)",
+                        m[i] == ignore_index ? " (it is ignore_index, but the row's target is not ignored)" : "");
     }
     ++valid;
   }
@@ -117,11 +119,26 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
   }
   if (mix_target.has_value()) {
     held.mix = mix_target->contiguous();
-    held.lambda = mix_lambda->detach().to(at::kDouble).contiguous();
-    TORCH_CHECK_VALUE(held.lambda.ge(0).logical_and(held.lambda.le(1)).all().item<bool>(),
-                      "mix_lambda must be in [0, 1] everywhere (NaN is refused)");
+    // read in place when float32/float64 (a plain loop checks the range: a few ATen ops on N values would cost as
+    // much as a few percent of the whole op at classification shapes)
+    const auto dtype = mix_lambda->scalar_type();
+    held.lambda = (dtype == at::kFloat || dtype == at::kDouble ? mix_lambda->detach() : mix_lambda->detach().to(at::kFloat))
+                      .contiguous();
+    const int64_t count = held.lambda.numel();
+    auto check_range = [&](const auto* lam) {
+      for (int64_t i = 0; i < count; ++i) {
+        TORCH_CHECK_VALUE(lam[i] >= 0 && lam[i] <= 1, "mix_lambda must be in [0, 1] everywhere (NaN is refused), got ",
+                          lam[i]);
+      }
+    };
+    if (held.lambda.scalar_type() == at::kDouble) {
+      args.soft.lambda_double = held.lambda.const_data_ptr<double>();
+      check_range(args.soft.lambda_double);
+    } else {
+      args.soft.lambda_float = held.lambda.const_data_ptr<float>();
+      check_range(args.soft.lambda_float);
+    }
     args.soft.mix = held.mix.const_data_ptr<int64_t>();
-    args.soft.lambda = held.lambda.const_data_ptr<double>();
     args.soft.lambda_stride = held.lambda.dim() == 0 ? 0 : 1;
   }
   return held;

@@ -563,7 +563,10 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
           if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
           continue;
         }
-        const acc_t lam = st.lambda != nullptr ? static_cast<acc_t>(st.lambda[i * st.lambda_stride]) : acc_t(1);
+        const int64_t at_row = i * st.lambda_stride;
+        const acc_t lam = st.lambda_float != nullptr    ? static_cast<acc_t>(st.lambda_float[at_row])
+                          : st.lambda_double != nullptr ? static_cast<acc_t>(st.lambda_double[at_row])
+                                                        : acc_t(1);
         tg.y = y;
         tg.m = st.mix != nullptr ? st.mix[i] : y;
         tg.w_y = keep * lam;
