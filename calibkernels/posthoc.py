@@ -499,6 +499,10 @@ def _pool_adjacent_violators(values: torch.Tensor, start: torch.Tensor) -> torch
     raise RuntimeError("pool-adjacent-violators did not converge")  # unreachable: each round removes a block
 
 
+# numpy.finfo(dtype).resolution, scikit-learn's tie tolerance for isotonic regression
+_TIE_RESOLUTION = {torch.float64: 1e-15, torch.float32: 1e-6}
+
+
 class IsotonicCalibration(PosthocCalibrator):
     """Isotonic-regression calibration (Zadrozny & Elkan, "Transforming classifier scores into accurate multiclass
     probability estimates", KDD 2002), one-vs-rest and renormalised.
@@ -520,8 +524,10 @@ class IsotonicCalibration(PosthocCalibrator):
     def _fit(self, z, y):
         probabilities, targets = _one_vs_rest(z, y)
         thresholds, order = probabilities.sort(dim=1, stable=True)
+        # ties: values closer than the dtype's resolution (1e-15 in float64) are one point, as scikit-learn's
+        # IsotonicRegression pools them (its _make_unique); e.g. probabilities 1 - 1e-16 and 1 from different rows
         start = torch.ones_like(thresholds, dtype=torch.bool)
-        start[:, 1:] = thresholds[:, 1:] != thresholds[:, :-1]
+        start[:, 1:] = (thresholds[:, 1:] - thresholds[:, :-1]) >= _TIE_RESOLUTION[thresholds.dtype]
         self.fitted_values = _pool_adjacent_violators(targets.gather(1, order), start)
         self.thresholds = thresholds
 
