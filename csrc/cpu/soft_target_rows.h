@@ -232,7 +232,17 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   const SoftCoefficients<T> coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
   if (grad != nullptr) {
     const UniformColumnCoefficients<T> uc = soft_uniform_columns(coefs, tg.c);
-    const T g_y = scale * soft_gradient_element(coefs, cr.p_y, cr.t_y, cr.d_y, spec.q);
+    // column y without cancellation when p_y → 1: t_y - P = w_y (1 - p_y) ∓ w_m p_m, and (p_y - t_y) - τ =
+    // p_y (1 - p_y) - Σ_{k≠y} p_k² - (t_y - P) (τ = Σ p² - P), where the generic form subtracts numbers near 1 and
+    // the loss mode multiplies the difference by β = CE γ S^{γ/2-1}
+    const T t_minus_P = tg.w_y * cr.one_minus_p_y + (mixed ? -tg.w_m * cr.p_m : tg.w_m * cr.one_minus_p_y);
+    T g_y = coefs.u * cr.d_y - coefs.focal * cr.p_y * t_minus_P;
+    if constexpr (kSquare) {
+      const T inv = T(1) / cr.denom;
+      const T others_sq = sum_sq_others * inv * inv;
+      g_y += coefs.beta * cr.p_y * (cr.p_y * cr.one_minus_p_y - others_sq - t_minus_P);
+    }
+    g_y *= scale;
     const T g_m = mixed ? scale * soft_gradient_element(coefs, cr.p_m, cr.t_m, cr.d_m, spec.q) : g_y;
     bool streamed = false;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
