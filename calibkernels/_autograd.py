@@ -209,7 +209,7 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
         loss, _, flag = module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, False,
-                                       None, *_soft_arguments(*soft))
+                                       None, *soft)
     if flag is not None:
         _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
     if inputs.reduction == "none" and loss.shape != inputs.batch_shape:

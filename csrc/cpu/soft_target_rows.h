@@ -101,53 +101,6 @@ CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref
   return r;
 }
 
-// Σ_k exp(z_k - ref) over [lo, hi), storing the exponentials in `out`, and Σ (z_k - ref) when kShift.
-template <typename T, bool kShift>
-void exp_sums(const T* z, T* out, int64_t lo, int64_t hi, T ref, T& sum, T& shift_sum) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec ref_vec(ref);
-  Vec total(T(0)), shifts(T(0));
-  for (int64_t k = lo; k < hi; k += W) {
-    const int64_t count = std::min<int64_t>(W, hi - k);
-    const Vec x = load_masked(z + k, count, ref);  // padding lanes: exp(0) = 1, masked below
-    const Vec shifted = x - ref_vec;
-    const Vec e = Vec::set(Vec(T(0)), exp_nonpositive(shifted), count);
-    e.store(out + k, count);
-    total = total + e;
-    if constexpr (kShift) shifts = shifts + shifted;  // padding lanes add 0
-  }
-  sum += horizontal_sum(total);
-  if constexpr (kShift) shift_sum += horizontal_sum(shifts);
-}
-
-// g_k over [lo, hi) from the stored exponentials for the columns whose target is the constant `uc` describes:
-// g_k = scale (p_k (α + β (p_k - τ)) + δ).
-template <typename T>
-void uniform_gradient(const T* e, T* out, int64_t lo, int64_t hi, T inv_denom, const UniformColumnCoefficients<T>& uc,
-                      T scale) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec inv(inv_denom), alpha(scale * uc.alpha), beta(scale * uc.beta), tau(uc.tau), delta(scale * uc.delta);
-  for (int64_t k = lo; k < hi; k += W) {
-    const int64_t count = std::min<int64_t>(W, hi - k);
-    const Vec p = Vec::loadu(e + k, count) * inv;
-    const Vec g = at::vec::fmadd(p, at::vec::fmadd(beta, p - tau, alpha), delta);
-    g.store(out + k, count);
-  }
-}
-
-// Σ_k (z_k - ref) over the whole row (CE's label-smoothing term).
-template <typename T>
-T shift_sum_of(const T* z, int64_t C, T ref) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec ref_vec(ref);
-  Vec total(T(0));
-  for (int64_t k = 0; k < C; k += W) total = total + (load_masked(z + k, std::min<int64_t>(W, C - k), ref) - ref_vec);
-  return horizontal_sum(total);
-}
-
 template <typename T>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
                             T external, T scale, T* exps);
@@ -168,25 +121,29 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   T* const e_row = (grad != nullptr && !stream && static_cast<const T*>(grad) != z) ? grad : exps;
   T sum_others = 0, sum_sq_others = 0;  // Σ_{k≠y} e_k and Σ_{k≠y} e_k²
   T shift_sum = 0;                      // Σ_k (z_k - ref), for label smoothing's CE term
-  bool shift_done = false;
-  auto sweep = [&](T ref, int64_t distance) {
+  auto sweep_with = [&](auto shift_tag, T ref, int64_t distance) {
+    constexpr bool kShift = decltype(shift_tag)::value;
     sum_others = 0;
     sum_sq_others = 0;
+    shift_sum = 0;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
     if constexpr (kWide) {
-      shift_sum = 0;
-      shift_done = tg.c > T(0);
-      if (shift_done) {
-        avx512::exp_store_sweep<kSquare, true, true>(z, e_row, C, y, ref, sum_others, sum_sq_others, distance,
+      avx512::exp_store_sweep<kSquare, true, kShift>(z, e_row, C, y, ref, sum_others, sum_sq_others, distance,
                                                      &shift_sum);
-      } else {
-        avx512::exp_store_sweep<kSquare, true>(z, e_row, C, y, ref, sum_others, sum_sq_others, distance);
-      }
     }
 #endif
-    if constexpr (!kWide) {
-      exp_store_sweep<T, kSquare, true>(z, e_row, 0, y, ref, sum_others, sum_sq_others, distance);
-      exp_store_sweep<T, kSquare, true>(z, e_row, y + 1, C, ref, sum_others, sum_sq_others, distance);
+    if constexpr (!kWide) {  // the generic sweeps leave column y out (its shift is z_y - ref)
+      exp_store_sweep<T, kSquare, true, kShift>(z, e_row, 0, y, ref, sum_others, sum_sq_others, distance, &shift_sum);
+      exp_store_sweep<T, kSquare, true, kShift>(z, e_row, y + 1, C, ref, sum_others, sum_sq_others, distance,
+                                                &shift_sum);
+      shift_sum += z_y - ref;
+    }
+  };
+  auto sweep = [&](T ref, int64_t distance) {
+    if (tg.c > T(0)) {
+      sweep_with(std::true_type{}, ref, distance);
+    } else {
+      sweep_with(std::false_type{}, ref, distance);
     }
   };
   T ref = z_y;
@@ -204,7 +161,6 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   const T z_m = z[m];  // read after the sweep, which brought the row into the cache
   const T e_y = target_reference ? T(1) : std::exp(z_y - ref);
   const T e_m = mixed ? e_row[m] : T(0);
-  if (tg.c > T(0) && !shift_done) shift_sum = shift_sum_of(z, C, ref);
   const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others - e_m, shift_sum});
 
   const bool loss_mode = spec.mode == Mode::Loss;
@@ -245,27 +201,27 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     g_y *= scale;
     const T g_m = mixed ? scale * soft_gradient_element(coefs, cr.p_m, cr.t_m, cr.d_m, spec.q) : g_y;
     bool streamed = false;
+    const T inv = T(1) / cr.denom, alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
+    auto rescale = [&](auto square_tag) {
+      constexpr bool kSq = decltype(square_tag)::value;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
-    if constexpr (kWide) {
-      const T inv = T(1) / cr.denom, alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
-      auto rescale = [&](auto square_tag) {
-        constexpr bool kSq = decltype(square_tag)::value;
+      if constexpr (kWide) {
         if (stream) {
           avx512::rescale_stream_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, y, g_y, delta,
                                                   mixed ? m : int64_t(-1), g_m);
         } else {
           avx512::rescale_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
         }
-      };
-      if (beta != T(0)) {
-        rescale(std::true_type{});
-      } else {
-        rescale(std::false_type{});
+        streamed = stream;
       }
-      streamed = stream;
-    }
 #endif
-    if constexpr (!kWide) uniform_gradient(e_row, grad, 0, C, T(1) / cr.denom, uc, scale);
+      if constexpr (!kWide) rescale_sweep<T, kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
+    };
+    if (beta != T(0)) {
+      rescale(std::true_type{});
+    } else {
+      rescale(std::false_type{});
+    }
     if (!streamed) {
       grad[y] = g_y;
       if (mixed) grad[m] = g_m;
@@ -304,7 +260,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   r.gamma = gamma;
   r.q = q;
   r.external = external;
-  T denom = 0, lse = 0;
+  T denom = 0;
   T t_total = 1;  // Σ_k t_k: CE's gradient is Σt p - t, and a dense target's sum may be off 1 by its rounding
   CompactRow<T> cr{};
   if (dense) {
@@ -330,7 +286,6 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     }
     denom = horizontal_sum(sum_e);
     const T log_denom = std::log(denom);
-    lse = ref + log_denom;
     t_total = horizontal_sum(sum_t);
     r.ce = t_total * log_denom - horizontal_sum(sum_tz);
     r.P = horizontal_sum(sum_te) / denom;
@@ -344,23 +299,23 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   } else {
     const T z_y = z[tg.y], z_m = z[tg.m];
     CompactSums<T> s{std::exp(z_y - ref), tg.m != tg.y ? std::exp(z_m - ref) : T(0), T(0), T(0)};
+    T unused_sq = 0;
     for_columns_except(C, tg.y, tg.m, [&](int64_t lo, int64_t hi) {
       if (tg.c > T(0)) {
-        exp_sums<T, true>(z, exps, lo, hi, ref, s.rest, s.shift_sum);
+        exp_store_sweep<T, false, true, true>(z, exps, lo, hi, ref, s.rest, unused_sq, 0, &s.shift_sum);
       } else {
-        exp_sums<T, false>(z, exps, lo, hi, ref, s.rest, s.shift_sum);
+        exp_store_sweep<T, false, true>(z, exps, lo, hi, ref, s.rest, unused_sq, 0);
       }
     });
     s.shift_sum += (z_y - ref) + (tg.m != tg.y ? z_m - ref : T(0));
     cr = compact_row(tg, C, z_y, z_m, ref, s);
     denom = cr.denom;
     const T log_denom = std::log1p(cr.log_arg);
-    lse = ref + log_denom;
     r.ce = cr.ce_offset + cr.ce_scale * log_denom;
     r.P = cr.P;
     r.one_minus_P = cr.one_minus_P;
     if (spec.weight == Weight::Flsd) {
-      r.gamma = flsd_gamma(soft_flsd_band_probability(z_y, z_m, lse, tg.w_y, tg.w_m, tg.c), gamma);
+      r.gamma = flsd_gamma(soft_flsd_band_probability(z_y, z_m, ref + log_denom, tg.w_y, tg.w_m, tg.c), gamma);
     }
   }
   const T inv_denom = T(1) / denom;
@@ -438,7 +393,6 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       if (tg.m != tg.y) grad[tg.m] = scale * soft_gradient_element(coefs, cr.p_m, cr.t_m, cr.d_m, q);
     }
   }
-  (void)lse;
   return {T(1), coefs.u * r.ce, T(0)};
 }
 

@@ -206,20 +206,24 @@ T row_max(const T* z, int64_t C) {
 
 // out[k] = exp(z[k] - m) for k in [lo, hi) (kStore; nothing is written otherwise); returns Σ exp(z[k] - m) and
 // (kSquare) Σ exp(z[k] - m)², block-wise two-level sums. Prefetches z[k + ahead] along the way (0: nothing new).
-template <typename T, bool kSquare, bool kStore>
-void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq, int64_t ahead) {
+// kShift (soft targets with label smoothing): also adds Σ (z[k] - m) over [lo, hi) to *shift_sum.
+template <typename T, bool kSquare, bool kStore, bool kShift = false>
+void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq, int64_t ahead,
+                     T* shift_sum = nullptr) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
   constexpr int64_t kBlock = 64 * W;
   const Vec max_vec(m);
-  Vec total(T(0)), total_sq(T(0));
+  Vec total(T(0)), total_sq(T(0)), shifts(T(0));
   for (int64_t begin = lo; begin < hi; begin += kBlock) {
     const int64_t end = std::min(begin + kBlock, hi);
     Vec block(T(0)), block_sq(T(0));
     int64_t k = begin;
     for (; k + W <= end; k += W) {
       __builtin_prefetch(z + k + ahead);
-      const Vec e = exp_nonpositive(Vec::loadu(z + k) - max_vec);
+      const Vec shifted = Vec::loadu(z + k) - max_vec;
+      if constexpr (kShift) shifts = shifts + shifted;
+      const Vec e = exp_nonpositive(shifted);
       if constexpr (kStore) e.store(out + k);
       block = block + e;
       if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
@@ -227,7 +231,9 @@ void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T&
     if (k < end) {
       const int64_t rest = end - k;
       // lanes past `rest` are loaded as 0 by loadu(ptr, count); mask them out of the sums
-      const Vec e = Vec::set(Vec(T(0)), exp_nonpositive(Vec::loadu(z + k, rest) - max_vec), rest);
+      const Vec shifted = Vec::loadu(z + k, rest) - max_vec;
+      if constexpr (kShift) shifts = shifts + Vec::set(Vec(T(0)), shifted, rest);
+      const Vec e = Vec::set(Vec(T(0)), exp_nonpositive(shifted), rest);
       if constexpr (kStore) e.store(out + k, rest);
       block = block + e;
       if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
@@ -237,18 +243,21 @@ void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T&
   }
   sum += horizontal_sum(total);
   if constexpr (kSquare) sum_sq += horizontal_sum(total_sq);
+  if constexpr (kShift) *shift_sum += horizontal_sum(shifts);
 }
 
-// out_k = g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, from the stored exponentials `e` (out may be e).
-template <typename T, bool kSquare>
-void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, T tau) {
+// out_k = g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, from the stored exponentials `e` (out may be e);
+// plus δ (kDelta: soft targets' constant target columns).
+template <typename T, bool kSquare, bool kDelta = false>
+void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, T tau, T delta = T(0)) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const Vec inv_vec(inv_denom), alpha_vec(alpha), beta_vec(beta), tau_vec(tau);
+  const Vec inv_vec(inv_denom), alpha_vec(alpha), beta_vec(beta), tau_vec(tau), delta_vec(delta);
   auto grad = [&](const Vec& x) {
     const Vec p = x * inv_vec;
-    if constexpr (kSquare) return p * at::vec::fmadd(beta_vec, p - tau_vec, alpha_vec);
-    return p * alpha_vec;
+    const Vec coef = kSquare ? at::vec::fmadd(beta_vec, p - tau_vec, alpha_vec) : alpha_vec;
+    if constexpr (kDelta) return at::vec::fmadd(p, coef, delta_vec);
+    return p * coef;
   };
   int64_t k = 0;
   for (; k + W <= C; k += W) grad(Vec::loadu(e + k)).store(out + k);
