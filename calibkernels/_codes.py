@@ -7,7 +7,7 @@ sources: ``docs/losses.md``.
 
 from __future__ import annotations
 
-WEIGHT_CODES = {"none": 0, "focal": 1, "flsd": 2, "dual_focal": 3, "brier": 4, "external": 5}
+WEIGHT_CODES = {"none": 0, "focal": 1, "flsd": 2, "dual_focal": 3, "brier": 4, "external": 5, "brier_flsd": 6}
 MODE_CODES = {"loss": 0, "grad": 1}
 # Same numbering as torch's internal Reduction enum (at::Reduction).
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}

@@ -4,8 +4,9 @@ MbLS (formulas, defaults and sources: ``docs/losses.md``, "More losses").
 Each loss has a readable reference function (pure PyTorch, any device and dtype, gradients by autograd) and a module
 that runs the fused kernel wherever the loss is a per-sample weight on cross-entropy:
 
-* ``bsce_adaptive_gra`` (:class:`AdaptiveBSCEGRA`): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for
-  p_y < 0.2 / < 0.5 / otherwise (the official BSCE-GRA code's ``BSCELossAdaptiveGra``).
+* ``bsce_adaptive_gra`` (:func:`bsce_adaptive_gra_loss`; the module is ``calibkernels.losses.AdaptiveBSCEGRA``, the
+  fused op's ``weight="brier_flsd"``): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for p_y < 0.2 / < 0.5 /
+  otherwise (the official BSCE-GRA code's ``BSCELossAdaptiveGra``).
 * ``adafocal`` (:class:`AdaFocalLoss`): ``-(1 - p_y)^{γ_b} log p_y``, or ``-(1 + p_y)^{|γ_b|} log p_y`` when
   γ_b < 0, with γ_b the exponent of the sample's p_y bin, updated from the validation set's calibration.
 * ``mdca`` (:class:`MDCALoss`): a base loss + β · (1/C) Σ_j |mean_i p_ij - mean_i 1[y_i = j]|.
@@ -34,7 +35,6 @@ from .metrics.binned import bin_sums, confidence_and_correct, equal_count_edges
 __all__ = [
     "ADAFOCAL_DEFAULTS",
     "AdaFocalLoss",
-    "AdaptiveBSCEGRA",
     "MDCALoss",
     "MbLSLoss",
     "adafocal_bins_from_validation",
@@ -108,45 +108,14 @@ def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="me
     ``‖p_i - e_{y_i}‖_q^{γ_i} (p_i - e_{y_i})``), γ_i = 5 if p_y < 0.2, 3 if 0.2 <= p_y < 0.5, else ``gamma``.
 
     The official BSCE-GRA code's ``BSCELossAdaptiveGra``: the FLSD-53 exponent schedule on the generalised Brier
-    weight, which is detached (GRA). Class-index targets only.
+    weight, which is detached (GRA). Class-index targets only. Written apart from the fused op's
+    ``weight="brier_flsd"`` (``calibkernels.losses.AdaptiveBSCEGRA``), which the tests check against it.
     """
     gamma, norm = _check_gamma_norm(gamma, norm)
     V.check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _adaptive_brier_weight(z, safe, gamma, norm) * _cross_entropy_rows(z, safe)
     return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
-
-
-class AdaptiveBSCEGRA(nn.Module):
-    """``bsce_adaptive_gra`` (:func:`bsce_adaptive_gra_loss`) on the fused op.
-
-    γ_i and the detached weight ``u_i = ‖p_i - e_{y_i}‖_q^{γ_i}`` are computed first (one PyTorch pass over the logits,
-    no graph), then ``ck.uncertainty_weighted_ce(weight="external", sample_weight=u)`` runs the fused kernel, whose
-    gradient is ``u_i (p_i - e_{y_i})``. (The kernels take a per-sample γ for the focal weight only, so the Brier
-    weight with γ_i cannot be formed inside the kernel today.) ``backend="reference"`` runs
-    :func:`bsce_adaptive_gra_loss`.
-    """
-
-    def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto"):
-        super().__init__()
-        self.gamma, self.norm = _check_gamma_norm(gamma, norm)
-        _check_reduction(reduction, backend)
-        self.reduction, self.ignore_index, self.backend = reduction, ignore_index, backend
-
-    def forward(self, logits, target):
-        if self.backend == "reference":
-            return bsce_adaptive_gra_loss(logits, target, gamma=self.gamma, norm=self.norm,
-                                          reduction=self.reduction, ignore_index=self.ignore_index)
-        with torch.no_grad():  # the fused op checks the targets (on the device for GPU tensors)
-            valid, z, safe, _ = _rows(logits, target, self.ignore_index, check_values=False)
-            weight = torch.where(valid, _adaptive_brier_weight(z, safe, self.gamma, self.norm), 0.0)
-        return F_ck.uncertainty_weighted_ce(
-            logits, target, weight="external", mode="grad", sample_weight=weight.reshape(target.shape),
-            reduction=self.reduction, ignore_index=self.ignore_index, backend=self.backend)
-
-    def extra_repr(self):
-        return (f"gamma={self.gamma} (p_y >= 0.5; 5 below 0.2, 3 below 0.5), norm={self.norm}, "
-                f"reduction={self.reduction!r}, backend={self.backend!r}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------

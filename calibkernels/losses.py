@@ -20,7 +20,7 @@ from . import _validation as V
 from . import family as _family
 from . import functional as F_ck
 from . import reference as _reference
-from .family import AdaFocalLoss, AdaptiveBSCEGRA, MbLSLoss, MDCALoss
+from .family import AdaFocalLoss, MbLSLoss, MDCALoss
 
 __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss",
            "AdaptiveBSCEGRA", "AdaFocalLoss", "MDCALoss", "MbLSLoss", "build", "names", "REGISTRY"]
@@ -43,8 +43,8 @@ class UncertaintyWeightedCE(nn.Module):
     ``target`` is ``(...)`` int64 class indices or a floating ``(..., C)`` probability tensor; ``sample_weight`` only
     with ``weight="external"``; a per-sample ``gamma`` tensor only with ``weight="focal"``; ``mix_target`` (int64,
     the target's shape) and ``mix_lambda`` (a number or one per row) give ``t = λ e_target + (1 - λ) e_mix_target``
-    (mixup / cutmix). ``label_smoothing`` (α) smooths every target: ``t <- (1 - α) t + α / C``. Soft targets run on
-    the reference for now (docs/losses.md, "Soft targets"); dual focal refuses them.
+    (mixup / cutmix). ``label_smoothing`` (α) smooths every target: ``t <- (1 - α) t + α / C`` (docs/losses.md,
+    "Soft targets"); dual focal refuses soft targets.
 
     ``gra_detach="p_j"`` (``weight="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
     ``DualFocalLossGra``, ``(1 - p_y + sg[p_j])^γ · CE``; the fused kernels implement the default ``"weight"``
@@ -90,9 +90,9 @@ class UncertaintyWeightedCE(nn.Module):
         parts = [f"weight={self.weight!r}"]
         if self.weight not in ("none", "external"):
             parts.append(f"mode={self.mode!r}")
-        if self.weight in ("focal", "flsd", "dual_focal", "brier"):
+        if self.weight in ("focal", "flsd", "dual_focal", "brier", "brier_flsd"):
             parts.append(f"gamma={self.gamma}")
-        if self.weight == "brier":
+        if self.weight in ("brier", "brier_flsd"):
             parts.append(f"norm={self.norm}")
         if self.gra_detach != "weight":
             parts.append(f"gra_detach={self.gra_detach!r}")
@@ -122,6 +122,25 @@ class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
 
     def forward(self, x, target):
         return super().forward(x, target)
+
+
+class AdaptiveBSCEGRA(UncertaintyWeightedCE):
+    """BSCE-GRA with the official BSCE-GRA code's adaptive exponent (``BSCELossAdaptiveGra``), registry name
+    ``bsce_adaptive_gra``: ``sg[‖p - t‖_q^{γ_i}] · CE`` with γ_i = 5 where the target's probability (``<t, p>`` for
+    soft targets) is below 0.2, 3 below 0.5, else ``gamma`` (FLSD-53's bands, decided as for ``weight="flsd"``).
+
+    The fused op's ``weight="brier_flsd"`` in grad mode: each kernel picks γ_i from the row statistics it already
+    has, so the loss costs what BSCE-GRA costs. Reference: :func:`calibkernels.family.bsce_adaptive_gra_loss`.
+    """
+
+    def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto", inplace=False,
+                 label_smoothing=0.0):
+        super().__init__(weight="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
+                         ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing)
+
+    def extra_repr(self):
+        return (f"gamma={self.gamma} (where <t, p> >= 0.5; 5 below 0.2, 3 below 0.5), norm={self.norm}, "
+                + super().extra_repr().split(f"norm={self.norm}, ", 1)[1])
 
 
 def _check_reference_only_backend(loss_name, backend):
@@ -281,7 +300,7 @@ REGISTRY = {
     "soft_target_cross_entropy": _soft_target("none", "grad"),
     "soft_target_bsce_gra": _soft_target("brier", "grad", gamma=4.0, norm=2.0),
     # the rest of the family (calibkernels/family.py; docs/losses.md, "More losses")
-    "bsce_adaptive_gra": _Factory(AdaptiveBSCEGRA, ("gamma", "norm") + _COMMON, gamma=3.0, norm=2.0),
+    "bsce_adaptive_gra": _Factory(AdaptiveBSCEGRA, ("gamma", "norm") + _FUSED, gamma=3.0, norm=2.0),
     "adafocal": _Factory(AdaFocalLoss, tuple(_family.ADAFOCAL_DEFAULTS) + _COMMON),
     "mdca": _MDCAFactory(),
     "mbls": _Factory(MbLSLoss, ("margin", "lam") + _COMMON),

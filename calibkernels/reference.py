@@ -16,6 +16,7 @@ weight          u(p, y)                                           source
 ``flsd``        (1 - p_y)^γ_i, γ_i = 5 / 3 / γ for p_y < .2/.5/≥  Mukhoti et al. 2020 (FLSD-53 with γ = 3)
 ``dual_focal``  (1 - p_y + p_j)^γ, p_j = max{p_k : z_k < z_y}     Tao, Dong, Xu, ICML 2023
 ``brier``       ‖p - e_y‖_q^γ = (Σ_k |p_k - e_{y,k}|^q)^{γ/q}       BSCE-GRA paper, Eq. 3/11
+``brier_flsd``  ‖p - e_y‖_q^γ_i, γ_i = 5 / 3 / γ as for ``flsd``         BSCE-GRA code (``BSCELossAdaptiveGra``)
 ``external``    sg[w_i] (user-supplied, always detached)          BSCE-GRA paper §4.2
 ==============  ===============================================  ==========================================
 
@@ -37,7 +38,8 @@ Numerics (shared by every weight):
 Soft targets (``docs/losses.md``, "Soft targets"): a target distribution ``t_i`` per row, from class indices mixed by
 ``mix_target``/``mix_lambda`` (mixup, cutmix), from dense probabilities ``(..., C)``, and/or label smoothing
 ``t <- (1 - α) t + α / C``. Then ``CE_i = -Σ_k t_ik log p_ik`` and the weights generalise as
-``focal: (1 - <t, p>)^γ``, ``flsd: (1 - <t, p>)^γ_i`` with the band of ``<t, p>``, ``brier: ‖p - t‖_q^γ``
+``focal: (1 - <t, p>)^γ``, ``flsd: (1 - <t, p>)^γ_i`` with the band of ``<t, p>``, ``brier: ‖p - t‖_q^γ``,
+``brier_flsd: ‖p - t‖_q^γ_i`` with the band of ``<t, p>``
 (:func:`soft_uncertainty_weight`); dual focal has no soft form and refuses non-one-hot targets. One-hot class-index
 targets without smoothing run the hard-target code above, unchanged.
 """
@@ -207,10 +209,11 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
             log_p_j = log_p_j.detach()
         log_base = _logsumexp_or_neg_inf(torch.stack([log_one_minus_p_target, log_p_j], dim=1), dim=1)
         return _power_of_log(log_base, gamma)
-    if weight == "brier":
+    if weight in ("brier", "brier_flsd"):
         # ‖p - e_y‖_q^q = Σ_{k≠y} p_k^q + (1 - p_y)^q  (no cancellation in p_y - 1), summed in the log domain
         log_terms = torch.where(is_target, norm * log_one_minus_p_target[:, None], norm * log_p)
-        return _power_of_log(_logsumexp_or_neg_inf(log_terms, dim=1), gamma / norm)
+        exponent = _flsd_gamma(z, target, gamma) if weight == "brier_flsd" else gamma
+        return _power_of_log(_logsumexp_or_neg_inf(log_terms, dim=1), exponent / norm)
     raise ValueError(f"unknown weight {weight!r}")
 
 
@@ -240,12 +243,12 @@ def uncertainty_weighted_ce(
         label_smoothing: α in [0, 1]: ``t <- (1 - α) t + α / C`` (``F.cross_entropy``'s convention).
         mix_target, mix_lambda: ``(...)`` int64 second class and λ in [0, 1] (a number, or one per row):
             ``t = λ e_target + (1 - λ) e_mix_target`` (mixup / cutmix with ``mix_target = target.flip(0)``).
-        weight: ``"none" | "focal" | "flsd" | "dual_focal" | "brier" | "external"`` (table in the module docstring;
-            FLSD's band rule: :func:`_flsd_gamma`).
+        weight: ``"none" | "focal" | "flsd" | "dual_focal" | "brier" | "external" | "brier_flsd"`` (table in the
+            module docstring; FLSD's band rule, which ``brier_flsd`` shares: :func:`_flsd_gamma`).
         mode: ``"grad"`` (GRA: weight detached, gradient ``u (p - e_y)``) or ``"loss"`` (weight differentiated).
         gamma: exponent γ, finite and ≥ 0; for ``weight="focal"`` also a per-sample tensor of the target's shape
             (differentiable: ``dL_i/dγ_i = L_i log(1 - p_{i,y})``, 0 where ``1 - p_y = 0``).
-        norm: q > 0 of the generalised Brier score (``weight="brier"``).
+        norm: q > 0 of the generalised Brier score (``weight="brier"`` or ``"brier_flsd"``).
         sample_weight: ``(...)`` per-sample weight for ``weight="external"``, used as ``sg[w]``.
         reduction: ``"mean"`` (over non-ignored rows; 0 if none), ``"sum"`` or ``"none"`` (ignored rows → 0).
         gra_detach: what grad mode detaches. ``"weight"`` (default; the BSCE-GRA paper's definition of GRA,
@@ -406,6 +409,7 @@ def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None, fl
     ``focal``     ``(1 - <t, p>)^γ``, with ``1 - <t, p> = Σ_k t_k (1 - p_k)`` summed in the log domain
     ``flsd``      ``(1 - <t, p>)^γ_i``; γ_i from ``float32(Σ_k t_k exp(z_k - lse))`` by :func:`_flsd_gamma`'s rule
     ``brier``     ``‖p - t‖_q^γ``; the arg-max class's ``p_k - t_k`` is taken as ``(1 - t_k) - (1 - p_k)``
+    ``brier_flsd`` ``‖p - t‖_q^γ_i``, γ_i by ``flsd``'s band of ``<t, p>``
     ``external``  ``sg[w_i]``
     ============  ==========================================================================================
 
@@ -430,18 +434,25 @@ def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None, fl
         log_base = _logsumexp_or_neg_inf(log_t + log_one_minus_p, dim=1)
         if weight == "focal":
             return _power_of_log(log_base, gamma)
-        zd = z.detach()
-        p_band = flsd_band
-        if p_band is None:
-            p_band = (t * torch.exp(zd - torch.logsumexp(zd, dim=1, keepdim=True))).sum(dim=1).float()
-        return _power_of_log(log_base, _flsd_band(p_band, gamma, zd.dtype))
-    if weight == "brier":
+        return _power_of_log(log_base, _soft_flsd_gamma(z, t, gamma, flsd_band))
+    if weight in ("brier", "brier_flsd"):
         is_max = F.one_hot(log_p.argmax(dim=1), log_p.shape[1]).bool()
         diff = torch.where(is_max, (1.0 - t) - torch.exp(log_one_minus_p), torch.exp(log_p) - t)
         nonzero = diff != 0
         log_abs = torch.where(nonzero, torch.log(torch.where(nonzero, diff.abs(), torch.ones_like(diff))), neg_inf)
-        return _power_of_log(_logsumexp_or_neg_inf(norm * log_abs, dim=1), gamma / norm)
+        exponent = _soft_flsd_gamma(z, t, gamma, flsd_band) if weight == "brier_flsd" else gamma
+        return _power_of_log(_logsumexp_or_neg_inf(norm * log_abs, dim=1), exponent / norm)
     raise ValueError(f"unknown weight {weight!r}")
+
+
+def _soft_flsd_gamma(z, t, gamma, flsd_band=None):
+    """FLSD's γ_i ``(N,)`` for soft targets: the band of ``<t, p>``, given (``flsd_band``, compact targets:
+    :func:`compact_flsd_band`) or computed as ``float32(Σ_k t_k exp(z_k - lse))`` (dense targets)."""
+    zd = z.detach()
+    p_band = flsd_band
+    if p_band is None:
+        p_band = (t * torch.exp(zd - torch.logsumexp(zd, dim=1, keepdim=True))).sum(dim=1).float()
+    return _flsd_band(p_band, gamma, zd.dtype)
 
 
 def _soft_target_ce(inputs: V.LossInputs):
@@ -459,7 +470,7 @@ def _soft_target_ce(inputs: V.LossInputs):
     # 0 · log p = 0 where t_k = 0, also for a -inf logit (a masked class)
     cross_entropy = -torch.where(t > 0, t * log_p, torch.zeros((), dtype=z.dtype, device=z.device)).sum(dim=1)
     band = None
-    if inputs.weight == "flsd" and not inputs.dense:
+    if inputs.weight in ("flsd", "brier_flsd") and not inputs.dense:
         safe_mix = None if inputs.mix_target is None else torch.where(valid, inputs.mix_target, 0)
         band = compact_flsd_band(z, target, mix_target=safe_mix, mix_lambda=inputs.mix_lambda,
                                  label_smoothing=inputs.label_smoothing)

@@ -41,7 +41,15 @@ typedef struct _object PyObject;  // CPython's, declared here so that the CUDA s
 
 namespace calibkernels {
 
-enum class Weight : int64_t { None = 0, Focal = 1, Flsd = 2, DualFocal = 3, Brier = 4, External = 5 };
+enum class Weight : int64_t { None = 0, Focal = 1, Flsd = 2, DualFocal = 3, Brier = 4, External = 5, BrierFlsd = 6 };
+
+// The weights whose γ is FLSD-53's band schedule (γ_i from the band of p_y, or of <t, p> for soft targets): the focal
+// weight's (Flsd) and the Brier weight's (BrierFlsd, the BSCE-GRA code's BSCELossAdaptiveGra).
+constexpr bool uses_flsd_schedule(Weight w) { return w == Weight::Flsd || w == Weight::BrierFlsd; }
+// The weight's formula with the schedule set aside: BrierFlsd is a Brier weight, Flsd a focal one.
+constexpr Weight weight_formula(Weight w) {
+  return w == Weight::BrierFlsd ? Weight::Brier : (w == Weight::Flsd ? Weight::Focal : w);
+}
 enum class Mode : int64_t { Loss = 0, Grad = 1 };
 // Same numbering as at::Reduction.
 enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
@@ -82,7 +90,7 @@ inline void check_arguments(const char* op, const at::Tensor& logits, const at::
     TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64 (or a floating dense target), got ",
                 target.scalar_type());
   }
-  TORCH_CHECK(weight >= 0 && weight <= 5, op, "unknown weight code ", weight);
+  TORCH_CHECK(weight >= 0 && weight <= 6, op, "unknown weight code ", weight);
   TORCH_CHECK(mode == 0 || mode == 1, op, "unknown mode code ", mode);
   TORCH_CHECK(reduction >= 0 && reduction <= 2, op, "unknown reduction code ", reduction);
   TORCH_CHECK(gamma >= 0, op, "gamma must be >= 0, got ", gamma);

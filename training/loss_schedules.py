@@ -61,10 +61,8 @@ def gamma_holder(criterion: nn.Module):
     """The module whose single number ``gamma`` a γ schedule sets, or ``None`` if the loss has no such exponent."""
     if isinstance(criterion, ck.losses.MDCALoss):
         return None if criterion.base is None else gamma_holder(criterion.base)
-    if isinstance(criterion, ck.losses.AdaptiveBSCEGRA):
-        return criterion
     if isinstance(criterion, ck.losses.UncertaintyWeightedCE) and criterion.weight in ("focal", "flsd", "dual_focal",
-                                                                                       "brier"):
+                                                                                       "brier", "brier_flsd"):
         return criterion
     return None
 
