@@ -34,7 +34,7 @@ Each rank's gradient is its slice of the unsharded gradient, computed locally fr
     focal, flsd   ∂u/∂z_k = γ_i u p_y r_k,          r_k = e^{z_k − m} / d_¬y (k ≠ y),  r_y = −1
     dual focal    ∂u/∂z_k = γ u ∂log B/∂z_k,        B = 1 − p_y + p_j,
                   ∂log B/∂z_y = −p_y,  ∂log B/∂z_k = ((p_y − p_j) p_k + p_j τ_k) / B  (k ≠ y; τ_k = 1/#ties at p_j)
-    brier         ∂u/∂z_k = γ u (h_k − p_k H) / S,  h_k = p_k^q (k ≠ y),  h_y = −p_y (1 − p_y)^{q−1},  H = Σ_k h_k
+    brier(_flsd)  ∂u/∂z_k = γ_i u (h_k − p_k H) / S,  h_k = p_k^q (k ≠ y),  h_y = −p_y (1 − p_y)^{q−1},  H = Σ_k h_k
 
 times ``1 / n_valid`` for ``"mean"``; rows with ``CE = 0`` (saturated) take the limit 0 of the second term, as the
 reference does. Pure PyTorch per rank (float32 compute for half-precision logits, float64 for float64).
@@ -152,7 +152,7 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     e = torch.exp(z - m[:, None])
     zero = torch.zeros((), device=device, dtype=dtype)
     sums = [e.sum(dim=1), torch.where(is_target, zero, e).sum(dim=1)]
-    if weight == "brier":
+    if weight in ("brier", "brier_flsd"):
         sums.append(torch.where(is_target, zero, torch.exp(norm * (z - m[:, None]))).sum(dim=1))
     if weight == "dual_focal":
         tied = (z == z_j[:, None]) & (z_j > -math.inf)[:, None]
@@ -179,9 +179,11 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
         log_p_j = z_j - lse
         log_base = torch.logaddexp(log_one_minus, log_p_j)
         u = _power_of_log(log_base, gamma)
-    else:  # brier: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
+    else:  # brier, brier_flsd: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
+        if weight == "brier_flsd":
+            gamma_i = _flsd_gamma(log_p_y, gamma)
         log_s = torch.logaddexp(torch.log(second[2]) - norm * log_d, _log_power(log_one_minus, norm))
-        u = _power_of_log(log_s, gamma / norm)
+        u = _power_of_log(log_s, gamma_i / norm)
     u = torch.where(valid, u, zero)
     row_loss = u * cross_entropy
 
@@ -196,8 +198,8 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     grad = u[:, None] * base
     if mode == "loss" and weight not in ("none", "external"):
         p_y = torch.exp(log_p_y)
+        gamma_row = gamma_i.to(dtype) if isinstance(gamma_i, torch.Tensor) else gamma_i
         if weight in ("focal", "flsd"):
-            gamma_row = gamma_i.to(dtype) if isinstance(gamma_i, torch.Tensor) else gamma_i
             share = torch.where(is_target, -torch.ones((), device=device, dtype=dtype),
                                 e / torch.where(d_not_y > 0, d_not_y, torch.ones_like(d_not_y))[:, None])
             du = (gamma_row * u * p_y)[:, None] * share
@@ -209,14 +211,14 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
             pj_over_b = torch.exp(log_p_j[:, None] - log_b)
             dlog_b = torch.where(is_target, -p_y[:, None], (p_y - p_j)[:, None] * p_over_b + pj_over_b * tau)
             du = (gamma * u)[:, None] * dlog_b
-        else:  # brier
+        else:  # brier, brier_flsd
             log_s_col = log_s[:, None]
             log_p = z - lse[:, None]
             log_h_y = log_p_y + _log_power(log_one_minus, norm - 1.0)
             h_over_s = torch.where(is_target, -torch.exp(log_h_y[:, None] - log_s_col),
                                    torch.exp(norm * log_p - log_s_col))
             big_h_over_s = torch.exp(torch.log(second[2]) - norm * log_d - log_s) - torch.exp(log_h_y - log_s)
-            du = (gamma * u)[:, None] * (h_over_s - p * big_h_over_s[:, None])
+            du = (gamma_row * u)[:, None] * (h_over_s - p * big_h_over_s[:, None])
         differentiable = valid & (cross_entropy > 0)
         grad = grad + torch.where(differentiable[:, None], cross_entropy[:, None] * du, zero)
     grad = torch.where(valid[:, None], grad, zero)

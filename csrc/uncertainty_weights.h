@@ -123,7 +123,8 @@ C10_HOST_DEVICE inline WeightCoefficients<A> weight_coefficients(Weight weight, 
       if (cg != A(0) && r.p_j > A(0)) c.c_tie = cg * r.p_j / r.tie_count;
       break;
     }
-    case Weight::Brier: {
+    case Weight::Brier:
+    case Weight::BrierFlsd: {  // r.gamma is the row's γ_i
       const A q = r.q;
       const A s = r.pow_q_others + weight_power(omp, q);
       c.u = weight_power(s, r.gamma / q);
@@ -214,7 +215,8 @@ C10_HOST_DEVICE inline SoftCoefficients<A> soft_weight_coefficients(Weight weigh
       if (loss_mode && r.gamma != A(0) && base > A(0)) c.focal = r.ce * r.gamma * weight_power(base, r.gamma - A(1));
       break;
     }
-    case Weight::Brier: {
+    case Weight::Brier:
+    case Weight::BrierFlsd: {  // r.gamma is the row's γ_i
       const A q = r.q;
       c.u = weight_power(r.S, r.gamma / q);
       if (loss_mode && r.gamma != A(0) && r.S > A(0)) {

@@ -59,9 +59,10 @@ for sizes in layouts:
     num_classes, offset = sum(sizes), sum(sizes[:rank])
     local_slice = slice(offset, offset + sizes[rank])
     z, y, sample_weight, grad_output = inputs(num_classes, torch.float64)
-    for weight, mode, reduction in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "external"],
+    for weight, mode, reduction in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "external",
+                                                      "brier_flsd"],
                                                      ["grad", "loss"], ["mean", "sum", "none"]):
-        for norm in ([2.0, 1.5] if weight == "brier" else [2.0]):
+        for norm in ([2.0, 1.5] if weight in ("brier", "brier_flsd") else [2.0]):
             kw = dict(weight=weight, mode=mode, gamma=3.0 if weight == "flsd" else 2.5, norm=norm, reduction=reduction,
                       sample_weight=sample_weight if weight == "external" else None)
             name = f"{sizes} {weight} {mode} {reduction} q={norm}"

@@ -61,6 +61,16 @@ def test_bsce_adaptive_gamma_bands():
     assert fam.bsce_adaptive_gamma(z, safe, 3.5)[:3].tolist() == [5.0, 3.0, 3.5]
 
 
+def _fused_backends():
+    """``(backend, dtype, tolerance)`` for the backends that run on CPU tensors here: the reference and the C++ kernel
+    in float64, and Triton (under TRITON_INTERPRET=1 without a GPU) in float32, the widest type it takes."""
+    from calibkernels import _backends
+    runs = [("reference", torch.float64, {}), ("cpu", torch.float64, {})]
+    if _backends.unavailable_reason("triton", torch.device("cpu")) is None:
+        runs.append(("triton", torch.float32, dict(rtol=2e-5, atol=1e-6)))
+    return runs
+
+
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("norm", (2.0, 1.0))
 def test_bsce_adaptive_gra_value_and_gradient(reduction, norm):
@@ -73,12 +83,12 @@ def test_bsce_adaptive_gra_value_and_gradient(reduction, norm):
     grad_rows = (weight / (1 if reduction != "mean" else (y != -100).sum()))[:, None] * (
         z.softmax(1) - F.one_hot(torch.where(y == -100, 0, y), z.shape[1]))
     expected_grad = torch.where((y != -100)[:, None], grad_rows, 0.0)
-    for backend in ("reference", "cpu"):
-        x = z.clone().requires_grad_()
+    for backend, dtype, tol in _fused_backends():
+        x = z.to(dtype, copy=True).requires_grad_()
         got = ck.losses.build("bsce_adaptive_gra", norm=norm, reduction=reduction, backend=backend)(x, y)
-        torch.testing.assert_close(got, expected)
+        torch.testing.assert_close(got.double(), expected, **tol, msg=backend)
         got.backward(torch.ones_like(got))
-        torch.testing.assert_close(x.grad, expected_grad)
+        torch.testing.assert_close(x.grad.double(), expected_grad, **tol, msg=backend)
 
 
 def test_bsce_adaptive_gra_fused_float32_matches_reference():
@@ -92,6 +102,46 @@ def test_bsce_adaptive_gra_fused_float32_matches_reference():
     xr = z.clone().requires_grad_()
     fam.bsce_adaptive_gra_loss(xr, y).backward()
     torch.testing.assert_close(x.grad, xr.grad)
+
+
+@pytest.mark.parametrize("mode", ("grad", "loss"))
+def test_brier_flsd_soft_targets_use_the_band_of_t_dot_p(mode):
+    """Soft targets (smoothing, a mix): γ_i comes from <t, p>'s band and the weight is ‖p - t‖_q^{γ_i}, written out
+    here in float64; every backend agrees (the module is the fused op's weight="brier_flsd")."""
+    z, y = _inputs(12, 5, seed=5, scale=3.0)
+    z = torch.cat([z, _banded_logits()[0][:3, :4].repeat(1, 2)[:, :5]])
+    y = torch.cat([y, torch.tensor([0, 0, 0])])
+    mix = torch.where(y == -100, 0, y).flip(0)
+    lam = torch.linspace(0.0, 1.0, y.numel(), dtype=torch.float64)
+    a, norm, gamma = 0.1, 1.5, 2.0
+    valid = y != -100
+    safe = torch.where(valid, y, 0)
+    t = (1 - a) * (lam[:, None] * F.one_hot(safe, 5) + (1 - lam[:, None]) * F.one_hot(mix, 5)) + a / 5
+    p = z.softmax(1)
+    band = (t * p).sum(1).float()
+    gamma_i = torch.where(band < 0.2, 5.0, torch.where(band < 0.5, 3.0, gamma)).double()
+    assert {5.0, 3.0, gamma} <= set(gamma_i[valid].tolist())
+
+    def weighted(x):
+        q = x.softmax(1)
+        u = ((q - t).abs() ** norm).sum(1) ** (gamma_i / norm)
+        return torch.where(valid, (u.detach() if mode == "grad" else u) * -(t * x.log_softmax(1)).sum(1), 0.0)
+
+    xr = z.clone().requires_grad_()
+    expected = weighted(xr).sum() / valid.sum()
+    expected.backward()
+    for backend, dtype, tol in _fused_backends():
+        module = ck.losses.UncertaintyWeightedCE(weight="brier_flsd", mode=mode, gamma=gamma, norm=norm,
+                                                 backend=backend, label_smoothing=a)
+        modules = [module]
+        if mode == "grad":
+            modules.append(ck.losses.AdaptiveBSCEGRA(gamma=gamma, norm=norm, backend=backend, label_smoothing=a))
+        for m in modules:
+            x = z.to(dtype, copy=True).requires_grad_()
+            got = m(x, y, mix_target=mix, mix_lambda=lam.to(dtype))
+            torch.testing.assert_close(got.double(), expected, **tol, msg=f"{type(m).__name__} on {backend}")
+            got.backward()
+            torch.testing.assert_close(x.grad.double(), xr.grad, **tol, msg=f"{type(m).__name__} on {backend}")
 
 
 def test_bsce_adaptive_gra_rejects_bad_hyperparameters():

@@ -22,7 +22,7 @@ from calibkernels import reference as R
 from calibkernels.fused_linear import FusedLinearUncertaintyWeightedCE, default_chunk_size
 from calibkernels.fused_linear import fused_linear_uncertainty_weighted_ce as fused_linear
 
-WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
 MODES = ["grad", "loss"]
 REDUCTIONS = ["mean", "sum", "none"]
 

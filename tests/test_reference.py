@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import calibkernels as ck
 from calibkernels import reference as R
 
-WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
 
@@ -38,9 +38,11 @@ def np_weight(z, y, weight, gamma, norm, w_ext):
         below = [p[k] for k in range(len(p)) if z[k] < z[y]]
         p_j = max(below) if below else 0.0
         return (1.0 - p[y] + p_j) ** gamma
-    if weight == "brier":
+    if weight in ("brier", "brier_flsd"):
         e = np.zeros_like(p)
         e[y] = 1.0
+        if weight == "brier_flsd":
+            gamma = 5.0 if p[y] < 0.2 else (3.0 if p[y] < 0.5 else gamma)
         return (np.abs(p - e) ** norm).sum() ** (gamma / norm)
     raise AssertionError(weight)
 

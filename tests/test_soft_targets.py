@@ -13,7 +13,7 @@ import calibkernels as ck
 from calibkernels import _backends
 from calibkernels import reference as R
 
-SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external"]
+SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external", "brier_flsd"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
 
@@ -66,6 +66,8 @@ def _np_soft_loss(z, t, weight, gamma, norm, w_ext):
         g = 5.0 if tp < 0.2 else (3.0 if tp < 0.5 else gamma)
         u = (1 - tp) ** g
     else:
+        if weight == "brier_flsd":
+            gamma = 5.0 if tp < 0.2 else (3.0 if tp < 0.5 else gamma)
         u = (np.abs(p - t) ** norm).sum() ** (gamma / norm)
     return u * ce
 

@@ -22,7 +22,7 @@ from calibkernels import reference as R
 
 from _tolerance import assert_within_reference_error
 
-WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
 
@@ -102,7 +102,8 @@ def test_every_weight_mode_reduction(backend_device, weight, mode, reduction):
     z = (torch.randn(n, c) * 3).to(device)
     y = _targets(n, c, device)
     sw = torch.rand(n, device=device) if weight == "external" else None
-    gamma = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0}[weight]
+    gamma = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0,
+             "brier_flsd": 2.0}[weight]
     check_against_reference(backend, z, y, grad_out=_grad_out(reduction, n, device), weight=weight, mode=mode,
                             gamma=gamma, norm=2.0, sample_weight=sw, reduction=reduction)
 

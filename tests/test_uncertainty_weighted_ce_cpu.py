@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(
     reason="calibkernels._C was not built with the CPU kernel",
 )
 
-WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
 
 
 def _op():
@@ -296,7 +296,7 @@ def _kernel_pair(z, y, weight, mode):
 
 # (weight, norm q): every weight, and the gBS norms of the kernel's three p^q forms (q = 2, 1, other)
 RANGE_WEIGHTS = [("none", 2.0), ("focal", 2.0), ("flsd", 2.0), ("dual_focal", 2.0), ("brier", 2.0), ("brier", 1.0),
-                 ("brier", 3.0), ("external", 2.0)]
+                 ("brier", 3.0), ("external", 2.0), ("brier_flsd", 2.0)]
 # what each logits dtype can hold: fp16 stops at 65504
 RANGE_MARGINS = [0.0, 5.0, 30.0, 41.0, 41.5, 42.0, 44.0, 50.0, 60.0, 87.0, 88.0, 88.5, 89.0, 100.0, 1e3, 1e4]
 RANGE_MARGINS_WIDE = [5e6, 1e7, 1e10, 1e20, 1e30]

@@ -1,4 +1,5 @@
-"""FLSD-53's band choice at its thresholds in the compiled CPU op (issue #19 item 11).
+"""FLSD-53's band choice at its thresholds in the compiled CPU op, for both weights on the schedule: ``flsd`` (the
+focal weight) and ``brier_flsd`` (the Brier weight, BSCE-GRA's adaptive form).
 
 The rule every implementation follows (csrc/uncertainty_weights.h, calibkernels/_codes.py): the band value of p_y is
 float32(exp(z_y - lse)), evaluated at the accumulation precision (float32 for float32/float16/bfloat16 logits, float64
@@ -30,22 +31,30 @@ def _op():
     return torch.ops.calibkernels
 
 
-def _kernel_loss(z, y):
-    loss, _ = _op().uncertainty_weighted_ce(z, y, None, None, K.WEIGHT_CODES["flsd"], K.MODE_CODES["grad"], GAMMA,
+SCHEDULED = ["flsd", "brier_flsd"]
+
+
+def _kernel_loss(z, y, weight):
+    loss, _ = _op().uncertainty_weighted_ce(z, y, None, None, K.WEIGHT_CODES[weight], K.MODE_CODES["grad"], GAMMA,
                                             2.0, -100, K.REDUCTION_CODES["none"], False, None)
     return loss.double()
 
 
-def _loss_with(z, y, gamma):
-    """(1 - p_y)^γ · CE in float64 from the logits' exact values, for a given γ."""
-    log_p = torch.log_softmax(z.double(), dim=1).gather(1, y[:, None])[:, 0]
-    return (-torch.expm1(log_p)).pow(gamma) * -log_p
+def _loss_with(z, y, gamma, weight):
+    """u · CE in float64 from the logits' exact values, for a given γ: u = (1 - p_y)^γ (flsd) or ‖p - e_y‖_2^γ
+    (brier_flsd)."""
+    log_p = torch.log_softmax(z.double(), dim=1)
+    log_p_y = log_p.gather(1, y[:, None])[:, 0]
+    if weight == "flsd":
+        return (-torch.expm1(log_p_y)).pow(gamma) * -log_p_y
+    squares = log_p.exp().pow(2).sum(1) - log_p_y.exp().pow(2) + torch.expm1(log_p_y).pow(2)
+    return squares.pow(gamma / 2) * -log_p_y
 
 
-def _gamma_picked(z, y):
+def _gamma_picked(z, y, weight):
     """Which of the three γ explains the kernel's loss (they give losses that differ by far more than rounding)."""
-    got = _kernel_loss(z, y)
-    candidates = torch.stack([_loss_with(z, y, g) for g in (K.FLSD_LOW_GAMMA, K.FLSD_MID_GAMMA, GAMMA)])
+    got = _kernel_loss(z, y, weight)
+    candidates = torch.stack([_loss_with(z, y, g, weight) for g in (K.FLSD_LOW_GAMMA, K.FLSD_MID_GAMMA, GAMMA)])
     picked = (candidates - got).abs().argmin(0)
     close = torch.isclose(candidates.gather(0, picked[None])[0], got, rtol=1e-5, atol=1e-7)
     assert close.all(), f"loss {got} is none of the three FLSD losses {candidates}"
@@ -59,8 +68,9 @@ def _rule(p_band):
     return K.FLSD_MID_GAMMA if p < np.float32(K.FLSD_MID_THRESHOLD) else GAMMA
 
 
+@pytest.mark.parametrize("weight", SCHEDULED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
-def test_exact_thresholds_follow_the_float32_rule(dtype):
+def test_exact_thresholds_follow_the_float32_rule(dtype, weight):
     """Rows whose exact p_y is the threshold itself: [0]*5 (p_y = 0.2) and [0, 0] (p_y = 0.5). Every logit is 0, so
     every implementation's lse is log(C) rounded once and the band value is exp(-log C) rounded, which the rule
     decides: float32: exp(-logf(5)) = 0.19999999f < 0.2f (γ = 5); exp(-logf(2)) = 0.5f (γ = the argument). float64:
@@ -71,13 +81,14 @@ def test_exact_thresholds_follow_the_float32_rule(dtype):
         bands = [float(np.float32(math.exp(-float(np.float32(math.log(c)))))) for c in (5, 2)]
     assert bands[0] == float(np.float32(0.19999999)) if dtype != torch.float64 else bands[0] == float(np.float32(0.2))
     expected = [_rule(p) for p in bands]
-    got = [_gamma_picked(torch.zeros(1, c, dtype=dtype), torch.tensor([0]))[0] for c in (5, 2)]
+    got = [_gamma_picked(torch.zeros(1, c, dtype=dtype), torch.tensor([0]), weight)[0] for c in (5, 2)]
     assert got == expected, f"{dtype}: bands {bands}, expected γ {expected}, kernel picked {got}"
 
 
 @pytest.mark.parametrize("threshold", [K.FLSD_LOW_THRESHOLD, K.FLSD_MID_THRESHOLD])
+@pytest.mark.parametrize("weight", SCHEDULED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype):
+def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype, weight):
     """Two-class rows [0, s] (target 0) with p_y = 1 / (1 + e^s) just below and just above each threshold: 4 to 64
     float32 ulps of p_y away (a margin the rounding of the logits, lse and exp cannot cross), and the nearest float32
     (float64) logits to the exact boundary on both sides, whose band is whatever the float32 rule gives for their exact
@@ -96,7 +107,7 @@ def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype):
     z[:, 1] = torch.tensor(rows, dtype=torch.float64).to(dtype)
     y = torch.zeros(len(rows), dtype=torch.long)
     exact_p = torch.softmax(z.double(), dim=1)[:, 0].tolist()
-    got = _gamma_picked(z, y)
+    got = _gamma_picked(z, y, weight)
     for row, p in enumerate(exact_p):
         if abs(p - float(t32)) <= 2 * ulp:
             continue  # within the implementations' last-ulp differences: either band is the rule's

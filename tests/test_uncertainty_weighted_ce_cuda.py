@@ -10,18 +10,22 @@
   scalar (misaligned) accesses; strided and misaligned rows with sentinels around them
   (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
   dual-focal ties; in place (``grad_out`` = the logits); no host synchronisation (CUDA-graph capture, sync debug
-  mode); opcheck and torch.compile(fullgraph=True).
+  mode); opcheck and torch.compile(fullgraph=True). The Brier weight with FLSD-53's γ_i (``brier_flsd``): the Brier
+  weight's rows with γ_i for γ, for hard, compact soft and dense targets, and its band decided as FLSD's.
 
 The shared backend-vs-reference suite (``test_uncertainty_weighted_ce.py``) runs the same checks as every other backend
 on ``("cuda", "cuda")`` too.
 """
 
+import math
 import os
 
+import numpy as np
 import pytest
 import torch
 
 import calibkernels as ck
+from calibkernels import _codes as K
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
@@ -30,7 +34,7 @@ from _tolerance import assert_within_reference_error
 _C = pytest.importorskip("calibkernels._C", reason="the compiled extension is not built")
 
 OPS = ("calibkernels::uncertainty_weighted_ce", "calibkernels::uncertainty_weighted_ce_scale_grad_")
-WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
 
@@ -106,10 +110,12 @@ needs_gpu = pytest.mark.skipif(
 
 
 def _op(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
-        gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None):
+        gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None,
+        mix_target=None, mix_lambda=None, label_smoothing=0.0):
     return torch.ops.calibkernels.uncertainty_weighted_ce(
         logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], float(gamma),
-        float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad, grad_out)
+        float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad, grad_out, mix_target, mix_lambda,
+        float(label_smoothing))
 
 
 def _inplace(logits, target, *, reduction="mean"):
@@ -159,7 +165,8 @@ def _targets(n, c, ignore=True):
 
 
 def _weight_kwargs(weight, n):
-    kw = {"weight": weight, "gamma": 4.0 if weight == "brier" else 3.0}
+    # brier_flsd: a γ for the top band (p_y ≥ 0.5) other than FLSD-53's 3 and 5
+    kw = {"weight": weight, "gamma": {"brier": 4.0, "brier_flsd": 2.0}.get(weight, 3.0)}
     if weight == "external":
         kw["sample_weight"] = torch.rand(n, device="cuda") + 0.1
     return kw
@@ -180,7 +187,7 @@ def test_every_kernel_shape_against_reference(path, weight, mode):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
                          ids=["fp32", "fp16", "bf16", "fp64"])
 @pytest.mark.parametrize("c", [7, 1000, 3001, 20000])
-@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier"])
+@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier", "brier_flsd"])
 def test_dtypes(dtype, c, weight):
     n = 16 if c <= 1024 else 4
     for mode in MODES:
@@ -287,7 +294,7 @@ def test_extreme_infinite_and_confident_rows(c):
     y = torch.randint(0, c, (n,), device="cuda")
     y[0], y[3] = 0, 3 % c
     y[1] = c - 1
-    for weight in ("none", "focal", "flsd", "dual_focal", "brier"):
+    for weight in ("none", "focal", "flsd", "dual_focal", "brier", "brier_flsd"):
         for mode in MODES:
             check_op(z, y, weight=weight, mode=mode)
 
@@ -300,6 +307,146 @@ def test_per_sample_gamma(c):
     gamma[0] = 0.0
     for mode in MODES:
         check_op(_logits(n, c), _targets(n, c), weight="focal", mode=mode, gamma_per_sample=gamma)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# brier_flsd: the Brier weight with FLSD-53's γ_i
+# ----------------------------------------------------------------------------------------------------------------
+BAND_GAMMA = 2.0  # γ of the top band (p ≥ 0.5): distinct from FLSD-53's 3 and 5
+BANDS = (K.FLSD_LOW_GAMMA, K.FLSD_MID_GAMMA, BAND_GAMMA)
+
+
+def _band_rule(p_band):
+    """FLSD-53's γ_i of band values: their float32 rounding against the float32 thresholds (float64, CPU)."""
+    p = torch.as_tensor(p_band).float().cpu()
+    low = torch.tensor(K.FLSD_LOW_THRESHOLD, dtype=torch.float32)
+    mid = torch.tensor(K.FLSD_MID_THRESHOLD, dtype=torch.float32)
+    return torch.where(p < low, K.FLSD_LOW_GAMMA, torch.where(p < mid, K.FLSD_MID_GAMMA, BAND_GAMMA)).double()
+
+
+def _rows_in_every_band(n, c):
+    """float32 logits whose target probabilities sweep (0, 1) clear of FLSD-53's thresholds, and their targets."""
+    g = torch.Generator().manual_seed(c)
+    z = torch.randn(n, c, generator=g, dtype=torch.float64)
+    y = torch.randint(0, c, (n,), generator=g)
+    p_y = torch.linspace(0.013, 0.987, n, dtype=torch.float64)  # 0.2 and 0.5 fall between two rows
+    others = z.scatter(1, y[:, None], float("-inf")).logsumexp(dim=1)
+    z[torch.arange(n), y] = others + torch.log(p_y / (1 - p_y))
+    return z.float().cuda(), y.cuda()
+
+
+def _target_of(kind, y, c, seed=0):
+    """The op's target and soft arguments for class indices `y` (hard, compact: a mix and smoothing, or dense), and
+    the target distribution t they stand for (float64, CPU)."""
+    one_hot = torch.nn.functional.one_hot(y.cpu(), c).double()
+    if kind == "hard":
+        return y, {}, one_hot
+    if kind == "compact":
+        mix, lam, a = (y + 1) % c, 0.85, 0.05
+        t = a / c + (1 - a) * (lam * one_hot + (1 - lam) * torch.nn.functional.one_hot(mix.cpu(), c).double())
+        lambdas = torch.full(y.shape, lam, device="cuda")
+        return y, dict(mix_target=mix, mix_lambda=lambdas, label_smoothing=a), t
+    g = torch.Generator().manual_seed(seed)
+    dense = (0.9 * one_hot + 0.1 * torch.softmax(torch.randn(len(y), c, generator=g, dtype=torch.float64), 1)).float()
+    return dense.cuda(), {}, dense.double()
+
+
+@needs_gpu
+@pytest.mark.parametrize("c", [10, 1000, 3001, 20000])
+@pytest.mark.parametrize("kind", ["hard", "compact", "dense"])
+def test_brier_flsd_rows_are_brier_rows_with_their_band_gamma(kind, c):
+    """A brier_flsd row is, bit for bit, the Brier weight's row with γ = its γ_i (the kernels run the Brier code with
+    γ_i in place of γ), for hard, compact soft and dense targets on every launch shape, in both modes, with q = 2 and
+    the general-q path; and the whole against the reference."""
+    n = 40
+    z, y = _rows_in_every_band(n, c)
+    target, soft, t = _target_of(kind, y, c, seed=c)
+    p_band = (t * torch.softmax(z.double().cpu(), dim=1)).sum(dim=1)  # p_y, or <t, p>
+    clear = ((p_band - K.FLSD_LOW_THRESHOLD).abs() > 1e-4) & ((p_band - K.FLSD_MID_THRESHOLD).abs() > 1e-4)
+    expected = _band_rule(p_band)
+    assert set(expected[clear].tolist()) == set(BANDS), "the rows should reach every band"
+    for mode in MODES:
+        for norm in (2.0, 1.5):
+            kw = dict(mode=mode, norm=norm, **soft)
+            loss, grad = _op(z, target, weight="brier_flsd", gamma=BAND_GAMMA, reduction="none", **kw)
+            for g in BANDS:
+                rows = (clear & (expected == g)).cuda()
+                want_loss, want_grad = _op(z, target, weight="brier", gamma=g, reduction="none", **kw)
+                assert torch.equal(loss[rows], want_loss[rows]), f"{kind}/{mode}/q={norm}: loss of the γ={g} rows"
+                assert torch.equal(grad[rows], want_grad[rows]), f"{kind}/{mode}/q={norm}: gradient of the γ={g} rows"
+            check_op(z, target, weight="brier_flsd", gamma=BAND_GAMMA, reduction="sum", **kw)
+
+
+def _gamma_picked(weight, loss, z, t):
+    """Which γ of BANDS explains each row's loss (flsd: (1 - <t, p>)^γ CE; brier_flsd with q = 2: ‖p - t‖^γ CE, in
+    float64 from the logits' exact values); the three losses differ by far more than rounding."""
+    log_p = torch.log_softmax(z.double().cpu(), dim=1)
+    p = log_p.exp()
+    ce = -(t * log_p).sum(dim=1)
+    if weight == "flsd":
+        candidates = torch.stack([(t * (1 - p)).sum(dim=1) ** g * ce for g in BANDS])
+    else:
+        candidates = torch.stack([((p - t) ** 2).sum(dim=1) ** (g / 2) * ce for g in BANDS])
+    got = loss.double().cpu()
+    picked = (candidates - got).abs().argmin(0)
+    assert torch.isclose(candidates.gather(0, picked[None])[0], got, rtol=1e-5, atol=0).all(), (weight, got, candidates)
+    return [BANDS[i] for i in picked.tolist()]
+
+
+def _picked_by_both(z, target, t, **soft):
+    """γ_i per row as flsd picks it and as brier_flsd picks it (grad mode, no gradient)."""
+    picked = []
+    for weight in ("flsd", "brier_flsd"):
+        loss, _ = _op(z, target, weight=weight, gamma=BAND_GAMMA, reduction="none", compute_grad=False, **soft)
+        picked.append(_gamma_picked(weight, loss, z, t))
+    return picked
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=["fp32", "fp64"])
+def test_brier_flsd_band_is_flsd_band_at_the_thresholds(dtype):
+    """Rows whose exact p_y or <t, p> is a threshold, or a few float32 ulps from one: brier_flsd takes the band flsd
+    takes. Equal logits give a band value of exp(-log C) as the device rounds it (torch's exp and log on the device
+    are the kernel's), float32(exp(-log 5)) being 0.19999999 on a CPU; the rows 16 and 64 ulps away take the band of
+    their exact value."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    for c in (5, 2):
+        device_band = torch.exp(-torch.log(torch.tensor(float(c), dtype=acc, device="cuda"))).float()
+        z = torch.zeros(3, c, dtype=dtype, device="cuda")
+        y = torch.tensor([0, 1, c - 1], device="cuda")
+        flsd, brier_flsd = _picked_by_both(z, y, torch.nn.functional.one_hot(y.cpu(), c).double())
+        assert brier_flsd == flsd == [_band_rule(device_band).item()] * 3, (c, device_band.item())
+    for threshold in (K.FLSD_LOW_THRESHOLD, K.FLSD_MID_THRESHOLD):
+        t32 = np.float32(threshold)
+        ulp = float(np.spacing(t32))
+        exact = [float(t32) + k * ulp for k in (-64, -16, 16, 64)]
+        z = torch.zeros(len(exact), 2, dtype=torch.float64)
+        z[:, 1] = torch.tensor([math.log((1 - p) / p) for p in exact], dtype=torch.float64)
+        z = z.to(dtype).cuda()
+        y = torch.zeros(len(exact), dtype=torch.long, device="cuda")
+        p_y = torch.softmax(z.double().cpu(), dim=1)[:, 0]
+        flsd, brier_flsd = _picked_by_both(z, y, torch.nn.functional.one_hot(y.cpu(), 2).double())
+        assert brier_flsd == flsd == _band_rule(p_y).tolist(), (threshold, p_y.tolist())
+
+
+@needs_gpu
+def test_brier_flsd_band_of_compact_targets_is_flsd_band():
+    """Equal logits with mixes and smoothing (<t, p> = 0.2 exactly): brier_flsd takes flsd's band, that of the closed
+    form float32((w_y e^{z_y - lse} + w_m e^{z_m - lse}) + c), evaluated here with the device's float32 exp and log."""
+    c = 5
+    z = torch.zeros(3, c, device="cuda")
+    y = torch.tensor([0, 1, 2], device="cuda")
+    mix = torch.tensor([3, 1, 4], device="cuda")
+    lam = torch.tensor([0.5, 0.25, 1.0], device="cuda")
+    e = torch.exp(-torch.log(torch.tensor(float(c), device="cuda")))
+    for a in (0.0, 0.5):
+        one = torch.tensor(1.0, device="cuda")
+        keep, add = one - a, torch.tensor(a, device="cuda") / c
+        band = ((keep * lam) * e + (keep * (one - lam)) * e) + add
+        t = a / c + (1 - a) * (lam.double().cpu()[:, None] * torch.nn.functional.one_hot(y.cpu(), c).double()
+                               + (1 - lam.double().cpu()[:, None]) * torch.nn.functional.one_hot(mix.cpu(), c).double())
+        flsd, brier_flsd = _picked_by_both(z, y, t, mix_target=mix, mix_lambda=lam, label_smoothing=a)
+        assert brier_flsd == flsd == _band_rule(band).tolist(), (a, band.tolist())
 
 
 @needs_gpu
@@ -355,6 +502,7 @@ def test_opcheck():
         (_logits(n, c), _targets(n, c), None, torch.rand(n, device="cuda") * 3, 1, 0, 0.0, 2.0, -100, 2, True),
         (_logits(n, c), _targets(n, c), torch.rand(n, device="cuda"), None, 5, 1, 0.0, 2.0, -100, 1, False),
         (_logits(n, 20000), _targets(n, 20000), None, None, 2, 0, 3.0, 2.0, -100, 1, True),
+        (_logits(n, c), _targets(n, c), None, None, 6, 0, 2.0, 1.5, -100, 0, True),
     ]
     op = torch.ops.calibkernels.uncertainty_weighted_ce.default
     for args in samples:

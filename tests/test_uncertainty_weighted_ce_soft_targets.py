@@ -18,7 +18,7 @@ from calibkernels import reference as R
 
 from _tolerance import assert_within_reference_error
 
-WEIGHTS = ["none", "focal", "flsd", "brier", "external"]
+WEIGHTS = ["none", "focal", "flsd", "brier", "external", "brier_flsd"]
 MODES = ["loss", "grad"]
 REDUCTIONS = ["none", "mean", "sum"]
 KINDS = ["smooth", "mix", "mix_rows", "mix_smooth", "dense", "dense_smooth"]

@@ -17,6 +17,7 @@ import torch
 from _tolerance import assert_within_reference_error
 
 from calibkernels import _autograd, _backends, _target_checks
+from calibkernels import _codes as K
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
@@ -30,8 +31,9 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow:RuntimeWarning"),
 ]
 
-WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external"]
-GAMMAS = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0}
+WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
+# brier_flsd's γ (the band p_y ≥ 0.5) differs from its other bands' 5 and 3, so a row in the wrong band shows
+GAMMAS = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0, "brier_flsd": 1.5}
 
 
 def _devices():
@@ -188,7 +190,7 @@ def test_confident_and_infinite_rows_in_chunks(small_block, device):
     z[2, 3] = 1e4  # extreme logits; target far below the max
     z[2, 9] = -1e4
     y = torch.tensor([17, 10, 9, -100], device=device)
-    for weight in ("focal", "dual_focal", "brier"):
+    for weight in ("focal", "dual_focal", "brier", "brier_flsd"):
         for mode in ("loss", "grad"):
             kw = dict(weight=weight, mode=mode, reduction="none", gamma=3.0)
             ones = torch.ones(4, device=device)
@@ -401,7 +403,7 @@ def test_backend_interface():
 # Soft targets (label smoothing, mixup / cutmix in the compact form, dense probabilities) through the module's
 # forward, against the reference (loss, and the gradient of the reduced loss by autograd)
 # ----------------------------------------------------------------------------------------------------------------
-SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external"]
+SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external", "brier_flsd"]
 SOFT_KINDS = ["smoothing", "mix-scalar", "mix-per-row", "mix-smoothing", "dense", "dense-smoothing"]
 
 
@@ -707,6 +709,67 @@ def test_flsd_band_of_compact_targets_is_the_closed_form(device):
                                    atol=0)
 
 
+def _brier_flsd_gamma_picked(loss, z, t, norm):
+    """Which of FLSD's three γ (5, 3, the argument) explains each row's ``‖p - t‖_q^γ · CE`` (float64, from the
+    logits; the three losses differ by far more than rounding)."""
+    choices = (float(K.FLSD_LOW_GAMMA), float(K.FLSD_MID_GAMMA), GAMMAS["brier_flsd"])
+    log_p = torch.log_softmax(z.double().cpu(), dim=1)
+    t = t.double().cpu()
+    cross_entropy = -torch.where(t > 0, t * log_p, 0.0).sum(dim=1)
+    brier_s = (log_p.exp() - t).abs().pow(norm).sum(dim=1)
+    candidates = torch.stack([brier_s.pow(g / norm) * cross_entropy for g in choices])
+    return [choices[i] for i in (candidates - loss.double().cpu()).abs().argmin(dim=0).tolist()]
+
+
+@pytest.mark.parametrize("device", [d for d in DEVICES if d.id == "cpu"])
+@pytest.mark.parametrize("norm", [2.0, 1.5])
+@pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
+def test_brier_flsd_bands_and_their_boundaries(monkeypatch, device, chunked, norm):
+    """``weight="brier_flsd"``, ``‖p - t‖_q^{γ_i} · CE`` with FLSD's γ_i (5 / 3 / γ below 0.2f / 0.5f / above), on
+    rows in each band and at both boundaries, hard and soft targets: the reference's loss and gradient in both modes,
+    and the γ_i each row got. Five equal logits: exact p_y = 0.2, but float32 exp(-logf(5)) = 0.19999999f, so γ_i = 5;
+    two equal logits (the rest e^{-200} = 0 in float32): exp(-logf(2)) = 0.5f, γ_i = γ. The mixes put 3/4 on the
+    target and 1/4 on a class of the same or a common logit, exact in float32, so <t, p> keeps each row's band.
+
+    The reference runs on the float32 logits: the band rule evaluates p_y at the logits' precision (float64 logits put
+    the first row at 0.2f, γ_i = 3). A dense target's band on the two-read path is Σ e t / d from the statistics
+    pass, the rule's value up to rounding only, so the exact boundary is checked there on the single-read path.
+    (Interpreter only: its exp and log are numpy's, as the float32 reference's are on the CPU.)"""
+    if chunked:
+        monkeypatch.setattr(T, "MAX_BLOCK", 4)  # 2-class chunks
+    gamma = GAMMAS["brier_flsd"]
+    z = torch.zeros(6, 5, device=device)
+    z[1, 2:] = -200.0
+    z[2, 2], z[3, 3], z[4, 4] = -0.8, 0.6, 2.8  # p_y = 0.10, 0.31, 0.80
+    target = torch.tensor([0, 1, 2, 3, 4, -100], device=device)
+    mix = torch.tensor([1, 0, 0, 0, 0, -100], device=device)
+    lam = torch.full((6,), 0.75, device=device)
+    designed = [5.0, gamma, 5.0, 3.0, gamma]
+    one_hot = torch.nn.functional.one_hot(target.clamp(min=0), 5).float()
+    dense = one_hot * 0.75
+    dense[torch.arange(6), mix.clamp(min=0)] += 0.25
+    cases = [("hard", target, {}, designed), ("mix", target, dict(mix_target=mix, mix_lambda=lam), designed),
+             ("mix-smoothing", target, dict(mix_target=mix, mix_lambda=lam, label_smoothing=0.1), None)]
+    if not chunked:
+        cases.append(("dense", dense, {}, designed + [designed[0]]))  # no ignored rows: the last row is row 0's
+    for kind, t, soft, expected in cases:
+        # the rows' target distributions, for the γ_i each row's loss shows (the compact kinds' last row is ignored)
+        rows = torch.arange(6 if kind == "dense" else 5)
+        smoothing = soft.get("label_smoothing", 0.0)
+        distribution = (1 - smoothing) * (one_hot if kind == "hard" else dense) + smoothing / 5
+        for mode in ("loss", "grad"):
+            kw = dict(weight="brier_flsd", mode=mode, reduction="none", gamma=gamma, norm=norm, **soft)
+            loss, grad = _soft_forward(z, t, **kw)
+            exact_loss, exact_grad = _soft_reference(z, t, dtype=torch.float32, **kw)
+            what = f"{kind}/{mode}"
+            _close(loss, exact_loss, torch.float32, f"{what} loss")
+            _close(grad, exact_grad, torch.float32, f"{what} gradient")
+            picked = _brier_flsd_gamma_picked(loss[rows], z[rows], distribution[rows], norm)
+            assert picked == _brier_flsd_gamma_picked(exact_loss[rows], z[rows], distribution[rows], norm), what
+            if expected is not None:
+                assert picked == expected, f"{what}: γ_i {picked}, the bands give {expected}"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
 @pytest.mark.parametrize("kind", ["mix-smoothing", "dense-smoothing"])
@@ -850,6 +913,7 @@ import itertools, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from calibkernels._codes import WEIGHT_CODES
 from calibkernels.triton import uncertainty_weighted_ce as T
 
 assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, not interpreted ones"
@@ -861,7 +925,7 @@ def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, ar
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block, SINGLE_READ=single_read,
-                      NORM_IS_TWO=weight == T.WEIGHT_BRIER)
+                      NORM_IS_TWO=weight in (T.WEIGHT_BRIER, T.WEIGHT_BRIER_FLSD))
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps or T._num_warps(block)})
@@ -884,7 +948,7 @@ def small_kernels(dtype, arch):
                              constexprs={"MEAN": True, "BLOCK": 4096}), target=GPUTarget("cuda", arch, 32),
                    options={"num_warps": 4})
 
-for weight, mode in itertools.product(range(6), range(2)):       # every weight x mode, both paths
+for weight, mode in itertools.product(sorted(WEIGHT_CODES.values()), range(2)):  # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)
     fwd("bf16", weight, mode, 0, 4096, False, False, 90, num_warps=4)
 fwd("bf16", 4, 1, 1, 8192, False, False, 90, num_warps=8)         # a long two-read chunk
@@ -914,6 +978,8 @@ soft("fp32", "i64", 4, 0, 1024, True, False, True, True, True, 90, 8)      # com
 soft("bf16", "i64", 2, 0, 2048, False, False, True, True, False, 90, 4)    # compact, FLSD, two reads
 soft("bf16", "fp32", 4, 0, 2048, False, True, False, True, False, 80, 4)   # dense, Brier q != 2: the extra read
 soft("fp16", "fp16", 1, 0, 4096, True, True, False, False, False, 90, 16)  # dense focal, in registers
+soft("bf16", "i64", 6, 0, 2048, False, False, True, True, True, 90, 4)     # compact, Brier-FLSD q = 2, two reads
+soft("fp32", "fp32", 6, 0, 1024, True, True, False, False, False, 80, 8)   # dense, Brier-FLSD q != 2, in registers
 print("compiled")
 '''
 

@@ -5,7 +5,8 @@ Per row ``i`` with logits ``z_i (C,)``, target ``y_i`` and ``p_i = softmax(z_i)`
     CE_i = lse_i - z_{i,y_i},      L_i = u_i · CE_i,
 
 with the uncertainty weight ``u_i`` of :mod:`calibkernels.reference` (none / focal / FLSD-53 / dual focal / generalised
-Brier score / external), and, in the same launch, the gradient of the *reduced* loss for ``grad_output = 1``:
+Brier score / external / generalised Brier score with FLSD-53's γ_i), and, in the same launch, the gradient of the
+*reduced* loss for ``grad_output = 1``:
 
     mode="grad" (GRA):   dL_i/dz_ik = u_i (p_ik - e_ik)
     mode="loss":         dL_i/dz_ik = u_i (p_ik - e_ik) + CE_i du_i/dz_ik
@@ -15,6 +16,12 @@ Brier score / external), and, in the same launch, the gradient of the *reduced* 
                        τ_k = 1/n on the n classes tied at p_j (how ``amax``'s backward splits the gradient)
     Brier (q, γ)       u = S^{γ/q},  S = Σ_{k≠y} p_k^q + (1-p_y)^q,
                        du/dz_k = γ S^{γ/q-1} (h_k - p_k H),  h_k = p_k^q (k≠y),  h_y = -p_y (1-p_y)^{q-1},  H = Σ_k h_k
+    Brier-FLSD         the Brier weight with γ_i of FLSD in place of γ (γ_i not differentiated)
+
+FLSD-53's γ_i (5 where the band value is below 0.2f, 3 below 0.5f, else γ) belongs to the focal weight (``flsd``) and
+to the Brier weight (``brier_flsd``): each kernel splits its weight code into the formula and whether γ follows the
+bands (``weight_formula`` / ``uses_flsd_schedule``, as ``csrc/uncertainty_weighted_ce.h`` does), both compile-time
+constants, so every weight compiles only its own branch.
 
 (Lin et al. 2017; Mukhoti et al. 2020; Tao, Dong & Xu, ICML 2023; the BSCE-GRA paper, Eq. 3/11.)
 
@@ -30,10 +37,11 @@ With ``P = <t, p>``:
 
     CE = -Σ_k t_k log p_k = Σ_k t_k (m - z_k) + (Σ_k t_k) log d            (classes with t_k = 0 add nothing, -inf ones
                                                                             included)
-    u: focal (1-P)^γ,  FLSD (1-P)^{γ_i} with γ_i from the band value below,  Brier S^{γ/q}, S = Σ_k |p_k - t_k|^q
+    u: focal (1-P)^γ,  FLSD (1-P)^{γ_i} with γ_i from the band value below,  Brier S^{γ/q}, S = Σ_k |p_k - t_k|^q,
+       Brier-FLSD S^{γ_i/q}
     mode="grad":  dL/dz_k = u ((Σ_j t_j) p_k - t_k)
     mode="loss":  + CE du/dz_k,  focal / FLSD  du/dz_k = -γ (1-P)^{γ-1} p_k (t_k - P)
-                                 Brier         du/dz_k = (γ/q) S^{γ/q-1} p_k (h_k - H),
+                                 Brier (-FLSD) du/dz_k = (γ/q) S^{γ/q-1} p_k (h_k - H),
                                                h_k = q |p_k - t_k|^{q-1} sign(p_k - t_k),  H = Σ_j h_j p_j
 
 The differences that would cancel are taken from sums of non-negative terms instead:
@@ -139,15 +147,15 @@ SOFT_TARGETS = True
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SCALE_BLOCK = 4096
 
-WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL = (
-    V.WEIGHT_CODES[k] for k in ("none", "focal", "flsd", "dual_focal", "brier", "external")
+WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL, WEIGHT_BRIER_FLSD = (
+    V.WEIGHT_CODES[k] for k in ("none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd")
 )
 MODE_LOSS, MODE_GRAD = V.MODE_CODES["loss"], V.MODE_CODES["grad"]
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = V.REDUCTION_CODES["none"], V.REDUCTION_CODES["mean"], V.REDUCTION_CODES["sum"]
 
 # The same codes as Triton compile-time constants, so the kernel's branches read by name.
-_NONE, _FOCAL, _FLSD, _DUAL_FOCAL, _BRIER, _EXTERNAL = (tl.constexpr(code) for code in (
-    WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL))
+_NONE, _FOCAL, _FLSD, _DUAL_FOCAL, _BRIER, _EXTERNAL, _BRIER_FLSD = (tl.constexpr(code) for code in (
+    WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL, WEIGHT_BRIER_FLSD))
 _LOSS_MODE = tl.constexpr(MODE_LOSS)
 _MEAN = tl.constexpr(REDUCTION_MEAN)
 # FLSD-53 (Mukhoti et al.): the bands of calibkernels._codes, as in csrc/uncertainty_weighted_ce.h
@@ -199,10 +207,10 @@ def _statistics_chunk(logits_row, offs, num_classes, m):
 
 
 @triton.jit
-def _focal_gamma(row, p_band, gamma, gamma_ptr, WEIGHT: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr):
-    """The row's γ of the focal weights: FLSD-53's band of ``p_band`` (5 below 0.2f, 3 below 0.5f, else γ), the
-    row's own γ (a per-sample tensor) or the argument."""
-    if WEIGHT == _FLSD:
+def _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr):
+    """The row's γ: FLSD-53's band of ``p_band`` (5 below 0.2f, 3 below 0.5f, else γ) for the weights with that
+    schedule, the row's own γ (a per-sample tensor) or the argument."""
+    if FLSD_SCHEDULE:
         g = tl.where(p_band < _FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA,
                      tl.where(p_band < _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA, gamma))
     elif PER_SAMPLE_GAMMA:
@@ -228,6 +236,10 @@ def _uncertainty_weighted_ce_row(
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
+    # the weight's formula and whether its γ follows FLSD-53's bands (weight_formula / uses_flsd_schedule of
+    # csrc/uncertainty_weighted_ce.h): FLSD's rows are focal rows, Brier-FLSD's Brier rows
+    FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
+    FLSD_SCHEDULE: tl.constexpr = WEIGHT == _FLSD or WEIGHT == _BRIER_FLSD
 
     logits_row = logits_ptr + row * logits_row_stride
     target = tl.load(target_ptr + row).to(tl.int64)
@@ -251,12 +263,12 @@ def _uncertainty_weighted_ce_row(
         is_target_col = cols == safe_target
         e_others = tl.where(is_target_col, 0.0, e)
         d_others = tl.sum(e_others, 0)
-        if WEIGHT == _BRIER:
+        if FORMULA == _BRIER:
             if NORM_IS_TWO:
                 sum_q_others = tl.sum(e_others * e_others, 0)
             else:
                 sum_q_others = tl.sum(tl.where(is_target_col, 0.0, tl.exp2((z - m_safe) * (norm * LOG2E))), 0)
-        if WEIGHT == _DUAL_FOCAL:
+        if FORMULA == _DUAL_FOCAL:
             below = z < z_target
             z_below_max = tl.max(tl.where(below, z, NEG_INF), 0)
             n_ties = tl.sum(tl.where(below & (z == z_below_max), 1.0, 0.0), 0)
@@ -275,13 +287,13 @@ def _uncertainty_weighted_ce_row(
             z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
             e_others = tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * LOG2E))
             d_others = d_others * rescale + tl.sum(e_others, 0)
-            if WEIGHT == _BRIER:
+            if FORMULA == _BRIER:
                 if NORM_IS_TWO:
                     sum_q_others = sum_q_others * (rescale * rescale) + tl.sum(e_others * e_others, 0)
                 else:
                     sum_q_others = sum_q_others * tl.exp2((m - m_new_safe) * (norm * LOG2E)) + tl.sum(
                         tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * (norm * LOG2E))), 0)
-            if WEIGHT == _DUAL_FOCAL:
+            if FORMULA == _DUAL_FOCAL:
                 below = z < z_target
                 chunk_max = tl.max(tl.where(below, z, NEG_INF), 0)
                 chunk_ties = tl.sum(tl.where(below & (z == chunk_max), 1.0, 0.0), 0)
@@ -312,25 +324,25 @@ def _uncertainty_weighted_ce_row(
     # Loss mode on a saturated row (1 - p_y = 0, so CE = 0): the CE du/dz terms tend to 0 for every gamma > 0, while
     # du alone is infinite for gamma below 1 (focal, dual focal) or below q (Brier); 0 · inf would give NaN.
     saturated = one_minus_p == 0.0
-    if WEIGHT == _NONE:
+    if FLSD_SCHEDULE:
+        # the band from float32(exp(z_y - lse)), lse = m + log(d), as every implementation computes it (the kernel's
+        # own p_y can differ in the last ulp and put a row at a threshold in the other band)
+        p_band = tl.exp(z_target - (m_safe + tl.log(d)))
+    else:
+        p_band = one_minus_p  # not read
+    if FORMULA == _NONE:
         u = 1.0
-    elif WEIGHT == _EXTERNAL:
+    elif FORMULA == _EXTERNAL:
         u = tl.load(sample_weight_ptr + row).to(tl.float32)
         coef_p = u
-    elif WEIGHT == _FOCAL or WEIGHT == _FLSD:
-        if WEIGHT == _FLSD:
-            # the band from float32(exp(z_y - lse)), lse = m + log(d), as every implementation computes it (the
-            # kernel's own p_y can differ in the last ulp and put a row at a threshold in the other band)
-            p_band = tl.exp(z_target - (m_safe + tl.log(d)))
-        else:
-            p_band = one_minus_p  # not read
-        g = _focal_gamma(row, p_band, gamma, gamma_ptr, WEIGHT, PER_SAMPLE_GAMMA)
+    elif FORMULA == _FOCAL:
+        g = _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE, PER_SAMPLE_GAMMA)
         u = _pow(one_minus_p, g)
         coef_p = u
         if MODE == _LOSS_MODE:
             du = tl.where(g == 0.0, 0.0, -g * _pow(one_minus_p, g - 1.0) * p_target)
             coef_p = u - tl.where(saturated, 0.0, cross_entropy * du)
-    elif WEIGHT == _DUAL_FOCAL:
+    elif FORMULA == _DUAL_FOCAL:
         p_j = tl.exp2((z_below_max - m_safe) * LOG2E - log2_d)  # 0 when nothing is below z_y
         base = one_minus_p + p_j
         u = _pow(base, gamma)
@@ -340,7 +352,7 @@ def _uncertainty_weighted_ce_row(
             coef_p = u + cross_entropy * du * (p_target - p_j)
             extra_y = -cross_entropy * du * p_j
             coef_tie = cross_entropy * du * p_j / tl.maximum(n_ties, 1.0)
-    else:  # WEIGHT == _BRIER, generalised Brier score
+    else:  # FORMULA == _BRIER, generalised Brier score
         # Σ_{k≠y} p_k^q = Σ_{k≠y} e^{q(z-m)} / d^q. For q = 2 directly (1 ≤ d ≤ C, so d² cannot overflow): the log-space
         # form below rounds its exponent at |log2 S| ulps, several times the reference's own error, which the loss-mode
         # gradient then multiplies by CE. For other q in log space, so that d^q cannot overflow.
@@ -349,12 +361,12 @@ def _uncertainty_weighted_ce_row(
         else:
             p_q_others = tl.exp2(tl.log2(sum_q_others) - norm * log2_d)
         brier_q = p_q_others + _pow(one_minus_p, norm)
-        u = _pow(brier_q, gamma / norm)
+        g = _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE, False)
+        u = _pow(brier_q, g / norm)
         coef_p = u
         if MODE == _LOSS_MODE:
             # S can underflow to 0 before 1 - p_y does (S ~ (1 - p_y)^q): there too the limit of the terms is 0
-            du = tl.where((gamma == 0.0) | saturated | (brier_q == 0.0), 0.0,
-                          gamma * _pow(brier_q, gamma / norm - 1.0))
+            du = tl.where((g == 0.0) | saturated | (brier_q == 0.0), 0.0, g * _pow(brier_q, g / norm - 1.0))
             # du/dz_k = γ S^{γ/q-1} (p_k^q - p_k H) is formed before the CE factor (which can be huge) multiplies
             # it: for a dominant non-target class the bracket cancels to ~0 and must stay ~0.
             h_sum = tl.where(saturated, 0.0, p_q_others - p_target * _pow(one_minus_p, norm - 1.0))
@@ -372,9 +384,9 @@ def _uncertainty_weighted_ce_row(
         if SINGLE_READ:
             p = e * inv_d
             grad = coef_p * p
-            if WEIGHT == _DUAL_FOCAL and MODE == _LOSS_MODE:
+            if FORMULA == _DUAL_FOCAL and MODE == _LOSS_MODE:
                 grad += tl.where(below & (z == z_below_max), coef_tie, 0.0)
-            if WEIGHT == _BRIER and MODE == _LOSS_MODE:
+            if FORMULA == _BRIER and MODE == _LOSS_MODE:
                 if NORM_IS_TWO:
                     grad += coef_h * (p * p - p * h_sum)
                 else:
@@ -394,9 +406,9 @@ def _uncertainty_weighted_ce_row(
                 log2_p = (z - m_safe) * LOG2E - log2_d
                 p = tl.exp2(log2_p)
                 grad = coef_p * p
-                if WEIGHT == _DUAL_FOCAL and MODE == _LOSS_MODE:
+                if FORMULA == _DUAL_FOCAL and MODE == _LOSS_MODE:
                     grad += tl.where((z < z_target) & (z == z_below_max), coef_tie, 0.0)
-                if WEIGHT == _BRIER and MODE == _LOSS_MODE:
+                if FORMULA == _BRIER and MODE == _LOSS_MODE:
                     if NORM_IS_TWO:
                         grad += coef_h * (p * p - p * h_sum)
                     else:
@@ -543,40 +555,42 @@ def _load_soft_chunk(logits_row, target_row, offs, num_classes, m_safe, log2_d, 
 
 @triton.jit
 def _soft_weight(row, cross_entropy, one_minus_P, p_band, brier_s, sample_weight_ptr, gamma_ptr, gamma, norm,
-                 WEIGHT: tl.constexpr, MODE: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr):
+                 FORMULA: tl.constexpr, FLSD_SCHEDULE: tl.constexpr, MODE: tl.constexpr,
+                 PER_SAMPLE_GAMMA: tl.constexpr):
     """``(u, A, K)``: the weight and its loss-mode coefficients, ``du/dz_k = -A/CE · p_k (t_k - P)`` (focal, FLSD:
-    ``A = CE γ (1-P)^{γ-1}``) or ``K/CE · p_k (h_k - H)`` (Brier: ``K = CE (γ/q) S^{γ/q-1}``); both 0 where the
-    base is 0 (the limit of the product with CE)."""
+    ``A = CE γ (1-P)^{γ-1}``) or ``K/CE · p_k (h_k - H)`` (Brier, Brier-FLSD: ``K = CE (γ/q) S^{γ/q-1}``); both 0
+    where the base is 0 (the limit of the product with CE). Under FLSD_SCHEDULE γ is FLSD's γ_i of ``p_band``."""
     coef_focal = tl.full((), 0.0, tl.float32)
     coef_brier = tl.full((), 0.0, tl.float32)
-    if WEIGHT == _NONE:
+    if FORMULA == _NONE:
         u = tl.full((), 1.0, tl.float32)
-    elif WEIGHT == _EXTERNAL:
+    elif FORMULA == _EXTERNAL:
         u = tl.load(sample_weight_ptr + row).to(tl.float32)
-    elif WEIGHT == _FOCAL or WEIGHT == _FLSD:
-        g = _focal_gamma(row, p_band, gamma, gamma_ptr, WEIGHT, PER_SAMPLE_GAMMA)
+    elif FORMULA == _FOCAL:
+        g = _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE, PER_SAMPLE_GAMMA)
         u = _pow(one_minus_P, g)
         if MODE == _LOSS_MODE:
             coef_focal = tl.where((g == 0.0) | (one_minus_P == 0.0), 0.0,
                                   cross_entropy * g * _pow(one_minus_P, g - 1.0))
-    else:  # WEIGHT == _BRIER
-        exponent = gamma / norm
+    else:  # FORMULA == _BRIER
+        g = _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE, False)
+        exponent = g / norm
         u = _pow(brier_s, exponent)
         if MODE == _LOSS_MODE:
-            coef_brier = tl.where((gamma == 0.0) | (brier_s == 0.0), 0.0,
+            coef_brier = tl.where((g == 0.0) | (brier_s == 0.0), 0.0,
                                   cross_entropy * exponent * _pow(brier_s, exponent - 1.0))
     return u, coef_focal, coef_brier
 
 
 @triton.jit
 def _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
-                   WEIGHT: tl.constexpr, MODE: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+                   FORMULA: tl.constexpr, MODE: tl.constexpr, NORM_IS_TWO: tl.constexpr):
     """``u (Σt p - t) + CE du/dz`` of a block of columns (grad_output = 1, before the reduction's scale)."""
     grad = u * ce_delta
     if MODE == _LOSS_MODE:
-        if WEIGHT == _FOCAL or WEIGHT == _FLSD:
+        if FORMULA == _FOCAL:
             grad -= coef_focal * p * t_minus_P
-        elif WEIGHT == _BRIER:
+        elif FORMULA == _BRIER:
             grad += coef_brier * p * (_brier_h(delta, norm, NORM_IS_TWO) - brier_h_sum)
     return grad
 
@@ -607,7 +621,10 @@ def _soft_target_ce_fwd_kernel(
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
-    IS_BRIER: tl.constexpr = WEIGHT == _BRIER
+    # the weight's formula and whether its γ follows FLSD-53's bands, as in the hard-target kernel
+    FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
+    FLSD_SCHEDULE: tl.constexpr = WEIGHT == _FLSD or WEIGHT == _BRIER_FLSD
+    IS_BRIER: tl.constexpr = FORMULA == _BRIER
     row = tl.program_id(0).to(tl.int64)
     logits_row = logits_ptr + row * logits_row_stride
     target_row = target_ptr + row * target_row_stride
@@ -806,7 +823,7 @@ def _soft_target_ce_fwd_kernel(
 
     # ---- weight, loss ----------------------------------------------------------------------------------------------
     u, coef_focal, coef_brier = _soft_weight(row, cross_entropy, one_minus_P, p_band, brier_s, sample_weight_ptr,
-                                             gamma_ptr, gamma, norm, WEIGHT, MODE, PER_SAMPLE_GAMMA)
+                                             gamma_ptr, gamma, norm, FORMULA, FLSD_SCHEDULE, MODE, PER_SAMPLE_GAMMA)
     _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad)
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
@@ -815,7 +832,7 @@ def _soft_target_ce_fwd_kernel(
         grad_row = grad_ptr + row * grad_row_stride
         if SINGLE_READ:
             grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
-                                  WEIGHT, MODE, NORM_IS_TWO)
+                                  FORMULA, MODE, NORM_IS_TWO)
             _store_gradient(grad_row + cols, grad, col_mask, scale, is_valid, is_bad, "")
         else:
             # last chunk first: the chunks read most recently are the likeliest still in L2
@@ -827,7 +844,7 @@ def _soft_target_ce_fwd_kernel(
                     one_minus_a, c, a_minus_c, sum_t, P, one_minus_P, safe_target, safe_mix, delta_target, delta_mix,
                     t_minus_P_target, t_minus_P_mix, Q)
                 grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
-                                      WEIGHT, MODE, NORM_IS_TWO)
+                                      FORMULA, MODE, NORM_IS_TWO)
                 _store_gradient(grad_row + offs, grad, col_mask, scale, is_valid, is_bad, "evict_first")
 
 
@@ -1034,8 +1051,8 @@ def uncertainty_weighted_ce_forward(
     output_args = (row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
                    valid_count)
     meta = dict(WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
-                COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma,
-                BLOCK=block, SINGLE_READ=single_read, NORM_IS_TWO=weight == WEIGHT_BRIER and float(norm) == 2.0,
+                COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block,
+                SINGLE_READ=single_read, NORM_IS_TWO=weight in (WEIGHT_BRIER, WEIGHT_BRIER_FLSD) and float(norm) == 2.0,
                 num_warps=num_warps)
     if soft:
         has_mix = mix_target is not None

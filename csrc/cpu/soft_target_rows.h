@@ -164,13 +164,13 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others - e_m, shift_sum});
 
   const bool loss_mode = spec.mode == Mode::Loss;
-  const bool need_log = loss_mode || spec.weight == Weight::Flsd;
+  const bool need_log = loss_mode || spec.flsd_schedule;
   const T log_denom = need_log ? std::log1p(cr.log_arg) : T(0);
   SoftRowQuantities<T> r{};
   r.one_minus_P = cr.one_minus_P;
   r.P = cr.P;
   r.ce = cr.ce_offset + cr.ce_scale * log_denom;
-  r.gamma = spec.weight == Weight::Flsd
+  r.gamma = spec.flsd_schedule
                 ? flsd_gamma(soft_flsd_band_probability(z_y, z_m, ref + log_denom, tg.w_y, tg.w_m, tg.c), gamma)
                 : gamma;
   r.q = spec.q;
@@ -290,7 +290,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     r.ce = t_total * log_denom - horizontal_sum(sum_tz);
     r.P = horizontal_sum(sum_te) / denom;
     r.one_minus_P = t_total - r.P;
-    if (spec.weight == Weight::Flsd) r.gamma = flsd_gamma(static_cast<float>(r.P), gamma);
+    if (spec.flsd_schedule) r.gamma = flsd_gamma(static_cast<float>(r.P), gamma);
     if (square_sums) {
       const T sum_p2 = horizontal_sum(sum_ee) / (denom * denom);
       r.S = std::max(T(0), sum_p2 - T(2) * r.P + horizontal_sum(sum_tt));
@@ -314,7 +314,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     r.ce = cr.ce_offset + cr.ce_scale * log_denom;
     r.P = cr.P;
     r.one_minus_P = cr.one_minus_P;
-    if (spec.weight == Weight::Flsd) {
+    if (spec.flsd_schedule) {
       r.gamma = flsd_gamma(soft_flsd_band_probability(z_y, z_m, ref + log_denom, tg.w_y, tg.w_m, tg.c), gamma);
     }
   }

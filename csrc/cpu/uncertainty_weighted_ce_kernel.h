@@ -266,10 +266,11 @@ void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, 
 
 template <typename T>
 struct RowSpec {
-  Weight weight;
+  Weight weight;       // the weight's formula (weight_formula: FLSD's rows are focal rows, BrierFlsd's Brier rows)
   Mode mode;
   T gamma;
   T q;
+  bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule)
 };
 
 // Bound on Σ_{k≠y} exp(z_k - z_y) for the target-referenced exponentials of process_row: 2^60 keeps every e_k and
@@ -453,7 +454,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   // Per-row weight u and, in "loss" mode, the coefficients of CE · du/dz (csrc/uncertainty_weights.h).
   RowQuantities<T> row{p_y, one_minus_p_y, ce, gamma, q, external_weight, T(0), T(1), T(0)};
   T z_j = -inf;
-  if (spec.weight == Weight::Flsd) row.gamma = flsd_gamma(flsd_band_probability(z_y, m + std::log(denom)), gamma);
+  if (spec.flsd_schedule) row.gamma = flsd_gamma(flsd_band_probability(z_y, m + std::log(denom)), gamma);
   if constexpr (kDual) {
     z_j = max_below(z, C, z_y);
     row.p_j = (z_j == -inf) ? T(0) : std::exp((z_j - m) - log_denom);
@@ -534,8 +535,8 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   std::vector<RowLoss<acc_t>> row_parts(n);
   const int64_t grain = std::max<int64_t>(1, 16384 / c);
   // compact targets with the weights whose gradient sweep needs only p_k take the hard path's sweeps
-  const bool compact = dense_ptr == nullptr && (args.weight != Weight::Brier || args.norm == 2.0);
-  const bool square = args.weight == Weight::Brier;
+  const bool compact = dense_ptr == nullptr && (spec.weight != Weight::Brier || args.norm == 2.0);
+  const bool square = spec.weight == Weight::Brier;
   // streaming stores as for hard rows (use_streaming_stores): float rows out of place, on the AVX-512 sweeps
   const bool stream = compact && !kWiden && std::is_same_v<acc_t, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS &&
                       avx512 && grad_ptr != nullptr &&
@@ -622,7 +623,8 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const int64_t* t_ptr = target.scalar_type() == at::kLong ? target.const_data_ptr<int64_t>() : nullptr;
   acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
   std::vector<RowLoss<acc_t>> row_parts(n);
-  const RowSpec<acc_t> spec{args.weight, args.mode, static_cast<acc_t>(args.gamma), static_cast<acc_t>(args.norm)};
+  const RowSpec<acc_t> spec{weight_formula(args.weight), args.mode, static_cast<acc_t>(args.gamma),
+                            static_cast<acc_t>(args.norm), uses_flsd_schedule(args.weight)};
 
   if (args.soft.active) {
     launch_soft_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args, scale,
@@ -693,7 +695,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
         run_rows_with(pow_tag, dual_tag, F{});
       }
     };
-    if (args.weight == Weight::Brier) {
+    if (spec.weight == Weight::Brier) {
       if (args.norm == 2.0) {
         run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
       } else if (args.norm == 1.0) {
@@ -701,7 +703,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
       } else {
         run_rows(std::integral_constant<PowQ, PowQ::General>{}, F{});
       }
-    } else if (args.weight == Weight::DualFocal) {
+    } else if (spec.weight == Weight::DualFocal) {
       run_rows(std::integral_constant<PowQ, PowQ::None>{}, T{});
     } else {
       run_rows(std::integral_constant<PowQ, PowQ::None>{}, F{});

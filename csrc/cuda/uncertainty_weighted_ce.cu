@@ -3,15 +3,19 @@
 //
 //   L_i = u_i · CE_i,  CE_i = lse_i - z_{i,y_i},  p_i = softmax(z_i),
 //   u_i ∈ {1, (1-p_y)^γ (focal; γ per sample optional), (1-p_y)^{γ_i} (FLSD-53), (1-p_y+p_j)^γ (dual focal),
-//          (Σ_{k≠y} p_k^q + (1-p_y)^q)^{γ/q} (generalised Brier), w_i (external)}.
+//          (Σ_{k≠y} p_k^q + (1-p_y)^q)^{γ/q} (generalised Brier), the same to γ_i/q (Brier with FLSD-53's γ_i),
+//          w_i (external)}.
 //   mode "grad" (GRA): dL_i/dz_ik = u_i (p_ik - δ_ky);  mode "loss": + CE_i du_i/dz_ik with
 //     focal / FLSD  du/dz_k = -γ (1-p_y)^{γ-1} p_y (δ_ky - p_k)                      (γ_i of FLSD not differentiated)
 //     dual focal    du/dz_k = γ (1-p_y+p_j)^{γ-1} ((p_y - p_j) p_k + p_j τ_k - p_y δ_ky), τ_k = 1/n on the n classes
 //                   tied at p_j = max{p_k : z_k < z_y} (how amax's backward splits its gradient in the reference)
 //     Brier         du/dz_k = γ S^{γ/q-1} (p_k^q - p_k H) (k≠y),  du/dz_y = -γ S^{γ/q-1} p_y S,
-//                   H = Σ_{k≠y} p_k^q - p_y (1-p_y)^{q-1}
+//                   H = Σ_{k≠y} p_k^q - p_y (1-p_y)^{q-1}                       (γ_i of Brier-FLSD not differentiated)
 //   (Lin et al. 2017; Mukhoti et al. 2020; Tao, Dong & Xu, ICML 2023; BSCE-GRA paper Eq. 3/11; the same formulas as
 //   csrc/cpu/uncertainty_weighted_ce.cpp and calibkernels/triton/uncertainty_weighted_ce.py.)
+// The kernels see a weight as its formula (weight_formula: FLSD runs as focal, Brier-FLSD as Brier) and a flag for
+// FLSD-53's γ_i (uses_flsd_schedule), both set on the host: the schedule costs the rows of the other weights nothing
+// but the flag's test, and Brier-FLSD's rows run Brier's code with γ_i in place of γ.
 //
 // Shape of the launch, chosen by C (the number of classes):
 //   * C ≤ 1024:   a warp per row (8 rows per 256-thread block), the row held in registers, shuffle reductions only;
@@ -187,9 +191,10 @@ struct Params {
   int64_t ignore_index;
   A gamma;
   A norm;
-  int weight;
+  int weight;          // the weight's formula (weight_formula of the op's code), which the kernels branch on
   int mode;
   int reduction;
+  bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule of the op's code) instead of `gamma`
 };
 
 template <typename scalar_t, int V>
@@ -365,7 +370,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   RowQuantities<A> w{p_y, omp, ce, P.gamma, q, A(1), A(0), A(1), A(0)};
   if (weight == Weight::External) w.external = P.sample_weight[row];
   if (weight == Weight::Focal && P.gamma_per_sample != nullptr) w.gamma = P.gamma_per_sample[row];
-  if (weight == Weight::Flsd) w.gamma = flsd_gamma(flsd_band_probability(z_y, m + log_d), P.gamma);
+  if (P.flsd_schedule) w.gamma = flsd_gamma(flsd_band_probability(z_y, m + log_d), P.gamma);
   if (weight == Weight::DualFocal) {
     w.p_j = (s.zb == neg_inf<A>()) ? A(0) : exp_((s.zb - m) - log_d);
     w.tie_count = static_cast<A>(s.nt > 1 ? s.nt : 1);
@@ -637,12 +642,13 @@ __device__ __forceinline__ void add_brier_terms(A p, A d, A q, bool square, A& S
   }
 }
 
-// γ of a row: the argument, the focal weight's per-sample γ, or FLSD's γ_i from the band value band() of P.
+// γ of a row: the argument, the focal weight's per-sample γ, or FLSD-53's γ_i (FLSD, Brier-FLSD) from the band value
+// band() of P.
 template <typename A, typename Band>
 __device__ __forceinline__ A row_gamma(const Params<A>& P, int64_t row, Band band) {
   const auto weight = static_cast<Weight>(P.weight);
   if (weight == Weight::Focal && P.gamma_per_sample != nullptr) return P.gamma_per_sample[row];
-  if (weight == Weight::Flsd) return flsd_gamma(band(), P.gamma);
+  if (P.flsd_schedule) return flsd_gamma(band(), P.gamma);
   return P.gamma;
 }
 
@@ -1057,7 +1063,8 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
       P.ignore_index = args.ignore_index;
       P.gamma = static_cast<A>(args.gamma);
       P.norm = static_cast<A>(args.norm);
-      P.weight = static_cast<int>(args.weight);
+      P.weight = static_cast<int>(weight_formula(static_cast<Weight>(args.weight)));
+      P.flsd_schedule = uses_flsd_schedule(static_cast<Weight>(args.weight));
       P.mode = static_cast<int>(args.mode);
       P.reduction = static_cast<int>(args.reduction);
       if (!args.soft) {
