@@ -192,10 +192,8 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     soft = ()
     if inputs.soft:
         lam = inputs.mix_lambda
-        if lam is not None and not isinstance(lam, torch.Tensor):
-            # a tensor, not a float argument, so that a new λ per batch does not recompile a compiled step
-            lam_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-            lam = torch.tensor(lam, dtype=lam_dtype).to(logits.device, non_blocking=True)
+        if lam is not None:
+            lam = V.lambda_tensor(lam, logits.dtype, logits.device)
         soft = (inputs.mix_target, lam, inputs.label_smoothing)
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
     if eager and hasattr(module, "forward_with_autograd"):

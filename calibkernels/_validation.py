@@ -212,6 +212,16 @@ def _check_lambda_number(mix_lambda) -> float:
     return float(mix_lambda)
 
 
+def lambda_tensor(mix_lambda, logits_dtype: torch.dtype, device, shape=()) -> torch.Tensor:
+    """A checked number λ as the tensor the ops take (a tensor passes through): a tensor argument, not a float one,
+    so that a new λ per batch does not recompile a compiled step. float64 for float64 logits, float32 otherwise (the
+    kernels' accumulation types); 0-dim, or ``shape`` where the caller slices it per chunk."""
+    if isinstance(mix_lambda, torch.Tensor):
+        return mix_lambda
+    dtype = torch.float64 if logits_dtype == torch.float64 else torch.float32
+    return torch.full(shape, float(mix_lambda), dtype=dtype, device=device)
+
+
 def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool = False) -> torch.Tensor:
     """A dense probability target ``(..., C)`` of ``logits``' shape, returned as ``(N, C)``.
 

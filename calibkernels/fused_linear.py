@@ -485,9 +485,7 @@ def fused_linear_uncertainty_weighted_ce(
         V.check_target_values(target1d, num_classes, ignore_index)
     if mix_target is not None:
         mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device)
-        if not isinstance(lam, torch.Tensor):
-            lam = torch.full((num_rows,), lam, dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32,
-                             device=device)
+        lam = V.lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
     sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device, check_values=host_check)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()

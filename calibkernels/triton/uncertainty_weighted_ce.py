@@ -970,8 +970,7 @@ def _soft_target_arguments(logits, target, weight, mix_target, mix_lambda, label
                 or mix_target.device != logits.device):
             raise ValueError(f"mix_target must be an int64 tensor of shape ({num_rows},) on {logits.device}, got "
                              f"{mix_target.dtype} {tuple(mix_target.shape)} on {mix_target.device}")
-        if not isinstance(mix_lambda, torch.Tensor):
-            mix_lambda = torch.full((), float(mix_lambda), dtype=torch.float32, device=logits.device)
+        mix_lambda = V.lambda_tensor(mix_lambda, torch.float32, logits.device)
         if (not mix_lambda.is_floating_point() or mix_lambda.shape not in ((), (num_rows,))
                 or mix_lambda.device != logits.device):
             raise ValueError(f"mix_lambda must be a floating tensor of shape () or ({num_rows},) on {logits.device}, "
