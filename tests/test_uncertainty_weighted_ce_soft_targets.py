@@ -267,8 +267,9 @@ def _cpu_isa():
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
 @pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("focal", "loss"), ("none", "grad"), ("brier", "loss")])
 def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
-    """Compact rows write the gradient with the hard rows' streaming stores (AVX-512, out of place): the arithmetic
-    is the same, so bit-identical to ordinary stores, with y and m in partial and whole cache lines."""
+    """Compact rows write the gradient with the hard rows' streaming stores (AVX-512, out of place), and dense rows
+    with their own: the arithmetic is the same, so bit-identical to ordinary stores, with y and m in partial and whole
+    cache lines, and rows starting at every offset within a line."""
     if _cpu_isa() != "avx512":
         pytest.skip("the streaming stores are part of the AVX-512 sweeps")
     for c in (3, 17, 40, 1000):
@@ -278,12 +279,18 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
         y[3] = -100
         mix = torch.roll(y, 1).clamp(min=0)
         mix[5] = y[5]
+        # y and m in one vector, in either order, far apart, and at the row's ends
+        for row, (a, b) in zip(range(6, 12), [(20, 21), (21, 20), (2, 30), (30, 2), (c - 2, c - 1), (c - 1, 0)]):
+            y[row], mix[row] = a % c, b % c
         kw = dict(mix_target=mix, mix_lambda=torch.rand(37), label_smoothing=0.1)
-        monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
-        streamed = _pair("cpu", z, y, weight, mode, "mean", kw)
-        monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")
-        ordinary = _pair("cpu", z, y, weight, mode, "mean", kw)
-        assert torch.equal(streamed[0], ordinary[0]) and torch.equal(streamed[1], ordinary[1]), f"C = {c}"
+        dense = torch.softmax(torch.randn(37, c, dtype=torch.float64), dim=1).float()
+        for target, kwargs in ((y, kw), (dense, dict(label_smoothing=0.1))):
+            monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
+            streamed = _pair("cpu", z, target, weight, mode, "mean", kwargs)
+            monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")
+            ordinary = _pair("cpu", z, target, weight, mode, "mean", kwargs)
+            what = f"C = {c}, {'dense' if target.is_floating_point() else 'compact'}"
+            assert torch.equal(streamed[0], ordinary[0]) and torch.equal(streamed[1], ordinary[1]), what
 
 
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")

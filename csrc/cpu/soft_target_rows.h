@@ -12,8 +12,9 @@
 //     the CE need no cancelling subtraction, and the columns y and m written exactly afterwards. The same memory
 //     traffic as a hard row: one read of the logits, one write of the gradient.
 //   * general_soft_row: dense targets, and gBS with any other norm: a max sweep, the exponential sweep with the
-//     target sums, a gBS sweep for S = Σ |p_k - t_k|^q and H = Σ h_k p_k, and the gradient sweep; the row and its
-//     target stay in L1/L2 between the sweeps.
+//     target sums, a gBS sweep for S = Σ |p_k - t_k|^q and H = Σ h_k p_k (q ≠ 2 only), and the gradient sweep; the
+//     row and its target stay in L1/L2 between the sweeps. Dense float rows take AVX-512 sweeps where the CPU has
+//     them (the gBS sweep with q ≠ 2 stays at the generic width).
 #pragma once
 
 namespace soft {
@@ -61,7 +62,7 @@ struct CompactRow {
 };
 
 template <typename T>
-CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref, const CompactSums<T>& s) {
+inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref, const CompactSums<T>& s) {
   CompactRow<T> r;
   const bool mixed = tg.m != tg.y;
   r.denom = s.e_y + s.e_m + s.rest;
@@ -101,9 +102,9 @@ CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref
   return r;
 }
 
-template <typename T>
+template <typename T, bool kAvx512 = false>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
-                            T external, T scale, T* exps);
+                            T external, T scale, T* exps, bool stream = false);
 
 // A compact row (class indices, a mix, smoothing) with the weights none / external / focal / FLSD / gBS with q = 2
 // (kSquare): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
@@ -245,15 +246,22 @@ Vectorized<T> target_vector(const RowTarget<T>& tg, int64_t k, int64_t count) {
   return at::vec::fmadd(Vec(tg.keep), Vec::loadu(tg.dense + k, count), Vec(tg.c));
 }
 
-template <typename T>
+// kAvx512: dense rows take the AVX-512 sweeps (float rows; the max, exponential and gradient sweeps at 16 lanes), and
+// `stream` has them write the gradient with streaming stores (out of place; see use_streaming_stores).
+template <typename T, bool kAvx512>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
-                            T external, T scale, T* exps) {
+                            T external, T scale, T* exps, bool stream) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
+  constexpr bool kWide = kAvx512 && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
   const bool dense = tg.dense != nullptr;
   const bool loss_mode = spec.mode == Mode::Loss;
   const T q = spec.q;
-  const T ref = row_max(z, C);
+  T ref;
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+  if constexpr (kWide) ref = avx512::row_max(z, C);
+#endif
+  if constexpr (!kWide) ref = row_max(z, C);
   const Vec ref_vec(ref), zero(T(0));
 
   SoftRowQuantities<T> r{};
@@ -268,32 +276,48 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     // gBS with q = 2 takes S = Σ p² - 2 P + Σ t² from these sums (no S sweep; its cancellation where p ≈ t is
     // absolute, ≈ eps, where u = S^{γ/2} is negligible anyway)
     const bool square_sums = spec.weight == Weight::Brier && spec.q == T(2);
-    Vec sum_e(T(0)), sum_t(T(0)), sum_tz(T(0)), sum_te(T(0)), sum_ee(T(0)), sum_tt(T(0));
-    for (int64_t k = 0; k < C; k += W) {
-      const int64_t count = std::min<int64_t>(W, C - k);
-      const Vec shifted = load_masked(z + k, count, ref) - ref_vec;
-      const Vec e = Vec::set(zero, exp_nonpositive(shifted), count);
-      e.store(exps + k, count);
-      const Vec t = Vec::set(zero, target_vector(tg, k, count), count);
-      sum_e = sum_e + e;
-      sum_t = sum_t + t;
-      sum_tz = sum_tz + Vec::blendv(zero, t * shifted, t > zero);
-      sum_te = at::vec::fmadd(t, e, sum_te);
+    T total_e = 0, total_tz = 0, total_te = 0, total_ee = 0, total_tt = 0;
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+    if constexpr (kWide) {
+      avx512::DenseSums sums;
       if (square_sums) {
-        sum_ee = at::vec::fmadd(e, e, sum_ee);
-        sum_tt = at::vec::fmadd(t, t, sum_tt);
+        avx512::dense_exp_sweep<true>(z, tg.dense, tg.keep, tg.c, exps, C, ref, sums);
+      } else {
+        avx512::dense_exp_sweep<false>(z, tg.dense, tg.keep, tg.c, exps, C, ref, sums);
       }
+      total_e = sums.e, t_total = sums.t, total_tz = sums.tz, total_te = sums.te, total_ee = sums.ee;
+      total_tt = sums.tt;
     }
-    denom = horizontal_sum(sum_e);
+#endif
+    if constexpr (!kWide) {
+      Vec sum_e(T(0)), sum_t(T(0)), sum_tz(T(0)), sum_te(T(0)), sum_ee(T(0)), sum_tt(T(0));
+      for (int64_t k = 0; k < C; k += W) {
+        const int64_t count = std::min<int64_t>(W, C - k);
+        const Vec shifted = load_masked(z + k, count, ref) - ref_vec;
+        const Vec e = Vec::set(zero, exp_nonpositive(shifted), count);
+        e.store(exps + k, count);
+        const Vec t = Vec::set(zero, target_vector(tg, k, count), count);
+        sum_e = sum_e + e;
+        sum_t = sum_t + t;
+        sum_tz = sum_tz + Vec::blendv(zero, t * shifted, t > zero);
+        sum_te = at::vec::fmadd(t, e, sum_te);
+        if (square_sums) {
+          sum_ee = at::vec::fmadd(e, e, sum_ee);
+          sum_tt = at::vec::fmadd(t, t, sum_tt);
+        }
+      }
+      total_e = horizontal_sum(sum_e), t_total = horizontal_sum(sum_t), total_tz = horizontal_sum(sum_tz);
+      total_te = horizontal_sum(sum_te), total_ee = horizontal_sum(sum_ee), total_tt = horizontal_sum(sum_tt);
+    }
+    denom = total_e;
     const T log_denom = std::log(denom);
-    t_total = horizontal_sum(sum_t);
-    r.ce = t_total * log_denom - horizontal_sum(sum_tz);
-    r.P = horizontal_sum(sum_te) / denom;
+    r.ce = t_total * log_denom - total_tz;
+    r.P = total_te / denom;
     r.one_minus_P = t_total - r.P;
     if (spec.flsd_schedule) r.gamma = flsd_gamma(static_cast<float>(r.P), gamma);
     if (square_sums) {
-      const T sum_p2 = horizontal_sum(sum_ee) / (denom * denom);
-      r.S = std::max(T(0), sum_p2 - T(2) * r.P + horizontal_sum(sum_tt));
+      const T sum_p2 = total_ee / (denom * denom);
+      r.S = std::max(T(0), sum_p2 - T(2) * r.P + total_tt);
       r.H = sum_p2 - r.P;
     }
   } else {
@@ -386,6 +410,23 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       }
     };
     if (dense) {
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
+      if constexpr (kWide) {
+        if (!general) {
+          auto write = [&](auto stream_tag) {
+            avx512::dense_gradient_sweep<decltype(stream_tag)::value>(
+                exps, tg.dense, tg.keep, tg.c, grad, C, inv_denom, coefs.u, coefs.u * (t_total - T(1)), coefs.focal,
+                coefs.P, coefs.beta, coefs.tau, scale);
+          };
+          if (stream) {
+            write(std::true_type{});
+          } else {
+            write(std::false_type{});
+          }
+          return {T(1), coefs.u * r.ce, T(0)};
+        }
+      }
+#endif
       sweep(0, C);
     } else {
       for_columns_except(C, tg.y, tg.m, sweep);

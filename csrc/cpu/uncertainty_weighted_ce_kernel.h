@@ -538,13 +538,19 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   const bool compact = dense_ptr == nullptr && (spec.weight != Weight::Brier || args.norm == 2.0);
   const bool square = spec.weight == Weight::Brier;
   // streaming stores as for hard rows (use_streaming_stores): float rows out of place, on the AVX-512 sweeps
-  const bool stream = compact && !kWiden && std::is_same_v<acc_t, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS &&
+  const bool stream = (compact || dense_ptr != nullptr) && !kWiden && std::is_same_v<acc_t, float> &&
+                      CALIBKERNELS_HAVE_AVX512_SWEEPS &&
                       avx512 && grad_ptr != nullptr &&
                       static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
                       use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
   auto row = [&](const acc_t* z_row, acc_t* grad_row, const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
                  acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
-    if (!compact) return soft::general_soft_row<acc_t>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps);
+    if (!compact) {
+      if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
+        return soft::general_soft_row<acc_t, true>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps, stream);
+      }
+      return soft::general_soft_row<acc_t, false>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps);
+    }
     using F = std::false_type;
     using Tr = std::true_type;
     auto go = [&](auto square_tag, auto avx512_tag) {

@@ -39,6 +39,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <utility>
 
 #if defined(__x86_64__) && defined(__GNUC__) && defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -238,11 +239,118 @@ CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_
     _mm512_mask_storeu_ps(out, lanes, with_target(grad(_mm512_maskz_loadu_ps(lanes, e)), 0));
     k = head;
   }
-  for (; k + kWidth <= C; k += kWidth) _mm512_stream_ps(out + k, with_target(grad(_mm512_loadu_ps(e + k)), k));
+  // The whole lines: the (at most two) vectors holding an exact column are patched, the runs between them are plain,
+  // so the loop tests no column per vector.
+  const int64_t full_end = k + (C - k) / kWidth * kWidth;
+  auto vector_of = [&](int64_t column) -> int64_t {  // the start of the whole vector holding `column`, or -1
+    return column >= k && column < full_end ? k + (column - k) / kWidth * kWidth : int64_t(-1);
+  };
+  int64_t first = vector_of(target), last = kDelta ? vector_of(second) : int64_t(-1);
+  if (first > last) std::swap(first, last);
+  auto plain_run = [&](int64_t to) CALIBKERNELS_AVX512 {
+    for (; k < to; k += kWidth) _mm512_stream_ps(out + k, grad(_mm512_loadu_ps(e + k)));
+  };
+  for (const int64_t start : {first, last}) {
+    if (start < k) continue;  // none (-1), or the vector just written (both columns in one vector)
+    plain_run(start);
+    _mm512_stream_ps(out + k, with_target(grad(_mm512_loadu_ps(e + k)), k));
+    k += kWidth;
+  }
+  plain_run(full_end);
   if (k < C) {
     const __mmask16 lanes = tail_mask(C - k);
     _mm512_mask_storeu_ps(out + k, lanes, with_target(grad(_mm512_maskz_loadu_ps(lanes, e + k)), k));
   }
+}
+
+// Dense soft targets, t_k = keep · T_k + c (soft_target_rows.h): the row's sums over [0, C) in one sweep.
+struct DenseSums {
+  float e = 0, t = 0, tz = 0, te = 0, ee = 0, tt = 0;  // Σ e, Σ t, Σ_{t>0} t (z - m), Σ t e, Σ e², Σ t²
+};
+
+// out[k] = exp(z[k] - m) (out must not alias z or target) and the DenseSums (Σ e², Σ t² only when kSquare: gBS with
+// q = 2 takes S = Σ p² - 2 P + Σ t² from them). Terms with t_k = 0 are left out of Σ t (z - m), so a -inf logit with
+// no target mass adds 0, not NaN. Two-level summation as in exp_store_sweep.
+template <bool kSquare>
+CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, float keep, float c, float* out,
+                                         int64_t C, float m, DenseSums& sums) {
+  const __m512 m_vec = _mm512_set1_ps(m), keep_vec = _mm512_set1_ps(keep), c_vec = _mm512_set1_ps(c);
+  const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
+  __m512 total_e = zero, total_t = zero, total_tz = zero, total_te = zero, total_ee = zero, total_tt = zero;
+  for (int64_t begin = 0; begin < C; begin += kBlock) {
+    const int64_t end = begin + kBlock < C ? begin + kBlock : C;
+    __m512 se = zero, st = zero, stz = zero, ste = zero, see = zero, stt = zero;
+    auto step = [&](int64_t k, __mmask16 lanes) CALIBKERNELS_AVX512 {
+      const __m512 shifted = _mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, lanes, z + k), m_vec);
+      const __m512 e = exp_nonpositive(shifted);  // 0 in the lanes past the row
+      _mm512_mask_storeu_ps(out + k, lanes, e);
+      const __m512 t = _mm512_maskz_mov_ps(lanes, _mm512_fmadd_ps(keep_vec, _mm512_maskz_loadu_ps(lanes, target + k), c_vec));
+      se = _mm512_add_ps(se, e);
+      st = _mm512_add_ps(st, t);
+      stz = _mm512_mask_add_ps(stz, _mm512_cmp_ps_mask(t, zero, _CMP_GT_OQ), stz, _mm512_mul_ps(t, shifted));
+      ste = _mm512_fmadd_ps(t, e, ste);
+      if constexpr (kSquare) {
+        see = _mm512_fmadd_ps(e, e, see);
+        stt = _mm512_fmadd_ps(t, t, stt);
+      }
+    };
+    int64_t k = begin;
+    for (; k + kWidth <= end; k += kWidth) step(k, static_cast<__mmask16>(0xFFFF));
+    if (k < end) step(k, tail_mask(end - k));
+    total_e = _mm512_add_ps(total_e, se);
+    total_t = _mm512_add_ps(total_t, st);
+    total_tz = _mm512_add_ps(total_tz, stz);
+    total_te = _mm512_add_ps(total_te, ste);
+    if constexpr (kSquare) {
+      total_ee = _mm512_add_ps(total_ee, see);
+      total_tt = _mm512_add_ps(total_tt, stt);
+    }
+  }
+  sums.e = _mm512_reduce_add_ps(total_e);
+  sums.t = _mm512_reduce_add_ps(total_t);
+  sums.tz = _mm512_reduce_add_ps(total_tz);
+  sums.te = _mm512_reduce_add_ps(total_te);
+  if constexpr (kSquare) {
+    sums.ee = _mm512_reduce_add_ps(total_ee);
+    sums.tt = _mm512_reduce_add_ps(total_tt);
+  }
+}
+
+// The gradient of a dense row from the exponentials `e`: out[k] = scale · (u d + x p - A p (t - P) + β p (d - τ)),
+// p = e · inv_denom, d = p - t (x: u (Σ t - 1), the CE gradient's Σt p - t). out may alias e, not target.
+// kStream: streaming stores for the 64-byte lines wholly inside the row, as rescale_stream_sweep (callers fence).
+template <bool kStream>
+CALIBKERNELS_AVX512 inline void dense_gradient_sweep(const float* e, const float* target, float keep, float c, float* out,
+                                                     int64_t C, float inv_denom, float u, float excess, float focal,
+                                                     float P, float beta, float tau, float scale) {
+  const __m512 inv_vec = _mm512_set1_ps(inv_denom), keep_vec = _mm512_set1_ps(keep), c_vec = _mm512_set1_ps(c),
+               u_vec = _mm512_set1_ps(u), excess_vec = _mm512_set1_ps(excess), focal_vec = _mm512_set1_ps(focal),
+               P_vec = _mm512_set1_ps(P), beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau),
+               scale_vec = _mm512_set1_ps(scale);
+  auto step = [&](int64_t k, __mmask16 lanes) CALIBKERNELS_AVX512 {
+    const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, e + k), inv_vec);
+    const __m512 t = _mm512_fmadd_ps(keep_vec, _mm512_maskz_loadu_ps(lanes, target + k), c_vec);
+    const __m512 d = _mm512_sub_ps(p, t);
+    __m512 g = _mm512_fmadd_ps(excess_vec, p, _mm512_mul_ps(u_vec, d));
+    g = _mm512_fnmadd_ps(_mm512_mul_ps(focal_vec, p), _mm512_sub_ps(t, P_vec), g);
+    g = _mm512_fmadd_ps(_mm512_mul_ps(beta_vec, p), _mm512_sub_ps(d, tau_vec), g);
+    g = _mm512_mul_ps(g, scale_vec);
+    if (kStream && lanes == static_cast<__mmask16>(0xFFFF)) {
+      _mm512_stream_ps(out + k, g);
+    } else {
+      _mm512_mask_storeu_ps(out + k, lanes, g);
+    }
+  };
+  int64_t k = 0;
+  if constexpr (kStream) {  // the partial line at the row's start, with ordinary stores
+    const int64_t misalign = static_cast<int64_t>((reinterpret_cast<uintptr_t>(out) & 63) / sizeof(float));
+    if (misalign != 0) {
+      k = std::min<int64_t>(C, kWidth - misalign);
+      step(0, tail_mask(k));
+    }
+  }
+  for (; k + kWidth <= C; k += kWidth) step(k, static_cast<__mmask16>(0xFFFF));
+  if (k < C) step(k, tail_mask(C - k));
 }
 
 CALIBKERNELS_AVX512 inline void stream_fence() { _mm_sfence(); }
