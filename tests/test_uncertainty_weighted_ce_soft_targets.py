@@ -317,3 +317,27 @@ def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(is
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() in (isa, "default")
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+@pytest.mark.parametrize("weight", ["brier", "focal"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_cpu_column_m_when_the_mix_partner_dominates(weight, smoothing):
+    """Rows whose mix partner m holds nearly all the probability (p_m up to 1 - 1e-13), loss mode: column m's
+    gradient is formed from small quantities (1 - p_m, w_m (1 - p_m) - w_y p_y, the rest's sums taken without m),
+    as column y's is; the difference form had up to 75 float32 ulps of error there."""
+    g = torch.Generator().manual_seed(11)
+    n, c = 48, 50
+    z = torch.randn(n, c, generator=g, dtype=torch.float64)
+    y = torch.randint(0, c, (n,), generator=g)
+    m = (y + 1 + torch.randint(0, c - 1, (n,), generator=g)) % c
+    z[torch.arange(n), m] = torch.linspace(8.0, 30.0, n, dtype=torch.float64)
+    lam = torch.full((n,), 0.7, dtype=torch.float64)
+    grads = []
+    for dtype, backend in ((torch.float32, "cpu"), (torch.float64, "reference")):
+        x = z.to(dtype).requires_grad_()
+        ck.uncertainty_weighted_ce(x, y, weight=weight, mode="loss", gamma=2.0, reduction="sum", mix_target=m,
+                                   mix_lambda=lam.to(dtype), label_smoothing=smoothing, backend=backend).backward()
+        grads.append(x.grad.double()[torch.arange(n), m])
+    ulps = ((grads[0] - grads[1]).abs() / grads[1].abs()) / torch.finfo(torch.float32).eps
+    assert float(ulps.max()) < 16, f"column m: {float(ulps.max()):.1f} ulps"

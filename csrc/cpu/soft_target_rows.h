@@ -55,7 +55,7 @@ struct CompactSums {
 
 template <typename T>
 struct CompactRow {
-  T denom, p_y, p_m, one_minus_p_y, d_y, d_m, t_y, t_m, P, one_minus_P;
+  T denom, p_y, p_m, one_minus_p_y, one_minus_p_m, d_y, d_m, t_y, t_m, P, one_minus_P;
   // CE = ce_offset + ce_scale · L with L = log(denom) = log1p(log_arg): the logarithm can wait for the vectorised
   // pass of finish_row_losses when nothing in the row needs the CE (mode "grad", no FLSD band)
   T ce_offset, ce_scale, log_arg;
@@ -71,7 +71,8 @@ inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<
   r.p_y = s.e_y * inv;
   r.one_minus_p_y = others_y * inv;
   r.p_m = mixed ? s.e_m * inv : r.p_y;
-  const T one_minus_p_m = mixed ? (s.e_y + s.rest) * inv : r.one_minus_p_y;
+  r.one_minus_p_m = mixed ? (s.e_y + s.rest) * inv : r.one_minus_p_y;
+  const T one_minus_p_m = r.one_minus_p_m;
   // denom - 1 exactly where the reference column's exponential is 1 (the target's, or m's when it is the row max),
   // so log1p keeps lse - z accurate as p → 1
   r.log_arg = (mixed && z_m == ref && z_y != ref) ? (s.e_m - T(1)) + (s.e_y + s.rest) : (s.e_y - T(1)) + others_y;
@@ -98,8 +99,31 @@ inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<
   r.t_m = mixed ? tg.c + tg.w_m : r.t_y;
   const T one_minus_t_y = (mixed ? tg.w_m : T(0)) + cm1;
   r.d_y = one_minus_t_y - r.one_minus_p_y;  // p_y - t_y without cancellation as p_y → 1
-  r.d_m = mixed ? r.p_m - r.t_m : r.d_y;
+  // p_m - t_m; as p_m → 1 from the small quantities, as for column y
+  r.d_m = !mixed ? r.d_y : (r.p_m <= T(0.5) ? r.p_m - r.t_m : (tg.w_y + cm1) - one_minus_p_m);
   return r;
+}
+
+// e_m above this multiple of the other columns' sum: compact_soft_row sums the rest again (the difference
+// Σ_{k≠y} e_k - e_m would carry more than 6 bits of cancellation).
+constexpr double kDominantPartner = 64.0;
+
+// Σ e_k and Σ e_k² over [0, C) without the columns a and b, from a stored row of exponentials.
+template <typename T>
+void rest_sums(const T* e, int64_t C, int64_t a, int64_t b, T& sum, T& sum_sq) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  Vec s(T(0)), s2(T(0));
+  for_columns_except(C, a, b, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; k += W) {
+      const int64_t count = std::min<int64_t>(W, hi - k);
+      const Vec v = Vec::set(Vec(T(0)), Vec::loadu(e + k, count), count);
+      s = s + v;
+      s2 = at::vec::fmadd(v, v, s2);
+    }
+  });
+  sum = horizontal_sum(s);
+  sum_sq = horizontal_sum(s2);
 }
 
 template <typename T, bool kAvx512 = false>
@@ -162,7 +186,15 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   const T z_m = z[m];  // read after the sweep, which brought the row into the cache
   const T e_y = target_reference ? T(1) : std::exp(z_y - ref);
   const T e_m = mixed ? e_row[m] : T(0);
-  const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others - e_m, shift_sum});
+  // Σ e_k and Σ e_k² over the columns other than y and m
+  T rest = sum_others - e_m, rest_sq = kSquare ? sum_sq_others - e_m * e_m : T(0);
+  if (mixed && e_m > T(kDominantPartner) * rest) {
+    // the mix partner holds nearly all the probability: those differences have lost the bits that 1 - p_m and
+    // column m's terms are made of, so the rest is summed again from the stored exponentials (rare rows; the row is
+    // in L1)
+    rest_sums(e_row, C, y, m, rest, rest_sq);
+  }
+  const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, rest, shift_sum});
 
   const bool loss_mode = spec.mode == Mode::Loss;
   const bool need_log = loss_mode || spec.flsd_schedule;
@@ -179,10 +211,10 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   if constexpr (kSquare) {
     // S = Σ_{k∉{y,m}} (p_k - c)² + d_y² + d_m², the first sum from Σ p_k² and Σ p_k over those columns
     const T inv2 = (T(1) / cr.denom) * (T(1) / cr.denom);
-    const T rest_sq = std::max(T(0), sum_sq_others - e_m * e_m) * inv2;
-    const T rest = std::max(T(0), sum_others - e_m) / cr.denom;
+    const T rest_sq_p = std::max(T(0), rest_sq) * inv2;
+    const T rest_p = std::max(T(0), rest) / cr.denom;
     const T n_rest = static_cast<T>(C - (mixed ? 2 : 1));
-    const T uniform_part = std::max(T(0), rest_sq - T(2) * tg.c * rest + n_rest * tg.c * tg.c);
+    const T uniform_part = std::max(T(0), rest_sq_p - T(2) * tg.c * rest_p + n_rest * tg.c * tg.c);
     r.S = uniform_part + cr.d_y * cr.d_y + (mixed ? cr.d_m * cr.d_m : T(0));
     r.H = (sum_sq_others + e_y * e_y) * inv2 - cr.P;  // τ = Σ p² - P
   }
@@ -200,7 +232,19 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       g_y += coefs.beta * cr.p_y * (cr.p_y * cr.one_minus_p_y - others_sq - t_minus_P);
     }
     g_y *= scale;
-    const T g_m = mixed ? scale * soft_gradient_element(coefs, cr.p_m, cr.t_m, cr.d_m, spec.q) : g_y;
+    T g_m = g_y;
+    if (mixed) {
+      // column m the same way: t_m - P = w_m (1 - p_m) - w_y p_y, (p_m - t_m) - τ = p_m (1 - p_m) - Σ_{k≠m} p_k² -
+      // (t_m - P)
+      const T t_minus_P_m = tg.w_m * cr.one_minus_p_m - tg.w_y * cr.p_y;
+      g_m = coefs.u * cr.d_m - coefs.focal * cr.p_m * t_minus_P_m;
+      if constexpr (kSquare) {
+        const T inv = T(1) / cr.denom;
+        const T others_sq_m = (std::max(T(0), rest_sq) + e_y * e_y) * inv * inv;
+        g_m += coefs.beta * cr.p_m * (cr.p_m * cr.one_minus_p_m - others_sq_m - t_minus_P_m);
+      }
+      g_m *= scale;
+    }
     bool streamed = false;
     const T inv = T(1) / cr.denom, alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
     auto rescale = [&](auto square_tag) {
