@@ -86,7 +86,8 @@ class UncertaintyWeightedCE(nn.Module):
             mix_lambda=mix_lambda,
         )
 
-    def extra_repr(self):
+    def _weight_repr(self) -> list:
+        """The weight's part of :meth:`extra_repr` (weight, mode and its hyperparameters)."""
         parts = [f"weight={self.weight!r}"]
         if self.weight not in ("none", "external"):
             parts.append(f"mode={self.mode!r}")
@@ -94,6 +95,10 @@ class UncertaintyWeightedCE(nn.Module):
             parts.append(f"gamma={self.gamma}")
         if self.weight in ("brier", "brier_flsd"):
             parts.append(f"norm={self.norm}")
+        return parts
+
+    def extra_repr(self):
+        parts = self._weight_repr()
         if self.gra_detach != "weight":
             parts.append(f"gra_detach={self.gra_detach!r}")
         if self.label_smoothing:
@@ -138,9 +143,8 @@ class AdaptiveBSCEGRA(UncertaintyWeightedCE):
         super().__init__(weight="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
                          ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing)
 
-    def extra_repr(self):
-        return (f"gamma={self.gamma} (where <t, p> >= 0.5; 5 below 0.2, 3 below 0.5), norm={self.norm}, "
-                + super().extra_repr().split(f"norm={self.norm}, ", 1)[1])
+    def _weight_repr(self) -> list:
+        return [f"gamma={self.gamma} (where <t, p> >= 0.5; 5 below 0.2, 3 below 0.5)", f"norm={self.norm}"]
 
 
 def _check_reference_only_backend(loss_name, backend):

@@ -62,7 +62,8 @@ struct CompactRow {
 };
 
 template <typename T>
-inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref, const CompactSums<T>& s) {
+inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m,
+                                                                T ref, const CompactSums<T>& s) {
   CompactRow<T> r;
   const bool mixed = tg.m != tg.y;
   r.denom = s.e_y + s.e_m + s.rest;
@@ -224,29 +225,22 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     // column y without cancellation when p_y → 1: t_y - P = w_y (1 - p_y) ∓ w_m p_m, and (p_y - t_y) - τ =
     // p_y (1 - p_y) - Σ_{k≠y} p_k² - (t_y - P) (τ = Σ p² - P), where the generic form subtracts numbers near 1 and
     // the loss mode multiplies the difference by β = CE γ S^{γ/2-1}
-    const T t_minus_P = tg.w_y * cr.one_minus_p_y + (mixed ? -tg.w_m * cr.p_m : tg.w_m * cr.one_minus_p_y);
-    T g_y = coefs.u * cr.d_y - coefs.focal * cr.p_y * t_minus_P;
-    if constexpr (kSquare) {
-      const T inv = T(1) / cr.denom;
-      const T others_sq = sum_sq_others * inv * inv;
-      g_y += coefs.beta * cr.p_y * (cr.p_y * cr.one_minus_p_y - others_sq - t_minus_P);
-    }
-    g_y *= scale;
-    T g_m = g_y;
-    if (mixed) {
-      // column m the same way: t_m - P = w_m (1 - p_m) - w_y p_y, (p_m - t_m) - τ = p_m (1 - p_m) - Σ_{k≠m} p_k² -
-      // (t_m - P)
-      const T t_minus_P_m = tg.w_m * cr.one_minus_p_m - tg.w_y * cr.p_y;
-      g_m = coefs.u * cr.d_m - coefs.focal * cr.p_m * t_minus_P_m;
-      if constexpr (kSquare) {
-        const T inv = T(1) / cr.denom;
-        const T others_sq_m = (std::max(T(0), rest_sq) + e_y * e_y) * inv * inv;
-        g_m += coefs.beta * cr.p_m * (cr.p_m * cr.one_minus_p_m - others_sq_m - t_minus_P_m);
-      }
-      g_m *= scale;
-    }
+    // column m the same way: t_m - P = w_m (1 - p_m) - w_y p_y, (p_m - t_m) - τ = p_m (1 - p_m) - Σ_{k≠m} p_k² -
+    // (t_m - P). `others_sq_e`: Σ e_k² over the other columns.
+    const T inv = T(1) / cr.denom;
+    auto exact_column = [&](T p, T one_minus_p, T d, T t_minus_P, T others_sq_e) {
+      T g = coefs.u * d - coefs.focal * p * t_minus_P;
+      if constexpr (kSquare) g += coefs.beta * p * (p * one_minus_p - others_sq_e * inv * inv - t_minus_P);
+      return g * scale;
+    };
+    const T g_y = exact_column(cr.p_y, cr.one_minus_p_y, cr.d_y,
+                               tg.w_y * cr.one_minus_p_y + (mixed ? -tg.w_m * cr.p_m : tg.w_m * cr.one_minus_p_y),
+                               sum_sq_others);
+    const T g_m = !mixed ? g_y
+                         : exact_column(cr.p_m, cr.one_minus_p_m, cr.d_m, tg.w_m * cr.one_minus_p_m - tg.w_y * cr.p_y,
+                                        std::max(T(0), rest_sq) + e_y * e_y);
     bool streamed = false;
-    const T inv = T(1) / cr.denom, alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
+    const T alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
     auto rescale = [&](auto square_tag) {
       constexpr bool kSq = decltype(square_tag)::value;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
