@@ -222,13 +222,15 @@ def lambda_tensor(mix_lambda, logits_dtype: torch.dtype, device, shape=()) -> to
     return torch.full(shape, float(mix_lambda), dtype=dtype, device=device)
 
 
-def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool = False) -> torch.Tensor:
+def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool = False,
+                       check_values: bool = True) -> torch.Tensor:
     """A dense probability target ``(..., C)`` of ``logits``' shape, returned as ``(N, C)``.
 
     Every entry finite and ``>= 0``, every row summing to 1 within :data:`_ROW_SUM_TOLERANCE` of its dtype (sums are
     taken in float64); it is used as given, not renormalised (as ``F.cross_entropy`` does). ``ignore_index`` applies
     to class indices only, so it must stay at its default -100. Targets are constants: one that requires grad raises
-    (the loss would silently give it no gradient).
+    (the loss would silently give it no gradient). ``check_values=False`` leaves the value check to the C++ CPU
+    kernel, which makes it, with these errors, in the sweep that reads the target anyway.
     """
     if tuple(target.shape) == tuple(logits.shape[:-1]):
         raise TypeError(f"target has the shape of class indices {tuple(target.shape)} but holds {target.dtype}: "
@@ -246,7 +248,7 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
         raise ValueError("the dense target requires grad, but targets are constants here (no gradient flows to "
                          "them): pass target.detach()")
     target2d = target.reshape(-1, logits.shape[-1])
-    if not torch.compiler.is_compiling():
+    if check_values and not torch.compiler.is_compiling():
         # two reductions over N×C and no N×C temporary (a float64 sum would copy the target): the smallest entry,
         # and the row sums in the target's accumulation type (entries >= 0 with finite row sums are all finite; NaN
         # fails both tests); rounding of a float32 sum over 10^5 columns stays far below the tolerance
@@ -345,13 +347,14 @@ def check_loss_inputs(
     mix_target=None,
     mix_lambda=None,
     kernel_checks_mix: bool = False,
+    kernel_checks_dense: bool = False,
 ) -> LossInputs:
     """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
 
     ``check_values=False`` skips the checks that read tensor values (a device synchronisation on GPU), for backends
     whose kernels check the targets on the device. Soft-target values (a dense target, ``mix_target``,
-    ``mix_lambda``) are checked on the host, unless ``kernel_checks_mix`` (the C++ CPU kernel checks the mix's
-    values itself, with the same errors).
+    ``mix_lambda``) are checked on the host, unless ``kernel_checks_mix`` / ``kernel_checks_dense`` (the C++ CPU
+    kernel checks the mix's values, and a dense target's in the sweep that reads it, itself, with the same errors).
 
     A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
     ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
@@ -373,7 +376,7 @@ def check_loss_inputs(
             raise ValueError(f"logits must have at least 2 dimensions (..., C), got shape {tuple(logits.shape)}")
         if logits.numel() == 0:
             raise ValueError("empty batch: logits have no rows")
-        target2d = check_dense_target(logits, target, ignore_index)
+        target2d = check_dense_target(logits, target, ignore_index, check_values=not kernel_checks_dense)
         logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
         batch_shape = tuple(logits.shape[:-1])
         sample_weight = check_sample_weight(sample_weight, weight, batch_shape, logits.device,

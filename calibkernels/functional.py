@@ -76,6 +76,8 @@ def uncertainty_weighted_ce(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
         mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu",
+        # in place, a bad dense target must raise before the kernel overwrites the logits
+        kernel_checks_dense=name == "cpu" and inplace is False,
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")

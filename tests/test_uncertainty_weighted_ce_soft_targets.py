@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 import calibkernels as ck
 from calibkernels import _backends
+from calibkernels import _validation as V
 from calibkernels import reference as R
 
 from _tolerance import assert_within_reference_error
@@ -293,6 +294,15 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
             assert torch.equal(streamed[0], ordinary[0]) and torch.equal(streamed[1], ordinary[1]), what
 
 
+def _run_on_instruction_set(code, isa):
+    """Runs `code` in a subprocess whose CPU kernel takes the `isa` build (the CPU's best when it lacks that one)."""
+    code += "import calibkernels._C as C; print(C.CPU_ISA)\n"
+    env = dict(os.environ, CALIBKERNELS_CPU_ISA=isa)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() in (isa, "default")
+
+
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(isa):
@@ -311,12 +321,8 @@ def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(is
         "          gamma=2.0, backend=backend, **kw); l.backward(); out.append((l, x.grad))\n"
         "    torch.testing.assert_close(out[0][0], out[1][0], rtol=2e-5, atol=1e-6)\n"
         "    torch.testing.assert_close(out[0][1], out[1][1], rtol=2e-5, atol=1e-7)\n"
-        "import calibkernels._C as C; print(C.CPU_ISA)\n"
     )
-    env = dict(os.environ, CALIBKERNELS_CPU_ISA=isa)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.strip() in (isa, "default")
+    _run_on_instruction_set(code, isa)
 
 
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
@@ -341,3 +347,108 @@ def test_cpu_column_m_when_the_mix_partner_dominates(weight, smoothing):
         grads.append(x.grad.double()[torch.arange(n), m])
     ulps = ((grads[0] - grads[1]).abs() / grads[1].abs()) / torch.finfo(torch.float32).eps
     assert float(ulps.max()) < 16, f"column m: {float(ulps.max()):.1f} ulps"
+
+
+def _dense_target_errors(z, target, **kw):
+    """The error text of the CPU kernel's and of the reference's checks of a dense target (None where it passes)."""
+    texts = []
+    for backend in ("cpu", "reference"):
+        try:
+            ck.uncertainty_weighted_ce(z, target, weight="brier", backend=backend, **kw)
+            texts.append(None)
+        except ValueError as error:
+            texts.append(str(error))
+    return texts
+
+
+def _off_by(dense, rows, amount):
+    """dense with the mass of `rows` moved off 1 by `amount` (each row's largest entry changed, in the target's
+    dtype)."""
+    target = dense.clone()
+    for row in rows:
+        target[row, int(target[row].argmax())] += amount
+    return target
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+@pytest.mark.parametrize("logit_dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("target_dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, target_dtype):
+    """The CPU kernel checks a dense target's values in the sweep that reads it (the host check's two N×C reductions
+    are skipped): the same ValueError text as the host check (which the reference runs) for negative, NaN and
+    infinite entries and for rows off 1 by more than the dtype's tolerance, the worst row named; rows off by less
+    than the tolerance pass, both where the kernel's margin flags them for the exact check and where it does not."""
+    tolerance = V._ROW_SUM_TOLERANCE[target_dtype]
+    for c in (5, 301, 1500):
+        g = torch.Generator().manual_seed(c)
+        z = (torch.randn(9, c, generator=g, dtype=torch.float64) * 3).to(logit_dtype)
+        peak = 6.0 * (torch.arange(c) == c // 3)  # room in the largest entry for the moves below
+        dense = torch.softmax(torch.randn(9, c, generator=g, dtype=torch.float64) + peak, 1).to(target_dtype)
+        bad_cases = [
+            torch.where((torch.arange(9) == 4)[:, None] & (torch.arange(c) == c - 1), -1e-3, dense),
+            torch.where((torch.arange(9) == 2)[:, None] & (torch.arange(c) == 0), float("nan"), dense),
+            torch.where((torch.arange(9) == 8)[:, None] & (torch.arange(c) == c // 2), float("inf"), dense),
+            torch.where((torch.arange(9) == 0)[:, None] & (torch.arange(c) == 1), float("-inf"), dense),
+            _off_by(dense, [3], 3 * tolerance),
+            _off_by(dense, [1, 6], -3 * tolerance),  # two rows off: the same worst row named
+            _off_by(_off_by(dense, [1], 2 * tolerance), [7], 4 * tolerance),
+        ]
+        for number, target in enumerate(bad_cases):
+            kernel, host = _dense_target_errors(z, target)
+            assert host is not None and kernel == host, (c, number, kernel, host)
+        # within the tolerance: flagged by the kernel's margin (a quarter of it) or not, the rows pass
+        for amount in (0.6 * tolerance, -0.6 * tolerance, 0.1 * tolerance):
+            target = _off_by(dense, [5], amount)
+            if abs(float(target[5].double().sum()) - 1) > 0.95 * tolerance:
+                continue  # the dtype rounded the change past the tolerance
+            assert _dense_target_errors(z, target) == [None, None], (c, amount)
+            got = ck.uncertainty_weighted_ce(z, target, weight="brier", backend="cpu")
+            exact = ck.uncertainty_weighted_ce(z, target, weight="brier", backend="reference")
+            torch.testing.assert_close(got, exact, rtol=2e-2 if logit_dtype == torch.bfloat16 else 1e-4, atol=1e-5)
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+def test_cpu_kernel_dense_check_in_place_past_2_to_18_columns_and_compiled():
+    """In place the host checks first, so a bad target leaves the logits intact; rows past 2^18 columns take the exact
+    check on every call; under torch.compile (where the host check is skipped) the kernel still refuses."""
+    z = torch.randn(6, 40)
+    dense = torch.softmax(torch.randn(6, 40), 1)
+    bad = dense.clone()
+    bad[2, 3] = -0.5
+    x = z.clone()
+    with pytest.raises(ValueError, match="finite and >= 0"):
+        ck.uncertainty_weighted_ce(x, bad, backend="cpu", inplace=True)
+    assert torch.equal(x, z)
+    c = (1 << 18) + 3
+    wide = torch.full((2, c), 1.0 / c)
+    z_wide = torch.randn(2, c)
+    ck.uncertainty_weighted_ce(z_wide, wide, backend="cpu")
+    wide[1, 5] += 3e-4
+    kernel, host = _dense_target_errors(z_wide, wide)
+    assert host is not None and "row 1 sums to" in host and kernel == host
+    compiled = torch.compile(lambda a, b: ck.uncertainty_weighted_ce(a, b, backend="cpu"), fullgraph=True)
+    torch.testing.assert_close(compiled(z, dense), ck.uncertainty_weighted_ce(z, dense, backend="cpu"))
+    with pytest.raises(Exception, match="finite and >= 0"):
+        compiled(z, bad)
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+@pytest.mark.parametrize("isa", ["default", "avx2"])
+def test_each_instruction_set_build_checks_dense_targets_in_a_subprocess(isa):
+    code = (
+        "import torch, calibkernels as ck\n"
+        "torch.manual_seed(0)\n"
+        "for c in (7, 1500):\n"
+        "  z = torch.randn(5, c); dense = torch.softmax(torch.randn(5, c, dtype=torch.float64), 1).float()\n"
+        "  cases = [dense.clone() for _ in range(4)]\n"
+        "  cases[0][1, 2] = -1e-3; cases[1][3, 0] = float('nan'); cases[2][4, 1] += 3e-4; cases[3][0, 0] += 6e-5\n"
+        "  for number, target in enumerate(cases):\n"
+        "    texts = []\n"
+        "    for backend in ('cpu', 'reference'):\n"
+        "      try:\n"
+        "        ck.uncertainty_weighted_ce(z, target, backend=backend); texts.append(None)\n"
+        "      except ValueError as error:\n"
+        "        texts.append(str(error))\n"
+        "    assert texts[0] == texts[1] and (texts[0] is None) == (number == 3), (c, number, texts)\n"
+    )
+    _run_on_instruction_set(code, isa)

@@ -4,6 +4,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <atomic>
 #include <cstdint>
 #include <optional>
 
@@ -21,6 +22,9 @@ struct SoftTargetArgs {
   const double* lambda_double = nullptr;
   int64_t lambda_stride = 0;
   double smoothing = 0;               // a
+  // dense: the rows' value check (soft::flag_dense_target) sets *dense_invalid when a row may fail it
+  std::atomic<bool>* dense_invalid = nullptr;
+  double dense_flag_tolerance = 0;
 };
 
 struct KernelArgs {

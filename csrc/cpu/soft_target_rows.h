@@ -28,7 +28,19 @@ struct RowTarget {
   T c;             // a / C
   T w_y, w_m;      // compact: the weights of columns y and m (m == y without a mix)
   int64_t y, m;
+  // dense: set when T_k < 0 or NaN somewhere, or |Σ T_k - 1| > flag_tolerance (the caller then runs the exact
+  // check, check_dense_target_values, and raises its error or goes on)
+  std::atomic<bool>* invalid = nullptr;
+  T flag_tolerance = 0;
 };
+
+// The dense target's value check, folded into the exponential sweep that reads T anyway.
+template <typename T>
+void flag_dense_target(const RowTarget<T>& tg, T given_sum, bool not_nonneg) {
+  if (tg.invalid != nullptr && (not_nonneg || !(std::abs(given_sum - T(1)) <= tg.flag_tolerance))) {
+    tg.invalid->store(true, std::memory_order_relaxed);
+  }
+}
 
 // f(lo, hi) over [0, C) without the columns a and b (which may be equal).
 template <typename F>
@@ -325,16 +337,25 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       }
       total_e = sums.e, t_total = sums.t, total_tz = sums.tz, total_te = sums.te, total_ee = sums.ee;
       total_tt = sums.tt;
+      flag_dense_target(tg, sums.given, sums.not_nonneg);
     }
 #endif
     if constexpr (!kWide) {
-      Vec sum_e(T(0)), sum_t(T(0)), sum_tz(T(0)), sum_te(T(0)), sum_ee(T(0)), sum_tt(T(0));
+      Vec sum_e(T(0)), sum_t(T(0)), sum_tz(T(0)), sum_te(T(0)), sum_ee(T(0)), sum_tt(T(0)), sum_given(T(0)),
+          block_given(T(0)), min_given(T(0));
       for (int64_t k = 0; k < C; k += W) {
+        if (k % (64 * W) == 0) {  // Σ T_k in blocks of 64 vectors, so its rounding stays far below the check's margin
+          sum_given = sum_given + block_given;
+          block_given = Vec(T(0));
+        }
         const int64_t count = std::min<int64_t>(W, C - k);
         const Vec shifted = load_masked(z + k, count, ref) - ref_vec;
         const Vec e = Vec::set(zero, exp_nonpositive(shifted), count);
         e.store(exps + k, count);
-        const Vec t = Vec::set(zero, target_vector(tg, k, count), count);
+        const Vec given = Vec::set(zero, Vec::loadu(tg.dense + k, count), count);
+        block_given = block_given + given;
+        min_given = at::vec::minimum(min_given, given);  // propagates NaN
+        const Vec t = Vec::set(zero, at::vec::fmadd(Vec(tg.keep), given, Vec(tg.c)), count);
         sum_e = sum_e + e;
         sum_t = sum_t + t;
         sum_tz = sum_tz + Vec::blendv(zero, t * shifted, t > zero);
@@ -346,6 +367,11 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       }
       total_e = horizontal_sum(sum_e), t_total = horizontal_sum(sum_t), total_tz = horizontal_sum(sum_tz);
       total_te = horizontal_sum(sum_te), total_ee = horizontal_sum(sum_ee), total_tt = horizontal_sum(sum_tt);
+      alignas(64) T mins[W];
+      min_given.store(mins);
+      bool not_nonneg = false;
+      for (const T v : mins) not_nonneg = not_nonneg || !(v >= T(0));
+      flag_dense_target(tg, horizontal_sum(sum_given + block_given), not_nonneg);
     }
     denom = total_e;
     const T log_denom = std::log(denom);

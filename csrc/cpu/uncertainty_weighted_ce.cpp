@@ -14,6 +14,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <atomic>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -107,6 +109,68 @@ struct SoftTargetTensors {
   at::Tensor dense, mix, lambda;
 };
 
+// A dense target's row-sum tolerance, calibkernels._validation._ROW_SUM_TOLERANCE (tests hold the two to the same
+// boundaries), and the dtype's name as Python spells it in the error message.
+double dense_row_sum_tolerance(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble:
+      return 1e-6;
+    case at::kFloat:
+      return 1e-4;
+    case at::kHalf:
+      return 1e-2;
+    case at::kBFloat16:
+      return 2e-2;
+    default:
+      return 1e-4;
+  }
+}
+
+std::string python_dtype_name(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble:
+      return "torch.float64";
+    case at::kFloat:
+      return "torch.float32";
+    case at::kHalf:
+      return "torch.float16";
+    case at::kBFloat16:
+      return "torch.bfloat16";
+    default:
+      return std::string("torch.") + c10::toString(dtype);
+  }
+}
+
+// The kernel checks a dense target's values in its exponential sweep, which reads T anyway (soft::flag_dense_target),
+// with a margin: it flags a row whose sum is off 1 by more than a quarter of the tolerance, so that the rounding of its
+// float sums can never pass a row the exact check refuses. Where float sums cannot promise that (a float64 target in a
+// float32 kernel; rows past 2^18 columns) every call takes the exact check. A negative margin flags every row.
+double dense_flag_tolerance(at::ScalarType target_dtype, at::ScalarType acc_dtype, int64_t num_classes) {
+  if (target_dtype == at::kDouble && acc_dtype != at::kDouble) return -1;
+  if (num_classes > (int64_t{1} << 18)) return -1;
+  return dense_row_sum_tolerance(target_dtype) / 4;
+}
+
+// calibkernels._validation.check_dense_target's value check, with its reductions and its error messages; run when the
+// kernel flagged a row.
+void check_dense_target_values(const at::Tensor& target) {
+  const at::Tensor row_sums = target.sum(1).to(at::kDouble);
+  TORCH_CHECK_VALUE(target.amin().item<double>() >= 0 && row_sums.isfinite().all().item<bool>(),
+                    "a dense target must be finite and >= 0 everywhere (a probability distribution per row)");
+  const double tolerance = dense_row_sum_tolerance(target.scalar_type());
+  const at::Tensor error = row_sums.sub(1.0).abs();
+  if (error.max().item<double>() > tolerance) {
+    const int64_t row = error.argmax().item<int64_t>();
+    const double sum = target.select(0, row).to(at::kDouble).sum().item<double>();
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.8g", sum);
+    char tol[32];
+    std::snprintf(tol, sizeof(tol), "%g", tolerance);
+    TORCH_CHECK_VALUE(false, "every row of a dense target must sum to 1 (within ", tol, " for ",
+                      python_dtype_name(target.scalar_type()), "); row ", row, " sums to ", text);
+  }
+}
+
 SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, const at::Tensor& target,
                                        const std::optional<at::Tensor>& mix_target,
                                        const std::optional<at::Tensor>& mix_lambda) {
@@ -116,6 +180,7 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
     const auto acc = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     held.dense = target.to(acc).contiguous();
     args.soft.dense = &held.dense;
+    args.soft.dense_flag_tolerance = dense_flag_tolerance(target.scalar_type(), acc, z.size(1));
   }
   if (mix_target.has_value()) {
     held.mix = mix_target->contiguous();
@@ -159,6 +224,8 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   const at::Tensor z = direct ? logits : logits.contiguous();
   const at::Tensor t = target.contiguous();
   const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix_target, mix_lambda);
+  std::atomic<bool> dense_invalid{false};
+  args.soft.dense_invalid = &dense_invalid;
   // In place each row is read before it is overwritten. A fresh gradient comes from the reused buffers (no page
   // faults for a new N×C each step, see gradient_buffer_cache.h).
   const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out, [&] {
@@ -172,6 +239,7 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
           ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args, false)
           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args,
                                  isa == CpuIsa::Avx512);
+  if (dense_invalid.load()) check_dense_target_values(t);
   return finish_gradient(loss, dest, compute_grad, grad_out);
 }
 

@@ -33,6 +33,7 @@
 #include <ATen/ops/scalar_tensor.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -572,6 +573,8 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
       soft::RowTarget<acc_t> tg{nullptr, keep, uniform, acc_t(0), acc_t(0), 0, 0};
       if (dense_ptr != nullptr) {
         tg.dense = dense_ptr + i * c;
+        tg.invalid = st.dense_invalid;
+        tg.flag_tolerance = static_cast<acc_t>(st.dense_flag_tolerance);
       } else {
         const int64_t y = t_ptr[i];
         if (y == args.ignore_index) {

@@ -266,25 +266,33 @@ CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_
 // Dense soft targets, t_k = keep · T_k + c (soft_target_rows.h): the row's sums over [0, C) in one sweep.
 struct DenseSums {
   float e = 0, t = 0, tz = 0, te = 0, ee = 0, tt = 0;  // Σ e, Σ t, Σ_{t>0} t (z - m), Σ t e, Σ e², Σ t²
+  float given = 0;         // Σ T_k of the target as given (before smoothing), for its value check
+  bool not_nonneg = false;  // some T_k < 0 or NaN
 };
 
 // out[k] = exp(z[k] - m) (out must not alias z or target) and the DenseSums (Σ e², Σ t² only when kSquare: gBS with
 // q = 2 takes S = Σ p² - 2 P + Σ t² from them). Terms with t_k = 0 are left out of Σ t (z - m), so a -inf logit with
-// no target mass adds 0, not NaN. Two-level summation as in exp_store_sweep.
+// no target mass adds 0, not NaN. Two-level summation as in exp_store_sweep. The target's value check rides along:
+// Σ T_k as given, and whether any T_k fails T_k >= 0 (NaN included; +inf shows in the sum).
 template <bool kSquare>
 CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, float keep, float c, float* out,
                                          int64_t C, float m, DenseSums& sums) {
   const __m512 m_vec = _mm512_set1_ps(m), keep_vec = _mm512_set1_ps(keep), c_vec = _mm512_set1_ps(c);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
-  __m512 total_e = zero, total_t = zero, total_tz = zero, total_te = zero, total_ee = zero, total_tt = zero;
+  __m512 total_e = zero, total_t = zero, total_tz = zero, total_te = zero, total_ee = zero, total_tt = zero,
+         total_given = zero;
+  __mmask16 negative = 0;
   for (int64_t begin = 0; begin < C; begin += kBlock) {
     const int64_t end = begin + kBlock < C ? begin + kBlock : C;
-    __m512 se = zero, st = zero, stz = zero, ste = zero, see = zero, stt = zero;
+    __m512 se = zero, st = zero, stz = zero, ste = zero, see = zero, stt = zero, sg = zero;
     auto step = [&](int64_t k, __mmask16 lanes) CALIBKERNELS_AVX512 {
       const __m512 shifted = _mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, lanes, z + k), m_vec);
       const __m512 e = exp_nonpositive(shifted);  // 0 in the lanes past the row
       _mm512_mask_storeu_ps(out + k, lanes, e);
-      const __m512 t = _mm512_maskz_mov_ps(lanes, _mm512_fmadd_ps(keep_vec, _mm512_maskz_loadu_ps(lanes, target + k), c_vec));
+      const __m512 given = _mm512_maskz_loadu_ps(lanes, target + k);
+      const __m512 t = _mm512_maskz_mov_ps(lanes, _mm512_fmadd_ps(keep_vec, given, c_vec));
+      sg = _mm512_add_ps(sg, given);
+      negative |= _mm512_cmp_ps_mask(given, zero, _CMP_NGE_UQ);
       se = _mm512_add_ps(se, e);
       st = _mm512_add_ps(st, t);
       stz = _mm512_mask_add_ps(stz, _mm512_cmp_ps_mask(t, zero, _CMP_GT_OQ), stz, _mm512_mul_ps(t, shifted));
@@ -299,6 +307,7 @@ CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, fl
     if (k < end) step(k, tail_mask(end - k));
     total_e = _mm512_add_ps(total_e, se);
     total_t = _mm512_add_ps(total_t, st);
+    total_given = _mm512_add_ps(total_given, sg);
     total_tz = _mm512_add_ps(total_tz, stz);
     total_te = _mm512_add_ps(total_te, ste);
     if constexpr (kSquare) {
@@ -310,6 +319,8 @@ CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, fl
   sums.t = _mm512_reduce_add_ps(total_t);
   sums.tz = _mm512_reduce_add_ps(total_tz);
   sums.te = _mm512_reduce_add_ps(total_te);
+  sums.given = _mm512_reduce_add_ps(total_given);
+  sums.not_nonneg = negative != 0;
   if constexpr (kSquare) {
     sums.ee = _mm512_reduce_add_ps(total_ee);
     sums.tt = _mm512_reduce_add_ps(total_tt);
