@@ -14,18 +14,17 @@ import torch
 
 from calibkernels import reference as R
 
+from _flsd_band import LOW_THRESHOLD_F32 as LOW32
+from _flsd_band import MID_THRESHOLD_F32 as MID32
+from _flsd_band import band_choices, flsd_gamma, flsd_gammas, pick_gamma
+
 GAMMA = 1.5  # the argument γ, used at and above the mid threshold: distinct from 3 and 5
-LOW32, MID32 = np.float32(0.2), np.float32(0.5)
+BANDS = band_choices(GAMMA)
 
 
 def _flsd_weight(logits, target, gamma=GAMMA):
     return R.uncertainty_weight(logits.to(R._compute_dtype(logits.dtype)), target, weight="flsd", gamma=gamma,
                                 norm=2.0)
-
-
-def _band_of(p_band):
-    p = np.float32(p_band)
-    return 5.0 if p < LOW32 else (3.0 if p < MID32 else GAMMA)
 
 
 def _weight_with(z, y, gamma):
@@ -36,12 +35,9 @@ def _weight_with(z, y, gamma):
 
 def _gamma_picked(z, y):
     """Which of the three γ explains the reference's weight (the three differ by far more than rounding)."""
-    got = _flsd_weight(z, y).double()
-    candidates = torch.stack([_weight_with(z, y, g) for g in (5.0, 3.0, GAMMA)])
-    picked = (candidates - got).abs().argmin(0)
-    tol = 1e-2 if z.dtype in (torch.float16, torch.bfloat16) else 1e-5
-    assert torch.isclose(candidates.gather(0, picked[None])[0], got, rtol=tol).all(), (got, candidates)
-    return [(5.0, 3.0, GAMMA)[i] for i in picked.tolist()]
+    candidates = torch.stack([_weight_with(z, y, g) for g in BANDS])
+    tol = 1e-2 if z.dtype in (torch.float16, torch.bfloat16) else 1e-5  # atol: torch.isclose's default
+    return pick_gamma(_flsd_weight(z, y), candidates, BANDS, rtol=tol, atol=1e-8, what="reference weight")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
@@ -57,7 +53,7 @@ def test_rows_whose_exact_p_y_is_a_threshold(dtype):
         assert bands[0] < LOW32 and bands[1] == MID32
     for c, band in zip((5, 2), bands):
         z = torch.zeros(3, c, dtype=dtype)
-        assert _gamma_picked(z, torch.tensor([0, 1, c - 1])) == [_band_of(band)] * 3, (dtype, c)
+        assert _gamma_picked(z, torch.tensor([0, 1, c - 1])) == [flsd_gamma(band, GAMMA)] * 3, (dtype, c)
 
 
 def test_float64_logits_take_the_band_of_the_float32_rounding_of_p_y():
@@ -82,8 +78,9 @@ def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype):
     z = torch.zeros(len(ps), 2, dtype=dtype)
     z[:, 1] = torch.tensor([math.log((1 - p) / p) for p in ps], dtype=torch.float64).to(dtype)
     exact = torch.softmax(z.double(), dim=1)[:, 0].tolist()
-    assert _gamma_picked(z, torch.zeros(len(ps), dtype=torch.long)) == [_band_of(p) for p in exact]
-    assert [_band_of(p) for p in exact] == [_band_of(float(t32) - ulp)] * 3 + [_band_of(float(t32))] * 3
+    rule = [flsd_gamma(p, GAMMA) for p in exact]
+    assert _gamma_picked(z, torch.zeros(len(ps), dtype=torch.long)) == rule
+    assert rule == [flsd_gamma(float(t32) - ulp, GAMMA)] * 3 + [flsd_gamma(float(t32), GAMMA)] * 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -93,7 +90,7 @@ def test_random_rows_reach_every_band_and_take_the_band_of_their_p_y(dtype):
     y = torch.randint(0, c, (n,))
     p_y = torch.softmax(z.double(), dim=1).gather(1, y[:, None])[:, 0]
     clear = ((p_y - 0.2).abs() > 1e-5) & ((p_y - 0.5).abs() > 1e-5)  # away from the thresholds' rounding
-    expected = [_band_of(p) for p in p_y[clear].tolist()]
+    expected = flsd_gammas(p_y[clear], GAMMA).tolist()
     assert {5.0, 3.0, GAMMA} <= set(expected), "the random rows should reach every band"
     band = R._flsd_gamma(z.to(R._compute_dtype(z.dtype)), y, GAMMA)
     assert band[clear].tolist() == expected

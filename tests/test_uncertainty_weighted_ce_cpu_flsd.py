@@ -17,12 +17,15 @@ import torch
 from calibkernels import _backends
 from calibkernels import _codes as K
 
+from _flsd_band import band_choices, flsd_gamma, gamma_picked
+
 pytestmark = pytest.mark.skipif(
     _backends.unavailable_reason("cpu", torch.device("cpu")) is not None,
     reason="calibkernels._C was not built with the CPU kernel",
 )
 
 GAMMA = 1.0  # the argument γ, used above the mid threshold: distinct from 3 and 5
+BANDS = band_choices(GAMMA)
 
 
 def _op():
@@ -40,32 +43,11 @@ def _kernel_loss(z, y, weight):
     return loss.double()
 
 
-def _loss_with(z, y, gamma, weight):
-    """u · CE in float64 from the logits' exact values, for a given γ: u = (1 - p_y)^γ (flsd) or ‖p - e_y‖_2^γ
-    (brier_flsd)."""
-    log_p = torch.log_softmax(z.double(), dim=1)
-    log_p_y = log_p.gather(1, y[:, None])[:, 0]
-    if weight == "flsd":
-        return (-torch.expm1(log_p_y)).pow(gamma) * -log_p_y
-    squares = log_p.exp().pow(2).sum(1) - log_p_y.exp().pow(2) + torch.expm1(log_p_y).pow(2)
-    return squares.pow(gamma / 2) * -log_p_y
-
-
 def _gamma_picked(z, y, weight):
-    """Which of the three γ explains the kernel's loss (they give losses that differ by far more than rounding)."""
-    got = _kernel_loss(z, y, weight)
-    candidates = torch.stack([_loss_with(z, y, g, weight) for g in (K.FLSD_LOW_GAMMA, K.FLSD_MID_GAMMA, GAMMA)])
-    picked = (candidates - got).abs().argmin(0)
-    close = torch.isclose(candidates.gather(0, picked[None])[0], got, rtol=1e-5, atol=1e-7)
-    assert close.all(), f"loss {got} is none of the three FLSD losses {candidates}"
-    return [(K.FLSD_LOW_GAMMA, K.FLSD_MID_GAMMA, GAMMA)[i] for i in picked.tolist()]
-
-
-def _rule(p_band):
-    p = np.float32(p_band)
-    if p < np.float32(K.FLSD_LOW_THRESHOLD):
-        return K.FLSD_LOW_GAMMA
-    return K.FLSD_MID_GAMMA if p < np.float32(K.FLSD_MID_THRESHOLD) else GAMMA
+    """Which of the three γ explains the kernel's loss (u · CE in float64 from the logits' exact values, u = (1 - p_y)^γ
+    or ‖p - e_y‖_2^γ; the three give losses that differ by far more than rounding)."""
+    one_hot = torch.nn.functional.one_hot(y, z.shape[1])
+    return gamma_picked(_kernel_loss(z, y, weight), z, one_hot, weight, BANDS, atol=1e-7)
 
 
 @pytest.mark.parametrize("weight", SCHEDULED)
@@ -80,7 +62,7 @@ def test_exact_thresholds_follow_the_float32_rule(dtype, weight):
     else:
         bands = [float(np.float32(math.exp(-float(np.float32(math.log(c)))))) for c in (5, 2)]
     assert bands[0] == float(np.float32(0.19999999)) if dtype != torch.float64 else bands[0] == float(np.float32(0.2))
-    expected = [_rule(p) for p in bands]
+    expected = [flsd_gamma(p, GAMMA) for p in bands]
     got = [_gamma_picked(torch.zeros(1, c, dtype=dtype), torch.tensor([0]), weight)[0] for c in (5, 2)]
     assert got == expected, f"{dtype}: bands {bands}, expected γ {expected}, kernel picked {got}"
 
@@ -111,6 +93,7 @@ def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype, weight):
     for row, p in enumerate(exact_p):
         if abs(p - float(t32)) <= 2 * ulp:
             continue  # within the implementations' last-ulp differences: either band is the rule's
-        assert got[row] == _rule(p), f"row {row}: exact p_y {p!r}, picked γ {got[row]}, rule γ {_rule(p)}"
+        rule = flsd_gamma(p, GAMMA)
+        assert got[row] == rule, f"row {row}: exact p_y {p!r}, picked γ {got[row]}, rule γ {rule}"
     # the rows well inside each side are on their side
-    assert got[:3] == [_rule(float(t32) - ulp)] * 3 and got[3:6] == [_rule(float(t32))] * 3
+    assert got[:3] == [flsd_gamma(float(t32) - ulp, GAMMA)] * 3 and got[3:6] == [flsd_gamma(float(t32), GAMMA)] * 3

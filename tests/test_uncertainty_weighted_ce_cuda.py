@@ -29,6 +29,7 @@ from calibkernels import _codes as K
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
+from _flsd_band import band_choices, flsd_gammas, gamma_picked
 from _tolerance import assert_within_reference_error
 
 _C = pytest.importorskip("calibkernels._C", reason="the compiled extension is not built")
@@ -313,15 +314,7 @@ def test_per_sample_gamma(c):
 # brier_flsd: the Brier weight with FLSD-53's γ_i
 # ----------------------------------------------------------------------------------------------------------------
 BAND_GAMMA = 2.0  # γ of the top band (p ≥ 0.5): distinct from FLSD-53's 3 and 5
-BANDS = (K.FLSD_LOW_GAMMA, K.FLSD_MID_GAMMA, BAND_GAMMA)
-
-
-def _band_rule(p_band):
-    """FLSD-53's γ_i of band values: their float32 rounding against the float32 thresholds (float64, CPU)."""
-    p = torch.as_tensor(p_band).float().cpu()
-    low = torch.tensor(K.FLSD_LOW_THRESHOLD, dtype=torch.float32)
-    mid = torch.tensor(K.FLSD_MID_THRESHOLD, dtype=torch.float32)
-    return torch.where(p < low, K.FLSD_LOW_GAMMA, torch.where(p < mid, K.FLSD_MID_GAMMA, BAND_GAMMA)).double()
+BANDS = band_choices(BAND_GAMMA)
 
 
 def _rows_in_every_band(n, c):
@@ -363,7 +356,7 @@ def test_brier_flsd_rows_are_brier_rows_with_their_band_gamma(kind, c):
     target, soft, t = _target_of(kind, y, c, seed=c)
     p_band = (t * torch.softmax(z.double().cpu(), dim=1)).sum(dim=1)  # p_y, or <t, p>
     clear = ((p_band - K.FLSD_LOW_THRESHOLD).abs() > 1e-4) & ((p_band - K.FLSD_MID_THRESHOLD).abs() > 1e-4)
-    expected = _band_rule(p_band)
+    expected = flsd_gammas(p_band, BAND_GAMMA)
     assert set(expected[clear].tolist()) == set(BANDS), "the rows should reach every band"
     for mode in MODES:
         for norm in (2.0, 1.5):
@@ -377,28 +370,14 @@ def test_brier_flsd_rows_are_brier_rows_with_their_band_gamma(kind, c):
             check_op(z, target, weight="brier_flsd", gamma=BAND_GAMMA, reduction="sum", **kw)
 
 
-def _gamma_picked(weight, loss, z, t):
-    """Which γ of BANDS explains each row's loss (flsd: (1 - <t, p>)^γ CE; brier_flsd with q = 2: ‖p - t‖^γ CE, in
-    float64 from the logits' exact values); the three losses differ by far more than rounding."""
-    log_p = torch.log_softmax(z.double().cpu(), dim=1)
-    p = log_p.exp()
-    ce = -(t * log_p).sum(dim=1)
-    if weight == "flsd":
-        candidates = torch.stack([(t * (1 - p)).sum(dim=1) ** g * ce for g in BANDS])
-    else:
-        candidates = torch.stack([((p - t) ** 2).sum(dim=1) ** (g / 2) * ce for g in BANDS])
-    got = loss.double().cpu()
-    picked = (candidates - got).abs().argmin(0)
-    assert torch.isclose(candidates.gather(0, picked[None])[0], got, rtol=1e-5, atol=0).all(), (weight, got, candidates)
-    return [BANDS[i] for i in picked.tolist()]
-
-
 def _picked_by_both(z, target, t, **soft):
-    """γ_i per row as flsd picks it and as brier_flsd picks it (grad mode, no gradient)."""
+    """γ_i per row as flsd picks it and as brier_flsd picks it (grad mode, no gradient): which γ of BANDS explains each
+    row's loss (flsd: (1 - <t, p>)^γ CE; brier_flsd with q = 2: ‖p - t‖^γ CE, in float64 from the logits' exact values;
+    the three losses differ by far more than rounding)."""
     picked = []
     for weight in ("flsd", "brier_flsd"):
         loss, _ = _op(z, target, weight=weight, gamma=BAND_GAMMA, reduction="none", compute_grad=False, **soft)
-        picked.append(_gamma_picked(weight, loss, z, t))
+        picked.append(gamma_picked(loss, z, t, weight, BANDS))  # float64 on the CPU
     return picked
 
 
@@ -415,7 +394,7 @@ def test_brier_flsd_band_is_flsd_band_at_the_thresholds(dtype):
         z = torch.zeros(3, c, dtype=dtype, device="cuda")
         y = torch.tensor([0, 1, c - 1], device="cuda")
         flsd, brier_flsd = _picked_by_both(z, y, torch.nn.functional.one_hot(y.cpu(), c).double())
-        assert brier_flsd == flsd == [_band_rule(device_band).item()] * 3, (c, device_band.item())
+        assert brier_flsd == flsd == [flsd_gammas(device_band, BAND_GAMMA).item()] * 3, (c, device_band.item())
     for threshold in (K.FLSD_LOW_THRESHOLD, K.FLSD_MID_THRESHOLD):
         t32 = np.float32(threshold)
         ulp = float(np.spacing(t32))
@@ -426,7 +405,7 @@ def test_brier_flsd_band_is_flsd_band_at_the_thresholds(dtype):
         y = torch.zeros(len(exact), dtype=torch.long, device="cuda")
         p_y = torch.softmax(z.double().cpu(), dim=1)[:, 0]
         flsd, brier_flsd = _picked_by_both(z, y, torch.nn.functional.one_hot(y.cpu(), 2).double())
-        assert brier_flsd == flsd == _band_rule(p_y).tolist(), (threshold, p_y.tolist())
+        assert brier_flsd == flsd == flsd_gammas(p_y, BAND_GAMMA).tolist(), (threshold, p_y.tolist())
 
 
 @needs_gpu
@@ -446,7 +425,7 @@ def test_brier_flsd_band_of_compact_targets_is_flsd_band():
         t = a / c + (1 - a) * (lam.double().cpu()[:, None] * torch.nn.functional.one_hot(y.cpu(), c).double()
                                + (1 - lam.double().cpu()[:, None]) * torch.nn.functional.one_hot(mix.cpu(), c).double())
         flsd, brier_flsd = _picked_by_both(z, y, t, mix_target=mix, mix_lambda=lam, label_smoothing=a)
-        assert brier_flsd == flsd == _band_rule(band).tolist(), (a, band.tolist())
+        assert brier_flsd == flsd == flsd_gammas(band, BAND_GAMMA).tolist(), (a, band.tolist())
 
 
 @needs_gpu

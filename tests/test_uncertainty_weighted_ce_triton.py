@@ -14,10 +14,10 @@ import os
 import numpy as np
 import pytest
 import torch
+from _flsd_band import band_choices, flsd_gamma, gamma_picked
 from _tolerance import assert_within_reference_error
 
 from calibkernels import _autograd, _backends, _target_checks
-from calibkernels import _codes as K
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
@@ -703,7 +703,7 @@ def test_flsd_band_of_compact_targets_is_the_closed_form(device):
             w_y = np.float32(1.0 - smoothing) * np.float32(lam[i].item())
             w_m = np.float32(1.0 - smoothing) * (np.float32(1.0) - np.float32(lam[i].item()))
             band = (w_y * e + w_m * e) + np.float32(smoothing) / np.float32(c)
-            g = 5.0 if band < np.float32(0.2) else (3.0 if band < np.float32(0.5) else gamma)
+            g = flsd_gamma(band, gamma)
             expected.append(0.8 ** g * math.log(c))  # <t, p> = 0.2 exactly, CE = log 5
         torch.testing.assert_close(loss.double().cpu(), torch.tensor(expected, dtype=torch.float64), rtol=1e-5,
                                    atol=0)
@@ -711,14 +711,9 @@ def test_flsd_band_of_compact_targets_is_the_closed_form(device):
 
 def _brier_flsd_gamma_picked(loss, z, t, norm):
     """Which of FLSD's three γ (5, 3, the argument) explains each row's ``‖p - t‖_q^γ · CE`` (float64, from the
-    logits; the three losses differ by far more than rounding)."""
-    choices = (float(K.FLSD_LOW_GAMMA), float(K.FLSD_MID_GAMMA), GAMMAS["brier_flsd"])
-    log_p = torch.log_softmax(z.double().cpu(), dim=1)
-    t = t.double().cpu()
-    cross_entropy = -torch.where(t > 0, t * log_p, 0.0).sum(dim=1)
-    brier_s = (log_p.exp() - t).abs().pow(norm).sum(dim=1)
-    candidates = torch.stack([brier_s.pow(g / norm) * cross_entropy for g in choices])
-    return [choices[i] for i in (candidates - loss.double().cpu()).abs().argmin(dim=0).tolist()]
+    logits; the three losses differ by far more than rounding). The nearest only: the caller compares the kernel's
+    pick with the reference's."""
+    return gamma_picked(loss, z, t, "brier_flsd", band_choices(GAMMAS["brier_flsd"]), norm=norm, rtol=None)
 
 
 @pytest.mark.parametrize("device", [d for d in DEVICES if d.id == "cpu"])
