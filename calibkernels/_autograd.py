@@ -108,7 +108,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
                                           ignore_index, reduction, True, logits if inplace else None,
                                           *_soft_arguments(mix_target, mix_lambda, label_smoothing))
         if flag is not None:
-            _target_checks.submit(flag, logits.shape[-1], ignore_index)
+            _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
         if inplace:
             # Autograd is off in here, so the dispatcher does not bump the mutated logits' version: do it, so that
             # any other node that saved the logits raises at backward instead of reading the gradient.
@@ -142,6 +142,11 @@ _DOUBLE_BACKWARD_MESSAGE = (
     b"calibkernels: the fused kernels do not support double backward (differentiating a gradient of the loss, e.g. "
     b"a gradient penalty or a look-ahead step); use backend='reference' for that loss"
 )
+
+
+def _dense_dtype(target: torch.Tensor) -> torch.dtype | None:
+    """A dense target's dtype (its device flag names a row, not a class index), ``None`` for class indices."""
+    return target.dtype if target.is_floating_point() else None
 
 
 def _soft_arguments(mix_target=None, mix_lambda=None, label_smoothing=0.0) -> tuple:
@@ -209,7 +214,7 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
         loss, _, flag = module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, False,
                                        None, *soft)
     if flag is not None:
-        _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index)
+        _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index, _dense_dtype(inputs.target))
     if inputs.reduction == "none" and loss.shape != inputs.batch_shape:
         loss = loss.reshape(inputs.batch_shape)
     return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

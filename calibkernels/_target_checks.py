@@ -1,7 +1,10 @@
-"""Out-of-range targets on the GPU: how the kernels' device-side flag becomes a Python error.
+"""Bad targets on the GPU: how the kernels' device-side flag becomes a Python error.
 
 The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
 are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, one bad value)`` records it.
+A dense target's values (entries >= 0, rows summing to 1) are checked the same way, by device reductions that write
+``(any bad row, the first bad row)`` (:func:`calibkernels._validation.dense_target_flag`); that row is computed from
+the target as given.
 Reading that flag on the host is a synchronisation, which would stall the CPU once per call, so the policy is set by
 the environment variable ``CALIBKERNELS_VALIDATE`` (read at import; :data:`POLICY` may be changed at run time):
 
@@ -24,53 +27,59 @@ import os
 
 import torch
 
-from ._validation import out_of_range_message
+from ._validation import dense_target_message, out_of_range_message
 
 __all__ = ["POLICY", "submit", "poll", "synchronize_target_checks"]
 
 _POLICIES = {"async": "async", "1": "async", "sync": "sync", "0": "off", "off": "off"}
 POLICY = _POLICIES.get(os.environ.get("CALIBKERNELS_VALIDATE", "async").strip().lower(), "async")
 
-# (event, pinned host copy of the flag, number of classes, ignore_index), oldest first
+# (event, pinned host copy of the flag, (number of classes, ignore_index, dense target dtype)), oldest first
 _pending: collections.deque = collections.deque()
 
 
-def _raise(flag, num_classes: int, ignore_index: int, late: bool) -> None:
+def _raise(flag, what: tuple, late: bool) -> None:
     has_bad, bad_value = (int(v) for v in flag)
     if has_bad:
-        when = " (in an earlier call; that loss and its gradient rows are NaN)" if late else ""
-        raise ValueError(out_of_range_message(bad_value, num_classes, ignore_index) + when)
+        num_classes, ignore_index, dense_dtype = what
+        if dense_dtype is None:
+            when = " (in an earlier call; that loss and its gradient rows are NaN)" if late else ""
+            raise ValueError(out_of_range_message(bad_value, num_classes, ignore_index) + when)
+        when = " (in an earlier call)" if late else ""
+        raise ValueError(dense_target_message(bad_value, dense_dtype) + when)
 
 
-def submit(error: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    """Hand over a kernel's ``(any bad, bad value)`` device flag according to :data:`POLICY`."""
+def submit(error: torch.Tensor, num_classes: int, ignore_index: int, dense_dtype: torch.dtype | None = None) -> None:
+    """Hand over a kernel's ``(any bad, bad value)`` device flag according to :data:`POLICY`; ``dense_dtype``: the
+    flag is a dense target's ``(any bad row, a bad row)`` (:func:`calibkernels._validation.dense_target_flag`)."""
     if POLICY == "off" or torch.compiler.is_compiling():
         return
+    what = (num_classes, ignore_index, dense_dtype)
     if error.device.type != "cuda":
-        _raise(error.tolist(), num_classes, ignore_index, late=False)
+        _raise(error.tolist(), what, late=False)
         return
     if torch.cuda.is_current_stream_capturing():
         return
     if POLICY == "sync":
-        _raise(error.tolist(), num_classes, ignore_index, late=False)
+        _raise(error.tolist(), what, late=False)
         return
     host = torch.empty(2, dtype=torch.int64, pin_memory=True)
     host.copy_(error, non_blocking=True)
     event = torch.cuda.Event()
     event.record()
-    _pending.append((event, host, num_classes, ignore_index))
+    _pending.append((event, host, what))
 
 
 def poll() -> None:
     """Raise for the first finished check that saw a bad target; never waits for the device."""
     while _pending and _pending[0][0].query():
-        _, host, num_classes, ignore_index = _pending.popleft()
-        _raise(host.tolist(), num_classes, ignore_index, late=True)
+        _, host, what = _pending.popleft()
+        _raise(host.tolist(), what, late=True)
 
 
 def synchronize_target_checks() -> None:
     """Wait for every pending target check of the GPU losses and raise ``ValueError`` if one saw a bad target."""
     while _pending:
-        event, host, num_classes, ignore_index = _pending.popleft()
+        event, host, what = _pending.popleft()
         event.synchronize()
-        _raise(host.tolist(), num_classes, ignore_index, late=True)
+        _raise(host.tolist(), what, late=True)

@@ -76,8 +76,9 @@ def uncertainty_weighted_ce(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
         mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu",
-        # in place, a bad dense target must raise before the kernel overwrites the logits
-        kernel_checks_dense=name == "cpu" and inplace is False,
+        # a dense target's values: the CPU kernel checks them in its sweep (in place, the host first, so that a bad
+        # target raises before the kernel overwrites the logits); the GPU backends flag them on the device
+        kernel_checks_dense=(name == "cpu" and inplace is False) or name in ("triton", "cuda"),
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")

@@ -166,7 +166,10 @@ def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore
     (``CALIBKERNELS_VALIDATE``, docs/losses.md); the kernels make a bad row's loss and gradient NaN."""
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    _target_checks.submit(V.target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index)
+    if target1d.is_floating_point():  # a dense target: its values (bad rows are not NaN; the error names one)
+        _target_checks.submit(V.dense_target_flag(target1d), num_classes, ignore_index, target1d.dtype)
+    else:
+        _target_checks.submit(V.target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index)
 
 
 def _check_chunk_size(chunk_size) -> None:
@@ -480,7 +483,9 @@ def fused_linear_uncertainty_weighted_ce(
         if mix_target is not None:
             raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself")
         if not torch.compiler.is_compiling():
-            V.check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index)
+            # on a GPU the values are flagged on the device below (no synchronisation)
+            V.check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
+                                 check_values=host_check)
     elif host_check and not torch.compiler.is_compiling():
         V.check_target_values(target1d, num_classes, ignore_index)
     if mix_target is not None:
@@ -495,7 +500,7 @@ def fused_linear_uncertainty_weighted_ce(
     if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
                                                           else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    if name != "reference" and device.type == "cuda" and not dense and _autograd.is_plain_eager(hidden2d):
+    if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
         _submit_device_target_check(target1d, num_classes, ignore_index)
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import calibkernels as ck
-from calibkernels import _backends
+from calibkernels import _backends, _target_checks
+from calibkernels import _validation as V
 from calibkernels import reference as R
 
 SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external", "brier_flsd"]
@@ -375,3 +376,72 @@ def test_modules_take_soft_targets():
         ck.losses.build("soft_target_bsce_gra", inplace=True)
     with pytest.raises(ValueError, match="class-index targets only"):
         ck.losses.build("soft_target_bsce_gra", ignore_index=3)(z, dense.float())
+
+
+# ---------------------------------------------------------------------------------------------- dense values on GPUs
+def _bad_dense_targets(dense, tolerance=1e-4):
+    """(name, target, first bad row) for each way a dense target can fail its value check (rows off 1 by 3 and 2
+    times the `tolerance` of their sums)."""
+    cases = []
+    for name, row, col, value in (("negative", 4, 2, -1e-3), ("nan", 2, 0, float("nan")), ("inf", 6, 1, float("inf")),
+                                  ("-inf", 0, 3, float("-inf"))):
+        target = dense.clone()
+        target[row, col] = value
+        cases.append((name, target, row))
+    for name, rows, amount in (("sum high", [5], 3 * tolerance), ("sums low", [3, 1], -2 * tolerance)):
+        target = dense.clone()
+        for row in rows:
+            target[row, int(target[row].argmax())] += amount
+        cases.append((name, target, min(rows)))
+    return cases
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
+    """The GPU backends' check of a dense target (device reductions, no synchronisation) refuses exactly what the host
+    check refuses, and names the first bad row."""
+    z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=5)
+    dense = dense.to(dtype)
+    flag = V.dense_target_flag(dense)
+    assert flag.tolist() == [0, 8]
+    V.check_dense_target(z, dense, -100)
+    for name, target, row in _bad_dense_targets(dense, V._ROW_SUM_TOLERANCE[dtype]):
+        with pytest.raises(ValueError):
+            V.check_dense_target(z, target, -100)
+        assert V.dense_target_flag(target).tolist() == [1, row], (name, dtype)
+        with pytest.raises(ValueError, match=rf"row {row} is not") as raised:
+            _target_checks.submit(V.dense_target_flag(target), 6, -100, dtype)  # a CPU flag is read at once
+        assert f"for {dtype}" in str(raised.value)
+
+
+@pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
+def test_triton_flags_a_bad_dense_target_on_the_device():
+    """The Triton backend (here under the interpreter, on CPU tensors, where a flag is read at once) skips the host
+    check of a dense target's values and raises from its device flag instead."""
+    z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=6)
+    z, dense = z.float(), dense.float()
+    torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton"),
+                               ck.uncertainty_weighted_ce(z, dense, backend="reference"), rtol=1e-5, atol=1e-6)
+    for name, target, row in _bad_dense_targets(dense):
+        with pytest.raises(ValueError, match=rf"dense target must be finite and >= 0 and sum to 1.*row {row} is not"):
+            x = z.clone().requires_grad_()
+            ck.uncertainty_weighted_ce(x, target, backend="triton").backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous policy differs only on a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_gpu_backends_flag_a_bad_dense_target_without_a_synchronisation(backend, monkeypatch):
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not built")
+    z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=7)
+    z, dense = z.float().cuda(), dense.float().cuda()
+    ck.synchronize_target_checks()
+    monkeypatch.setattr(_target_checks, "POLICY", "async")
+    for name, target, row in _bad_dense_targets(dense):
+        ck.uncertainty_weighted_ce(z, target, backend=backend)  # no stall, no error yet
+        with pytest.raises(ValueError, match=rf"row {row} is not"):
+            ck.synchronize_target_checks()
+    monkeypatch.setattr(_target_checks, "POLICY", "sync")
+    with pytest.raises(ValueError, match="row 4 is not"):
+        ck.uncertainty_weighted_ce(z, _bad_dense_targets(dense)[0][1], backend=backend)
+    ck.uncertainty_weighted_ce(z, dense, backend=backend)

@@ -62,10 +62,13 @@ def _uncertainty_weighted_ce_scale_grad_fake(grad, grad_output):
 
 
 def _target_flag(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """The device flag of the CUDA kernel's targets (it never indexes with a bad one; that row is NaN), for
-    calibkernels._target_checks; none on the CPU (the kernel raises) or while a CUDA graph is being captured."""
-    if logits.device.type != "cuda" or target.is_floating_point() or torch.cuda.is_current_stream_capturing():
-        return None  # a dense target has no indices to check
+    """The device flag of the CUDA kernel's targets (it never indexes with a bad one; that row is NaN), or of a dense
+    target's values, for calibkernels._target_checks; none on the CPU (the kernel raises) or while a CUDA graph is
+    being captured."""
+    if logits.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    if target.is_floating_point():
+        return V.dense_target_flag(target)
     return V.target_flag(target, logits.shape[-1], ignore_index)
 
 

@@ -1010,7 +1010,7 @@ def uncertainty_weighted_ce_forward(
     ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
     Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
     ``label_smoothing``, or a floating ``target (N, C)`` (dense: no target check, ``target_flag`` is ``None``, the
-    mean divides by N).
+    mean divides by N; :func:`forward` flags bad values on the device).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
     """
@@ -1165,6 +1165,8 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     else:
         # _target_checks ignores the flag during a capture
         loss, grad, flag = uncertainty_weighted_ce_forward(*args, torch.float32, *soft_args)
+        if target.is_floating_point() and not (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
+            flag = V.dense_target_flag(target)  # a dense target's values, on the device (no synchronisation)
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
