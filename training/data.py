@@ -9,6 +9,7 @@
 | ``cifar100`` | ``cifar-100-python/`` | same |
 | ``tinyimagenet`` | ``tiny-imagenet-200/`` (or the folder itself): ``wnids.txt``, ``train/<wnid>/images/*``, ``val/val_annotations.txt`` + ``val/images/*`` | train minus 50 images per class / those 50 per class / official val |
 | ``imagenet`` | ``train/<class>/*`` and ``val/<class>/*`` (ImageFolder) | train minus 10 per class / those 10 per class / val |
+| any, ``synthetic_size=N`` | nothing (:func:`synthetic_datasets`: seeded random images of the recipe's shape) | N / N // 10 / N // 10 |
 
 Validation (used to fit the temperature) and test are always different images. ``meta`` (meta-regularisation's
 held-out batch source, docs/papers.md) is carved from train when ``meta_fraction > 0`` and overlaps neither
@@ -17,6 +18,7 @@ validation nor test. A missing or malformed data directory raises :class:`DataEr
 
 from __future__ import annotations
 
+import math
 import os
 import pickle
 from dataclasses import dataclass
@@ -28,12 +30,15 @@ from torch.utils.data import Dataset, TensorDataset
 
 from .recipes import Recipe, get_recipe
 
-__all__ = ["DataError", "Splits", "build_datasets", "TransformedSubset"]
+__all__ = ["DataError", "Splits", "build_datasets", "TransformedSubset", "SyntheticImages", "synthetic_datasets"]
 
 CIFAR_VALIDATION_FRACTION = 0.1          # 45k / 5k
 TINYIMAGENET_VAL_PER_CLASS = 50
 IMAGENET_VAL_PER_CLASS = 10
 DIGITS_VAL, DIGITS_TEST = 500, 1097      # the remaining 200 are the recipe's train_subset
+SYNTHETIC_HELD_OUT_DIVISOR = 10          # synthetic validation and test: N // 10 images each
+SYNTHETIC_POOL_BYTES = 64 * 2**20        # distinct float32 images per synthetic split (then they repeat)
+SYNTHETIC_SIGNAL = 0.5                   # amplitude of the class pattern added to unit Gaussian noise
 
 _MEAN_STD = {
     "cifar10": ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)),
@@ -298,15 +303,82 @@ def _held_out_folder_splits(train_full, test, per_class: int, train_tf, test_tf,
     )
 
 
+# -------------------------------------------------------------------------------------------------------- synthetic
+class SyntheticImages(Dataset):
+    """``length`` samples drawn in turn from a fixed pool: sample ``i`` is ``(images[i % P], targets[i % P])``.
+
+    Indexing returns views of the pool, so a batch costs one stack and no decoding, augmentation or file access: the
+    data cannot be what limits a throughput measurement. :meth:`to` moves the pool, e.g. onto the GPU that trains on
+    it, where a batch is then one stack of device tensors with no host copy or transfer."""
+
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, length: int):
+        if len(images) != len(targets) or len(images) < 1 or length < 1:
+            raise ValueError(f"SyntheticImages needs a non-empty pool and length >= 1, got {len(images)} images, "
+                             f"{len(targets)} targets, length {length}")
+        self.images, self.targets, self.length = images, targets, int(length)
+
+    def __len__(self):
+        return self.length
+
+    def __getitem__(self, index):
+        if not -self.length <= index < self.length:
+            raise IndexError(f"index {index} out of range for {self.length} synthetic samples")
+        index = index % self.length % len(self.targets)
+        return self.images[index], self.targets[index]
+
+    def to(self, device) -> "SyntheticImages":
+        """The same samples with the pool on ``device``."""
+        return SyntheticImages(self.images.to(device), self.targets.to(device), self.length)
+
+
+def synthetic_datasets(recipe: Recipe, size: int, seed: int, meta_fraction: float = 0.0) -> Splits:
+    """Random images of ``recipe``'s shape (``in_channels`` x ``image_size`` x ``image_size``) and classes, for
+    pipeline tests and throughput measurements without a data set: ``size`` training images (less the meta split's
+    ``meta_fraction``), ``size // 10`` validation and as many test images. Nothing is read or downloaded.
+
+    Each split cycles through its own pool of at most ``SYNTHETIC_POOL_BYTES`` of distinct float32 images (111 at
+    224 px, 5461 at 32 px), so validation, test and meta images differ from the training images. An image is unit
+    Gaussian noise plus its class's fixed random 4 x 4 pattern per channel (upsampled, amplitude
+    ``SYNTHETIC_SIGNAL``), with the classes balanced within each pool: a model can learn them, so training, the
+    temperature fit and the calibration report see non-degenerate logits (their numbers say nothing about real data).
+    Everything is drawn from one generator seeded with ``seed``: the same arguments give the same tensors."""
+    if size < 1:
+        raise ValueError(f"the synthetic data set needs at least 1 training image, got {size}")
+    train_idx, meta_idx = _split_meta(np.arange(size), meta_fraction, seed)
+    if len(train_idx) == 0:
+        raise ValueError(f"--synthetic-size {size} leaves no training image after the meta split "
+                         f"(--meta-fraction {meta_fraction})")
+    shape = (recipe.in_channels, recipe.image_size, recipe.image_size)
+    num_classes = recipe.num_classes
+    generator = torch.Generator().manual_seed(seed)
+    patterns = torch.randn(num_classes, shape[0], 4, 4, generator=generator)
+    pool_cap = max(1, SYNTHETIC_POOL_BYTES // (4 * math.prod(shape)))
+
+    def split(length: int) -> SyntheticImages:
+        pool = min(length, pool_cap)
+        targets = (torch.arange(pool) % num_classes)[torch.randperm(pool, generator=generator)]
+        images = torch.randn(pool, *shape, generator=generator)
+        images += SYNTHETIC_SIGNAL * torch.nn.functional.interpolate(patterns[targets], size=shape[1:],
+                                                                     mode="nearest")
+        return SyntheticImages(images, targets, length)
+
+    held_out = max(1, size // SYNTHETIC_HELD_OUT_DIVISOR)
+    return Splits(split(len(train_idx)), split(held_out), split(held_out),
+                  split(len(meta_idx)) if meta_idx is not None else None, num_classes=num_classes)
+
+
 def build_datasets(recipe: Recipe | str, data_root: str | os.PathLike | None, seed: int,
-                   meta_fraction: float = 0.0, download: bool = False) -> Splits:
+                   meta_fraction: float = 0.0, download: bool = False, synthetic_size: int | None = None) -> Splits:
     """Train / validation / test (/ meta) datasets of ``recipe`` (see the module docstring for layouts and splits).
 
     The splits depend only on ``seed`` (not on the process or rank), so every DDP rank and every resumed run sees the
-    same ones. ``download=True`` lets torchvision fetch CIFAR; nothing else is ever downloaded.
+    same ones. ``download=True`` lets torchvision fetch CIFAR; nothing else is ever downloaded. ``synthetic_size=N``
+    replaces the data set by :func:`synthetic_datasets` with N training images (``data_root`` is not used).
     """
     if isinstance(recipe, str):
         recipe = get_recipe(recipe)
+    if synthetic_size is not None:
+        return synthetic_datasets(recipe, synthetic_size, seed, meta_fraction)
     if recipe.dataset == "digits":
         return _digits(recipe, seed, meta_fraction)
     if data_root is None:

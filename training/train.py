@@ -6,6 +6,7 @@
     python -m training.train --recipe cifar10-resnet50 --loss bsce_gra --data-root ~/data --output-dir runs/c10
     torchrun --nproc_per_node=4 -m training.train --recipe cifar100-wrn26-10 --loss flsd --data-root ~/data
     python -m training.train --list-recipes
+    python -m training.train --recipe cifar10-resnet110 --synthetic   # random CIFAR-shaped images, no data set
 
 Flat torchvision-references style: :func:`get_args_parser`, :func:`train_one_epoch`, :func:`evaluate`, :func:`main`,
 :func:`cli`. Per epoch it writes ``log.csv`` / ``log.jsonl`` and an atomic ``checkpoint.pt`` (model, optimizer,
@@ -64,7 +65,10 @@ _PER_INVOCATION = {"list_recipes", "compare", "seeds", "resume", "output_dir", "
 # Values derived from the others (resolve_run_config, run_training), and the record of which flags were given.
 _DERIVED = {"num_classes", "model_kwargs", "reduction", "clip_grad_norm", "explicit", "mmce_form"}
 # They fix the model or the data splits, so a resumed run cannot change them.
-_FIXED_BY_CHECKPOINT = ("recipe", "arch", "loss", "method", "seed", "image_size", "meta_fraction")
+_FIXED_BY_CHECKPOINT = ("recipe", "arch", "loss", "method", "seed", "image_size", "meta_fraction", "synthetic",
+                        "synthetic_size")
+# Training images of a --synthetic epoch when --synthetic-size is not given: this many full batches.
+SYNTHETIC_BATCHES = 100
 
 
 # ------------------------------------------------------------------------------------------------------ arguments
@@ -96,7 +100,16 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--data-root", default=os.environ.get("CALIBKERNELS_DATA"),
                         help="dataset folder (not needed for digits); default $CALIBKERNELS_DATA")
     parser.add_argument("--download", action="store_true", help="let torchvision download CIFAR-10/100 if missing")
-    parser.add_argument("--output-dir", default=None, help="default runs/<recipe>-<loss>")
+    parser.add_argument("--synthetic", action="store_true",
+                        help="train on seeded random images of the recipe's shape (channels, --image-size) and "
+                             "classes instead of its data set (nothing is read; --data-root is ignored): pipeline "
+                             "tests and throughput measurements. With --workers 0 (its default) the images are kept "
+                             "on --device")
+    parser.add_argument("--synthetic-size", type=int, default=None, metavar="N",
+                        help=f"training images of --synthetic (validation and test get N // 10 each; default "
+                             f"{SYNTHETIC_BATCHES} x --batch-size, so an epoch is {SYNTHETIC_BATCHES} full batches)")
+    parser.add_argument("--output-dir", default=None,
+                        help="default runs/<recipe>-<loss> (runs/<recipe>-synthetic-<loss> with --synthetic)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the data split, initialisation and shuffling")
     parser.add_argument("--seeds", type=int, default=None, metavar="N",
                         help="train each loss N times, with seeds --seed … --seed+N-1 (each its own seeded split and "
@@ -210,6 +223,12 @@ def loss_tag(spec: str) -> str:
     return spec.strip().replace(":", "-").replace("/", "_")
 
 
+def default_output_dir(args, tail: str) -> Path:
+    """``runs/<recipe>-<tail>``, or ``runs/<recipe>-synthetic-<tail>`` for ``--synthetic``, so that a run on
+    synthetic images never writes into (or appends to the log of) a run on the recipe's data set."""
+    return Path("runs") / f"{args.recipe}{'-synthetic' if getattr(args, 'synthetic', False) else ''}-{tail}"
+
+
 def resolve_run_config(args) -> argparse.Namespace:
     """Fill the recipe's values into ``args`` (epochs, batch size, lr, arch, …) and check they make sense."""
     recipe = get_recipe(args.recipe)
@@ -220,7 +239,15 @@ def resolve_run_config(args) -> argparse.Namespace:
     args.arch = recipe.arch if args.arch is None else args.arch
     if args.image_size is not None and args.image_size < 1:
         raise ValueError(f"--image-size must be >= 1, got {args.image_size}")
-    args.workers = (0 if recipe.dataset == "digits" else 4) if args.workers is None else args.workers
+    synthetic = bool(getattr(args, "synthetic", False))
+    args.synthetic = synthetic
+    if getattr(args, "synthetic_size", None) is not None and not synthetic:
+        raise ValueError("--synthetic-size needs --synthetic")
+    if synthetic and args.download:
+        raise ValueError("--download fetches a data set and --synthetic reads none: pass one of them")
+    if synthetic and getattr(args, "synthetic_size", None) is None:
+        args.synthetic_size = SYNTHETIC_BATCHES * args.batch_size
+    args.workers = (0 if recipe.dataset == "digits" or synthetic else 4) if args.workers is None else args.workers
     args.eval_every = recipe.eval_every if args.eval_every is None else args.eval_every
     args.threads = recipe.num_threads if args.threads is None else args.threads
     args.reduction = recipe.reduction
@@ -246,8 +273,8 @@ def resolve_run_config(args) -> argparse.Namespace:
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if (mixing or args.label_smoothing) and args.method != "standard":
         raise ValueError("--label-smoothing, --mixup-alpha and --cutmix-alpha need --method standard")
-    for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
+    for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every", "synthetic_size"):
+        if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
@@ -257,11 +284,12 @@ def resolve_run_config(args) -> argparse.Namespace:
         raise ValueError("--max-steps-per-epoch must be >= 1")
     if args.stop_after is not None and args.stop_after < 1:
         raise ValueError("--stop-after must be >= 1")
-    if recipe.pretrained_required and args.pretrained is None and args.arch == recipe.arch and args.resume is None:
+    if (recipe.pretrained_required and args.pretrained is None and args.arch == recipe.arch and args.resume is None
+            and not synthetic):
         raise ValueError(f"recipe {recipe.name!r} fine-tunes a pretrained model: pass --pretrained PATH "
                          "(a local torchvision checkpoint)")
     if args.output_dir is None:
-        args.output_dir = str(Path("runs") / f"{args.recipe}-{loss_tag(args.loss)}")
+        args.output_dir = str(default_output_dir(args, loss_tag(args.loss)))
     _check_output_dir(Path(args.output_dir))
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
@@ -509,6 +537,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
         progress.update()
         if stop.requested():
             break
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # img/s counts finished steps, not steps still queued on the GPU
     elapsed = time.perf_counter() - start
     totals = torch.stack([loss_sum, correct.double(), torch.tensor(float(samples), dtype=torch.float64,
                                                                    device=device)])
@@ -666,7 +696,16 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     # Each rank draws different augmentations; the model's initial weights are rank 0's (DDP broadcasts them).
     torch.manual_seed(args.seed + rank)
     meta_fraction = float(getattr(args, "meta_fraction", 0.0) or 0.0) if args.method != "standard" else 0.0
-    splits = build_datasets(recipe, args.data_root, args.seed, meta_fraction=meta_fraction, download=args.download)
+    synthetic = bool(getattr(args, "synthetic", False))
+    splits = build_datasets(recipe, args.data_root, args.seed, meta_fraction=meta_fraction, download=args.download,
+                            synthetic_size=args.synthetic_size if synthetic else None)
+    # Synthetic images read in this process stay on the device: a batch is then one stack of device tensors, with no
+    # host copy or transfer that could hold a GPU back. Worker processes (--workers K) get them from host memory.
+    synthetic_on_device = synthetic and args.workers == 0
+    if synthetic_on_device:
+        splits = dataclasses.replace(splits, **{name: getattr(splits, name).to(device)
+                                                for name in ("train", "val", "test", "meta")
+                                                if getattr(splits, name) is not None})
     num_classes = splits.num_classes or recipe.num_classes
     args.num_classes = num_classes
     args.model_kwargs = {"in_channels": recipe.in_channels}
@@ -678,7 +717,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     per_rank_batch = args.batch_size // world
     train_sampler = ResumableDistributedSampler(splits.train, num_replicas=world, rank=rank, shuffle=True,
                                                 seed=args.seed)
-    pin = device.type == "cuda"
+    pin = device.type == "cuda" and not synthetic_on_device
     loader_kwargs = {"num_workers": args.workers, "pin_memory": pin, "persistent_workers": args.workers > 0}
     train_loader = DataLoader(splits.train, batch_size=per_rank_batch, sampler=train_sampler, drop_last=False,
                               **loader_kwargs)
@@ -781,7 +820,12 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             loss_text += f" (MMCE form {criterion.form})"
         if schedule.describe():
             loss_text += f" [{schedule.describe()}]"
-        print(f"{recipe.name}: {args.arch} on {recipe.dataset} ({len(splits.train)} train / {len(splits.val)} val / "
+        data_text = recipe.dataset
+        if synthetic:
+            where = ", kept on the device" if synthetic_on_device else ""
+            data_text = (f"synthetic {recipe.dataset}-shaped images ({recipe.in_channels}x{recipe.image_size}x"
+                         f"{recipe.image_size}, {num_classes} classes{where})")
+        print(f"{recipe.name}: {args.arch} on {data_text} ({len(splits.train)} train / {len(splits.val)} val / "
               f"{len(splits.test)} test), {loss_text} ({args.reduction} reduction), {args.epochs} epochs, "
               f"batch {args.batch_size}, lr {args.lr}, {world} process(es) on {device}")
 
@@ -869,6 +913,9 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     report.update(recipe=args.recipe, loss=args.loss if args.method == "standard" else "focal_loss (per-sample γ)",
                   method=args.method, arch=args.arch, seed=args.seed, epochs=args.epochs)
     title = f"{args.recipe} {args.loss if args.method == 'standard' else args.method}"
+    if synthetic:
+        report["data"] = "synthetic"
+        title += " (synthetic data)"
     report = save_report(report, test_logits, test_labels, output_dir, title=title)
     print(format_report(report, title=f"== {title}: test calibration =="))
     print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "
@@ -935,7 +982,7 @@ def main(args) -> dict | None:
         specs = [s.strip() for s in args.compare.split(",") if s.strip()]
         if len(specs) < 2:
             raise ValueError(f"--compare needs at least two losses, got {args.compare!r}")
-        base = Path(args.output_dir or Path("runs") / f"{args.recipe}-compare")
+        base = Path(args.output_dir or default_output_dir(args, "compare"))
         if args.resume:
             raise ValueError("--resume resumes one run; resume a --compare member with --loss and its --output-dir")
         # Every member is checked before the first one trains.
@@ -1001,7 +1048,7 @@ def _save_aggregate(results: list[dict], output_dir: Path, title: str) -> dict:
 def _run_seeds(args, seeds: list[int]) -> dict | None:
     """One loss trained with each of ``seeds``, in ``<output-dir>/seed<s>/``; the mean ± std report in
     ``<output-dir>/report.json``."""
-    base = Path(args.output_dir or Path("runs") / f"{args.recipe}-{loss_tag(args.loss)}")
+    base = Path(args.output_dir or default_output_dir(args, loss_tag(args.loss)))
     members = [resolve_run_config(argparse.Namespace(**{**vars(args), "seed": seed,
                                                         "output_dir": str(_seed_dir(base, seed, len(seeds)))}))
                for seed in seeds]
