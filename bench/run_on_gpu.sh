@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [tune] [raise]   (stages run in the order given)
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [raise]   (in that order)
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
 # The benches write <suite>-<gpu>-<date>.json/.md and $OUT/history.jsonl (rows naming bench/results/<file>): copy the
@@ -39,10 +39,14 @@ do_build() {
 }
 
 do_test() {
-  # the kernel suites (shared + per-backend) on the GPU; the whole suite is CI's job on a CPU machine
-  timeout "${TEST_TIMEOUT:-420}" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+  # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device); the whole suite is
+  # CI's job on a CPU machine
+  timeout "${TEST_TIMEOUT:-540}" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
-    tests/test_uncertainty_weighted_ce_triton.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
+    tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
+    tests/test_uncertainty_weighted_ce_contracts.py tests/test_soft_targets.py tests/test_fused_linear.py \
+    tests/test_calibration_posthoc.py tests/test_metrics_bootstrap.py tests/test_metrics_debiased.py \
+    tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1
   local rc=$?
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
@@ -82,6 +86,35 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
+# soft targets beside hard ones (label smoothing, mixes, dense) on the fused GPU kernels, F.cross_entropy and Liger
+do_soft() {
+  $PY -m bench.bench_uncertainty_weighted_ce --device cuda --only-suites cuda-soft-targets --results-dir "$OUT" \
+    2>"$OUT/soft.err"
+}
+# fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy
+do_fused() {
+  $PY -m bench.bench_fused_linear --device cuda --out "$OUT/fused-linear-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")-$(date +%F)" \
+    2>"$OUT/fused.err"
+}
+
+# ResNet-50 training throughput on synthetic ImageNet-shaped data (training/README.md, "Synthetic data"): the loss
+# compiled with the model, torch's own ops (the reference backend) against the fused kernels; then a CIFAR-shaped
+# recipe end to end (train, evaluate, temperature, report). img/s of epoch 2 (epoch 1 includes compilation).
+do_train() {
+  local r50="$PY -m training.train --recipe imagenet-resnet50-finetune --synthetic --arch tv_resnet50 --batch-size 256
+             --epochs ${TRAIN_EPOCHS:-2} --compile --amp bf16 --channels-last --no-progress"
+  local rc=0 run
+  : >"$OUT/train-throughput.txt"
+  for run in "cross_entropy reference" "cross_entropy triton" "bsce_gra triton" "bsce_gra cuda"; do
+    set -- $run
+    $r50 --loss "$1" --backend "$2" --output-dir "$OUT/train/r50-$1-$2" >"$OUT/train-r50-$1-$2.log" 2>&1 || rc=$?
+    echo "$1 / $2: $(grep -E '^epoch' "$OUT/train-r50-$1-$2.log" | tail -n 1)" | tee -a "$OUT/train-throughput.txt"
+  done
+  $PY -m training.train --recipe cifar10-resnet50 --synthetic --epochs 2 --amp bf16 --compile --loss bsce_gra \
+    --no-progress --output-dir "$OUT/train/cifar-bsce_gra" >"$OUT/train-cifar.log" 2>&1 || rc=$?
+  tail -n 15 "$OUT/train-cifar.log"
+  return $rc
+}
 
 for s in "$@"; do
   case $s in
@@ -89,6 +122,9 @@ for s in "$@"; do
     test) stage test do_test ;;
     quick) stage quick do_quick ;;
     bench) stage bench do_bench ;;
+    soft) stage soft do_soft ;;
+    fused) stage fused do_fused ;;
+    train) stage train do_train ;;
     tune) stage tune do_tune ;;
     raise) stage raise do_raise ;;
     *) echo "unknown stage $s"; exit 2 ;;

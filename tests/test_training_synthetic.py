@@ -143,6 +143,23 @@ def test_resume_keeps_synthetic_data(tmp_path, capsys):
     assert json.loads((out_dir / "report.json").read_text())["data"] == "synthetic"
 
 
+def test_evaluate_re_reads_the_synthetic_images_of_a_checkpoint(tmp_path, capsys):
+    """training.evaluate rebuilds the run's synthetic splits (same seed, same size), not the recipe's real data."""
+    from training import evaluate
+
+    out_dir = tmp_path / "run"
+    assert train.cli(["--synthetic", "--synthetic-size", "20", "--batch-size", "10", *FAST,
+                      "--output-dir", str(out_dir)]) == 0
+    trained = json.loads((out_dir / "report.json").read_text())
+    capsys.readouterr()
+    assert evaluate.cli(["--checkpoint", str(out_dir / "checkpoint.pt"), "--output-dir", str(tmp_path / "eval"),
+                         "--device", "cpu"]) == 0
+    again = json.loads((tmp_path / "eval" / "report.json").read_text())
+    splits = build_datasets("digits", None, 0, synthetic_size=20)
+    assert again["n_test"] == len(splits.test) == trained["n_test"]
+    assert again["pre_T"]["ece"] == pytest.approx(trained["pre_T"]["ece"], abs=1e-6)
+
+
 # -------------------------------------------------------------------------------------------------------- errors
 @pytest.mark.parametrize("case", ["size-without-synthetic", "size-0", "with-download", "resume-real-run"])
 def test_bad_synthetic_arguments_are_one_error_line_and_leave_no_run_folder(tmp_path, capsys, case):

@@ -67,7 +67,8 @@ def main(args) -> dict:
         recipe = dataclasses.replace(recipe, image_size=int(saved["image_size"]))
     data_root = args.data_root if args.data_root is not None else saved.get("data_root")
     meta_fraction = float(saved.get("meta_fraction") or 0.0) if saved.get("method", "standard") != "standard" else 0.0
-    splits = build_datasets(recipe, data_root, int(saved["seed"]), meta_fraction=meta_fraction)
+    splits = build_datasets(recipe, data_root, int(saved["seed"]), meta_fraction=meta_fraction,
+                            synthetic_size=saved.get("synthetic_size") if saved.get("synthetic") else None)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[saved.get("amp")]
     loaders = [DataLoader(split, batch_size=args.batch_size, shuffle=False, num_workers=args.workers)
                for split in (splits.val, splits.test)]
