@@ -2,9 +2,10 @@
 
 The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
 are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, one bad value)`` records it.
-A dense target's values (entries >= 0, rows summing to 1) are checked the same way, by device reductions that write
-``(any bad row, the first bad row)`` (:func:`calibkernels._validation.dense_target_flag`); that row is computed from
-the target as given.
+A dense target's values (entries >= 0, rows summing to 1) are checked the same way: the Triton kernel flags the rows
+in its own reads of the target, two device reductions do it for the CUDA kernel
+(:func:`calibkernels._validation.dense_target_flag`), and the flag is ``(any bad row, the first bad row)``; those rows
+are computed from the target as given.
 Reading that flag on the host is a synchronisation, which would stall the CPU once per call, so the policy is set by
 the environment variable ``CALIBKERNELS_VALIDATE`` (read at import; :data:`POLICY` may be changed at run time):
 

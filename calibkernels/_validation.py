@@ -171,21 +171,32 @@ def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_va
 _ROW_SUM_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
 
 
-def dense_target_flag(target2d: torch.Tensor) -> torch.Tensor:
-    """The device-side ``(any bad row, the first bad row)`` int64 pair of a dense target ``(N, C)`` that
-    :mod:`calibkernels._target_checks` reads, computed without a host synchronisation (the GPU backends' form of
-    :func:`check_dense_target`'s value check): a row is bad where an entry is negative or NaN, or where its sum, taken
-    as that check takes it, is not finite or is off 1 by more than the dtype's tolerance."""
-    tolerance = _ROW_SUM_TOLERANCE.get(target2d.dtype, 1e-4)
-    row_sums = target2d.sum(dim=1).double()
-    bad = ~(target2d.amin(dim=1) >= 0) | ~((row_sums - 1.0).abs() <= tolerance)
+def dense_row_sum_tolerance(dtype: torch.dtype) -> float:
+    """How far a dense target's row may sum from 1 in ``dtype`` (:data:`_ROW_SUM_TOLERANCE`)."""
+    return _ROW_SUM_TOLERANCE.get(dtype, 1e-4)
+
+
+def first_flagged_row(flags: torch.Tensor) -> torch.Tensor:
+    """``(any row flagged, the first flagged row)`` as a device-side int64 pair, from one flag per row."""
+    bad = flags != 0
     rows = torch.arange(bad.shape[0], device=bad.device)
     return torch.stack((bad.any().to(torch.int64), torch.where(bad, rows, bad.shape[0]).min()))
 
 
+def dense_target_flag(target2d: torch.Tensor) -> torch.Tensor:
+    """The device-side ``(any bad row, the first bad row)`` int64 pair of a dense target ``(N, C)`` that
+    :mod:`calibkernels._target_checks` reads, computed without a host synchronisation (the CUDA backend's form of
+    :func:`check_dense_target`'s value check; the Triton kernel makes it in its own reads of the target): a row is bad
+    where an entry is negative or NaN, or where its sum, taken as that check takes it, is not finite or is off 1 by
+    more than the dtype's tolerance."""
+    row_sums = target2d.sum(dim=1).double()
+    bad = ~(target2d.amin(dim=1) >= 0) | ~((row_sums - 1.0).abs() <= dense_row_sum_tolerance(target2d.dtype))
+    return first_flagged_row(bad)
+
+
 def dense_target_message(row: int, dtype: torch.dtype) -> str:
     """The ``ValueError`` text for a dense target row that :func:`dense_target_flag` flagged on the device."""
-    tolerance = _ROW_SUM_TOLERANCE.get(dtype, 1e-4)
+    tolerance = dense_row_sum_tolerance(dtype)
     return (f"every row of a dense target must be finite and >= 0 and sum to 1 (within {tolerance:g} for {dtype}); "
             f"row {row} is not")
 

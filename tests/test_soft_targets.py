@@ -415,11 +415,18 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
 
 
 @pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
-def test_triton_flags_a_bad_dense_target_on_the_device():
+@pytest.mark.parametrize("read", ["single read", "chunked"])
+def test_triton_flags_a_bad_dense_target_on_the_device(read, monkeypatch):
     """The Triton backend (here under the interpreter, on CPU tensors, where a flag is read at once) skips the host
-    check of a dense target's values and raises from its device flag instead."""
+    check of a dense target's values and raises from the flag its kernel writes in its reads of the target, in one
+    read of the row and in chunks."""
+    from calibkernels.triton import uncertainty_weighted_ce as T
+
+    if read == "chunked":
+        monkeypatch.setattr(T, "MAX_BLOCK", 4)  # rows of 6 classes in chunks of 2
     z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=6)
     z, dense = z.float(), dense.float()
+    assert T._launch_config(6, 4)[0] == (read == "single read")
     torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton"),
                                ck.uncertainty_weighted_ce(z, dense, backend="reference"), rtol=1e-5, atol=1e-6)
     for name, target, row in _bad_dense_targets(dense):

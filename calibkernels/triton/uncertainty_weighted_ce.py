@@ -608,8 +608,8 @@ def _soft_target_ce_fwd_kernel(
     target_ptr, target_row_stride, mix_ptr, lambda_ptr, lambda_stride,
     sample_weight_ptr, gamma_ptr,
     row_loss_ptr, grad_ptr, grad_row_stride,
-    valid_count_ptr,
-    num_rows, num_classes, gamma, norm, ignore_index, smoothing,
+    valid_count_ptr, dense_bad_ptr,
+    num_rows, num_classes, gamma, norm, ignore_index, smoothing, dense_tolerance,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
@@ -617,7 +617,9 @@ def _soft_target_ce_fwd_kernel(
 ):
     """Row losses and gradient rows for soft targets, one program per row: a dense ``target (N, C)`` (DENSE) or
     class indices with an optional mix (HAS_MIX: ``mix_target (N,)``, λ at ``lambda_ptr + row * lambda_stride``),
-    both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``)."""
+    both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``). A dense row's value check rides on its reads:
+    ``dense_bad_ptr[row]`` is 1 where an entry is negative or NaN or the entries' float32 sum is off 1 by more than
+    ``dense_tolerance``, else 0."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -682,6 +684,8 @@ def _soft_target_ce_fwd_kernel(
             raw = tl.load(target_row + cols, mask=col_mask, other=0.0).to(tl.float32)
             t, one_minus_t = _smoothed_target(raw, col_mask, one_minus_a, c, a_minus_c)
             sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq = _dense_sums(z, e, t, one_minus_t, m_safe, SQUARES)
+            given_sum = tl.sum(raw, 0)
+            not_nonneg = tl.sum(((raw < 0.0) | (raw != raw)).to(tl.int32), 0)
         else:
             raw = e  # placeholder
             special = (cols == safe_target) | (cols == safe_mix)
@@ -696,6 +700,8 @@ def _soft_target_ce_fwd_kernel(
         sum_e_t = zero
         sum_t = zero
         sum_t_sq = zero
+        given_sum = zero
+        not_nonneg = tl.full((), 0, tl.int32)
         for start in range(0, num_classes, BLOCK):
             offs = start + cols
             z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
@@ -706,7 +712,10 @@ def _soft_target_ce_fwd_kernel(
                 rescale_q = tl.exp2((m - m_new_safe) * (norm * LOG2E))
             if DENSE:
                 raw = tl.load(target_row + offs, mask=col_mask, other=0.0, eviction_policy="evict_last")
-                t, one_minus_t = _smoothed_target(raw.to(tl.float32), col_mask, one_minus_a, c, a_minus_c)
+                raw_f32 = raw.to(tl.float32)
+                given_sum += tl.sum(raw_f32, 0)
+                not_nonneg += tl.sum(((raw_f32 < 0.0) | (raw_f32 != raw_f32)).to(tl.int32), 0)
+                t, one_minus_t = _smoothed_target(raw_f32, col_mask, one_minus_a, c, a_minus_c)
                 b_e, b_gap, b_q, b_e_omt, b_e_t, b_t, b_t_sq = _dense_sums(z, e, t, one_minus_t, m_new_safe, SQUARES)
                 # Σ t (m - z) follows the max: + (m_new - m_old) Σt of the columns seen so far
                 gap = gap + (m_new_safe - m_safe) * sum_t + b_gap
@@ -726,6 +735,8 @@ def _soft_target_ce_fwd_kernel(
 
     # ---- per-row scalars: CE, 1 - P, FLSD's band value, and the compact form's target / mix columns -------------
     if DENSE:
+        dense_bad = (not_nonneg > 0) | (tl.abs(given_sum - 1.0) > dense_tolerance) | (given_sum != given_sum)
+        tl.store(dense_bad_ptr + row, dense_bad.to(tl.int8))
         d = sum_e
         log2_d = tl.log2(d)
         inv_d = 1.0 / d
@@ -1009,8 +1020,9 @@ def uncertainty_weighted_ce_forward(
     e.g. the logits themselves; ``grad`` is then empty), else returned as a new ``(N, C)`` tensor; neither when
     ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
     Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
-    ``label_smoothing``, or a floating ``target (N, C)`` (dense: no target check, ``target_flag`` is ``None``, the
-    mean divides by N; :func:`forward` flags bad values on the device).
+    ``label_smoothing``, or a floating ``target (N, C)`` (dense: the mean divides by N, and ``target_flag`` is
+    ``(any bad row, the first bad row)`` of the kernel's value check, :func:`calibkernels._validation.
+    first_flagged_row`).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
     """
@@ -1035,8 +1047,9 @@ def uncertainty_weighted_ce_forward(
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:
         dest, grad = grad_out, empty
-    if dense:  # no class indices: nothing to check, every row counts for the mean
-        valid_count, error = torch.full((1,), num_rows, dtype=torch.int64, device=device), None
+    if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values
+        valid_count = torch.full((1,), num_rows, dtype=torch.int64, device=device)
+        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device)
     else:
         counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
         valid_count, error = counts[:1], counts[1:]
@@ -1060,10 +1073,13 @@ def uncertainty_weighted_ce_forward(
             target, target.stride(0) if dense else 0,
             mix_target if has_mix else target, mix_lambda if has_mix else row_loss,
             mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0,
-            *weight_args, *output_args,
+            *weight_args, *output_args, dense_bad if dense else valid_count,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
+            V.dense_row_sum_tolerance(target.dtype),
             DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, **meta,
         )
+        if dense:
+            error = V.first_flagged_row(dense_bad)
     else:
         _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0), target, *weight_args, *output_args,
@@ -1165,8 +1181,6 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     else:
         # _target_checks ignores the flag during a capture
         loss, grad, flag = uncertainty_weighted_ce_forward(*args, torch.float32, *soft_args)
-        if target.is_floating_point() and not (logits.is_cuda and torch.cuda.is_current_stream_capturing()):
-            flag = V.dense_target_flag(target)  # a dense target's values, on the device (no synchronisation)
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
