@@ -958,8 +958,8 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
                  "target_row_stride": "i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
-                 "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64",
-                 "smoothing": "fp32"}
+                 "dense_bad_ptr": "*i8", "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
+                 "ignore_index": "i64", "smoothing": "fp32", "dense_tolerance": "fp32"}
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=1, COMPUTE_GRAD=True, PER_SAMPLE_GAMMA=False, BLOCK=block,
                       SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth)
     signature.update({name: "constexpr" for name in constexprs})
