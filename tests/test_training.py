@@ -427,6 +427,40 @@ def test_compile_on_cpu(tmp_path):
     assert not any(k.startswith("_orig_mod") for k in checkpoint["model"])  # the plain model's weights are saved
 
 
+@pytest.mark.parametrize("loss", ["bsce_gra", "cross_entropy", "focal_loss"])
+def test_model_and_loss_trace_into_one_graph(loss):
+    """--compile's step function holds the model and the fused loss in one graph, without a graph break, so that
+    torch.compile(fullgraph=True) accepts it; with a mix (λ a 0-dim tensor) too."""
+    from torch._dynamo import explain
+
+    model = build_model("small_cnn", 10, in_channels=1)
+    criterion = train.build_criterion(loss, "mean", "auto")
+    images, targets = torch.randn(6, 1, 8, 8), torch.randint(0, 10, (6,))
+    mix = {"mix_target": targets.flip(0), "mix_lambda": torch.full((), 0.3)}
+    for mix_kwargs in ({}, mix):
+        report = explain(train.forward_and_loss)(model, criterion, images, targets, mix_kwargs, None)
+        assert report.graph_count == 1 and report.graph_break_count == 0, report.break_reasons
+        # the fused op, in the graph or in the body of the autograd.Function that wraps it
+        ops = {str(node.target) for graph in report.graphs for module in graph.modules()
+               if isinstance(module, torch.fx.GraphModule) for node in module.graph.nodes}
+        assert any("calibkernels" in op for op in ops), sorted(ops)
+
+
+@pytest.mark.slow
+def test_compiled_step_with_mixup_compiles_model_and_loss_once(tmp_path):
+    """A --compile run with mixup and cutmix: the step (model + loss, fullgraph=True) is traced once, not once per λ,
+    with no graph break."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    result = run_main(["--compile", "--epochs", "2", "--max-steps-per-epoch", "4", "--loss", "bsce_gra",
+                       "--mixup-alpha", "0.4", "--cutmix-alpha", "1.0", "--output-dir", str(tmp_path / "mixed")] + FAST)
+    assert np.isfinite(result["report"]["pre_T"]["nll"])
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    # the step, the evaluation model, and at most one more for the evaluation's last (smaller) batch
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+
+
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_unpadded_sampler_visits_every_sample_exactly_once(world):
     length = int(torch.randint(1, 50, ()).item())

@@ -125,7 +125,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--pretrained", default=None,
                         help="local torchvision checkpoint for the fine-tuning recipes (never downloaded)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile the training step's model and loss as one graph (fullgraph in a single "
+                             "process), and the evaluation model")
     parser.add_argument("--amp", default=None, choices=["bf16", "fp16"],
                         help="autocast dtype (fp16 uses a GradScaler)")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format")
@@ -453,15 +455,33 @@ class ResumableDistributedSampler(DistributedSampler):
         return self.num_samples - self.skip
 
 
+def forward_and_loss(model, criterion, images, targets, mix_kwargs, amp_dtype):
+    """A training step's forward: the logits under autocast, then the loss outside it (the fused kernels take
+    bf16/fp16 logits and accumulate in fp32); ``(logits, loss)``. One function, so that ``--compile`` traces the model
+    and the loss into one graph (:func:`compiled_forward_and_loss`)."""
+    with torch.autocast(images.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+        logits = model(images)
+    return logits, criterion(logits, targets, **mix_kwargs)
+
+
+def compiled_forward_and_loss(fullgraph: bool):
+    """:func:`forward_and_loss` under ``torch.compile``: the model and the loss in one graph; ``fullgraph=True``
+    makes a graph break an error instead of a silent split (single-process runs; under DDP, its optimiser splits the
+    graph at the gradient buckets). A mix's λ reaches it as a 0-dim tensor, so a new λ per batch is not a new
+    graph."""
+    return torch.compile(forward_and_loss, fullgraph=fullgraph)
+
+
 def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: _StopRequest,
-                    first_step: int = 0, meta=None, meta_iterator=None, ema=None) -> dict:
+                    first_step: int = 0, meta=None, meta_iterator=None, ema=None, step_forward=None) -> dict:
     """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
 
     With ``args.mixup_alpha`` / ``args.cutmix_alpha`` each batch is mixed with its reversal: compact form
     (``criterion(logits, target, mix_target=target.flip(0), mix_lambda=λ)``, :func:`training.soft_targets.mix_batch`)
     or, with ``args.mix_dense``, torchvision's ``MixUp``/``CutMix`` and dense targets. ``ema`` (an ``AveragedModel``)
     is updated every ``args.model_ema_steps`` steps; during the warm-up epochs it keeps copying the weights
-    (torchvision's reference does the same).
+    (torchvision's reference does the same). ``step_forward``: the step's forward and loss (default
+    :func:`forward_and_loss`; with ``--compile``, :func:`compiled_forward_and_loss`).
 
     Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted"}`` where ``loss`` is the
     mean per-sample training loss, merged over DDP ranks."""
@@ -507,11 +527,11 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 images, loss_targets = dense_mixer(images, targets)
             elif mixing:
                 images, partner, lam = soft_targets.mix_batch(images, mixup_alpha, cutmix_alpha)
-                mix_kwargs = {"mix_target": targets[partner], "mix_lambda": lam}
-            with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
-                logits = model(images)
-            # The loss runs outside autocast: the fused kernels take bf16/fp16 logits and accumulate in fp32.
-            loss = criterion(logits, loss_targets, **mix_kwargs)
+                # λ as a device tensor (a fill, no copy from the host): a compiled step takes it as an input
+                mix_kwargs = {"mix_target": targets[partner],
+                              "mix_lambda": torch.full((), lam, dtype=torch.float32, device=device)}
+            logits, loss = (step_forward or forward_and_loss)(model, criterion, images, loss_targets, mix_kwargs,
+                                                              amp_dtype)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss * loss_scale).backward()
             if args.clip_grad_norm:
@@ -757,8 +777,15 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
 
     if distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
-    train_model = torch.compile(model) if args.compile else model
-    eval_model = train_model if args.compile and not distributed else (
+    # --compile: the standard step compiles model and loss together (compiled_forward_and_loss); the meta methods'
+    # steps call the model themselves, so there the model alone is compiled
+    step_forward = None
+    if args.compile and args.method == "standard":
+        train_model = model
+        step_forward = compiled_forward_and_loss(fullgraph=not distributed)
+    else:
+        train_model = torch.compile(model) if args.compile else model
+    eval_model = train_model if args.compile and not distributed and step_forward is None else (
         torch.compile(model_without_ddp) if args.compile else model_without_ddp)
     if args.method != "standard":
         meta = meta_module.MetaRegularizer(model, num_classes, args.method.split("-", 1)[1], args, device)
@@ -839,7 +866,8 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             train_sampler.skip = first_step * per_rank_batch
             epoch_criterion = schedule.criterion_for(epoch)
             stats = train_one_epoch(train_model, epoch_criterion, optimizer, train_loader, device, epoch, args, scaler,
-                                    stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator, ema=ema)
+                                    stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator, ema=ema,
+                                    step_forward=step_forward)
             first_step = 0
             train_sampler.skip = 0
             if stats["interrupted"]:
