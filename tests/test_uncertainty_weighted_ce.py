@@ -347,3 +347,39 @@ def test_reference_compiles_with_fullgraph():
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(z_in, y), step(z_in, y))
     assert not math.isnan(compiled(z_in, y).item())
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_a_step_with_the_loss_inside_reduce_overhead_compilation(backend):
+    """A linear model and the fused loss compiled together with mode="reduce-overhead" (CUDA graphs, fullgraph): the
+    replayed steps give the eager step's loss and gradients, with a mix and without; the eager calls make no host
+    synchronisation (torch.cuda.set_sync_debug_mode("error"))."""
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not built")
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 1000, device="cuda")
+
+    def step(x, y, mix_target, mix_lambda):
+        loss = ck.uncertainty_weighted_ce(model(x), y, weight="brier", backend=backend, mix_target=mix_target,
+                                          mix_lambda=mix_lambda)
+        loss.backward()
+        return loss.detach()
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(4):  # warm-up, recording, replays with new data
+        x = torch.randn(256, 64, device="cuda")
+        y = torch.randint(0, 1000, (256,), device="cuda")
+        lam = torch.rand((), device="cuda")
+        model.zero_grad(set_to_none=True)
+        got = compiled(x, y, y.flip(0), lam).clone()
+        got_grad = model.weight.grad.clone()
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            expected = step(x, y, y.flip(0), lam)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got_grad, model.weight.grad, rtol=1e-4, atol=1e-5)
