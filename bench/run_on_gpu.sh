@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [raise]   (in that order)
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [raise]
+#   (stages run in the order given)
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
 # The benches write <suite>-<gpu>-<date>.json/.md and $OUT/history.jsonl (rows naming bench/results/<file>): copy the

@@ -189,9 +189,16 @@ def dense_target_flag(target2d: torch.Tensor) -> torch.Tensor:
     :func:`check_dense_target`'s value check; the Triton kernel makes it in its own reads of the target): a row is bad
     where an entry is negative or NaN, or where its sum, taken as that check takes it, is not finite or is off 1 by
     more than the dtype's tolerance."""
-    row_sums = target2d.sum(dim=1).double()
+    row_sums = dense_row_sums(target2d)
     bad = ~(target2d.amin(dim=1) >= 0) | ~((row_sums - 1.0).abs() <= dense_row_sum_tolerance(target2d.dtype))
     return first_flagged_row(bad)
+
+
+def dense_row_sums(target2d: torch.Tensor) -> torch.Tensor:
+    """A dense target's row sums as its value check takes them, in float64: summed in float64 for a float64 target,
+    in float32 otherwise (a float16 / bfloat16 sum is not rounded back to the target's dtype, so the tolerance
+    applies to the row's real sum, as the kernels' float32 sums see it)."""
+    return target2d.sum(dim=1, dtype=torch.float64 if target2d.dtype == torch.float64 else torch.float32).double()
 
 
 def dense_target_message(row: int, dtype: torch.dtype) -> str:
@@ -256,8 +263,9 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
                        check_values: bool = True) -> torch.Tensor:
     """A dense probability target ``(..., C)`` of ``logits``' shape, returned as ``(N, C)``.
 
-    Every entry finite and ``>= 0``, every row summing to 1 within :data:`_ROW_SUM_TOLERANCE` of its dtype (sums are
-    taken in float64); it is used as given, not renormalised (as ``F.cross_entropy`` does). ``ignore_index`` applies
+    A float16, bfloat16, float32 or float64 tensor; every entry finite and ``>= 0``, every row summing to 1 within
+    :data:`_ROW_SUM_TOLERANCE` of its dtype (:func:`dense_row_sums`: float32 sums, float64 for a float64 target); it
+    is used as given, not renormalised (as ``F.cross_entropy`` does). ``ignore_index`` applies
     to class indices only, so it must stay at its default -100. Targets are constants: one that requires grad raises
     (the loss would silently give it no gradient). ``check_values=False`` leaves the value check to the C++ CPU
     kernel, which makes it, with these errors, in the sweep that reads the target anyway.
@@ -269,6 +277,8 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
     if tuple(target.shape) != tuple(logits.shape):
         raise ValueError(f"a floating-point (dense probability) target must have the logits' shape "
                          f"{tuple(logits.shape)}, got {tuple(target.shape)}; class indices must be int64")
+    if target.dtype not in _ROW_SUM_TOLERANCE:
+        raise TypeError(f"a dense target must be float16, bfloat16, float32 or float64, got {target.dtype}")
     if target.device != logits.device:
         raise ValueError(f"target is on {target.device} but logits are on {logits.device}")
     if ignore_index != -100:
@@ -282,7 +292,7 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
         # two reductions over N×C and no N×C temporary (a float64 sum would copy the target): the smallest entry,
         # and the row sums in the target's accumulation type (entries >= 0 with finite row sums are all finite; NaN
         # fails both tests); rounding of a float32 sum over 10^5 columns stays far below the tolerance
-        row_sums = target2d.sum(dim=1).double()
+        row_sums = dense_row_sums(target2d)
         if not (bool(target2d.amin() >= 0) and bool(row_sums.isfinite().all())):
             raise ValueError("a dense target must be finite and >= 0 everywhere (a probability distribution per row)")
         tolerance = _ROW_SUM_TOLERANCE.get(target.dtype, 1e-4)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _backends
+from . import _autograd, _backends
 from . import _validation as V
 from . import reference as _reference
 
@@ -77,8 +77,10 @@ def uncertainty_weighted_ce(
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
         mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu",
         # a dense target's values: the CPU kernel checks them in its sweep (in place, the host first, so that a bad
-        # target raises before the kernel overwrites the logits); the GPU backends flag them on the device
-        kernel_checks_dense=(name == "cpu" and inplace is False) or name in ("triton", "cuda"),
+        # target raises before the kernel overwrites the logits); the GPU backends flag them on the device on plain
+        # eager calls (the calls whose flag calibkernels._target_checks reads)
+        kernel_checks_dense=(name == "cpu" and inplace is False) or (
+            name in ("triton", "cuda") and device.type == "cuda" and _autograd.is_plain_eager(logits)),
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")

@@ -483,9 +483,9 @@ def fused_linear_uncertainty_weighted_ce(
         if mix_target is not None:
             raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself")
         if not torch.compiler.is_compiling():
-            # on a GPU the values are flagged on the device below (no synchronisation)
+            # on a GPU the values of plain eager calls are flagged on the device below (no synchronisation)
             V.check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
-                                 check_values=host_check)
+                                 check_values=host_check or not _autograd.is_plain_eager(hidden2d))
     elif host_check and not torch.compiler.is_compiling():
         V.check_target_values(target1d, num_classes, ignore_index)
     if mix_target is not None:

@@ -417,9 +417,9 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
 @pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
 @pytest.mark.parametrize("read", ["single read", "chunked"])
 def test_triton_flags_a_bad_dense_target_on_the_device(read, monkeypatch):
-    """The Triton backend (here under the interpreter, on CPU tensors, where a flag is read at once) skips the host
-    check of a dense target's values and raises from the flag its kernel writes in its reads of the target, in one
-    read of the row and in chunks."""
+    """The Triton kernel's own check of a dense target's values (what a GPU call reads instead of a host check; here
+    under the interpreter, on CPU tensors, whose calls keep the host check): the ``(any bad row, first bad row)`` flag
+    it returns, in one read of the row and in chunks, and the error that flag becomes."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     if read == "chunked":
@@ -427,12 +427,18 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, monkeypatch):
     z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=6)
     z, dense = z.float(), dense.float()
     assert T._launch_config(6, 4)[0] == (read == "single read")
+
+    def flag(target):  # weight brier, mode grad, mean
+        return T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, 1, True)[2].tolist()
+
+    assert flag(dense) == [0, 8]
     torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton"),
                                ck.uncertainty_weighted_ce(z, dense, backend="reference"), rtol=1e-5, atol=1e-6)
     for name, target, row in _bad_dense_targets(dense):
+        assert flag(target) == [1, row], name
         with pytest.raises(ValueError, match=rf"dense target must be finite and >= 0 and sum to 1.*row {row} is not"):
-            x = z.clone().requires_grad_()
-            ck.uncertainty_weighted_ce(x, target, backend="triton").backward()
+            _target_checks.submit(T.uncertainty_weighted_ce_forward(
+                z, target, None, None, 4, 1, 4.0, 2.0, -100, 1, True)[2], 6, -100, target.dtype)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous policy differs only on a GPU")
@@ -452,3 +458,46 @@ def test_gpu_backends_flag_a_bad_dense_target_without_a_synchronisation(backend,
     with pytest.raises(ValueError, match="row 4 is not"):
         ck.uncertainty_weighted_ce(z, _bad_dense_targets(dense)[0][1], backend=backend)
     ck.uncertainty_weighted_ce(z, dense, backend=backend)
+
+
+def _boundary_dense_rows():
+    """(name, target, host decision) for rows at the edge of the row-sum tolerance, where a sum rounded to the
+    target's dtype, or a float32 sum of a float64 target, would decide differently from the real sum."""
+    c = 131072
+    exact = torch.full((1, c), 1.4e-11, dtype=torch.float64)
+    exact[0, 0] = 1 - (c - 1) * 1.4e-11  # sums to 1 (float64)
+    short = torch.full((1, c), 1.49e-11, dtype=torch.float64)
+    short[0, 0] = 1 - (c - 1) * 1.49e-11 - 1.5e-6  # sums to 1 - 1.5e-6: outside 1e-6
+    return [
+        ("bf16 row summing to 1.0199 (inside 0.02)", torch.tensor([[0.5, 0.5, 0.0199, 0.0]]).bfloat16(), True),
+        ("fp16 row summing to 0.98999 (outside 0.01; 0.99023 rounded to float16)",
+         torch.tensor([[0.5, 0.489990234375, 0.0, 0.0]]).half(), False),
+        ("float64 wide row summing to 1", exact, True),
+        ("float64 wide row summing to 1 - 1.5e-6", short, False),
+    ]
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_the_kernels_dense_checks_decide_the_boundary_rows_as_the_host_check(backend):
+    """The row sums behind every check are the same real sums (float32, float64 for a float64 target): rows at the
+    edge of the tolerance are accepted or refused alike by the host check, the C++ kernel's and Triton's."""
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not available")
+    for name, target, accepted in _boundary_dense_rows():
+        z = torch.zeros(target.shape, dtype=torch.float32)
+        if accepted:
+            V.check_dense_target(z, target, -100)
+            ck.uncertainty_weighted_ce(z, target, backend=backend)
+        else:
+            with pytest.raises(ValueError, match="sum to 1"):
+                V.check_dense_target(z, target, -100)
+            with pytest.raises(ValueError, match="sum to 1"):
+                ck.uncertainty_weighted_ce(z, target, backend=backend)
+
+
+def test_a_dense_target_of_another_floating_dtype_is_refused():
+    z = torch.zeros(2, 3)
+    target = torch.full((2, 3), 1 / 3)
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        with pytest.raises(TypeError, match="float16, bfloat16, float32 or float64"):
+            ck.uncertainty_weighted_ce(z, target.to(dtype))

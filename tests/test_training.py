@@ -452,13 +452,26 @@ def test_compiled_step_with_mixup_compiles_model_and_loss_once(tmp_path):
     with no graph break."""
     from torch._dynamo.utils import counters
 
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
     counters.clear()
+    torch._dynamo.reset()
     result = run_main(["--compile", "--epochs", "2", "--max-steps-per-epoch", "4", "--loss", "bsce_gra",
                        "--mixup-alpha", "0.4", "--cutmix-alpha", "1.0", "--output-dir", str(tmp_path / "mixed")] + FAST)
     assert np.isfinite(result["report"]["pre_T"]["nll"])
     assert not counters["graph_break"], dict(counters["graph_break"])
+    # the step function itself was compiled, once for its 8 steps and 8 λ
+    assert len(_debug_get_cache_entry_list(train.forward_and_loss.__code__)) == 1
     # the step, the evaluation model, and at most one more for the evaluation's last (smaller) batch
     assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+
+
+@pytest.mark.slow
+def test_compile_with_a_loss_that_splits_the_graph_still_trains(tmp_path):
+    """AdaFocal's state checks split the compiled step (fullgraph is only asked of the fused family's losses)."""
+    result = run_main(["--compile", "--epochs", "1", "--max-steps-per-epoch", "2", "--loss", "adafocal",
+                       "--output-dir", str(tmp_path / "adafocal")] + FAST)
+    assert np.isfinite(result["report"]["pre_T"]["nll"])
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])

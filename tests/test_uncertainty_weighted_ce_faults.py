@@ -65,8 +65,8 @@ _CHILD = textwrap.dedent("""
 @pytest.mark.parametrize("backend_device", FUSED)
 def test_every_error_reaches_python_as_an_exception(backend_device):
     """An error from the op's C++ checks, the kernels' target checks (on a GPU: the device flag, read synchronously
-    here) or the Python checks is an exception in the caller, with its message; the process survives (an extension
-    built against another torch once died with SIGSEGV here instead of raising)."""
+    here) or the Python checks is an exception in the caller, with its message, and the process survives (an
+    extension built against another torch than the one it runs with can die with SIGSEGV there instead)."""
     backend, device = backend_device
     env = dict(os.environ, CALIBKERNELS_VALIDATE="sync", TORCH_SHOW_CPP_STACKTRACES="0")
     result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _CHILD, backend, device],

@@ -363,6 +363,8 @@ def args_from_checkpoint(args, checkpoint: dict) -> argparse.Namespace:
     saved = checkpoint["args"]
     explicit = explicit_options(args)
     args.explicit = sorted(explicit)  # decided here, before the recipe's values fill in what was not given
+    # a checkpoint written before --synthetic existed trained on the recipe's data
+    saved = {"synthetic": False, "synthetic_size": None, **saved}
     for key in _FIXED_BY_CHECKPOINT:
         if key in explicit and key in saved and saved[key] != getattr(args, key):
             raise ValueError(f"--resume {args.resume}: checkpoint has {key}={saved[key]!r} but this run has "
@@ -782,7 +784,11 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     step_forward = None
     if args.compile and args.method == "standard":
         train_model = model
-        step_forward = compiled_forward_and_loss(fullgraph=not distributed)
+        # fullgraph for the fused family's losses (one op each); other losses may hold data-dependent Python
+        # (AdaFocal's state checks), which may split the graph
+        fused_only = all(isinstance(module, ck.losses.UncertaintyWeightedCE)
+                         for module in (schedule.criterion, schedule.warmup_criterion) if module is not None)
+        step_forward = compiled_forward_and_loss(fullgraph=not distributed and fused_only)
     else:
         train_model = torch.compile(model) if args.compile else model
     eval_model = train_model if args.compile and not distributed and step_forward is None else (

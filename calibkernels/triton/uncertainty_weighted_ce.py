@@ -1079,7 +1079,9 @@ def uncertainty_weighted_ce_forward(
             DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, **meta,
         )
         if dense:
-            error = V.first_flagged_row(dense_bad)
+            # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows:
+            # its rows are checked by float64 reductions instead
+            error = V.dense_target_flag(target) if target.dtype == torch.float64 else V.first_flagged_row(dense_bad)
     else:
         _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0), target, *weight_args, *output_args,

@@ -154,7 +154,9 @@ double dense_flag_tolerance(at::ScalarType target_dtype, at::ScalarType acc_dtyp
 // calibkernels._validation.check_dense_target's value check, with its reductions and its error messages; run when the
 // kernel flagged a row.
 void check_dense_target_values(const at::Tensor& target) {
-  const at::Tensor row_sums = target.sum(1).to(at::kDouble);
+  // calibkernels._validation.dense_row_sums: float64 sums of a float64 target, float32 sums otherwise
+  const at::Tensor row_sums =
+      target.sum(1, false, target.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).to(at::kDouble);
   TORCH_CHECK_VALUE(target.amin().item<double>() >= 0 && row_sums.isfinite().all().item<bool>(),
                     "a dense target must be finite and >= 0 everywhere (a probability distribution per row)");
   const double tolerance = dense_row_sum_tolerance(target.scalar_type());
@@ -177,6 +179,9 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
   SoftTargetTensors held;
   if (!args.soft.active) return held;
   if (target.is_floating_point()) {
+    const auto dtype = target.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kHalf || dtype == at::kBFloat16 || dtype == at::kFloat || dtype == at::kDouble,
+                     "a dense target must be float16, bfloat16, float32 or float64, got ", python_dtype_name(dtype));
     const auto acc = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
     held.dense = target.to(acc).contiguous();
     args.soft.dense = &held.dense;
