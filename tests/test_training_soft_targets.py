@@ -134,9 +134,13 @@ def test_bad_soft_target_flags_are_refused():
                            (["--mixup-alpha", "-1"], "mixup-alpha"),
                            (["--warmup-epochs", "2"], "warmup-epochs"),
                            (["--mixup-alpha", "0.2", "--loss", "brier_loss"], "weighted CE family"),
-                           (["--mixup-alpha", "0.2", "--loss", "dual_focal_loss"], "dual focal")):
+                           (["--mixup-alpha", "0.2", "--loss", "dual_focal_loss"], "dual focal"),
+                           (["--cutmix-alpha", "1.0", "--loss", "soft_target_bsce_gra"], "add --mix-dense")):
         with pytest.raises(ValueError, match=message):
             train.resolve_run_config(train.parse_args(base + extra))
+    # timm's signature takes the dense form of the same mix
+    train.resolve_run_config(train.parse_args(base + ["--cutmix-alpha", "1.0", "--mix-dense",
+                                                      "--loss", "soft_target_bsce_gra"]))
 
 
 def test_torchvision_new_recipe_variant():

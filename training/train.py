@@ -295,7 +295,7 @@ def resolve_run_config(args) -> argparse.Namespace:
     _check_output_dir(Path(args.output_dir))
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
-    check_loss_spec(args.loss, args.label_smoothing, mixing)
+    check_loss_spec(args.loss, args.label_smoothing, mixing, getattr(args, "mix_dense", False))
     loss_schedule(args, build_criterion(args.loss, "mean", "auto", args.label_smoothing), recipe)  # checks it
     return args
 
@@ -321,9 +321,10 @@ def loss_schedule(args, criterion: nn.Module, recipe) -> LossSchedule:
                         warmup_criterion=warmup_criterion)
 
 
-def check_loss_spec(spec: str, label_smoothing: float = 0.0, mixing: bool = False) -> None:
+def check_loss_spec(spec: str, label_smoothing: float = 0.0, mixing: bool = False, mix_dense: bool = False) -> None:
     """Raise a ValueError naming ``spec`` if it does not build a loss (unknown name, misspelt hyperparameter, …), or
-    if it cannot take the soft targets that label smoothing or mixing give it."""
+    if it cannot take the soft targets that label smoothing or mixing (compact, or dense with ``mix_dense``) give
+    it."""
     try:
         criterion = build_criterion(spec, reduction="mean", backend="auto", label_smoothing=label_smoothing)
     except (TypeError, ValueError) as exc:
@@ -334,6 +335,9 @@ def check_loss_spec(spec: str, label_smoothing: float = 0.0, mixing: bool = Fals
                          "flsd*, bsce*)")
     if mixing and criterion.weight == "dual_focal":
         raise ValueError(f"loss {spec!r}: dual focal has no soft-target form, so it cannot train on mixed batches")
+    if mixing and not mix_dense and isinstance(criterion, ck.losses.SoftTargetUncertaintyWeightedCE):
+        raise ValueError(f"loss {spec!r} has timm's SoftTargetCrossEntropy signature, forward(x, target), and takes a "
+                         "mixed batch as dense targets: add --mix-dense, or use its compact-form loss (e.g. bsce_gra)")
 
 
 def _check_output_dir(path: Path) -> None:
