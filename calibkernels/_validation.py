@@ -194,6 +194,14 @@ def dense_target_flag(target2d: torch.Tensor) -> torch.Tensor:
     return first_flagged_row(bad)
 
 
+def device_target_flag(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """The device flag of either kind of target: :func:`dense_target_flag` of a dense target, else
+    :func:`target_flag` of class indices."""
+    if target.is_floating_point():
+        return dense_target_flag(target)
+    return target_flag(target, num_classes, ignore_index)
+
+
 def dense_row_sums(target2d: torch.Tensor) -> torch.Tensor:
     """A dense target's row sums as its value check takes them, in float64: summed in float64 for a float64 target,
     in float32 otherwise (a float16 / bfloat16 sum is not rounded back to the target's dtype, so the tolerance
@@ -295,7 +303,7 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
         row_sums = dense_row_sums(target2d)
         if not (bool(target2d.amin() >= 0) and bool(row_sums.isfinite().all())):
             raise ValueError("a dense target must be finite and >= 0 everywhere (a probability distribution per row)")
-        tolerance = _ROW_SUM_TOLERANCE.get(target.dtype, 1e-4)
+        tolerance = dense_row_sum_tolerance(target.dtype)
         error = (row_sums - 1.0).abs()
         worst = float(error.max())
         if worst > tolerance:

@@ -162,14 +162,13 @@ def _check_linear_inputs(hidden, linear_weight, target, linear_bias):
 
 
 def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    """GPU kernels: one ``(any bad, a bad value)`` device flag for the whole batch, read without stalling the host
-    (``CALIBKERNELS_VALIDATE``, docs/losses.md); the kernels make a bad row's loss and gradient NaN."""
+    """GPU kernels: one device flag for the whole batch, read without stalling the host (``CALIBKERNELS_VALIDATE``,
+    docs/losses.md): ``(any bad, a bad value)`` of class indices, whose bad rows the kernels make NaN, or ``(any bad
+    row, the first bad row)`` of a dense target's values."""
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    if target1d.is_floating_point():  # a dense target: its values (bad rows are not NaN; the error names one)
-        _target_checks.submit(V.dense_target_flag(target1d), num_classes, ignore_index, target1d.dtype)
-    else:
-        _target_checks.submit(V.target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index)
+    _target_checks.submit(V.device_target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index,
+                          _autograd._dense_dtype(target1d))
 
 
 def _check_chunk_size(chunk_size) -> None:

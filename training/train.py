@@ -479,15 +479,16 @@ def compiled_forward_and_loss(fullgraph: bool):
 
 
 def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: _StopRequest,
-                    first_step: int = 0, meta=None, meta_iterator=None, ema=None, step_forward=None) -> dict:
+                    first_step: int = 0, meta=None, meta_iterator=None, ema=None,
+                    step_forward=forward_and_loss) -> dict:
     """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
 
     With ``args.mixup_alpha`` / ``args.cutmix_alpha`` each batch is mixed with its reversal: compact form
     (``criterion(logits, target, mix_target=target.flip(0), mix_lambda=λ)``, :func:`training.soft_targets.mix_batch`)
     or, with ``args.mix_dense``, torchvision's ``MixUp``/``CutMix`` and dense targets. ``ema`` (an ``AveragedModel``)
     is updated every ``args.model_ema_steps`` steps; during the warm-up epochs it keeps copying the weights
-    (torchvision's reference does the same). ``step_forward``: the step's forward and loss (default
-    :func:`forward_and_loss`; with ``--compile``, :func:`compiled_forward_and_loss`).
+    (torchvision's reference does the same). ``step_forward``: the step's forward and loss
+    (:func:`forward_and_loss`, or with ``--compile`` :func:`compiled_forward_and_loss`).
 
     Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted"}`` where ``loss`` is the
     mean per-sample training loss, merged over DDP ranks."""
@@ -536,8 +537,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 # λ as a device tensor (a fill, no copy from the host): a compiled step takes it as an input
                 mix_kwargs = {"mix_target": targets[partner],
                               "mix_lambda": torch.full((), lam, dtype=torch.float32, device=device)}
-            logits, loss = (step_forward or forward_and_loss)(model, criterion, images, loss_targets, mix_kwargs,
-                                                              amp_dtype)
+            logits, loss = step_forward(model, criterion, images, loss_targets, mix_kwargs, amp_dtype)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss * loss_scale).backward()
             if args.clip_grad_norm:
@@ -785,7 +785,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     # --compile: the standard step compiles model and loss together (compiled_forward_and_loss); the meta methods'
     # steps call the model themselves, so there the model alone is compiled
-    step_forward = None
+    step_forward = forward_and_loss
     if args.compile and args.method == "standard":
         train_model = model
         # fullgraph for the fused family's losses (one op each); other losses may hold data-dependent Python
@@ -795,7 +795,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         step_forward = compiled_forward_and_loss(fullgraph=not distributed and fused_only)
     else:
         train_model = torch.compile(model) if args.compile else model
-    eval_model = train_model if args.compile and not distributed and step_forward is None else (
+    eval_model = train_model if args.compile and not distributed and step_forward is forward_and_loss else (
         torch.compile(model_without_ddp) if args.compile else model_without_ddp)
     if args.method != "standard":
         meta = meta_module.MetaRegularizer(model, num_classes, args.method.split("-", 1)[1], args, device)

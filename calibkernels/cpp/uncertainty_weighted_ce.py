@@ -67,9 +67,7 @@ def _target_flag(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) 
     being captured."""
     if logits.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
         return None
-    if target.is_floating_point():
-        return V.dense_target_flag(target)
-    return V.target_flag(target, logits.shape[-1], ignore_index)
+    return V.device_target_flag(target, logits.shape[-1], ignore_index)
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
