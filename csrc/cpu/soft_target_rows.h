@@ -261,7 +261,11 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
           avx512::rescale_stream_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, y, g_y, delta,
                                                   mixed ? m : int64_t(-1), g_m);
         } else {
-          avx512::rescale_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
+          if (delta != T(0)) {
+            avx512::rescale_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
+          } else {  // no smoothing: the hard rows' loop (fma(p, coef, 0) is p · coef)
+            avx512::rescale_sweep<kSq, false>(e_row, grad, C, inv, alpha, beta, uc.tau);
+          }
         }
         streamed = stream;
       }
