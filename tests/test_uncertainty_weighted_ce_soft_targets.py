@@ -284,8 +284,9 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
         for row, (a, b) in zip(range(6, 12), [(20, 21), (21, 20), (2, 30), (30, 2), (c - 2, c - 1), (c - 1, 0)]):
             y[row], mix[row] = a % c, b % c
         kw = dict(mix_target=mix, mix_lambda=torch.rand(37), label_smoothing=0.1)
+        unsmoothed = dict(kw, label_smoothing=0.0)  # δ = 0: the ordinary form takes the hard rows' loop
         dense = torch.softmax(torch.randn(37, c, dtype=torch.float64), dim=1).float()
-        for target, kwargs in ((y, kw), (dense, dict(label_smoothing=0.1))):
+        for target, kwargs in ((y, kw), (y, unsmoothed), (dense, dict(label_smoothing=0.1))):
             monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
             streamed = _pair("cpu", z, target, weight, mode, "mean", kwargs)
             monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")

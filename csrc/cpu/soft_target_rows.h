@@ -263,7 +263,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
         } else {
           if (delta != T(0)) {
             avx512::rescale_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
-          } else {  // no smoothing: the hard rows' loop (fma(p, coef, 0) is p · coef)
+          } else {  // no smoothing: the hard rows' loop (fma(p, coef, δ) with δ = -0 is p · coef, signed zeros too)
             avx512::rescale_sweep<kSq, false>(e_row, grad, C, inv, alpha, beta, uc.tau);
           }
         }
