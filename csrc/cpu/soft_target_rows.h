@@ -253,29 +253,34 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
                                         std::max(T(0), rest_sq) + e_y * e_y);
     bool streamed = false;
     const T alpha = scale * uc.alpha, beta = scale * uc.beta, delta = scale * uc.delta;
-    auto rescale = [&](auto square_tag) {
-      constexpr bool kSq = decltype(square_tag)::value;
+    // kDelta: the uniform columns' δ term; without smoothing (δ = -0) the hard rows' loops, whose p · coef is
+    // fma(p, coef, -0) bit for bit (signed zeros too). The streamed form always adds δ: its kDelta also patches m.
+    auto rescale = [&](auto square_tag, auto delta_tag) {
+      constexpr bool kSq = decltype(square_tag)::value, kDelta = decltype(delta_tag)::value;
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
       if constexpr (kWide) {
         if (stream) {
           avx512::rescale_stream_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, y, g_y, delta,
                                                   mixed ? m : int64_t(-1), g_m);
         } else {
-          if (delta != T(0)) {
-            avx512::rescale_sweep<kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
-          } else {  // no smoothing: the hard rows' loop (fma(p, coef, δ) with δ = -0 is p · coef, signed zeros too)
-            avx512::rescale_sweep<kSq, false>(e_row, grad, C, inv, alpha, beta, uc.tau);
-          }
+          avx512::rescale_sweep<kSq, kDelta>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
         }
         streamed = stream;
       }
 #endif
-      if constexpr (!kWide) rescale_sweep<T, kSq, true>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
+      if constexpr (!kWide) rescale_sweep<T, kSq, kDelta>(e_row, grad, C, inv, alpha, beta, uc.tau, delta);
     };
-    if (beta != T(0)) {
-      rescale(std::true_type{});
+    auto rescale_with = [&](auto delta_tag) {
+      if (beta != T(0)) {
+        rescale(std::true_type{}, delta_tag);
+      } else {
+        rescale(std::false_type{}, delta_tag);
+      }
+    };
+    if (delta != T(0)) {
+      rescale_with(std::true_type{});
     } else {
-      rescale(std::false_type{});
+      rescale_with(std::false_type{});
     }
     if (!streamed) {
       grad[y] = g_y;
