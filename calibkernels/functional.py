@@ -57,11 +57,13 @@ def uncertainty_weighted_ce(
     Returns:
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
-    if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and not inplace
-            and logits.dim() == 2 and logits.device.type == "cpu" and not torch.compiler.is_compiling()):
+    if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None
+            and type(inplace) is bool and logits.dim() == 2 and logits.device.type == "cpu"
+            and not torch.compiler.is_compiling()):
         soft = _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda)
         if soft is not None:
-            loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft)
+            loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft,
+                                  inplace)
             if loss is not None:
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
@@ -107,12 +109,14 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
     return mix_target, mix_lambda, float(label_smoothing)
 
 
-def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=()):
+def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=(),
+                   inplace=False):
     """The common eager call on CPU tensors, straight into the compiled op and its C++ autograd: the per-call host
     time of the general path (argument normalisation, the host-side target check) is as large as the whole step of
     ``F.cross_entropy`` at small shapes. ``None`` when any argument needs the general path, which also makes every
     error message. The kernel checks the target values itself (the same ValueError as the general path), and those
-    of a mix (``soft``: class-index soft targets, see :func:`_fast_soft_arguments`)."""
+    of a mix (``soft``: class-index soft targets, see :func:`_fast_soft_arguments`). ``inplace``: as the general path,
+    which refuses logits that are a leaf requiring grad, or a view of one."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
     reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
@@ -123,6 +127,13 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
             or not logits.is_floating_point() or not _cpu_kernel_available()
             or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):
         return None
+    if inplace:
+        if (logits.requires_grad and torch.is_grad_enabled()
+                and (logits.is_leaf or (logits._base is not None and logits._base.is_leaf
+                                        and logits._base.requires_grad))):
+            return None
+        return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index,
+                       reduction_code, *(soft or (None, None, 0.0)), True)
     return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index, reduction_code,
                    *soft)
 

@@ -20,7 +20,7 @@ PyMethodDef methods[] = {
      "Free the CPU op's kept gradient buffers; return the bytes freed."},
     {"eager_loss", calibkernels::eager_loss, METH_VARARGS,
      "eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target, mix_lambda, "
-     "label_smoothing]): the fused loss of an eager call without per-sample tensors, in the logits' dtype "
+     "label_smoothing, inplace]): the fused loss of an eager call without per-sample tensors, in the logits' dtype "
      "(csrc/uncertainty_weighted_ce_autograd.cpp)."},
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace

@@ -206,11 +206,12 @@ std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
 }  // namespace
 
 // calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target,
-// mix_lambda, label_smoothing]): the loss of the common eager call (no sample weight, no per-sample gamma, out of
-// place; class-index targets, optionally mixed and smoothed) in the logits' dtype, through the op and its autograd
-// above. A plain function rather than torch.ops: the boxed call of a fifteen-argument op from Python costs
-// microseconds that a small training step notices. mix_target is None or a tensor; mix_lambda None, a tensor or a
-// number (a 0-dim tensor is made for it here).
+// mix_lambda, label_smoothing, inplace]): the loss of the common eager call (no sample weight, no per-sample gamma;
+// class-index targets, optionally mixed and smoothed) in the logits' dtype, through the op and its autograd above.
+// A plain function rather than torch.ops: the boxed call of a fifteen-argument op from Python costs microseconds that
+// a small training step notices. mix_target is None or a tensor; mix_lambda None, a tensor or a number (a 0-dim
+// tensor is made for it here). inplace: the gradient overwrites the logits when they need one (the caller has
+// refused a leaf, or a view of one, that requires grad).
 PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
   HANDLE_TH_ERRORS
   PyObject* logits_obj = nullptr;
@@ -219,8 +220,9 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
   PyObject* lambda_obj = Py_None;
   long long weight = 0, mode = 0, ignore_index = 0, reduction = 0;
   double gamma = 0, norm = 0, label_smoothing = 0;
-  if (!PyArg_ParseTuple(args, "OOLLddLL|OOd", &logits_obj, &target_obj, &weight, &mode, &gamma, &norm, &ignore_index,
-                        &reduction, &mix_obj, &lambda_obj, &label_smoothing)) {
+  int inplace = 0;
+  if (!PyArg_ParseTuple(args, "OOLLddLL|OOdp", &logits_obj, &target_obj, &weight, &mode, &gamma, &norm, &ignore_index,
+                        &reduction, &mix_obj, &lambda_obj, &label_smoothing, &inplace)) {
     return nullptr;
   }
   TORCH_CHECK_TYPE(THPVariable_Check(logits_obj) && THPVariable_Check(target_obj),
@@ -247,8 +249,9 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
   {
     const pybind11::gil_scoped_release no_gil;
     loss = std::get<0>(fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm,
-                                       ignore_index, reduction, compute_grad, std::nullopt, mix_target, mix_lambda,
-                                       label_smoothing));
+                                       ignore_index, reduction, compute_grad,
+                                       inplace && compute_grad ? std::optional<Tensor>(logits) : std::nullopt,
+                                       mix_target, mix_lambda, label_smoothing));
     if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
   return THPVariable_Wrap(std::move(loss));

@@ -187,6 +187,47 @@ def test_inplace_refuses_a_leaf_and_protects_other_users_of_the_logits():
         (loss + squared + other).backward()
 
 
+@pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "mix_smooth"])
+def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(kind, monkeypatch):
+    from calibkernels import functional
+
+    z = torch.randn(11, 29) * 3
+    y = _targets(11, 29)
+    kw = {}
+    if kind in ("smooth", "mix_smooth"):
+        kw["label_smoothing"] = 0.1
+    if kind in ("mix", "mix_smooth"):
+        kw.update(mix_target=y.flip(0).clamp(min=0), mix_lambda=torch.rand(11))
+
+    def step():
+        leaf = z.clone().requires_grad_()
+        logits = leaf * 1.0
+        loss = ck.uncertainty_weighted_ce(logits, y, weight="focal", mode="loss", gamma=2.0, inplace=True, **kw)
+        loss.backward()
+        return loss.detach(), leaf.grad, logits._version
+
+    assert functional._cpu_kernel_available()
+    calls = []
+    fast_op = functional._CPU_OP
+    monkeypatch.setattr(functional, "_CPU_OP", lambda *args: calls.append(args) or fast_op(*args))
+    fast = step()
+    assert len(calls) == 1 and calls[0][-1] is True, "the in-place eager CPU call should take the fast path"
+    monkeypatch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+    general = step()
+    for a, b in zip(fast, general):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert fast[2] > 0, "the overwritten logits' version is bumped"
+    # a leaf, or a view of one, is refused on either path; without grad the logits are left alone
+    monkeypatch.undo()
+    for logits in (z.clone().requires_grad_(), z.clone().requires_grad_()[:, :]):
+        with pytest.raises(ValueError, match="leaf"):
+            ck.uncertainty_weighted_ce(logits, y, inplace=True, **kw)
+    plain = z.clone()
+    with torch.no_grad():
+        ck.uncertainty_weighted_ce(plain.requires_grad_(), y, inplace=True, **kw)
+    assert torch.equal(plain.detach(), z)
+
+
 # -------------------------------------------------------------------------------------- the kernel's own arguments
 @pytest.mark.parametrize("bad", [5, -1, 2**40])
 def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):

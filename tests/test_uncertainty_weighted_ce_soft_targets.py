@@ -212,6 +212,31 @@ def test_in_place_and_inference(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("lambda_dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_strided_mix_lambda(backend, device, lambda_dtype):
+    # A per-row λ is often a strided view (torch.distributions.Beta(a, a).sample((N,)) is a column of a Dirichlet
+    # sample); the kernels read it where it lies: same results, bit for bit, as a contiguous copy, and the range check
+    # sees the view's values only, not the ones between them.
+    z, y, _ = _case("mix", 23, 37, device, seed=4)
+    mix = y.flip(0).clamp(min=0)
+    pairs = torch.rand(23, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    pairs[:, 1] = 7.0  # out of range, outside the view
+    strided = pairs.to(lambda_dtype).to(device)[:, 0]
+    assert strided.stride(0) == 2
+    for kw in (dict(label_smoothing=0.0), dict(label_smoothing=0.1)):
+        got = _pair(backend, z, y, "brier", "loss", "none", dict(kw, mix_target=mix, mix_lambda=strided))
+        want = _pair(backend, z, y, "brier", "loss", "none", dict(kw, mix_target=mix,
+                                                                  mix_lambda=strided.contiguous()))
+        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    bad = pairs.clone()
+    bad[11, 0] = 1.5
+    with pytest.raises(ValueError, match=r"mix_lambda must be in \[0, 1\]"):
+        ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=bad.to(lambda_dtype).to(device)[:, 0],
+                                   backend=backend)
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
 def test_kernel_refuses_what_it_cannot_run(backend, device):
     op = torch.ops.calibkernels.uncertainty_weighted_ce.default
     z = torch.randn(4, 5, device=device)

@@ -189,16 +189,19 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
   }
   if (mix_target.has_value()) {
     held.mix = mix_target->contiguous();
-    // read in place when float32/float64 (a plain loop checks the range: a few ATen ops on N values would cost as
-    // much as a few percent of the whole op at classification shapes)
+    // λ is read where it lies when float32/float64, strided too (a per-row λ is often a strided view: a Beta sample
+    // is a column of a Dirichlet's); a plain loop checks the range (a copy or a few ATen ops on N values would cost
+    // a few percent of the whole op at classification shapes)
     const auto dtype = mix_lambda->scalar_type();
-    held.lambda = (dtype == at::kFloat || dtype == at::kDouble ? mix_lambda->detach() : mix_lambda->detach().to(at::kFloat))
-                      .contiguous();
+    held.lambda = dtype == at::kFloat || dtype == at::kDouble ? mix_lambda->detach()
+                                                                : mix_lambda->detach().to(at::kFloat);
     const int64_t count = held.lambda.numel();
+    const int64_t stride = held.lambda.dim() == 0 ? 0 : held.lambda.stride(0);
     auto check_range = [&](const auto* lam) {
       for (int64_t i = 0; i < count; ++i) {
-        TORCH_CHECK_VALUE(lam[i] >= 0 && lam[i] <= 1, "mix_lambda must be in [0, 1] everywhere (NaN is refused), got ",
-                          lam[i]);
+        const auto value = lam[i * stride];
+        TORCH_CHECK_VALUE(value >= 0 && value <= 1, "mix_lambda must be in [0, 1] everywhere (NaN is refused), got ",
+                          value);
       }
     };
     if (held.lambda.scalar_type() == at::kDouble) {
@@ -209,7 +212,7 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
       check_range(args.soft.lambda_float);
     }
     args.soft.mix = held.mix.const_data_ptr<int64_t>();
-    args.soft.lambda_stride = held.lambda.dim() == 0 ? 0 : 1;
+    args.soft.lambda_stride = stride;
   }
   return held;
 }
