@@ -961,7 +961,8 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
                  "dense_bad_ptr": "*i8", "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
                  "ignore_index": "i64", "smoothing": "fp32", "dense_tolerance": "fp32"}
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=1, COMPUTE_GRAD=True, PER_SAMPLE_GAMMA=False, BLOCK=block,
-                      SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth)
+                      SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth,
+                      DENSE_FLAGS=dense and target_dtype != "fp64")
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._soft_target_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
@@ -975,6 +976,7 @@ soft("bf16", "fp32", 4, 0, 2048, False, True, False, True, False, 80, 4)   # den
 soft("fp16", "fp16", 1, 0, 4096, True, True, False, False, False, 90, 16)  # dense focal, in registers
 soft("bf16", "i64", 6, 0, 2048, False, False, True, True, True, 90, 4)     # compact, Brier-FLSD q = 2, two reads
 soft("fp32", "fp32", 6, 0, 1024, True, True, False, False, False, 80, 8)   # dense, Brier-FLSD q != 2, in registers
+soft("fp32", "fp64", 4, 1, 2048, False, True, False, True, True, 90, 4)    # dense float64 target: no row flags
 print("compiled")
 '''
 

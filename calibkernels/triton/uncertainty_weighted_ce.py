@@ -613,13 +613,13 @@ def _soft_target_ce_fwd_kernel(
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
-    DENSE: tl.constexpr, HAS_MIX: tl.constexpr, SMOOTH: tl.constexpr,
+    DENSE: tl.constexpr, HAS_MIX: tl.constexpr, SMOOTH: tl.constexpr, DENSE_FLAGS: tl.constexpr,
 ):
     """Row losses and gradient rows for soft targets, one program per row: a dense ``target (N, C)`` (DENSE) or
     class indices with an optional mix (HAS_MIX: ``mix_target (N,)``, λ at ``lambda_ptr + row * lambda_stride``),
-    both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``). A dense row's value check rides on its reads:
-    ``dense_bad_ptr[row]`` is 1 where an entry is negative or NaN or the entries' float32 sum is off 1 by more than
-    ``dense_tolerance``, else 0."""
+    both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``). A dense row's value check rides on its reads
+    (DENSE_FLAGS): ``dense_bad_ptr[row]`` is 1 where an entry is negative or NaN or the entries' float32 sum is off 1
+    by more than ``dense_tolerance``, else 0."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -684,8 +684,9 @@ def _soft_target_ce_fwd_kernel(
             raw = tl.load(target_row + cols, mask=col_mask, other=0.0).to(tl.float32)
             t, one_minus_t = _smoothed_target(raw, col_mask, one_minus_a, c, a_minus_c)
             sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq = _dense_sums(z, e, t, one_minus_t, m_safe, SQUARES)
-            given_sum = tl.sum(raw, 0)
-            not_nonneg = tl.sum(((raw < 0.0) | (raw != raw)).to(tl.int32), 0)
+            if DENSE_FLAGS:
+                given_sum = tl.sum(raw, 0)
+                not_nonneg = tl.sum(((raw < 0.0) | (raw != raw)).to(tl.int32), 0)
         else:
             raw = e  # placeholder
             special = (cols == safe_target) | (cols == safe_mix)
@@ -713,8 +714,9 @@ def _soft_target_ce_fwd_kernel(
             if DENSE:
                 raw = tl.load(target_row + offs, mask=col_mask, other=0.0, eviction_policy="evict_last")
                 raw_f32 = raw.to(tl.float32)
-                given_sum += tl.sum(raw_f32, 0)
-                not_nonneg += tl.sum(((raw_f32 < 0.0) | (raw_f32 != raw_f32)).to(tl.int32), 0)
+                if DENSE_FLAGS:
+                    given_sum += tl.sum(raw_f32, 0)
+                    not_nonneg += tl.sum(((raw_f32 < 0.0) | (raw_f32 != raw_f32)).to(tl.int32), 0)
                 t, one_minus_t = _smoothed_target(raw_f32, col_mask, one_minus_a, c, a_minus_c)
                 b_e, b_gap, b_q, b_e_omt, b_e_t, b_t, b_t_sq = _dense_sums(z, e, t, one_minus_t, m_new_safe, SQUARES)
                 # Σ t (m - z) follows the max: + (m_new - m_old) Σt of the columns seen so far
@@ -735,8 +737,9 @@ def _soft_target_ce_fwd_kernel(
 
     # ---- per-row scalars: CE, 1 - P, FLSD's band value, and the compact form's target / mix columns -------------
     if DENSE:
-        dense_bad = (not_nonneg > 0) | (tl.abs(given_sum - 1.0) > dense_tolerance) | (given_sum != given_sum)
-        tl.store(dense_bad_ptr + row, dense_bad.to(tl.int8))
+        if DENSE_FLAGS:
+            dense_bad = (not_nonneg > 0) | (tl.abs(given_sum - 1.0) > dense_tolerance) | (given_sum != given_sum)
+            tl.store(dense_bad_ptr + row, dense_bad.to(tl.int8))
         d = sum_e
         log2_d = tl.log2(d)
         inv_d = 1.0 / d
@@ -1047,9 +1050,12 @@ def uncertainty_weighted_ce_forward(
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:
         dest, grad = grad_out, empty
+    # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows: its rows are
+    # checked by float64 reductions instead of the kernel's flags
+    dense_flags = dense and target.dtype != torch.float64
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values
         valid_count = torch.full((1,), num_rows, dtype=torch.int64, device=device)
-        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device)
+        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else valid_count
     else:
         counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
         valid_count, error = counts[:1], counts[1:]
@@ -1076,12 +1082,10 @@ def uncertainty_weighted_ce_forward(
             *weight_args, *output_args, dense_bad if dense else valid_count,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
             V.dense_row_sum_tolerance(target.dtype),
-            DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, **meta,
+            DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, DENSE_FLAGS=dense_flags, **meta,
         )
         if dense:
-            # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows:
-            # its rows are checked by float64 reductions instead
-            error = V.dense_target_flag(target) if target.dtype == torch.float64 else V.first_flagged_row(dense_bad)
+            error = V.first_flagged_row(dense_bad) if dense_flags else V.dense_target_flag(target)
     else:
         _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0), target, *weight_args, *output_args,
