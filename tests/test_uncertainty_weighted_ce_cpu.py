@@ -188,10 +188,12 @@ def test_inplace_refuses_a_leaf_and_protects_other_users_of_the_logits():
 
 
 @pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "mix_smooth"])
-def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(kind, monkeypatch):
+@pytest.mark.parametrize("dtype,reduction", [(torch.float32, "mean"), (torch.float32, "none"),
+                                             (torch.bfloat16, "sum")])
+def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(kind, dtype, reduction, monkeypatch):
     from calibkernels import functional
 
-    z = torch.randn(11, 29) * 3
+    z = (torch.randn(11, 29) * 3).to(dtype)
     y = _targets(11, 29)
     kw = {}
     if kind in ("smooth", "mix_smooth"):
@@ -202,8 +204,9 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
     def step():
         leaf = z.clone().requires_grad_()
         logits = leaf * 1.0
-        loss = ck.uncertainty_weighted_ce(logits, y, weight="focal", mode="loss", gamma=2.0, inplace=True, **kw)
-        loss.backward()
+        loss = ck.uncertainty_weighted_ce(logits, y, weight="focal", mode="loss", gamma=2.0, reduction=reduction,
+                                          inplace=True, **kw)
+        loss.sum().backward()
         return loss.detach(), leaf.grad, logits._version
 
     assert functional._cpu_kernel_available()
@@ -226,6 +229,8 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
     with torch.no_grad():
         ck.uncertainty_weighted_ce(plain.requires_grad_(), y, inplace=True, **kw)
     assert torch.equal(plain.detach(), z)
+    with pytest.raises(TypeError, match="inplace must be a bool"):  # as the general path: not taken for 0 / 1
+        ck.uncertainty_weighted_ce(z.clone(), y, inplace=0, **kw)
 
 
 # -------------------------------------------------------------------------------------- the kernel's own arguments

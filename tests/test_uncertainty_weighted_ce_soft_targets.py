@@ -4,6 +4,7 @@ dtype, odd shapes, extreme and -inf logits, in place, the streaming-store and in
 gradcheck, opcheck and torch.compile (docs/losses.md, "Soft targets"). The Triton kernel's soft targets are tested in
 test_uncertainty_weighted_ce_triton.py."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -219,20 +220,22 @@ def test_strided_mix_lambda(backend, device, lambda_dtype):
     # sees the view's values only, not the ones between them.
     z, y, _ = _case("mix", 23, 37, device, seed=4)
     mix = y.flip(0).clamp(min=0)
-    pairs = torch.rand(23, 2, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    pairs[:, 1] = 7.0  # out of range, outside the view
-    strided = pairs.to(lambda_dtype).to(device)[:, 0]
-    assert strided.stride(0) == 2
-    for kw in (dict(label_smoothing=0.0), dict(label_smoothing=0.1)):
-        got = _pair(backend, z, y, "brier", "loss", "none", dict(kw, mix_target=mix, mix_lambda=strided))
-        want = _pair(backend, z, y, "brier", "loss", "none", dict(kw, mix_target=mix,
-                                                                  mix_lambda=strided.contiguous()))
-        torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
-        torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
-    bad = pairs.clone()
-    bad[11, 0] = 1.5
+    triples = torch.rand(23, 3, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    triples[:, 0] = triples[:, 2] = 7.0  # out of range, outside the views
+    views = (triples.to(lambda_dtype).to(device)[:, 1],  # stride 3, storage offset 1
+             torch.tensor(0.3, dtype=lambda_dtype, device=device).expand(23))  # stride 0
+    assert views[0].stride(0) == 3 and views[1].stride(0) == 0
+    for view in views:
+        for kw in (dict(label_smoothing=0.0), dict(label_smoothing=0.1)):
+            got = _pair(backend, z, y, "brier", "loss", "none", dict(kw, mix_target=mix, mix_lambda=view))
+            want = _pair(backend, z, y, "brier", "loss", "none", dict(kw, mix_target=mix,
+                                                                      mix_lambda=view.contiguous()))
+            torch.testing.assert_close(got[0], want[0], rtol=0, atol=0)
+            torch.testing.assert_close(got[1], want[1], rtol=0, atol=0)
+    bad = triples.clone()
+    bad[11, 1] = 1.5
     with pytest.raises(ValueError, match=r"mix_lambda must be in \[0, 1\]"):
-        ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=bad.to(lambda_dtype).to(device)[:, 0],
+        ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=bad.to(lambda_dtype).to(device)[:, 1],
                                    backend=backend)
 
 
@@ -312,8 +315,8 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
         unsmoothed = dict(kw, label_smoothing=0.0)  # δ = 0: the ordinary form takes the hard rows' loop
         dense = torch.softmax(torch.randn(37, c, dtype=torch.float64), dim=1).float()
         # the per-row losses too: a one-ulp difference in one row can vanish in the mean
-        for target, kwargs, reduction in ((y, kw, "mean"), (y, kw, "none"), (y, unsmoothed, "mean"),
-                                          (dense, dict(label_smoothing=0.1), "mean")):
+        for (target, kwargs), reduction in itertools.product(
+                ((y, kw), (y, unsmoothed), (dense, dict(label_smoothing=0.1))), ("mean", "none")):
             monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
             streamed = _pair("cpu", z, target, weight, mode, reduction, kwargs)
             monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")

@@ -1025,7 +1025,8 @@ def uncertainty_weighted_ce_forward(
     Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
     ``label_smoothing``, or a floating ``target (N, C)`` (dense: the mean divides by N, and ``target_flag`` is
     ``(any bad row, the first bad row)`` of the kernel's value check, :func:`calibkernels._validation.
-    first_flagged_row`).
+    first_flagged_row`; of float64 reductions for a float64 target, :func:`calibkernels._validation.
+    dense_target_flag`).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
     """
@@ -1053,7 +1054,7 @@ def uncertainty_weighted_ce_forward(
     # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows: its rows are
     # checked by float64 reductions instead of the kernel's flags
     dense_flags = dense and target.dtype != torch.float64
-    if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values
+    if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         valid_count = torch.full((1,), num_rows, dtype=torch.int64, device=device)
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else valid_count
     else:
