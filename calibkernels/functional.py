@@ -127,15 +127,10 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
             or not logits.is_floating_point() or not _cpu_kernel_available()
             or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):
         return None
-    if inplace:
-        if (logits.requires_grad and torch.is_grad_enabled()
-                and (logits.is_leaf or (logits._base is not None and logits._base.is_leaf
-                                        and logits._base.requires_grad))):
-            return None
-        return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index,
-                       reduction_code, *(soft or (None, None, 0.0)), True)
+    if inplace and logits.requires_grad and torch.is_grad_enabled() and _autograd._is_leaf_or_view_of_leaf(logits):
+        return None
     return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index, reduction_code,
-                   *soft)
+                   *(soft or (None, None, 0.0)), inplace)
 
 
 _INF = float("inf")
