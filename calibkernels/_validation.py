@@ -276,7 +276,8 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
     is used as given, not renormalised (as ``F.cross_entropy`` does). ``ignore_index`` applies
     to class indices only, so it must stay at its default -100. Targets are constants: one that requires grad raises
     (the loss would silently give it no gradient). ``check_values=False`` leaves the value check to the C++ CPU
-    kernel, which makes it, with these errors, in the sweep that reads the target anyway.
+    op, which makes it, with these errors, in the sweep that reads the target anyway (in place, in a pass of its own
+    before the kernel overwrites the logits).
     """
     if tuple(target.shape) == tuple(logits.shape[:-1]):
         raise TypeError(f"target has the shape of class indices {tuple(target.shape)} but holds {target.dtype}: "

@@ -78,10 +78,10 @@ def uncertainty_weighted_ce(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
         mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu",
-        # a dense target's values: the CPU kernel checks them in its sweep (in place, the host first, so that a bad
-        # target raises before the kernel overwrites the logits); the GPU backends flag them on the device on plain
-        # eager calls (the calls whose flag calibkernels._target_checks reads)
-        kernel_checks_dense=(name == "cpu" and inplace is False) or (
+        # a dense target's values: the CPU op checks them in its sweep (in place, in a pass of its own before the
+        # kernel overwrites the logits); the GPU backends flag them on the device on plain eager calls (the calls
+        # whose flag calibkernels._target_checks reads)
+        kernel_checks_dense=name == "cpu" or (
             name in ("triton", "cuda") and device.type == "cuda" and _autograd.is_plain_eager(logits)),
     )
     if not isinstance(inplace, bool):

@@ -482,19 +482,26 @@ def _boundary_dense_rows():
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
 def test_the_kernels_dense_checks_decide_the_boundary_rows_as_the_host_check(backend):
     """The row sums behind every check are the same real sums (float32, float64 for a float64 target): rows at the
-    edge of the tolerance are accepted or refused alike by the host check, the C++ kernel's and Triton's."""
+    edge of the tolerance are accepted or refused alike by the host check, the C++ kernel's (and its in-place
+    pre-check's) and Triton's."""
     if backend not in ck.available_backends():
         pytest.skip(f"{backend} backend not available")
     for name, target, accepted in _boundary_dense_rows():
         z = torch.zeros(target.shape, dtype=torch.float32)
+        calls = [lambda: ck.uncertainty_weighted_ce(z, target, backend=backend)]
+        if backend == "cpu":
+            calls.append(lambda: ck.uncertainty_weighted_ce(z.clone().requires_grad_() * 1, target, backend=backend,
+                                                            inplace=True))
         if accepted:
             V.check_dense_target(z, target, -100)
-            ck.uncertainty_weighted_ce(z, target, backend=backend)
+            for call in calls:
+                call()
         else:
             with pytest.raises(ValueError, match="sum to 1"):
                 V.check_dense_target(z, target, -100)
-            with pytest.raises(ValueError, match="sum to 1"):
-                ck.uncertainty_weighted_ce(z, target, backend=backend)
+            for call in calls:
+                with pytest.raises(ValueError, match="sum to 1"):
+                    call()
 
 
 def test_a_dense_target_of_another_floating_dtype_is_refused():

@@ -338,7 +338,7 @@ def _run_on_instruction_set(code, isa):
 @pytest.mark.parametrize("isa", ["default", "avx2"])
 def test_each_instruction_set_build_in_a_subprocess(isa):
     """The default and AVX2 builds (the generic sweeps) agree with the reference on soft targets, and check dense
-    targets' values with the host check's errors."""
+    targets' values with the host check's errors, in place before the logits are overwritten."""
     code = (
         "import torch, calibkernels as ck\n"
         "torch.manual_seed(0)\n"
@@ -360,12 +360,14 @@ def test_each_instruction_set_build_in_a_subprocess(isa):
         "  cases[0][1, 2] = -1e-3; cases[1][3, 0] = float('nan'); cases[2][4, 1] += 3e-4; cases[3][0, 0] += 6e-5\n"
         "  for number, target in enumerate(cases):\n"
         "    texts = []\n"
-        "    for backend in ('cpu', 'reference'):\n"
+        "    for backend, inplace in (('cpu', False), ('cpu', True), ('reference', False)):\n"
+        "      logits = z.clone().requires_grad_() * 1 if inplace else z\n"
         "      try:\n"
-        "        ck.uncertainty_weighted_ce(z, target, backend=backend); texts.append(None)\n"
+        "        ck.uncertainty_weighted_ce(logits, target, backend=backend, inplace=inplace); texts.append(None)\n"
         "      except ValueError as error:\n"
         "        texts.append(str(error))\n"
-        "    assert texts[0] == texts[1] and (texts[0] is None) == (number == 3), (c, number, texts)\n"
+        "        assert torch.equal(logits.detach(), z), 'overwritten before the error'\n"
+        "    assert texts[0] == texts[1] == texts[2] and (texts[0] is None) == (number == 3), (c, number, texts)\n"
     )
     _run_on_instruction_set(code, isa)
 
@@ -406,6 +408,19 @@ def _dense_target_errors(z, target, **kw):
     return texts
 
 
+def _dense_target_error_in_place(z, target):
+    """The CPU op's error text for a dense target in place (None where it passes); where it raises, the logits must
+    be as they were (the op checks the target before its kernel overwrites them)."""
+    x = z.detach().clone().requires_grad_()
+    logits = x * 1  # a non-leaf that may be overwritten
+    try:
+        ck.uncertainty_weighted_ce(logits, target, weight="brier", backend="cpu", inplace=True)
+    except ValueError as error:
+        assert torch.equal(logits.detach(), z), "the logits were overwritten before the error"
+        return str(error)
+    return None
+
+
 def _off_by(dense, rows, amount):
     """dense with the mass of `rows` moved off 1 by `amount` (each row's largest entry changed, in the target's
     dtype)."""
@@ -419,10 +434,11 @@ def _off_by(dense, rows, amount):
 @pytest.mark.parametrize("logit_dtype", [torch.float32, torch.float64, torch.bfloat16])
 @pytest.mark.parametrize("target_dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, target_dtype):
-    """The CPU kernel checks a dense target's values in the sweep that reads it (the host check's two N×C reductions
-    are skipped): the same ValueError text as the host check (which the reference runs) for negative, NaN and
-    infinite entries and for rows off 1 by more than the dtype's tolerance, the worst row named; rows off by less
-    than the tolerance pass, both where the kernel's margin flags them for the exact check and where it does not."""
+    """The CPU kernel checks a dense target's values in the sweep that reads it, and in place in a flagging pass of
+    its own before the kernel (the host check's two N×C reductions are skipped either way): the same ValueError text
+    as the host check (which the reference runs) for negative, NaN and infinite entries and for rows off 1 by more
+    than the dtype's tolerance, the worst row named, the logits intact in place; rows off by less than the tolerance
+    pass, both where the kernel's margin flags them for the exact check and where it does not."""
     tolerance = V._ROW_SUM_TOLERANCE[target_dtype]
     for c in (5, 301, 1500):
         g = torch.Generator().manual_seed(c)
@@ -441,36 +457,50 @@ def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, targe
         for number, target in enumerate(bad_cases):
             kernel, host = _dense_target_errors(z, target)
             assert host is not None and kernel == host, (c, number, kernel, host)
+            assert _dense_target_error_in_place(z, target) == host, (c, number)
         # within the tolerance: flagged by the kernel's margin (a quarter of it) or not, the rows pass
         for amount in (0.6 * tolerance, -0.6 * tolerance, 0.1 * tolerance):
             target = _off_by(dense, [5], amount)
             if abs(float(target[5].double().sum()) - 1) > 0.95 * tolerance:
                 continue  # the dtype rounded the change past the tolerance
             assert _dense_target_errors(z, target) == [None, None], (c, amount)
+            assert _dense_target_error_in_place(z, target) is None, (c, amount)
             got = ck.uncertainty_weighted_ce(z, target, weight="brier", backend="cpu")
             exact = ck.uncertainty_weighted_ce(z, target, weight="brier", backend="reference")
             torch.testing.assert_close(got, exact, rtol=2e-2 if logit_dtype == torch.bfloat16 else 1e-4, atol=1e-5)
 
 
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
-def test_cpu_kernel_dense_check_in_place_past_2_to_18_columns_and_compiled():
-    """In place the host checks first, so a bad target leaves the logits intact; rows past 2^18 columns take the exact
-    check on every call; under torch.compile (where the host check is skipped) the kernel still refuses."""
+def test_cpu_kernel_dense_check_in_place_past_2_to_18_columns_and_compiled(monkeypatch):
+    """In place the op checks the target before its kernel, so a bad target leaves the logits intact, and the host
+    check does not run; rows past 2^18 columns, and a float64 target of float32 logits (whose float32 copy the
+    flagging pass cannot judge), take the exact check on every call; under torch.compile the kernel still refuses."""
     z = torch.randn(6, 40)
     dense = torch.softmax(torch.randn(6, 40), 1)
     bad = dense.clone()
     bad[2, 3] = -0.5
+    with monkeypatch.context() as patch:
+        patch.setattr(V, "dense_row_sums", lambda target2d: pytest.fail("the host check ran before the CPU op"))
+        assert _dense_target_error_in_place(z, dense) is None
+        assert "finite and >= 0" in _dense_target_error_in_place(z, bad)
     x = z.clone()
     with pytest.raises(ValueError, match="finite and >= 0"):
-        ck.uncertainty_weighted_ce(x, bad, backend="cpu", inplace=True)
+        ck.uncertainty_weighted_ce(x, bad, backend="cpu", inplace=True)  # no grad: nothing is overwritten
     assert torch.equal(x, z)
     c = (1 << 18) + 3
     wide = torch.full((2, c), 1.0 / c)
     z_wide = torch.randn(2, c)
     ck.uncertainty_weighted_ce(z_wide, wide, backend="cpu")
+    assert _dense_target_error_in_place(z_wide, wide) is None
     wide[1, 5] += 3e-4
     kernel, host = _dense_target_errors(z_wide, wide)
     assert host is not None and "row 1 sums to" in host and kernel == host
+    assert _dense_target_error_in_place(z_wide, wide) == host
+    short = dense.double()
+    short[4] *= 1 - 3e-6  # outside float64's 1e-6, which float32 sums of a float32 copy cannot resolve
+    kernel, host = _dense_target_errors(z, short)
+    assert host is not None and "row 4 sums to" in host and kernel == host
+    assert _dense_target_error_in_place(z, short) == host
     compiled = torch.compile(lambda a, b: ck.uncertainty_weighted_ce(a, b, backend="cpu"), fullgraph=True)
     torch.testing.assert_close(compiled(z, dense), ck.uncertainty_weighted_ce(z, dense, backend="cpu"))
     with pytest.raises(Exception, match="finite and >= 0"):

@@ -42,11 +42,14 @@ struct KernelArgs {
 // row stride `grad_stride`, may alias z) when non-null; returns the loss (float32, or float64 for float64 logits;
 // (N,) for reduction none, else 0-dim). `avx512`: run the AVX-512 sweeps (avx2 build only; the caller checked the
 // CPU). The caller has checked the arguments and targets.
+// dense_target_may_fail: the kernel's dense-target flag (soft::flag_dense_target) as a pass of its own over a
+// contiguous (N, C) float32/float64 target, rows in parallel; true when some row may fail the exact check.
 #define CALIBKERNELS_DECLARE_RUN_KERNEL(isa)                                                                       \
   namespace isa {                                                                                                  \
   at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,        \
                         const std::optional<at::Tensor>& sample_weight,                                            \
                         const std::optional<at::Tensor>& gamma_per_sample, const KernelArgs& args, bool avx512);   \
+  bool dense_target_may_fail(const at::Tensor& dense, double tolerance);                                          \
   }
 CALIBKERNELS_DECLARE_RUN_KERNEL(isa_default)
 CALIBKERNELS_DECLARE_RUN_KERNEL(isa_avx2)

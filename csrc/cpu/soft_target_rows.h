@@ -42,6 +42,45 @@ void flag_dense_target(const RowTarget<T>& tg, T given_sum, bool not_nonneg) {
   }
 }
 
+// The same value check as a pass of its own over a dense target row (the in-place pre-check, which must see every
+// row before the kernel overwrites the logits): whether T_k < 0 or NaN somewhere, or |Σ T_k - 1| > tolerance, with
+// Σ T_k taken in blocks of 64 vectors as in the exponential sweeps. Two accumulators, so that the add chain keeps up
+// with the loads.
+template <typename T>
+bool dense_row_may_fail(const T* row, int64_t C, T tolerance) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec zero(T(0));
+  Vec sum(T(0)), block_a(T(0)), block_b(T(0)), low_a(T(0)), low_b(T(0));
+  int64_t k = 0;
+  for (; k + 2 * W <= C; k += 2 * W) {
+    if (k % (64 * W) == 0) {
+      sum = sum + (block_a + block_b);
+      block_a = block_b = zero;
+    }
+    const Vec a = Vec::loadu(row + k), b = Vec::loadu(row + k + W);
+    block_a = block_a + a;
+    block_b = block_b + b;
+    low_a = at::vec::minimum(low_a, a);  // propagates NaN
+    low_b = at::vec::minimum(low_b, b);
+  }
+  for (; k < C; k += W) {
+    const int64_t count = std::min<int64_t>(W, C - k);
+    const Vec a = Vec::set(zero, Vec::loadu(row + k, count), count);
+    block_a = block_a + a;
+    low_a = at::vec::minimum(low_a, a);
+  }
+  alignas(64) T mins[W];
+  at::vec::minimum(low_a, low_b).store(mins);
+  bool not_nonneg = false;
+  for (const T v : mins) not_nonneg = not_nonneg || !(v >= T(0));
+  T total = 0;
+  alignas(64) T lanes[W];
+  (sum + (block_a + block_b)).store(lanes);
+  for (const T v : lanes) total += v;
+  return not_nonneg || !(std::abs(total - T(1)) <= tolerance);
+}
+
 // f(lo, hi) over [0, C) without the columns a and b (which may be equal).
 template <typename F>
 void for_columns_except(int64_t C, int64_t a, int64_t b, F&& f) {

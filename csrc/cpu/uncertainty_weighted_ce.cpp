@@ -232,8 +232,21 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   const at::Tensor z = direct ? logits : logits.contiguous();
   const at::Tensor t = target.contiguous();
   const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix_target, mix_lambda);
+  const CpuIsa isa = selected_isa();
   std::atomic<bool> dense_invalid{false};
   args.soft.dense_invalid = &dense_invalid;
+  if (soft_targets.dense.defined() && compute_grad && grad_out.has_value() && grad_out->is_alias_of(logits)) {
+    // In place a bad dense target must raise before the kernel overwrites the logits: one flagging pass over the
+    // target (the kernel's flag, with its margin), then the exact check only when it flags a row; the kernel need
+    // not flag again.
+    const double tolerance = args.soft.dense_flag_tolerance;
+    const at::Tensor& dense = soft_targets.dense;
+    if (tolerance < 0 || (isa == CpuIsa::Default ? isa_default::dense_target_may_fail(dense, tolerance)
+                                                 : isa_avx2::dense_target_may_fail(dense, tolerance))) {
+      check_dense_target_values(t);
+    }
+    args.soft.dense_invalid = nullptr;
+  }
   // In place each row is read before it is overwritten. A fresh gradient comes from the reused buffers (no page
   // faults for a new N×C each step, see gradient_buffer_cache.h).
   const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out, [&] {
@@ -241,7 +254,6 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   });
   void* grad_ptr = compute_grad ? dest.data_ptr() : nullptr;
   const int64_t grad_stride = compute_grad ? dest.stride(0) : 0;
-  const CpuIsa isa = selected_isa();
   const at::Tensor loss =
       isa == CpuIsa::Default
           ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args, false)

@@ -751,5 +751,26 @@ at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, 
   }
 }
 
+bool dense_target_may_fail(const at::Tensor& dense, double tolerance) {
+  std::atomic<bool> flagged{false};
+  auto run = [&](const auto* data) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(data)>>;
+    const int64_t n = dense.size(0), c = dense.size(1);
+    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / c), [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end && !flagged.load(std::memory_order_relaxed); ++i) {
+        if (soft::dense_row_may_fail(data + i * c, c, static_cast<T>(tolerance))) {
+          flagged.store(true, std::memory_order_relaxed);
+        }
+      }
+    });
+  };
+  if (dense.scalar_type() == at::kDouble) {
+    run(dense.const_data_ptr<double>());
+  } else {
+    run(dense.const_data_ptr<float>());
+  }
+  return flagged.load();
+}
+
 }  // namespace CALIBKERNELS_ISA
 }  // namespace calibkernels
