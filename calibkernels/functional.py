@@ -91,8 +91,13 @@ def uncertainty_weighted_ce(
 
 def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda):
     """The soft-target arguments of :func:`_fast_cpu_call` (``()`` for hard targets), or ``None`` when they need the
-    general path: a dense target, dual focal, a λ of exactly 0 or 1, anything its checks would reject."""
-    if mix_target is None and mix_lambda is None:
+    general path: dual focal, a λ of exactly 0 or 1, a dense target that requires grad or of another floating dtype,
+    anything its checks would reject."""
+    if target.is_floating_point():
+        if (mix_target is not None or mix_lambda is not None or target.dtype not in _DENSE_DTYPES
+                or target.device.type != "cpu" or (target.requires_grad and torch.is_grad_enabled())):
+            return None
+    elif mix_target is None and mix_lambda is None:
         if type(label_smoothing) is float and label_smoothing == 0.0:
             return ()
     elif not (type(mix_target) is torch.Tensor and mix_target.dtype == torch.int64
@@ -114,8 +119,8 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
     """The common eager call on CPU tensors, straight into the compiled op and its C++ autograd: the per-call host
     time of the general path (argument normalisation, the host-side target check) is as large as the whole step of
     ``F.cross_entropy`` at small shapes. ``None`` when any argument needs the general path, which also makes every
-    error message. The kernel checks the target values itself (the same ValueError as the general path), and those
-    of a mix (``soft``: class-index soft targets, see :func:`_fast_soft_arguments`). ``inplace``: as the general path,
+    error message. The kernel checks the target values itself (the same ValueError as the general path), those of a
+    mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`). ``inplace``: as the general path,
     which refuses logits that are a leaf requiring grad, or a view of one."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
@@ -123,7 +128,9 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
     if (weight_code is None or mode_code is None or reduction_code is None or weight == "external"
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
             or not 0 < norm < _INF or type(ignore_index) is not int or backend not in ("auto", "cpu")
-            or target.dtype != torch.int64 or target.shape != logits.shape[:1] or logits.shape[0] == 0
+            or target.shape != (logits.shape if target.is_floating_point() else logits.shape[:1])
+            or not (target.dtype == torch.int64 or (target.is_floating_point() and ignore_index == -100))
+            or logits.shape[0] == 0
             or not logits.is_floating_point() or not _cpu_kernel_available()
             or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):
         return None
@@ -134,6 +141,7 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
 
 
 _INF = float("inf")
+_DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _CPU_OP = None
 
 

@@ -187,7 +187,7 @@ def test_inplace_refuses_a_leaf_and_protects_other_users_of_the_logits():
         (loss + squared + other).backward()
 
 
-@pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "mix_smooth"])
+@pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "mix_smooth", "dense", "dense_smooth"])
 @pytest.mark.parametrize("dtype,reduction", [(torch.float32, "mean"), (torch.float32, "none"),
                                              (torch.bfloat16, "sum")])
 def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(kind, dtype, reduction, monkeypatch):
@@ -196,10 +196,13 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
     z = (torch.randn(11, 29) * 3).to(dtype)
     y = _targets(11, 29)
     kw = {}
-    if kind in ("smooth", "mix_smooth"):
+    if kind in ("smooth", "mix_smooth", "dense_smooth"):
         kw["label_smoothing"] = 0.1
     if kind in ("mix", "mix_smooth"):
         kw.update(mix_target=y.flip(0).clamp(min=0), mix_lambda=torch.rand(11))
+    if kind.startswith("dense"):  # a bfloat16 target for bfloat16 logits, float64 for float32 ones
+        y = torch.softmax(torch.randn(11, 29, dtype=torch.float64), 1).to(
+            torch.bfloat16 if dtype == torch.bfloat16 else torch.float64)
 
     def step():
         leaf = z.clone().requires_grad_()
@@ -231,6 +234,60 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
     assert torch.equal(plain.detach(), z)
     with pytest.raises(TypeError, match="inplace must be a bool"):  # as the general path: not taken for 0 / 1
         ck.uncertainty_weighted_ce(z.clone(), y, inplace=0, **kw)
+
+
+def _error_text(call):
+    try:
+        call()
+    except (ValueError, TypeError, RuntimeError) as error:
+        return type(error).__name__, str(error)
+    return None
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_errors(inplace, monkeypatch):
+    """A dense target on CPU tensors goes straight into the compiled op like class indices: the general path's
+    values, and its errors (values, shapes, dtypes, a target that requires grad, ignore_index, a mix) whichever path
+    the call takes."""
+    from calibkernels import functional
+
+    z = torch.randn(9, 13) * 2
+    dense = torch.softmax(torch.randn(9, 13), 1)
+    negative = dense.clone()
+    negative[3, 4] = -0.1
+    off = dense.clone()
+    off[7] *= 1.01
+    cases = [
+        (dense, {}), (dense.half(), dict(label_smoothing=0.2)), (dense, dict(weight="flsd", reduction="none")),
+        (negative, {}), (off, {}), (dense.clone().requires_grad_(), {}), (dense, dict(ignore_index=3)),
+        (dense[:, :12], {}), (dense.to(torch.int32), {}), (dense, dict(weight="dual_focal")),
+        (dense, dict(mix_target=torch.zeros(9, dtype=torch.int64), mix_lambda=0.5)),
+        (torch.softmax(torch.randn(9, 13, dtype=torch.complex64).abs(), 1).to(torch.complex64), {}),
+    ]
+
+    def run(target, kw):
+        leaf = z.clone().requires_grad_()
+        logits = leaf * 1.0 if inplace else leaf
+        loss = ck.uncertainty_weighted_ce(logits, target, weight=kw.pop("weight", "brier"), inplace=inplace, **kw)
+        loss.sum().backward()
+        return loss.detach(), leaf.grad
+
+    calls = []
+    fast_op = functional._CPU_OP if functional._cpu_kernel_available() else None
+    for number, (target, kw) in enumerate(cases):
+        monkeypatch.setattr(functional, "_CPU_OP", lambda *args: calls.append(args) or fast_op(*args))
+        fast = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
+        took_fast = len(calls) > 0
+        calls.clear()
+        monkeypatch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+        general = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
+        monkeypatch.undo()
+        if number < 3:
+            assert took_fast, f"case {number} should take the fast path"
+            for a, b in zip(fast, general):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        else:
+            assert fast == general, (number, fast, general)
 
 
 # -------------------------------------------------------------------------------------- the kernel's own arguments
