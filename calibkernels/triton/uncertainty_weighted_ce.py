@@ -1056,7 +1056,7 @@ def uncertainty_weighted_ce_forward(
     dense_flags = dense and target.dtype != torch.float64
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         valid_count = torch.full((1,), num_rows, dtype=torch.int64, device=device)
-        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else valid_count
+        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
     else:
         counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
         valid_count, error = counts[:1], counts[1:]
@@ -1064,7 +1064,7 @@ def uncertainty_weighted_ce_forward(
             target, num_rows, num_classes, int(ignore_index), valid_count, error,
             BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
     per_sample_gamma = gamma_per_sample is not None
-    # placeholders are never read
+    # placeholders (here and for the flags of rows without DENSE_FLAGS) are never read
     weight_args = (sample_weight if sample_weight is not None else row_loss,
                    gamma_per_sample if per_sample_gamma else row_loss)
     output_args = (row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
@@ -1080,7 +1080,7 @@ def uncertainty_weighted_ce_forward(
             target, target.stride(0) if dense else 0,
             mix_target if has_mix else target, mix_lambda if has_mix else row_loss,
             mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0,
-            *weight_args, *output_args, dense_bad if dense else valid_count,
+            *weight_args, *output_args, dense_bad if dense_flags else valid_count,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
             V.dense_row_sum_tolerance(target.dtype),
             DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, DENSE_FLAGS=dense_flags, **meta,
