@@ -423,6 +423,8 @@ def check_loss_inputs(
             raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
         if logits.dim() < 2:
             raise ValueError(f"logits must have at least 2 dimensions (..., C), got shape {tuple(logits.shape)}")
+        if logits.shape[-1] == 0:
+            raise ValueError("logits have zero classes")
         if logits.numel() == 0:
             raise ValueError("empty batch: logits have no rows")
         target2d = check_dense_target(logits, target, ignore_index, check_values=not kernel_checks_dense)

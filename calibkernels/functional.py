@@ -130,7 +130,7 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
             or not 0 < norm < _INF or type(ignore_index) is not int or backend not in ("auto", "cpu")
             or target.shape != (logits.shape if target.is_floating_point() else logits.shape[:1])
             or not (target.dtype == torch.int64 or (target.is_floating_point() and ignore_index == -100))
-            or logits.shape[0] == 0
+            or logits.shape[0] == 0 or logits.shape[1] == 0
             or not logits.is_floating_point() or not _cpu_kernel_available()
             or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):
         return None

@@ -264,6 +264,13 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
         (dense, dict(mix_target=torch.zeros(9, dtype=torch.int64), mix_lambda=0.5)),
         (torch.softmax(torch.randn(9, 13, dtype=torch.complex64).abs(), 1).to(torch.complex64), {}),
     ]
+    z_empty = torch.randn(9, 0)  # zero classes: the general path's error either way
+    for target in (torch.ones(9, 0), torch.zeros(9, dtype=torch.int64)):
+        fast = _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target))
+        with monkeypatch.context() as patch:
+            patch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+            assert fast == _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target)) == (
+                "ValueError", "logits have zero classes")
 
     def run(target, kw):
         leaf = z.clone().requires_grad_()
@@ -282,8 +289,9 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
         monkeypatch.setattr(functional, "_fast_cpu_call", lambda *args: None)
         general = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
         monkeypatch.undo()
-        if number < 3:
+        if number < 5:  # valid targets, and bad values that the op refuses itself
             assert took_fast, f"case {number} should take the fast path"
+        if number < 3:
             for a, b in zip(fast, general):
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
         else:

@@ -471,6 +471,26 @@ def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, targe
 
 
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_cpu_kernel_refuses_a_negative_entry_whose_row_still_sums_to_1(target_dtype):
+    """A negative entry that another entry compensates (the row sum stays within the margin, so only the entries'
+    test can refuse it), in every lane position of the flagging pass: the first and second vector of a step, the
+    tail, a row shorter than one vector; out of place and in place (before the logits are overwritten)."""
+    for c in (3, 16, 17, 40, 301, 1500):
+        for column in sorted({0, 1, 8, 9, 15, 16, 31, c // 2, c - 1} & set(range(1, c))):
+            g = torch.Generator().manual_seed(c * 7919 + column)
+            z = torch.randn(5, c, generator=g)
+            dense = torch.zeros(5, c, dtype=torch.float64)
+            dense[:, 0] = 1.0
+            dense[3, column] = -1e-3
+            dense[3, 0] += 1e-3
+            target = dense.to(target_dtype)
+            kernel, host = _dense_target_errors(z, target)
+            assert host is not None and "finite and >= 0" in host and kernel == host, (c, column)
+            assert _dense_target_error_in_place(z, target) == host, (c, column)
+
+
+@pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
 def test_cpu_kernel_dense_check_in_place_past_2_to_18_columns_and_compiled(monkeypatch):
     """In place the op checks the target before its kernel, so a bad target leaves the logits intact, and the host
     check does not run; rows past 2^18 columns, and a float64 target of float32 logits (whose float32 copy the
@@ -479,10 +499,15 @@ def test_cpu_kernel_dense_check_in_place_past_2_to_18_columns_and_compiled(monke
     dense = torch.softmax(torch.randn(6, 40), 1)
     bad = dense.clone()
     bad[2, 3] = -0.5
+    from calibkernels import functional
+
     with monkeypatch.context() as patch:
         patch.setattr(V, "dense_row_sums", lambda target2d: pytest.fail("the host check ran before the CPU op"))
-        assert _dense_target_error_in_place(z, dense) is None
-        assert "finite and >= 0" in _dense_target_error_in_place(z, bad)
+        for general in (False, True):  # the fast path, and the general one
+            if general:
+                patch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+            assert _dense_target_error_in_place(z, dense) is None
+            assert "finite and >= 0" in _dense_target_error_in_place(z, bad)
     x = z.clone()
     with pytest.raises(ValueError, match="finite and >= 0"):
         ck.uncertainty_weighted_ce(x, bad, backend="cpu", inplace=True)  # no grad: nothing is overwritten
