@@ -207,7 +207,8 @@ std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
 
 // calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target,
 // mix_lambda, label_smoothing, inplace]): the loss of the common eager call (no sample weight, no per-sample gamma;
-// class-index targets, optionally mixed and smoothed, or a dense target, optionally smoothed) in the logits' dtype, through the op and its autograd above.
+// class-index targets, optionally mixed and smoothed, or a dense target, optionally smoothed) in the logits' dtype,
+// through the op and its autograd above.
 // A plain function rather than torch.ops: the boxed call of a fifteen-argument op from Python costs microseconds that
 // a small training step notices. mix_target is None or a tensor; mix_lambda None, a tensor or a number (a 0-dim
 // tensor is made for it here). inplace: the gradient overwrites the logits when they need one (the caller has

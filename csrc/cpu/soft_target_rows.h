@@ -34,10 +34,26 @@ struct RowTarget {
   T flag_tolerance = 0;
 };
 
+// Whether a dense target row may fail the exact check: an entry < 0 or NaN, or |Σ T_k - 1| > tolerance (also NaN).
+template <typename T>
+bool dense_row_flagged(T given_sum, bool not_nonneg, T tolerance) {
+  return not_nonneg || !(std::abs(given_sum - T(1)) <= tolerance);
+}
+
+// Whether a lane of the running minimum of a row's entries is < 0 or NaN.
+template <typename T>
+bool any_lane_not_nonneg(const Vectorized<T>& low) {
+  alignas(64) T lanes[Vectorized<T>::size()];
+  low.store(lanes);
+  bool not_nonneg = false;
+  for (const T v : lanes) not_nonneg = not_nonneg || !(v >= T(0));
+  return not_nonneg;
+}
+
 // The dense target's value check, folded into the exponential sweep that reads T anyway.
 template <typename T>
 void flag_dense_target(const RowTarget<T>& tg, T given_sum, bool not_nonneg) {
-  if (tg.invalid != nullptr && (not_nonneg || !(std::abs(given_sum - T(1)) <= tg.flag_tolerance))) {
+  if (tg.invalid != nullptr && dense_row_flagged(given_sum, not_nonneg, tg.flag_tolerance)) {
     tg.invalid->store(true, std::memory_order_relaxed);
   }
 }
@@ -70,15 +86,8 @@ bool dense_row_may_fail(const T* row, int64_t C, T tolerance) {
     block_a = block_a + a;
     low_a = at::vec::minimum(low_a, a);
   }
-  alignas(64) T mins[W];
-  at::vec::minimum(low_a, low_b).store(mins);
-  bool not_nonneg = false;
-  for (const T v : mins) not_nonneg = not_nonneg || !(v >= T(0));
-  T total = 0;
-  alignas(64) T lanes[W];
-  (sum + (block_a + block_b)).store(lanes);
-  for (const T v : lanes) total += v;
-  return not_nonneg || !(std::abs(total - T(1)) <= tolerance);
+  return dense_row_flagged(horizontal_sum(sum + (block_a + block_b)),
+                           any_lane_not_nonneg(at::vec::minimum(low_a, low_b)), tolerance);
 }
 
 // f(lo, hi) over [0, C) without the columns a and b (which may be equal).
@@ -415,11 +424,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       }
       total_e = horizontal_sum(sum_e), t_total = horizontal_sum(sum_t), total_tz = horizontal_sum(sum_tz);
       total_te = horizontal_sum(sum_te), total_ee = horizontal_sum(sum_ee), total_tt = horizontal_sum(sum_tt);
-      alignas(64) T mins[W];
-      min_given.store(mins);
-      bool not_nonneg = false;
-      for (const T v : mins) not_nonneg = not_nonneg || !(v >= T(0));
-      flag_dense_target(tg, horizontal_sum(sum_given + block_given), not_nonneg);
+      flag_dense_target(tg, horizontal_sum(sum_given + block_given), any_lane_not_nonneg(min_given));
     }
     denom = total_e;
     const T log_denom = std::log(denom);
