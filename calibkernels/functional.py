@@ -125,11 +125,12 @@ def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
     reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
+    dense = target.is_floating_point()
     if (weight_code is None or mode_code is None or reduction_code is None or weight == "external"
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
             or not 0 < norm < _INF or type(ignore_index) is not int or backend not in ("auto", "cpu")
-            or target.shape != (logits.shape if target.is_floating_point() else logits.shape[:1])
-            or not (target.dtype == torch.int64 or (target.is_floating_point() and ignore_index == -100))
+            or target.shape != (logits.shape if dense else logits.shape[:1])
+            or not (ignore_index == -100 if dense else target.dtype == torch.int64)
             or logits.shape[0] == 0 or logits.shape[1] == 0
             or not logits.is_floating_point() or not _cpu_kernel_available()
             or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):

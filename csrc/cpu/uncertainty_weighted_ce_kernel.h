@@ -283,6 +283,9 @@ constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 // made the target-referenced sweep 17–32% faster than a max sweep followed by the exponential sweep (1 and 2 threads).
 constexpr int64_t kPrefetchBytes = 4096;
 
+// at::parallel_for's grain for rows of c columns: enough columns per task that scheduling is amortised.
+inline int64_t row_grain(int64_t c) { return std::max<int64_t>(1, 16384 / c); }
+
 // Streaming (non-temporal) stores for the out-of-place gradient. A fresh gradient buffer is not in the cache, so an
 // ordinary store first reads each line from DRAM and later writes it back, evicting the logits the sweep still reads;
 // a streaming store writes the line once, without reading it. The row's exponentials then go to a per-thread scratch
@@ -534,7 +537,6 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   const acc_t a = static_cast<acc_t>(st.smoothing);
   const acc_t keep = acc_t(1) - a, uniform = a / static_cast<acc_t>(c);
   std::vector<RowLoss<acc_t>> row_parts(n);
-  const int64_t grain = std::max<int64_t>(1, 16384 / c);
   // compact targets with the weights whose gradient sweep needs only p_k take the hard path's sweeps
   const bool compact = dense_ptr == nullptr && (spec.weight != Weight::Brier || args.norm == 2.0);
   const bool square = spec.weight == Weight::Brier;
@@ -561,7 +563,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
     if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) return square ? go(Tr{}, Tr{}) : go(F{}, Tr{});
     return square ? go(Tr{}, F{}) : go(F{}, F{});
   };
-  at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, n, row_grain(c), [&](int64_t begin, int64_t end) {
     std::vector<acc_t> scratch(kWiden ? c : 0);
     // the exponentials' scratch row, 64-byte aligned for the AVX-512 sweeps
     std::vector<acc_t> exp_storage(c + 64 / sizeof(acc_t));
@@ -649,9 +651,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
       const bool stream = kCanStream && grad_ptr != nullptr &&
                           static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
                           use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
-      // enough columns per task that scheduling is amortised
-      const int64_t grain = std::max<int64_t>(1, 16384 / c);
-      at::parallel_for(0, n, grain, [&](int64_t begin, int64_t end) {
+      at::parallel_for(0, n, row_grain(c), [&](int64_t begin, int64_t end) {
         std::vector<acc_t> scratch(kWiden ? c : 0);
         // the exponentials of rows whose gradient row aliases the logits row (in place, widened) or is streamed,
         // 64-byte aligned
@@ -756,7 +756,7 @@ bool dense_target_may_fail(const at::Tensor& dense, double tolerance) {
   auto run = [&](const auto* data) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(data)>>;
     const int64_t n = dense.size(0), c = dense.size(1);
-    at::parallel_for(0, n, std::max<int64_t>(1, 16384 / c), [&](int64_t begin, int64_t end) {
+    at::parallel_for(0, n, row_grain(c), [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end && !flagged.load(std::memory_order_relaxed); ++i) {
         if (soft::dense_row_may_fail(data + i * c, c, static_cast<T>(tolerance))) {
           flagged.store(true, std::memory_order_relaxed);
