@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [raise]
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [rowsplit] [raise]
 #   (stages run in the order given)
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
@@ -88,6 +88,12 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
+# the CUDA kernel's row splits past 4096 classes (CALIBKERNELS_CUDA_ROW_CLUSTER: streaming, each thread-block cluster
+# tile) beside a copy and the Triton kernel's default launch, without the Triton launch search
+do_rowsplit() {
+  $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 10000 32000 128256 262144 --grid-weights \
+    2>"$OUT/rowsplit.err"
+}
 # soft targets beside hard ones (label smoothing, mixes, dense) on the fused GPU kernels, F.cross_entropy and Liger
 do_soft() {
   $PY -m bench.bench_uncertainty_weighted_ce --device cuda --only-suites cuda-soft-targets --results-dir "$OUT" \
@@ -128,6 +134,7 @@ for s in "$@"; do
     fused) stage fused do_fused ;;
     train) stage train do_train ;;
     tune) stage tune do_tune ;;
+    rowsplit) stage rowsplit do_rowsplit ;;
     raise) stage raise do_raise ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac

@@ -7,7 +7,8 @@ step around them, so the numbers say what the launch shape costs:
 
 * the memory ceiling: a device-to-device copy of the same N×C tensor (bytes read + written over time);
 * the Triton forward kernel (loss + gradient in one launch) for each (path, block, num_warps);
-* the CUDA C++ op (its launch shape is fixed by C);
+* the CUDA C++ op with its default launch and, past 4096 classes, each row split (the streaming path, each
+  thread-block cluster tile; ``CALIBKERNELS_CUDA_ROW_CLUSTER``);
 * one whole autograd step (forward + backward through ``calibkernels.uncertainty_weighted_ce``), per target-check
   policy, to see what the Python side and the synchronisation add to the kernel.
 
@@ -64,6 +65,24 @@ def launch_shape(module, path: str, block: int, num_warps: int, num_classes: int
             setattr(module, name, value)
 
 
+# CALIBKERNELS_CUDA_ROW_CLUSTER values besides "auto": the CUDA kernel's streaming path and its cluster tile shapes
+ROW_SPLITS = ("off", "256x16", "256x32", "512x16", "512x32")
+
+
+@contextlib.contextmanager
+def row_split_setting(value: str):
+    """Set CALIBKERNELS_CUDA_ROW_CLUSTER for the CUDA op's launches inside the block (restored on exit)."""
+    saved = os.environ.get("CALIBKERNELS_CUDA_ROW_CLUSTER")
+    os.environ["CALIBKERNELS_CUDA_ROW_CLUSTER"] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["CALIBKERNELS_CUDA_ROW_CLUSTER"]
+        else:
+            os.environ["CALIBKERNELS_CUDA_ROW_CLUSTER"] = saved
+
+
 def candidate_shapes(num_classes: int, warps: list[int], chunks: list[int]) -> list[tuple[str, int, int]]:
     """``(path, block, num_warps)`` to try for rows of ``num_classes``: the single-read block with every warp count
     that leaves a thread at least one value, and every two-read chunk below ``C`` with warps that give each thread at
@@ -84,8 +103,9 @@ def main(argv=None):
     parser.add_argument("--weights", nargs="+", default=["brier", "none"])
     parser.add_argument("--warps", type=int, nargs="+", default=[4, 8, 16, 32])
     parser.add_argument("--chunks", type=int, nargs="+", default=[2048, 4096, 8192, 16384])
-    parser.add_argument("--grid-weights", nargs="+", default=["brier"],
-                        help="weights whose launch configurations are searched (the others: default only)")
+    parser.add_argument("--grid-weights", nargs="*", default=["brier"],
+                        help="weights whose Triton launch configurations are searched (the others, and all of them "
+                             "when none is given: the default launch only)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
@@ -154,9 +174,14 @@ def main(argv=None):
                 if hasattr(torch.ops.calibkernels, "uncertainty_weighted_ce") and \
                         torch._C._dispatch_has_kernel_for_dispatch_key("calibkernels::uncertainty_weighted_ce", "CUDA"):
                     op = torch.ops.calibkernels.uncertainty_weighted_ce
-                    ms = bench(lambda: op(logits, target, None, None, code, mode, gamma, norm, ignore_index,
-                                          reduction, True, None))
-                    record(kind="cuda", c=c, dtype=dtype_name, weight=weight, ms=ms, gbs=nbytes / ms / 1e6)
+                    # the .cu's launch chooser (CALIBKERNELS_CUDA_ROW_CLUSTER, read at every launch): its default,
+                    # then the streaming path and each cluster tile, where C is past the register-resident block
+                    for row_split in ("auto", *(ROW_SPLITS if c > 4096 else ())):
+                        with row_split_setting(row_split):
+                            ms = bench(lambda: op(logits, target, None, None, code, mode, gamma, norm, ignore_index,
+                                                  reduction, True, None))
+                        record(kind="cuda", c=c, dtype=dtype_name, weight=weight, row_split=row_split, ms=ms,
+                               gbs=nbytes / ms / 1e6)
                 # whole autograd step, per target-check policy (async: the default, no host stall; sync: one stall)
                 leaf = logits.clone().requires_grad_()
                 for policy in ("async", "sync"):
@@ -224,6 +249,8 @@ def main(argv=None):
         what = r["kind"] + (f" {r['weight']}" if "weight" in r else "") + (f" {r['what']}" if "what" in r else "")
         if r["kind"] == "step":
             what += f" {r['backend']} validate={r['validate']}"
+        elif r["kind"] == "cuda":
+            what += f" row_split={r['row_split']}"
         elif r["kind"] == "triton-default":
             what += f" {r['path']} {r['block']}x{r['warps']} best={r['best']}"
         print(f"| {r['c']} | {r['dtype']} | {what} | {r['ms']:.3f} | {r['gbs']:.0f} |")

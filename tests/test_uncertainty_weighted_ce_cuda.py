@@ -6,7 +6,8 @@
   ``CALIBKERNELS_EXPECT_CUDA=1`` (CI with nvcc) to also require that the build compiled the CUDA kernels.
 * On a GPU machine (skipped otherwise): values and gradients against the float64 reference on every kernel shape —
   warp per row (C ≤ 1024), block per row with the row in registers (C ≤ 4096), the streaming path
-  (C > 4096; 4096-column tiles, statistics pass then gradient pass) — each with 16-byte vector and
+  (C > 4096; 4096-column tiles, statistics pass then gradient pass) and, on sm_90, rows split across a thread-block
+  cluster (C > 4096, each tile shape, chosen with ``CALIBKERNELS_CUDA_ROW_CLUSTER``) — each with 16-byte vector and
   scalar (misaligned) accesses; strided and misaligned rows with sentinels around them
   (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
   dual-focal ties; in place (``grad_out`` = the logits); no host synchronisation (CUDA-graph capture, sync debug
@@ -19,6 +20,7 @@ on ``("cuda", "cuda")`` too.
 
 import math
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -444,8 +446,9 @@ def test_without_gradient_no_buffer_is_written():
 
 
 @needs_gpu
-def test_no_host_synchronisation_and_cuda_graph_capture():
-    n, c = 64, 1000
+@pytest.mark.parametrize("c", [1000, 32000])  # 32000: the streaming or the cluster path
+def test_no_host_synchronisation_and_cuda_graph_capture(c):
+    n = 64
     z = _logits(n, c)
     y = _targets(n, c)
     expected_loss, expected_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
@@ -527,33 +530,82 @@ def test_scale_grad_op_passes_opcheck():
 # ----------------------------------------------------------------------------------------------------------------
 # The streaming path (C > 4096)
 # ----------------------------------------------------------------------------------------------------------------
-def _streaming_kernel_names(logits, target):
+def _streaming_rows(n, c, dtype, column_offset):
+    """Logits (a slice starting at ``column_offset`` of a sentinel-filled buffer, or the whole tensor for None) and
+    targets with ignored rows, a row half -inf whose target sits in the last column (the last tile's tail) and a row
+    whose only finite entry is its target. The buffer's rows are a multiple of 8 elements wide (16 bytes for 16-bit
+    types, 32 for float32), so offset 0 gives 16-byte aligned rows and offset 1 misaligned ones."""
+    z = _logits(n, c, dtype)
+    z[2, : c // 2] = float("-inf")
+    z[4, 1:] = float("-inf")
+    y = torch.randint(0, c, (n,), device="cuda")
+    y[1] = y[3] = -100
+    y[2], y[4] = c - 1, 0
+    if column_offset is None:
+        return None, z, y
+    buffer = torch.full((n, -(-c // 8) * 8 + 8), 7.0, device="cuda", dtype=dtype)
+    logits = buffer[:, column_offset:column_offset + c]
+    logits.copy_(z)
+    return buffer, logits, y
+
+
+def _kernel_names(logits, target):
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _op(logits, target)
         torch.cuda.synchronize()
     return {e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
-            and "uncertainty_weighted_ce_kernel" in e.name}
+            and "calibkernels" in e.name and "_kernel" in e.name}
+
+
+# CALIBKERNELS_CUDA_ROW_CLUSTER (the .cu's launch chooser): threads x values per thread of the cluster kernel's tile
+CLUSTER_TILES = {"256x16": 4096, "256x32": 8192, "512x16": 8192, "512x32": 16384}
+
+
+def _expects_cluster(row_split, c):
+    """Whether the row-split (thread-block cluster) kernel runs for rows of c classes: on sm_90 or later, above the
+    register-resident block's 4096 columns, within 16 CTAs of the chosen tile (the largest tile for "auto")."""
+    if torch.cuda.get_device_capability() < (9, 0) or row_split == "off" or c <= 4096:
+        return False
+    return -(-c // CLUSTER_TILES.get(row_split, 16384)) <= 16
 
 
 @needs_gpu
-def test_streaming_path_against_reference():
-    """The streaming path (C > 4096): aligned and misaligned rows (a slice from column 1, with sentinels around it),
-    ignored and -inf rows, fp32 and bf16, in place."""
-    names = _streaming_kernel_names(*_streaming_rows(6, 32000, torch.float32, None)[1:])
-    assert names, "no calibkernels CUDA kernel ran"
+@pytest.mark.parametrize("row_split", ["off", "auto", *CLUSTER_TILES])
+def test_large_rows_against_reference(row_split, monkeypatch):
+    """C > 4096: the streaming path ("off") and the rows split across a thread-block cluster (sm_90; "auto" and each
+    tile shape): aligned and misaligned rows (a slice from column 1, with sentinels around it), ignored and -inf rows,
+    fp32 and bf16, in place. The kernel that ran is checked by name."""
+    monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", row_split)
     n = 6
-    for c in (4097, 32000, 70000):  # one mostly-padding tile; several tiles; several tiles with a ragged tail
-        for dtype in (torch.float32, torch.bfloat16):
-            for column_offset in (None, 1):
+    # one mostly-padding tile; several tiles; a ragged tail; exactly 8 tiles of 16384; 16 CTAs of 16384 (fp32 only)
+    for c in (4097, 32000, 70000, 131072, 262144):
+        names = _kernel_names(*_streaming_rows(n, c, torch.float32, None)[1:])
+        cluster = any("cluster_row_kernel" in name for name in names)
+        expected = _expects_cluster(row_split, c)
+        if expected and not cluster and -(-c // CLUSTER_TILES.get(row_split, 16384)) > 8:
+            # more than the portable 8 CTAs: cudaOccupancyMaxActiveClusters may find no room (a GPC with too few
+            # free multiprocessors), and the row streams
+            warnings.warn(f"C={c}, {row_split}: a non-portable cluster could not be placed; the row streamed")
+        else:
+            assert cluster == expected, f"C={c}: {sorted(names)}"
+        assert cluster or any("uncertainty_weighted_ce_kernel" in name for name in names), sorted(names)
+        for dtype in (torch.float32,) if c == 262144 else (torch.float32, torch.bfloat16):
+            for column_offset in (None, 0, 1):
                 buffer, logits, y = _streaming_rows(n, c, dtype, column_offset)
-                for weight, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("focal", "loss")):
+                for weight, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("focal", "loss"),
+                                     ("none", "grad")):
                     check_op(logits, y, weight=weight, mode=mode, gamma=3.0)
                 check_op(logits, y, weight="brier", mode="grad", reduction="none")
+                kw = dict(weight="focal", mode="loss", gamma=3.0, reduction="sum")
+                loss_only, no_grad = _op(logits, y, compute_grad=False, **kw)
+                assert no_grad.numel() == 0
+                torch.testing.assert_close(loss_only, _op(logits, y, **kw)[0], rtol=0, atol=0)
                 if buffer is None:
                     continue
-                # In place: the reverse-order gradient pass overwrites only what each thread itself read.
+                # In place, on aligned (vector) and misaligned rows: each thread (each CTA of a cluster) overwrites
+                # only what it read itself, after every read of the target column.
                 exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, weight="brier", mode="grad")
                 low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
                 outside = torch.ones_like(buffer, dtype=torch.bool)
@@ -562,3 +614,10 @@ def test_streaming_path_against_reference():
                 assert torch.all(buffer[outside] == 7.0), f"C={c} {dtype}: the in-place op wrote outside the logits"
                 assert_within_reference_error(loss, exact_loss, low_loss, dtype, "in-place loss")
                 assert_within_reference_error(logits, exact_grad, low_grad, dtype, "in-place gradient")
+
+
+@needs_gpu
+def test_row_cluster_setting_is_checked(monkeypatch):
+    monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", "1024x8")
+    with pytest.raises(ValueError, match="CALIBKERNELS_CUDA_ROW_CLUSTER"):
+        _op(_logits(2, 5000), _targets(2, 5000, ignore=False))

@@ -28,6 +28,10 @@
 //                 rows in flight per multiprocessor, which hides memory latency better than one register- or
 //                 shared-memory-resident row of a 1024-thread block (on an H200, 256 threads × 16 values per thread
 //                 was the fastest of 256/512 threads × 16/32 values).
+//   * larger C, hard targets, sm_90: the row split across a thread-block cluster of up to 16 CTAs, each holding its
+//                 columns in registers, the statistics combined through distributed shared memory (cluster_row_kernel);
+//                 read once, gradient written once, up to C = 16 × 16384. The streaming path above serves the GPUs and
+//                 builds without clusters, soft targets, float64 and larger C.
 //   float64 (gradcheck/opcheck only) has the two warp paths and, above C = 1024, the streaming path (512 threads).
 // Every path: 16-byte vector loads/stores for a row whose address is 16-byte aligned (a scalar fallback otherwise and
 // for the row's tail), fp32 accumulation for fp16/bf16 (float64 stays float64, for gradcheck), exp2f, int64 offsets,
@@ -62,9 +66,18 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <cooperative_groups.h>
+
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <iterator>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <string>
+#include <tuple>
 #include <type_traits>
 
 #include "uncertainty_weighted_ce.h"
@@ -184,7 +197,7 @@ struct Params {
   const int64_t* target;
   const A* sample_weight;     // (N,) or nullptr
   const A* gamma_per_sample;  // (N,) or nullptr
-  const int64_t* valid_count; // 0-dim, read only for the mean
+  const int64_t* valid_count; // 0-dim, read only for the mean; nullptr: every row counts (a dense target)
   A* row_loss;
   int64_t num_rows;
   int64_t num_classes;
@@ -314,12 +327,18 @@ __device__ __forceinline__ A class_ce(A p, A e, A rest, A m, A z, A log_d) {
   return (p > A(0.5)) ? log1p_(rest / e) : (m - z) + log_d;
 }
 
-// The gradient's factor for grad_output = 1: 1 / (non-ignored rows, at least 1) for the mean, else 1.
+// The mean's divisor: the non-ignored rows (every row without a count), at least 1.
+__device__ __forceinline__ int64_t mean_divisor(const int64_t* valid_count, int64_t num_rows) {
+  const int64_t count = valid_count != nullptr ? *valid_count : num_rows;
+  return count > 1 ? count : int64_t(1);
+}
+
+// The gradient's factor for grad_output = 1: 1 / mean_divisor for the mean, else 1.
 template <typename A>
 __device__ __forceinline__ A gradient_scale(const Params<A>& P) {
-  return (P.reduction == static_cast<int>(Reduction::Mean))
-             ? A(1) / static_cast<A>(*P.valid_count > 1 ? *P.valid_count : int64_t(1))
-             : A(1);
+  return (P.reduction == static_cast<int>(Reduction::Mean)) ? A(1) / static_cast<A>(mean_divisor(P.valid_count,
+                                                                                                  P.num_rows))
+                                                             : A(1);
 }
 
 // An ignored (fill 0) or invalid (fill NaN) row: its loss and gradient row, without reading the logits.
@@ -470,6 +489,84 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
       gradient_tile(base);
     }
   }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// Rows split across a thread-block cluster (sm_90): one read of the logits and one write of the gradient at any C up
+// to 16 CTAs × the tile, instead of the streaming path's two reads.
+//
+// The row's K = ceil(C / W) CTAs form one cluster (W = kThreads·kPT columns per CTA); CTA r holds columns
+// [r·W, (r+1)·W) in registers (the resident path's Tile at base r·W), reduces its statistics over the block, and
+// writes them to its shared memory. After a cluster barrier, lanes 0..K-1 of each CTA's first warp read the K partial
+// statistics through distributed shared memory and merge them with the warp's butterfly, so every CTA holds the same
+// row statistics bit for bit (the same K values, merged in the same order). A second barrier keeps every CTA's shared
+// memory alive until all remote reads are done; then each CTA writes the gradient of its own columns. z_y is read by
+// every CTA before the first barrier, so in place the target column is overwritten only after all reads of it.
+// ----------------------------------------------------------------------------------------------------------------
+constexpr int kMaxClusterCtas = 16;  // the non-portable cluster size limit of sm_90 (8 is portable)
+
+template <typename scalar_t, int kThreads, int kPT>
+__global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<float> P) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // launched only where cudaFuncGetAttributes reports code compiled for sm_90 or later (cluster_launchable)
+#else
+  namespace cg = cooperative_groups;
+  using A = float;
+  using T = Tile<scalar_t, A, kThreads, kPT>;
+  constexpr int64_t kTileCols = static_cast<int64_t>(kThreads) * kPT;
+  const cg::cluster_group cluster = cg::this_cluster();
+  const int ctas = static_cast<int>(cluster.num_blocks());
+  const int rank = static_cast<int>(cluster.block_rank());
+  const int64_t row = static_cast<int64_t>(blockIdx.x) / ctas;  // a 1-D grid of whole clusters, one per row
+  const int t = threadIdx.x;
+  const int64_t base = rank * kTileCols;
+  const int64_t C = P.num_classes;
+  const A q = P.norm;
+  const int64_t y = P.target[row];
+  const bool ignored = y == P.ignore_index;
+  const bool bad = !ignored && (y < 0 || y >= C);
+  scalar_t* grad_row = P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
+
+  if (ignored || bad) {  // uniform over the cluster: no CTA reaches a barrier
+    const A fill = bad ? std::numeric_limits<A>::quiet_NaN() : A(0);
+    if (rank == 0 && t == 0) P.row_loss[row] = fill;
+    if (grad_row != nullptr) {
+      const int64_t end = base + kTileCols < C ? base + kTileCols : C;
+      for (int64_t c = base + t; c < end; c += kThreads) grad_row[c] = static_cast<scalar_t>(fill);
+    }
+    return;
+  }
+
+  const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
+  const bool brier = P.weight == static_cast<int>(Weight::Brier);
+  const bool dual = P.weight == static_cast<int>(Weight::DualFocal);
+  const A z_y = static_cast<A>(z_row[y]);
+  A z[kPT];
+  T::load(z_row, aligned16(z_row), base, t, C, z);
+  Stats<A> s = empty_stats<A>();
+  accumulate(z, [&](int e) { return T::column(base, t, e); }, C, y, z_y, q, brier, dual, s);
+  s = group_allreduce<kThreads>(s, q, brier, dual);
+
+  __shared__ Stats<A> block_stats;  // this CTA's share, read by every CTA of the cluster
+  __shared__ Stats<A> row_stats;
+  if (t == 0) block_stats = s;
+  cluster.sync();
+  if (t < 32) {
+    Stats<A> part = t < ctas ? *cluster.map_shared_rank(&block_stats, t) : empty_stats<A>();
+    part = warp_allreduce(part, q, brier, dual);
+    if (t == 0) row_stats = part;
+  }
+  cluster.sync();  // the remote reads are done (a CTA may exit), and row_stats is visible to the whole block
+  const RowCoefs<A> r = row_coefficients(P, row, row_stats, z_y);
+  if (rank == 0 && t == 0) P.row_loss[row] = r.loss;
+  if (grad_row == nullptr) return;
+#pragma unroll
+  for (int e = 0; e < kPT; ++e) {
+    const int64_t col = T::column(base, t, e);
+    z[e] = (col == y) ? r.grad_target : grad_element(r, z[e], z_y, q);
+  }
+  T::store(grad_row, aligned16(grad_row), base, t, C, z);
+#endif
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -957,8 +1054,136 @@ void launch_rows(void (*kernel)(KernelParams), int64_t num_rows, const KernelPar
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// Tile shapes of cluster_row_kernel (threads × values per thread), smallest first.
+struct ClusterShape {
+  int threads, values;
+};
+constexpr ClusterShape kClusterShapes[] = {{256, 16}, {256, 32}, {512, 16}, {512, 32}};
+constexpr int kPortableClusterCtas = 8;
+
+using ClusterKernel = void (*)(Params<float>);
+
+template <typename scalar_t>
+ClusterKernel cluster_kernel(int shape_index) {
+  switch (shape_index) {
+    case 0: return cluster_row_kernel<scalar_t, 256, 16>;
+    case 1: return cluster_row_kernel<scalar_t, 256, 32>;
+    case 2: return cluster_row_kernel<scalar_t, 512, 16>;
+    default: return cluster_row_kernel<scalar_t, 512, 32>;
+  }
+}
+
+int64_t cluster_ctas(int64_t C, const ClusterShape& shape) {
+  const int64_t tile = static_cast<int64_t>(shape.threads) * shape.values;
+  return (C + tile - 1) / tile;
+}
+
+// The tile shape for rows of C classes, or -1 for the streaming path. By default the smallest tile whose cluster
+// stays within the portable 8 CTAs, else within 16. CALIBKERNELS_CUDA_ROW_CLUSTER (a tuning and testing hook, read on
+// every launch): "off" (or "0") streams every row; "<threads>x<values>" (256x16, 256x32, 512x16, 512x32) asks for
+// that shape wherever its cluster has at most 16 CTAs. Only the launches that reach this choice (hard targets,
+// float32 or 16-bit logits, C > 4096) read it, so a malformed value is reported there.
+int cluster_shape_for(int64_t C) {
+  const char* flag = std::getenv("CALIBKERNELS_CUDA_ROW_CLUSTER");
+  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "auto") != 0) {
+    if (std::strcmp(flag, "off") == 0 || std::strcmp(flag, "0") == 0) return -1;
+    for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
+      const std::string name =
+          std::to_string(kClusterShapes[i].threads) + "x" + std::to_string(kClusterShapes[i].values);
+      if (name == flag) return cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1;
+    }
+    TORCH_CHECK_VALUE(false, "CALIBKERNELS_CUDA_ROW_CLUSTER must be auto, off, 256x16, 256x32, 512x16 or 512x32, "
+                      "got '", flag, "'");
+  }
+  for (const int limit : {kPortableClusterCtas, kMaxClusterCtas}) {
+    for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
+      if (cluster_ctas(C, kClusterShapes[i]) <= limit) return i;
+    }
+  }
+  return -1;
+}
+
+cudaLaunchConfig_t cluster_config(int64_t blocks, int threads, cudaLaunchAttribute& cluster_dim, int ctas,
+                                  cudaStream_t stream) {
+  cluster_dim.id = cudaLaunchAttributeClusterDimension;
+  cluster_dim.val.clusterDim.x = static_cast<unsigned>(ctas);
+  cluster_dim.val.clusterDim.y = 1;
+  cluster_dim.val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(blocks));
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = 0;
+  config.stream = stream;
+  config.attrs = &cluster_dim;
+  config.numAttrs = 1;
+  return config;
+}
+
+// Whether `kernel` can run as clusters of `ctas` CTAs on the current device: its code was compiled for sm_90 or
+// later (ptxVersion, the __CUDA_ARCH__ it was compiled as: a build for an older architecture holds the trap, even when
+// its machine code was made for sm_90), and at least one such cluster fits (cudaOccupancyMaxActiveClusters). Definite
+// answers are kept per device, kernel and cluster size. Without one (an API call failed, an error of someone else's
+// is pending, or a CUDA graph is being captured, where the queries are not asked) the answer is no, for this launch.
+bool cluster_launchable(ClusterKernel kernel, int threads, int ctas, cudaStream_t stream) {
+  static std::mutex mutex;
+  static std::map<std::tuple<int, const void*, int>, bool> known;
+  const int device = c10::cuda::current_device();
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), ctas);
+  if (const auto it = known.find(key); it != known.end()) return it->second;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaPeekAtLastError() != cudaSuccess || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+      capture != cudaStreamCaptureStatusNone) {
+    return false;
+  }
+  cudaFuncAttributes attributes;
+  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    (void)cudaGetLastError();  // this query's own error, not one for the next launch to report
+    return false;
+  }
+  bool ok = attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
+  if (ok) {
+    if (ctas > kPortableClusterCtas &&
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    cudaLaunchAttribute cluster_dim;
+    const cudaLaunchConfig_t config = cluster_config(ctas, threads, cluster_dim, ctas, stream);
+    int clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    ok = clusters > 0;
+  }
+  known.emplace(key, ok);
+  return ok;
+}
+
+// Launches the cluster kernel for P's rows when the device and the build allow it; false: use the streaming path.
+template <typename scalar_t>
+bool launch_row_clusters(const Params<float>& P) {
+  const int shape_index = cluster_shape_for(P.num_classes);
+  if (shape_index < 0) return false;
+  const ClusterShape shape = kClusterShapes[shape_index];
+  const int ctas = static_cast<int>(cluster_ctas(P.num_classes, shape));
+  const ClusterKernel kernel = cluster_kernel<scalar_t>(shape_index);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  if (!cluster_launchable(kernel, shape.threads, ctas, stream)) return false;
+  const int64_t blocks = P.num_rows * ctas;
+  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
+  cudaLaunchAttribute cluster_dim;
+  const cudaLaunchConfig_t config = cluster_config(blocks, shape.threads, cluster_dim, ctas, stream);
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
+  return true;
+}
+
 template <typename scalar_t, typename A>
 void launch(const Params<A>& P) {
+  if constexpr (std::is_same<A, float>::value) {
+    if (P.num_classes > kBlock256MaxC && launch_row_clusters<scalar_t>(P)) return;
+  }
   with_shape<scalar_t>(P.num_classes, [&](auto shape) {
     using S = decltype(shape);
     launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P);
@@ -985,6 +1210,47 @@ void launch_dense(const SoftParams<A>& SP, at::ScalarType target_dtype) {
   } else {
     launch_soft<scalar_t, scalar_t>(SP);
   }
+}
+
+// ----------------------------------------------------------------------------------------------------------------
+// The mean's divisor and the reduction: one 1024-thread block each, in place of the four to five small torch ops
+// (compare, sum, sum, clamp, divide) they replace, since at classification shapes each launch costs host time that
+// the step notices. A fixed order of summation (thread i takes rows i, i + 1024, ...; then a tree), so the loss is
+// reproducible bit for bit; the loop is unrolled so that a thread has several loads in flight (one block reads the
+// whole (N,) vector: 256 KiB at N = 65536).
+// ----------------------------------------------------------------------------------------------------------------
+constexpr int kReduceThreads = 1024;
+
+template <typename S>
+__device__ __forceinline__ S warp_sum(S v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+template <typename S>
+__device__ __forceinline__ S block_sum(S v) {
+  return group_reduce<kReduceThreads>(v, S(0), [](S x) { return warp_sum(x); });
+}
+
+__global__ void __launch_bounds__(kReduceThreads) count_valid_rows_kernel(const int64_t* target, int64_t num_rows,
+                                                                          int64_t ignore_index, int64_t* count) {
+  int64_t valid = 0;
+#pragma unroll 8
+  for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) valid += target[i] != ignore_index ? 1 : 0;
+  valid = block_sum(valid);
+  if (threadIdx.x == 0) *count = valid;
+}
+
+// loss = Σ_i row_loss_i, divided by mean_divisor for the mean.
+template <typename A>
+__global__ void __launch_bounds__(kReduceThreads) reduce_rows_kernel(const A* row_loss, int64_t num_rows, bool mean,
+                                                                     const int64_t* valid_count, A* loss) {
+  A total = A(0);
+#pragma unroll 8
+  for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) total += row_loss[i];
+  total = block_sum(total);
+  if (threadIdx.x == 0) *loss = mean ? total / static_cast<A>(mean_divisor(valid_count, num_rows)) : total;
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -1029,10 +1295,16 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
   at::Tensor row_loss = at::empty({n}, z.options().dtype(acc_dtype));
   const bool dense = target.is_floating_point();
   const at::Tensor t = dense ? dense_target_for(z, target) : target.contiguous();
-  // The mean's divisor, counted on the device and read by the kernel (scale of the gradient) and by the division below.
+  const bool mean = args.reduction == static_cast<int64_t>(Reduction::Mean);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  // The mean's divisor for class indices, counted on the device and read by the loss kernel (the gradient's scale)
+  // and the reduction; a dense target has no ignored rows (no count: every row).
   at::Tensor valid_count;
-  if (args.reduction == static_cast<int64_t>(Reduction::Mean)) {
-    valid_count = dense ? at::full({}, n, t.options().dtype(at::kLong)) : t.ne(args.ignore_index).sum();
+  if (mean && !dense) {
+    valid_count = at::empty({}, t.options().dtype(at::kLong));
+    count_valid_rows_kernel<<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, args.ignore_index,
+                                                               valid_count.mutable_data_ptr<int64_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
   // a soft row's count of finite logits is an int
   TORCH_CHECK(!args.soft || z.size(1) <= std::numeric_limits<int32_t>::max(),
@@ -1087,9 +1359,15 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
     });
   }
   if (args.reduction == static_cast<int64_t>(Reduction::None)) return row_loss;
-  at::Tensor total = row_loss.sum();
-  if (args.reduction == static_cast<int64_t>(Reduction::Sum)) return total;
-  return total.div(valid_count.clamp_min(1));  // all rows ignored: 0 / 1 = 0, never NaN
+  at::Tensor loss = at::empty({}, row_loss.options());
+  AT_DISPATCH_FLOATING_TYPES(row_loss.scalar_type(), "uncertainty_weighted_ce_cuda_reduce", [&] {
+    // all rows ignored: 0 / 1 = 0, never NaN
+    reduce_rows_kernel<scalar_t><<<1, kReduceThreads, 0, stream>>>(
+        row_loss.const_data_ptr<scalar_t>(), n, mean,
+        valid_count.defined() ? valid_count.const_data_ptr<int64_t>() : nullptr, loss.mutable_data_ptr<scalar_t>());
+  });
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  return loss;
 }
 
 std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
