@@ -1222,15 +1222,8 @@ void launch_dense(const SoftParams<A>& SP, at::ScalarType target_dtype) {
 constexpr int kReduceThreads = 1024;
 
 template <typename S>
-__device__ __forceinline__ S warp_sum(S v) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
-template <typename S>
 __device__ __forceinline__ S block_sum(S v) {
-  return group_reduce<kReduceThreads>(v, S(0), [](S x) { return warp_sum(x); });
+  return group_sum<kReduceThreads>(Sums<S, 1>{{v}}).v[0];
 }
 
 __global__ void __launch_bounds__(kReduceThreads) count_valid_rows_kernel(const int64_t* target, int64_t num_rows,
