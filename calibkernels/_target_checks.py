@@ -1,10 +1,11 @@
 """Bad targets on the GPU: how the kernels' device-side flag becomes a Python error.
 
 The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
-are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, one bad value)`` records it.
+are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, the largest bad value)``, made by
+the launch that counts the mean's divisor and returned by the op as its third output, records it.
 A dense target's values (entries >= 0, rows summing to 1) are checked the same way: the Triton kernel flags the rows
-in its own reads of the target, two device reductions do it for the CUDA kernel
-(:func:`calibkernels._validation.dense_target_flag`), and the flag is ``(any bad row, the first bad row)``; those rows
+in its own reads of the target, the CUDA op with device reductions (those of
+:func:`calibkernels._validation.dense_target_flag`), and the flag is ``(any bad row, the first bad row)``; those rows
 are computed from the target as given.
 Reading that flag on the host is a synchronisation, which would stall the CPU once per call, so the policy is set by
 the environment variable ``CALIBKERNELS_VALIDATE`` (read at import; :data:`POLICY` may be changed at run time):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import _autograd, _backends
+from . import _autograd, _backends, _target_checks
 from . import _validation as V
 from . import reference as _reference
 
@@ -58,12 +58,12 @@ def uncertainty_weighted_ce(
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
     if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None
-            and type(inplace) is bool and logits.dim() == 2 and logits.device.type == "cpu"
+            and type(inplace) is bool and logits.dim() == 2 and target.device == logits.device
             and not torch.compiler.is_compiling()):
         soft = _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda)
         if soft is not None:
-            loss = _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft,
-                                  inplace)
+            loss = _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft,
+                              inplace)
             if loss is not None:
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
@@ -90,18 +90,20 @@ def uncertainty_weighted_ce(
 
 
 def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda):
-    """The soft-target arguments of :func:`_fast_cpu_call` (``()`` for hard targets), or ``None`` when they need the
+    """The soft-target arguments of :func:`_fast_call` (``()`` for hard targets), or ``None`` when they need the
     general path: dual focal, a λ of exactly 0 or 1, a dense target that requires grad or of another floating dtype,
-    anything its checks would reject."""
+    a mix on a GPU (whose kernel does not check its values), anything its checks would reject. ``target`` is on the
+    logits' device."""
     if target.is_floating_point():
         if (mix_target is not None or mix_lambda is not None or target.dtype not in _DENSE_DTYPES
-                or target.device.type != "cpu" or (target.requires_grad and torch.is_grad_enabled())):
+                or (target.requires_grad and torch.is_grad_enabled())):
             return None
     elif mix_target is None and mix_lambda is None:
         if type(label_smoothing) is float and label_smoothing == 0.0:
             return ()
-    elif not (type(mix_target) is torch.Tensor and mix_target.dtype == torch.int64
-              and mix_target.shape == target.shape and mix_target.device.type == "cpu"):
+    elif target.device.type != "cpu" or not (
+            type(mix_target) is torch.Tensor and mix_target.dtype == torch.int64 and mix_target.shape == target.shape
+            and mix_target.device.type == "cpu"):
         return None
     elif type(mix_lambda) is float:
         if not 0.0 < mix_lambda < 1.0:
@@ -114,49 +116,67 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
     return mix_target, mix_lambda, float(label_smoothing)
 
 
-def _fast_cpu_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=(),
-                   inplace=False):
-    """The common eager call on CPU tensors, straight into the compiled op and its C++ autograd: the per-call host
-    time of the general path (argument normalisation, the host-side target check) is as large as the whole step of
-    ``F.cross_entropy`` at small shapes. ``None`` when any argument needs the general path, which also makes every
-    error message. The kernel checks the target values itself (the same ValueError as the general path), those of a
-    mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`). ``inplace``: as the general path,
-    which refuses logits that are a leaf requiring grad, or a view of one."""
+def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=(), inplace=False):
+    """The common eager call, straight into the compiled op and its C++ autograd: the per-call host time of the
+    general path (argument normalisation, backend resolution, the Python target checks) is as large as the whole step
+    of ``F.cross_entropy`` at small shapes. On CPU tensors with ``backend`` "auto" or "cpu"; on CUDA tensors with
+    "cuda", or "auto" where it resolves to the CUDA kernel. ``None`` when any argument needs the general path, which
+    also makes every error message. The CPU kernel checks the target values itself (the same ValueError as the
+    general path), those of a mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA kernel
+    flags them on the device for :mod:`calibkernels._target_checks`, as the general path does. ``inplace``: as the
+    general path, which refuses logits that are a leaf requiring grad, or a view of one."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
     reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
     dense = target.is_floating_point()
-    if (weight_code is None or mode_code is None or reduction_code is None or weight == "external"
+    on_gpu = logits.is_cuda
+    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, backend))
+    if served is None:
+        served = _compiled_kernel(backend, logits.device)
+    if (not served or weight_code is None or mode_code is None or reduction_code is None or weight == "external"
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
-            or not 0 < norm < _INF or type(ignore_index) is not int or backend not in ("auto", "cpu")
+            or not 0 < norm < _INF or type(ignore_index) is not int
             or target.shape != (logits.shape if dense else logits.shape[:1])
             or not (ignore_index == -100 if dense else target.dtype == torch.int64)
-            or logits.shape[0] == 0 or logits.shape[1] == 0
-            or not logits.is_floating_point() or not _cpu_kernel_available()
-            or (soft and not getattr(_backends.module("cpu"), "SOFT_TARGETS", False))):
+            or logits.shape[0] == 0 or logits.shape[1] == 0 or not logits.is_floating_point()
+            or (soft and not getattr(_backends.module("cuda" if on_gpu else "cpu"), "SOFT_TARGETS", False))):
         return None
     if inplace and logits.requires_grad and torch.is_grad_enabled() and _autograd._is_leaf_or_view_of_leaf(logits):
         return None
-    return _CPU_OP(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index, reduction_code,
-                   *(soft or (None, None, 0.0)), inplace)
+    if on_gpu:
+        _target_checks.poll()  # raise for a bad target that an earlier call flagged
+    loss, flag = _EAGER_LOSS(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index,
+                               reduction_code, *(soft or (None, None, 0.0)), inplace)
+    if on_gpu:
+        _target_checks.submit(flag, logits.shape[1], ignore_index, target.dtype if dense else None)
+    return loss
 
 
 _INF = float("inf")
 _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_CPU_OP = None
+# (on CUDA, on the CPU, backend) -> whether _fast_call serves that backend there; filled on first use
+_FAST_KERNELS: dict = {}
+_EAGER_LOSS = None  # calibkernels._C.eager_loss, once the extension is known to load
 
 
-def _cpu_kernel_available() -> bool:
-    global _CPU_OP
-    if _CPU_OP is None:
-        available = _backends.unavailable_reason("cpu", torch.device("cpu")) is None
-        if available:
-            from . import _C
+def _compiled_kernel(backend, device: torch.device) -> bool:
+    """Whether :func:`_fast_call` may run ``backend`` on ``device``'s type: the compiled op's CPU kernel for "auto" and
+    "cpu" on the CPU, its CUDA kernel for "cuda" (and "auto" where that resolves to it) on CUDA tensors; cached."""
+    global _EAGER_LOSS
+    key = (device.type == "cuda", device.type == "cpu", backend)
+    known = _FAST_KERNELS.get(key)
+    if known is None:
+        name = device.type if device.type in ("cpu", "cuda") else None
+        known = False
+        if name is not None and backend in ("auto", name) and _backends.unavailable_reason(name, device) is None:
+            # "auto" takes the compiled op only where it is the first choice (on CUDA, Triton comes first)
+            known = backend == name or _backends.resolve("auto", device) == name
+            if known:
+                from . import _C  # loads: unavailable_reason has imported the backend's module, which imports it
 
-            _CPU_OP = _C.eager_loss
-        else:
-            _CPU_OP = False
-    return _CPU_OP is not False
+                _EAGER_LOSS = _C.eager_loss
+        _FAST_KERNELS[key] = known
+    return known
 
 
 def bsce_gra_loss(

@@ -14,7 +14,7 @@
 //       Tensor? mix_target=None (N,) int64: a mixup/cutmix partner class per row (valid on non-ignored rows),
 //       Tensor? mix_lambda=None () or (N,) float, in [0, 1]: t = λ e_target + (1 - λ) e_mix_target (with mix_target),
 //       float label_smoothing=0.0 in [0, 1]: t <- (1 - a) t + a / C)
-//     -> (Tensor loss, Tensor grad)
+//     -> (Tensor loss, Tensor grad, Tensor target_flag)
 //
 //   Soft targets (csrc/uncertainty_weights.h): the compact form above, or a dense target: a floating (N, C) `target`
 //   of probabilities per row (any float dtype; no ignored rows, the mean divides by N; no mix_target). Not with the
@@ -26,6 +26,11 @@
 //         mean), in the logits' dtype; ignored rows are 0. It is written into grad_out when given (then `grad` is an
 //         empty (0,) tensor), else returned as `grad`, contiguous (N, C). Neither when compute_grad is false
 //         (inference: no N x C write; `grad` is (0,)).
+//   target_flag: int64 on the logits' device. On CUDA, (2,): (any target neither a class index nor ignore_index,
+//         the largest such value) for class indices, (any bad row, the first bad row) for a dense target (an entry
+//         < 0 or NaN, or a row sum off 1 by more than dense_row_sum_tolerance); the kernel never indexes with a bad
+//         target, whose row is NaN, and the caller reads the flag when it can do so without stalling the host
+//         (calibkernels/_target_checks.py). On the CPU, (0,): the kernel raises ValueError instead.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -69,6 +74,23 @@ constexpr double kFlsdLowThreshold = 0.2;
 constexpr double kFlsdLowGamma = 5.0;
 constexpr double kFlsdMidThreshold = 0.5;
 constexpr double kFlsdMidGamma = 3.0;
+
+// How far a dense target's row may sum from 1 in its dtype: calibkernels._validation._ROW_SUM_TOLERANCE (tests hold
+// the two to the same boundaries).
+inline double dense_row_sum_tolerance(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kDouble:
+      return 1e-6;
+    case at::kFloat:
+      return 1e-4;
+    case at::kHalf:
+      return 1e-2;
+    case at::kBFloat16:
+      return 2e-2;
+    default:
+      return 1e-4;
+  }
+}
 
 // The argument checks every device's kernel makes after checking the devices of `logits` and `target` (the kernels
 // are the last line of defence: under torch.compile the Python-side checks are skipped). `op` prefixes the messages.
@@ -169,13 +191,15 @@ at::Tensor gradient_destination(const at::Tensor& logits, const at::Tensor& z, b
   return (z_is_a_copy && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
 }
 
-// The op's outputs: (loss, the gradient buffer), or (loss, an empty tensor) once the gradient is in grad_out.
-inline std::tuple<at::Tensor, at::Tensor> finish_gradient(const at::Tensor& loss, const at::Tensor& dest,
-                                                          bool compute_grad,
-                                                          const std::optional<at::Tensor>& grad_out) {
-  if (!compute_grad || !grad_out.has_value()) return {loss, dest};
+// The op's outputs: (loss, the gradient buffer, flag), or (loss, an empty tensor, flag) once the gradient is in
+// grad_out.
+inline std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_gradient(const at::Tensor& loss, const at::Tensor& dest,
+                                                                      bool compute_grad,
+                                                                      const std::optional<at::Tensor>& grad_out,
+                                                                      const at::Tensor& target_flag) {
+  if (!compute_grad || !grad_out.has_value()) return {loss, dest, target_flag};
   if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
-  return {loss, at::empty({0}, dest.options())};
+  return {loss, at::empty({0}, dest.options()), target_flag};
 }
 
 }  // namespace calibkernels

@@ -35,10 +35,11 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using OpSignature = std::tuple<Tensor, Tensor>(const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                               const std::optional<Tensor>&, int64_t, int64_t, double, double,
-                                               int64_t, int64_t, bool, const std::optional<Tensor>&,
-                                               const std::optional<Tensor>&, const std::optional<Tensor>&, double);
+using OpSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const std::optional<Tensor>&,
+                                                       const std::optional<Tensor>&, int64_t, int64_t, double, double,
+                                                       int64_t, int64_t, bool, const std::optional<Tensor>&,
+                                                       const std::optional<Tensor>&, const std::optional<Tensor>&,
+                                                       double);
 
 const c10::TypedOperatorHandle<OpSignature>& fused_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -144,10 +145,10 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
       gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction);
     }
     const bool write_logits = inplace && logits_grad;
-    Tensor loss, grad;
+    Tensor loss, grad, target_flag;
     {
       const at::AutoDispatchBelowADInplaceOrView below;
-      std::tie(loss, grad) =
+      std::tie(loss, grad, target_flag) =
           fused_op().call(logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight,
                           mode, gamma, norm, ignore_index, reduction, logits_grad,
                           write_logits ? std::optional<Tensor>(logits) : std::nullopt, detached_or_none(mix_target),
@@ -160,8 +161,8 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({logits_grad ? saved : Tensor(), gamma_factor});
-    ctx->mark_non_differentiable({grad});
-    return {loss, grad};
+    ctx->mark_non_differentiable({grad, target_flag});
+    return {loss, grad, target_flag};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -179,7 +180,7 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   }
 };
 
-std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
+std::tuple<Tensor, Tensor, Tensor> uncertainty_weighted_ce_autograd(
     const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
     const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
@@ -200,15 +201,16 @@ std::tuple<Tensor, Tensor> uncertainty_weighted_ce_autograd(
                                   gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm, ignore_index,
                                   reduction, inplace, mix_target.has_value() ? *mix_target : absent(),
                                   mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing);
-  return {outputs[0], outputs[1]};
+  return {outputs[0], outputs[1], outputs[2]};
 }
 
 }  // namespace
 
 // calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target,
-// mix_lambda, label_smoothing, inplace]): the loss of the common eager call (no sample weight, no per-sample gamma;
-// class-index targets, optionally mixed and smoothed, or a dense target, optionally smoothed) in the logits' dtype,
-// through the op and its autograd above.
+// mix_lambda, label_smoothing, inplace]) -> (loss, target_flag): the common eager call (no sample weight, no
+// per-sample gamma; class-index targets, optionally mixed and smoothed, or a dense target, optionally smoothed)
+// through the op and its autograd above; the loss in the logits' dtype, and the op's target flag (empty on the CPU,
+// whose kernel raises instead).
 // A plain function rather than torch.ops: the boxed call of a fifteen-argument op from Python costs microseconds that
 // a small training step notices. mix_target is None or a tensor; mix_lambda None, a tensor or a number (a 0-dim
 // tensor is made for it here). inplace: the gradient overwrites the logits when they need one (the caller has
@@ -246,16 +248,24 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
     }
   }
   const bool compute_grad = at::GradMode::is_enabled() && logits.requires_grad();
-  Tensor loss;
+  Tensor loss, target_flag;
   {
     const pybind11::gil_scoped_release no_gil;
-    loss = std::get<0>(fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm,
-                                       ignore_index, reduction, compute_grad,
-                                       inplace && compute_grad ? std::optional<Tensor>(logits) : std::nullopt,
-                                       mix_target, mix_lambda, label_smoothing));
+    std::tie(loss, std::ignore, target_flag) =
+        fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index, reduction,
+                        compute_grad, inplace && compute_grad ? std::optional<Tensor>(logits) : std::nullopt,
+                        mix_target, mix_lambda, label_smoothing);
     if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
-  return THPVariable_Wrap(std::move(loss));
+  PyObject* result = PyTuple_New(2);
+  if (result == nullptr) return nullptr;
+  PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(loss)));
+  PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::move(target_flag)));
+  if (PyTuple_GET_ITEM(result, 0) == nullptr || PyTuple_GET_ITEM(result, 1) == nullptr) {
+    Py_DECREF(result);  // a NULL slot is skipped by the tuple's deallocation
+    return nullptr;
+  }
+  return result;
   END_HANDLE_TH_ERRORS
 }
 

@@ -327,7 +327,7 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(_backends, "_AUTO_ORDER", {"cpu": ("cpu",)})
     monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: "pretend it is not built")
     monkeypatch.setattr(_backends, "_warned_fallback", set())
-    monkeypatch.setattr(functional, "_CPU_OP", None)  # the fast path's cached answer to the same question
+    monkeypatch.setattr(functional, "_FAST_KERNELS", {})  # the fast path's cached answer to the same question
     z, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -151,13 +151,13 @@ def test_inplace_writes_the_gradient_into_the_logits_buffer():
     z = torch.randn(7, 33)
     y = _targets(7, 33)
     buffer = z.clone()
-    loss, returned = ops.uncertainty_weighted_ce(buffer, *_op_args(z, y, reduction="sum"), True, buffer)
+    loss, returned, _ = ops.uncertainty_weighted_ce(buffer, *_op_args(z, y, reduction="sum"), True, buffer)
     assert returned.numel() == 0
-    exact_loss, exact_grad = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, None)
+    exact_loss, exact_grad, _ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, None)
     torch.testing.assert_close(loss, exact_loss)
     torch.testing.assert_close(buffer, exact_grad)
     into = torch.full_like(z, float("nan"))
-    loss, returned = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, into)
+    loss, returned, _ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, into)
     assert returned.numel() == 0
     torch.testing.assert_close(loss, exact_loss)
     torch.testing.assert_close(into, exact_grad)
@@ -168,8 +168,8 @@ def test_inplace_on_column_strided_logits_writes_back():
     base = torch.randn(9, 6)
     view = base.t()  # (6, 9), column stride 6
     y = _targets(6, 9)
-    expected_loss, expected_grad = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True, None)
-    loss, _ = ops.uncertainty_weighted_ce(view, *_op_args(view, y), True, view)
+    expected_loss, expected_grad, _ = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True, None)
+    loss, _, _ = ops.uncertainty_weighted_ce(view, *_op_args(view, y), True, view)
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(base.t(), expected_grad)
 
@@ -212,13 +212,13 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
         loss.sum().backward()
         return loss.detach(), leaf.grad, logits._version
 
-    assert functional._cpu_kernel_available()
+    assert functional._compiled_kernel("auto", torch.device("cpu"))
     calls = []
-    fast_op = functional._CPU_OP
-    monkeypatch.setattr(functional, "_CPU_OP", lambda *args: calls.append(args) or fast_op(*args))
+    fast_op = functional._EAGER_LOSS
+    monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
     fast = step()
     assert len(calls) == 1 and calls[0][-1] is True, "the in-place eager CPU call should take the fast path"
-    monkeypatch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+    monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
     general = step()
     for a, b in zip(fast, general):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -268,7 +268,7 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
     for target in (torch.ones(9, 0), torch.zeros(9, dtype=torch.int64)):
         fast = _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target))
         with monkeypatch.context() as patch:
-            patch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+            patch.setattr(functional, "_fast_call", lambda *args: None)
             assert fast == _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target)) == (
                 "ValueError", "logits have zero classes")
 
@@ -280,13 +280,13 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
         return loss.detach(), leaf.grad
 
     calls = []
-    fast_op = functional._CPU_OP if functional._cpu_kernel_available() else None
+    fast_op = functional._EAGER_LOSS if functional._compiled_kernel("auto", torch.device("cpu")) else None
     for number, (target, kw) in enumerate(cases):
-        monkeypatch.setattr(functional, "_CPU_OP", lambda *args: calls.append(args) or fast_op(*args))
+        monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
         fast = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
         took_fast = len(calls) > 0
         calls.clear()
-        monkeypatch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+        monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
         general = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
         monkeypatch.undo()
         if number < 5:  # valid targets, and bad values that the op refuses itself
@@ -304,6 +304,8 @@ def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
     ops = _op()
     z = torch.randn(4, 5)
     y = torch.tensor([0, bad, 1, -100])
+    *_, flag = ops.uncertainty_weighted_ce(z, *_op_args(z, y.clamp(0, 4)), True, None)
+    assert flag.dtype == torch.int64 and flag.shape == (0,), "the CPU op raises; its target flag is empty"
     with pytest.raises(ValueError, match=f"target value {bad} is out of range for 5 classes"):
         ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, None)
     buffer = z.clone()
@@ -451,7 +453,7 @@ def test_target_reference_and_its_row_max_fallback(dtype, weight, norm, mode, in
     sample_weight = torch.rand(rows) + 0.5 if weight == "external" else None
     codes = (V.WEIGHT_CODES[weight], V.MODE_CODES[mode], 3.0, norm, -100, V.REDUCTION_CODES["none"])
     buffer = z.clone()
-    loss, grad = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True, buffer if inplace else None)
+    loss, grad, _ = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True, buffer if inplace else None)
     if inplace:
         grad = buffer
 

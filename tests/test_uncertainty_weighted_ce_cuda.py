@@ -84,10 +84,11 @@ def test_cuda_kernel_registered_exactly_when_built_with_cuda():
         assert with_cuda == 1, "CALIBKERNELS_EXPECT_CUDA=1 but the extension was built without the CUDA kernels"
 
 
-def test_target_check_of_the_cuda_wrapper(monkeypatch):
-    """The flag the "cuda" backend computes after the kernel (which only NaN-poisons bad rows) names the bad value
-    through calibkernels._target_checks, lets ignore_index through, and is ignored with CALIBKERNELS_VALIDATE=0. On CPU
-    tensors the flag is read at once, which lets this run without a GPU."""
+def test_target_check_of_a_device_flag(monkeypatch):
+    """A device flag of the form the CUDA op returns (the kernels only NaN-poison bad rows; here
+    calibkernels._validation.target_flag's, which the fused linear loss uses) names the bad value through
+    calibkernels._target_checks, lets ignore_index through, and is ignored with CALIBKERNELS_VALIDATE=0. On CPU tensors
+    the flag is read at once, which lets this run without a GPU."""
     from calibkernels import _target_checks
 
     def submit(target):
@@ -115,6 +116,18 @@ needs_gpu = pytest.mark.skipif(
 def _op(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
         gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None,
         mix_target=None, mix_lambda=None, label_smoothing=0.0):
+    """The op's ``(loss, grad)``; :func:`_op_flag` gives its target flag."""
+    return _op_outputs(**locals())[:2]
+
+
+def _op_flag(logits, target, **kw):
+    """The op's target flag (two device slots: a bad target seen, the largest bad value / the first bad row)."""
+    return _op_outputs(logits, target, **kw)[2]
+
+
+def _op_outputs(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
+                gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None,
+                mix_target=None, mix_lambda=None, label_smoothing=0.0):
     return torch.ops.calibkernels.uncertainty_weighted_ce(
         logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], float(gamma),
         float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad, grad_out, mix_target, mix_lambda,
@@ -272,6 +285,82 @@ def test_out_of_range_targets_raise_through_the_public_api():
         with pytest.raises(ValueError, match="out of range"):
             ck.uncertainty_weighted_ce(z, y, backend="cuda")
             ck.synchronize_target_checks()  # the default policy raises without stalling, i.e. a little later
+
+
+@needs_gpu
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_target_flag_output(reduction):
+    """The op's third output is calibkernels._validation.target_flag of class indices (one count-and-check launch;
+    the mean's divisor comes from the same launch), and dense_target_flag of a dense target, on every reduction, in
+    place too."""
+    n, c = 3000, 50  # rows past one pass of the check's block
+    z = _logits(n, c)
+    y = _targets(n, c)
+    for bad in (None, (7, [c]), (11, [-1, c + 5, 10**9])):
+        target = y.clone()
+        if bad is not None:
+            rows = torch.arange(len(bad[1])) * bad[0]
+            target[rows.cuda()] = torch.tensor(bad[1], device="cuda")
+        want = V.target_flag(target, c, -100)
+        for grad_out in (None, z.clone()):
+            flag = _op_flag(grad_out if grad_out is not None else z, target, reduction=reduction, grad_out=grad_out)
+            assert flag.dtype == torch.int64 and flag.device == z.device and flag.shape == (2,)
+            assert int(flag[0]) == int(want[0]) == (bad is not None)
+            if bad is not None:
+                assert int(flag[1]) == int(want[1]) == max(bad[1])
+    valid = y != -100
+    mean_loss, _ = _op(z, y, reduction="mean")
+    sum_loss, _ = _op(z, y, reduction="sum")
+    torch.testing.assert_close(mean_loss, sum_loss / valid.sum())
+    dense = torch.softmax(torch.randn(n, c, device="cuda"), 1)
+    assert _op_flag(z, dense, reduction=reduction).tolist()[0] == 0
+    for row, (col, value) in ((5, (0, -0.5)), (2999, (3, float("nan")))):
+        dense[row, col] = value
+    dense[17] *= 1.5  # sums to 1.5
+    torch.testing.assert_close(_op_flag(z, dense, reduction=reduction), V.dense_target_flag(dense), rtol=0, atol=0)
+    assert _op_flag(z, dense, reduction=reduction).tolist() == [1, 5]
+
+
+@needs_gpu
+def test_eager_calls_take_the_fast_path(monkeypatch):
+    """backend="cuda" eager calls go straight to the op's C++ autograd (functional._fast_call), with the same loss,
+    gradient and errors as the general path; a bad target raises through the op's own flag."""
+    from calibkernels import functional
+
+    assert functional._compiled_kernel("cuda", torch.device("cuda"))
+    calls = []
+    fast_op = functional._EAGER_LOSS
+    z, y = _logits(64, 100), _targets(64, 100)
+    dense = torch.softmax(torch.randn(64, 100, device="cuda"), 1)
+
+    def step(target, **kw):
+        leaf = z.clone().requires_grad_()
+        logits = leaf * 1.0
+        loss = ck.uncertainty_weighted_ce(logits, target, backend="cuda", **kw)
+        loss.sum().backward()
+        return loss.detach(), leaf.grad
+
+    for target, kw in ((y, {}), (y, {"label_smoothing": 0.1, "inplace": True}), (dense, {"weight": "focal"}),
+                       (y, {"reduction": "none", "mode": "loss"})):
+        monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
+        fast = step(target, **kw)
+        assert len(calls) == 1, kw
+        calls.clear()
+        monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
+        general = step(target, **kw)
+        monkeypatch.undo()
+        for a, b in zip(fast, general):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    bad = y.clone()
+    bad[3] = 100
+    with pytest.raises(ValueError, match="target value 100 is out of range"):
+        ck.uncertainty_weighted_ce(z, bad, backend="cuda")
+        ck.synchronize_target_checks()
+    bad_dense = dense.clone()
+    bad_dense[9, 0] = -1.0
+    with pytest.raises(ValueError, match="row 9 is not"):
+        ck.uncertainty_weighted_ce(z, bad_dense, backend="cuda")
+        ck.synchronize_target_checks()
 
 
 @needs_gpu

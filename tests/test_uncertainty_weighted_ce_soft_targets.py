@@ -505,7 +505,7 @@ def test_cpu_kernel_dense_check_in_place_past_2_to_18_columns_and_compiled(monke
         patch.setattr(V, "dense_row_sums", lambda target2d: pytest.fail("the host check ran before the CPU op"))
         for general in (False, True):  # the fast path, and the general one
             if general:
-                patch.setattr(functional, "_fast_cpu_call", lambda *args: None)
+                patch.setattr(functional, "_fast_call", lambda *args: None)
             assert _dense_target_error_in_place(z, dense) is None
             assert "finite and >= 0" in _dense_target_error_in_place(z, bad)
     x = z.clone()

@@ -254,7 +254,7 @@ def test_inplace_writes_stay_inside_a_strided_view(device):
     view.copy_(torch.randn(n, c, device=device))
     y = _targets(n, c, device)
     expected_grad = _reference_loss_and_grad(view.clone(), y, torch.tensor(1.0, device=device))[1]
-    loss, grad = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
+    loss, grad, _ = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
     assert torch.isfinite(loss) and grad.shape == (0,)
     assert (buffer[:, c:] == 123.0).all(), "padding between rows was written"
     _close(view, expected_grad, torch.float32, "in-place gradient")
@@ -264,8 +264,9 @@ def test_inplace_writes_stay_inside_a_strided_view(device):
 def test_no_gradient_buffer_without_grad(device):
     z = torch.randn(6, 13, device=device)
     y = _targets(6, 13, device)
-    loss, grad = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, None)
+    loss, grad, flag = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, None)
     assert grad.shape == (0,), "compute_grad=False must not write an N×C gradient"
+    assert flag.tolist()[0] == 0 and flag.shape == (2,), "the target flag: two slots, no bad target"
     torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y), rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # requires_grad logits under no_grad: no gradient either, and inplace leaves them intact
         x = z.clone().requires_grad_()
@@ -339,7 +340,7 @@ def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch
     good = torch.tensor([0, 2, 4], device=device)
     assert torch.isnan(rows_loss[1]) and torch.isnan(rows_loss[3])
     torch.testing.assert_close(rows_loss[good], R.uncertainty_weighted_ce(view[good], y[good], reduction="none"))
-    loss, _ = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
+    loss, _, _ = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
     assert torch.isnan(loss), "a bad target must never give a plausible-looking loss"
     assert (buffer[:, c:] == 7.0).all(), "out-of-range target wrote outside its row"
     assert torch.isnan(view[1]).all() and torch.isnan(view[3]).all() and (view[4] == 0).all()
@@ -843,7 +844,7 @@ def test_soft_targets_opcheck(device, kind):
     torch.library.opcheck(op, (z, *args, False, None, *tail))
     logits = z.clone()
     torch.library.opcheck(op, (logits, *args, True, logits, *tail))
-    loss, grad = op(z, *args, True, None, *tail)
+    loss, grad, _ = op(z, *args, True, None, *tail)
     exact_loss, exact_grad = _soft_reference(z, target, weight=weight, mode="loss", reduction=reduction, **soft)
     _close(loss, exact_loss, torch.float32, "loss")
     _close(grad, exact_grad, torch.float32, "gradient")

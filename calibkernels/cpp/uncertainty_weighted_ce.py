@@ -53,7 +53,9 @@ def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sampl
     loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     loss = logits.new_empty((logits.shape[0],) if reduction == V.REDUCTION_CODES["none"] else (), dtype=loss_dtype)
     returned = compute_grad and grad_out is None
-    return loss, logits.new_empty(tuple(logits.shape) if returned else (0,))
+    # the target flag: two slots on CUDA, none on the CPU (its kernel raises instead)
+    flag = logits.new_empty((2,) if logits.device.type == "cuda" else (0,), dtype=torch.int64)
+    return loss, logits.new_empty(tuple(logits.shape) if returned else (0,)), flag
 
 
 @torch.library.register_fake("calibkernels::uncertainty_weighted_ce_scale_grad_")
@@ -61,13 +63,10 @@ def _uncertainty_weighted_ce_scale_grad_fake(grad, grad_output):
     return None
 
 
-def _target_flag(logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor | None:
-    """The device flag of the CUDA kernel's targets (it never indexes with a bad one; that row is NaN), or of a dense
-    target's values, for calibkernels._target_checks; none on the CPU (the kernel raises) or while a CUDA graph is
-    being captured."""
-    if logits.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return None
-    return V.device_target_flag(target, logits.shape[-1], ignore_index)
+def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
+    """The op's target flag for calibkernels._target_checks: the CUDA kernel's (it never indexes with a bad target;
+    that row is NaN), ``None`` on the CPU, whose kernel raises instead."""
+    return flag if flag.shape[0] else None
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
@@ -80,9 +79,9 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
         gamma_per_sample = gamma_per_sample.detach()
     # Eager: below the Autograd key, straight to the device kernel. Traced: the op itself, one graph node.
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
-        loss, grad = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                         reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing)
-    return loss, grad, _target_flag(logits, target, ignore_index) if eager else None
+        loss, grad, flag = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing)
+    return loss, grad, _checked_flag(flag) if eager else None
 
 
 def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
@@ -90,9 +89,9 @@ def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weigh
     """``(loss, target_flag)`` through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp),
     for plain eager tensors: the backends that have it take it instead of :class:`calibkernels._autograd.
     UncertaintyWeightedCE`."""
-    loss, _ = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-                  compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing)
-    return loss, _target_flag(logits, target, ignore_index)
+    loss, _, flag = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                        reduction, compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing)
+    return loss, _checked_flag(flag)
 
 
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:

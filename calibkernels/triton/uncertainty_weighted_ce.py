@@ -1058,8 +1058,9 @@ def uncertainty_weighted_ce_forward(
         valid_count = torch.full((1,), num_rows, dtype=torch.int64, device=device)
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
     else:
-        counts = torch.empty(3, dtype=torch.int64, device=device)  # [valid count, any bad target, a bad target value]
-        valid_count, error = counts[:1], counts[1:]
+        # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)
+        counts = torch.empty(3, dtype=torch.int64, device=device)
+        error, valid_count = counts[:2], counts[2:]
         _uncertainty_weighted_ce_targets_kernel[(1,)](
             target, num_rows, num_classes, int(ignore_index), valid_count, error,
             BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
@@ -1136,21 +1137,22 @@ def uncertainty_weighted_ce_triton(
     gamma_per_sample: Optional[torch.Tensor], weight: int, loss_mode: int, gamma: float, norm: float, ignore_index: int,
     reduction: int, compute_grad: bool, grad_out: Optional[torch.Tensor], mix_target: Optional[torch.Tensor] = None,
     mix_lambda: Optional[torch.Tensor] = None, label_smoothing: float = 0.0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The compiled op's contract (``csrc/uncertainty_weighted_ce.h``) on the Triton kernels: ``(loss, grad)``, the
-    gradient written into ``grad_out`` when given. No target check is queued from here (traced code never reads the
-    flag back; the bad rows are NaN)."""
-    loss, grad, _ = uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode,
-                                                    gamma, norm, ignore_index, reduction, compute_grad, grad_out,
-                                                    torch.float32, mix_target, mix_lambda, label_smoothing)
-    return loss, grad
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The compiled op's contract (``csrc/uncertainty_weighted_ce.h``) on the Triton kernels: ``(loss, grad,
+    target_flag)``, the gradient written into ``grad_out`` when given, the flag always two slots (these kernels never
+    raise on a bad target). No target check is queued from here (traced code never reads the flag back; the bad rows
+    are NaN)."""
+    return uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
+                                           norm, ignore_index, reduction, compute_grad, grad_out, torch.float32,
+                                           mix_target, mix_lambda, label_smoothing)
 
 
 @uncertainty_weighted_ce_triton.register_fake
 def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index, reduction,
       compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_NONE else (), dtype=torch.float32)
-    return loss, logits.new_empty(tuple(logits.shape) if compute_grad and grad_out is None else (0,))
+    grad = logits.new_empty(tuple(logits.shape) if compute_grad and grad_out is None else (0,))
+    return loss, grad, logits.new_empty((2,), dtype=torch.int64)
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
@@ -1183,7 +1185,7 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
             compute_grad, grad_out)
     soft_args = (mix_target, mix_lambda, label_smoothing) if soft else ()
     if torch.compiler.is_compiling() or type(logits) is not torch.Tensor:
-        loss, grad = uncertainty_weighted_ce_triton(*args, *soft_args)
+        loss, grad, _ = uncertainty_weighted_ce_triton(*args, *soft_args)
         flag = None
     else:
         # _target_checks ignores the flag during a capture

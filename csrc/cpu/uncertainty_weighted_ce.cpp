@@ -109,23 +109,7 @@ struct SoftTargetTensors {
   at::Tensor dense, mix, lambda;
 };
 
-// A dense target's row-sum tolerance, calibkernels._validation._ROW_SUM_TOLERANCE (tests hold the two to the same
-// boundaries), and the dtype's name as Python spells it in the error message.
-double dense_row_sum_tolerance(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kDouble:
-      return 1e-6;
-    case at::kFloat:
-      return 1e-4;
-    case at::kHalf:
-      return 1e-2;
-    case at::kBFloat16:
-      return 2e-2;
-    default:
-      return 1e-4;
-  }
-}
-
+// The dtype's name as Python spells it in the error messages.
 std::string python_dtype_name(at::ScalarType dtype) {
   switch (dtype) {
     case at::kDouble:
@@ -218,7 +202,7 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
 }
 
 
-std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
@@ -260,7 +244,8 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args,
                                  isa == CpuIsa::Avx512);
   if (dense_invalid.load()) check_dense_target_values(t);
-  return finish_gradient(loss, dest, compute_grad, grad_out);
+  // no flag: every bad target value has raised above
+  return finish_gradient(loss, dest, compute_grad, grad_out, at::empty({0}, t.options().dtype(at::kLong)));
 }
 
 }  // namespace

@@ -58,8 +58,10 @@
 // A dense target has no ignored rows.
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/full.h>
+#include <ATen/ops/stack.h>
+#include <ATen/ops/where.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1226,13 +1228,33 @@ __device__ __forceinline__ S block_sum(S v) {
   return group_sum<kReduceThreads>(Sums<S, 1>{{v}}).v[0];
 }
 
-__global__ void __launch_bounds__(kReduceThreads) count_valid_rows_kernel(const int64_t* target, int64_t num_rows,
-                                                                          int64_t ignore_index, int64_t* count) {
-  int64_t valid = 0;
+// One block over the class-index targets, writing counts = [the op's target flag: whether some target is neither a
+// class index nor ignore_index, the largest such value (calibkernels._validation.target_flag, without its dozen small
+// torch ops); the mean's divisor: the rows whose target is not ignore_index].
+__global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int64_t* target, int64_t num_rows,
+                                                                       int64_t num_classes, int64_t ignore_index,
+                                                                       int64_t* counts) {
+  __shared__ long long worst;  // atomicMax has no overload for int64_t (long) on LP64
+  if (threadIdx.x == 0) worst = std::numeric_limits<long long>::min();
+  __syncthreads();
+  int64_t valid = 0, bad = 0;
 #pragma unroll 8
-  for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) valid += target[i] != ignore_index ? 1 : 0;
-  valid = block_sum(valid);
-  if (threadIdx.x == 0) *count = valid;
+  for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) {
+    const int64_t y = target[i];
+    const bool ignored = y == ignore_index;
+    valid += ignored ? 0 : 1;
+    if (!ignored && (y < 0 || y >= num_classes)) {
+      ++bad;
+      atomicMax(&worst, static_cast<long long>(y));
+    }
+  }
+  // group_sum's barrier orders every atomicMax before thread 0 reads `worst`
+  const Sums<int64_t, 2> total = group_sum<kReduceThreads>(Sums<int64_t, 2>{{valid, bad}});
+  if (threadIdx.x == 0) {
+    counts[0] = total.v[1] > 0 ? 1 : 0;
+    counts[1] = static_cast<int64_t>(worst);
+    counts[2] = total.v[0];
+  }
 }
 
 // loss = Σ_i row_loss_i, divided by mean_divisor for the mean.
@@ -1266,6 +1288,19 @@ Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::o
   return {weight, mode, reduction, ignore_index, gamma, norm};
 }
 
+// calibkernels._validation.dense_target_flag in ATen ops on the device (no host synchronisation): (any bad row, the
+// first bad row) of a dense target, a row being bad where an entry is < 0 or NaN, or where its sum (float32, float64
+// for a float64 target) is not within dense_row_sum_tolerance of 1.
+at::Tensor dense_target_flag(const at::Tensor& target) {
+  const bool f64 = target.scalar_type() == at::kDouble;
+  const at::Tensor row_sums = target.sum(1, false, f64 ? at::kDouble : at::kFloat).to(at::kDouble);
+  const at::Tensor bad = target.amin(1).ge(0).logical_not().logical_or(
+      row_sums.sub(1.0).abs().le(dense_row_sum_tolerance(target.scalar_type())).logical_not());
+  const int64_t n = target.size(0);
+  const at::Tensor rows = at::arange(n, target.options().dtype(at::kLong));
+  return at::stack({bad.any().to(at::kLong), at::where(bad, rows, n).min()});
+}
+
 // A dense target as the soft kernel reads it: float32 or the logits' dtype as given, any other floating dtype
 // converted to the accumulation dtype; columns contiguous, any row stride.
 at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
@@ -1276,10 +1311,10 @@ at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
 }
 
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
-// `grad_stride`, may alias z) when non-null. Returns the loss: float32 (float64 for float64 logits), 0-dim for
-// mean/sum, (N,) for none; the reductions are device ops (no host synchronisation). With args.soft the soft-target
-// kernel runs (a dense target: every row counts for the mean).
-at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
+// `grad_stride`, may alias z) when non-null. Returns (loss, target_flag): the loss float32 (float64 for float64
+// logits), 0-dim for mean/sum, (N,) for none; the flag as the op returns it. Every reduction is a device kernel (no
+// host synchronisation). With args.soft the soft-target kernel runs (a dense target: every row counts for the mean).
+std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
                const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
                const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda,
                const Args& args) {
@@ -1290,15 +1325,19 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
   const at::Tensor t = dense ? dense_target_for(z, target) : target.contiguous();
   const bool mean = args.reduction == static_cast<int64_t>(Reduction::Mean);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // The mean's divisor for class indices, counted on the device and read by the loss kernel (the gradient's scale)
-  // and the reduction; a dense target has no ignored rows (no count: every row).
-  at::Tensor valid_count;
-  if (mean && !dense) {
-    valid_count = at::empty({}, t.options().dtype(at::kLong));
-    count_valid_rows_kernel<<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, args.ignore_index,
-                                                               valid_count.mutable_data_ptr<int64_t>());
+  // Class indices: one launch counts the mean's divisor, which the loss kernel (the gradient's scale) and the
+  // reduction read, and makes the target flag. A dense target has no ignored rows (no count: every row counts).
+  at::Tensor counts, target_flag;
+  if (dense) {
+    target_flag = dense_target_flag(target);
+  } else {
+    counts = at::empty({3}, t.options());
+    check_targets_kernel<<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, z.size(1),
+                                                           args.ignore_index, counts.mutable_data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
+    target_flag = counts.slice(0, 0, 2);  // at the buffer's start, as the fake kernel's
   }
+  const int64_t* valid_count = counts.defined() ? counts.const_data_ptr<int64_t>() + 2 : nullptr;
   // a soft row's count of finite logits is an int
   TORCH_CHECK(!args.soft || z.size(1) <= std::numeric_limits<int32_t>::max(),
               "calibkernels::uncertainty_weighted_ce (CUDA): soft targets take at most 2^31 - 1 classes");
@@ -1321,7 +1360,7 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
       P.target = dense ? nullptr : t.const_data_ptr<int64_t>();
       P.sample_weight = weights.defined() ? weights.const_data_ptr<A>() : nullptr;
       P.gamma_per_sample = gammas.defined() ? gammas.const_data_ptr<A>() : nullptr;
-      P.valid_count = valid_count.defined() ? valid_count.const_data_ptr<int64_t>() : nullptr;
+      P.valid_count = valid_count;
       P.row_loss = row_loss.mutable_data_ptr<A>();
       P.num_rows = n;
       P.num_classes = z.size(1);
@@ -1351,19 +1390,18 @@ at::Tensor run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const a
       }
     });
   }
-  if (args.reduction == static_cast<int64_t>(Reduction::None)) return row_loss;
+  if (args.reduction == static_cast<int64_t>(Reduction::None)) return {row_loss, target_flag};
   at::Tensor loss = at::empty({}, row_loss.options());
   AT_DISPATCH_FLOATING_TYPES(row_loss.scalar_type(), "uncertainty_weighted_ce_cuda_reduce", [&] {
     // all rows ignored: 0 / 1 = 0, never NaN
     reduce_rows_kernel<scalar_t><<<1, kReduceThreads, 0, stream>>>(
-        row_loss.const_data_ptr<scalar_t>(), n, mean,
-        valid_count.defined() ? valid_count.const_data_ptr<int64_t>() : nullptr, loss.mutable_data_ptr<scalar_t>());
+        row_loss.const_data_ptr<scalar_t>(), n, mean, valid_count, loss.mutable_data_ptr<scalar_t>());
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return loss;
+  return {loss, target_flag};
 }
 
-std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
@@ -1381,9 +1419,9 @@ std::tuple<at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
   // In place each thread overwrites only the elements it read itself, after the row's reduction.
   const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out,
                                                [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
-  const at::Tensor loss = run(z, compute_grad ? dest.data_ptr() : nullptr, compute_grad ? dest.stride(0) : 0, target,
-                              sample_weight, gamma_per_sample, mix_target, mix_lambda, args);
-  return finish_gradient(loss, dest, compute_grad, grad_out);
+  const auto [loss, target_flag] = run(z, compute_grad ? dest.data_ptr() : nullptr, compute_grad ? dest.stride(0) : 0,
+                                       target, sample_weight, gamma_per_sample, mix_target, mix_lambda, args);
+  return finish_gradient(loss, dest, compute_grad, grad_out, target_flag);
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
