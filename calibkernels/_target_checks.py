@@ -36,8 +36,12 @@ __all__ = ["POLICY", "submit", "poll", "synchronize_target_checks"]
 _POLICIES = {"async": "async", "1": "async", "sync": "sync", "0": "off", "off": "off"}
 POLICY = _POLICIES.get(os.environ.get("CALIBKERNELS_VALIDATE", "async").strip().lower(), "async")
 
-# (event, pinned host copy of the flag, (number of classes, ignore_index, dense target dtype)), oldest first
+# (event, pinned host copy of the flag, device index, (number of classes, ignore_index, dense target dtype)), oldest
+# first
 _pending: collections.deque = collections.deque()
+# device index -> [(event, pinned two-slot buffer)] of checks already read: submit reuses them, since a pinned
+# allocation and a new event cost host time on every training step
+_spare: dict = {}
 
 
 def _raise(flag, what: tuple, late: bool) -> None:
@@ -65,23 +69,34 @@ def submit(error: torch.Tensor, num_classes: int, ignore_index: int, dense_dtype
     if POLICY == "sync":
         _raise(error.tolist(), what, late=False)
         return
-    host = torch.empty(2, dtype=torch.int64, pin_memory=True)
-    host.copy_(error, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    _pending.append((event, host, what))
+    index = error.device.index
+    spare = _spare.get(index)
+    if spare:
+        event, host = spare.pop()
+    else:  # an event belongs to the device it is first recorded on
+        event, host = torch.cuda.Event(), torch.empty(2, dtype=torch.int64, pin_memory=True)
+    host.copy_(error, non_blocking=True)  # on the flag's device's current stream, where the event goes too
+    event.record(torch.cuda.current_stream(error.device))
+    _pending.append((event, host, index, what))
+
+
+def _read_oldest() -> None:
+    """Read the oldest pending check (its copy has landed), return its buffers for reuse, raise if it saw a bad
+    target."""
+    event, host, index, what = _pending.popleft()
+    flag = host.tolist()
+    _spare.setdefault(index, []).append((event, host))
+    _raise(flag, what, late=True)
 
 
 def poll() -> None:
     """Raise for the first finished check that saw a bad target; never waits for the device."""
     while _pending and _pending[0][0].query():
-        _, host, what = _pending.popleft()
-        _raise(host.tolist(), what, late=True)
+        _read_oldest()
 
 
 def synchronize_target_checks() -> None:
     """Wait for every pending target check of the GPU losses and raise ``ValueError`` if one saw a bad target."""
     while _pending:
-        event, host, what = _pending.popleft()
-        event.synchronize()
-        _raise(host.tolist(), what, late=True)
+        _pending[0][0].synchronize()
+        _read_oldest()

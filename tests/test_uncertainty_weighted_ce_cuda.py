@@ -288,6 +288,27 @@ def test_out_of_range_targets_raise_through_the_public_api():
 
 
 @needs_gpu
+def test_asynchronous_checks_reuse_their_buffers_and_read_fresh_flags():
+    """A check's pinned buffer and event are reused once read, and a reused buffer reports the new call's flag."""
+    from calibkernels import _target_checks
+
+    z = _logits(4, 50)
+    good = torch.tensor([0, 3, 1, -100], device="cuda")
+    ck.uncertainty_weighted_ce(z, good, backend="cuda")
+    ck.synchronize_target_checks()
+    spare = _target_checks._spare[z.device.index]
+    buffers = {id(host) for _, host in spare}
+    assert buffers
+    for bad in (50, 77):
+        with pytest.raises(ValueError, match=f"target value {bad} is out of range"):
+            ck.uncertainty_weighted_ce(z, torch.tensor([0, bad, 1, -100], device="cuda"), backend="cuda")
+            ck.synchronize_target_checks()
+        ck.uncertainty_weighted_ce(z, good, backend="cuda")
+        ck.synchronize_target_checks()  # a bad flag left in a reused buffer would raise here
+    assert {id(host) for _, host in _target_checks._spare[z.device.index]} == buffers
+
+
+@needs_gpu
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_target_flag_output(reduction):
     """The op's third output is calibkernels._validation.target_flag of class indices (one count-and-check launch;
