@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import threading
 
 import torch
 
@@ -42,6 +43,8 @@ _pending: collections.deque = collections.deque()
 # device index -> [(event, pinned two-slot buffer)] of checks already read: submit reuses them, since a pinned
 # allocation and a new event cost host time on every training step
 _spare: dict = {}
+# several threads may run losses (one per device): the queue and the buffers are shared
+_lock = threading.Lock()
 
 
 def _raise(flag, what: tuple, late: bool) -> None:
@@ -70,33 +73,42 @@ def submit(error: torch.Tensor, num_classes: int, ignore_index: int, dense_dtype
         _raise(error.tolist(), what, late=False)
         return
     index = error.device.index
-    spare = _spare.get(index)
-    if spare:
-        event, host = spare.pop()
-    else:  # an event belongs to the device it is first recorded on
-        event, host = torch.cuda.Event(), torch.empty(2, dtype=torch.int64, pin_memory=True)
-    host.copy_(error, non_blocking=True)  # on the flag's device's current stream, where the event goes too
-    event.record(torch.cuda.current_stream(error.device))
-    _pending.append((event, host, index, what))
+    with _lock:
+        spare = _spare.get(index)
+        if spare:
+            event, host = spare.pop()
+        else:  # an event belongs to the device it is first recorded on
+            event, host = torch.cuda.Event(), torch.empty(2, dtype=torch.int64, pin_memory=True)
+        host.copy_(error, non_blocking=True)  # on the flag's device's current stream, where the event goes too
+        event.record(torch.cuda.current_stream(error.device))
+        _pending.append((event, host, index, what))
 
 
-def _read_oldest() -> None:
-    """Read the oldest pending check (its copy has landed), return its buffers for reuse, raise if it saw a bad
-    target."""
+def _read_oldest() -> tuple:
+    """Take the oldest pending check (its copy has landed), return its buffers for reuse; ``(flag, what)``. Called
+    with the lock held."""
     event, host, index, what = _pending.popleft()
     flag = host.tolist()
     _spare.setdefault(index, []).append((event, host))
-    _raise(flag, what, late=True)
+    return flag, what
 
 
 def poll() -> None:
     """Raise for the first finished check that saw a bad target; never waits for the device."""
-    while _pending and _pending[0][0].query():
-        _read_oldest()
+    while True:
+        with _lock:
+            if not (_pending and _pending[0][0].query()):
+                return
+            flag, what = _read_oldest()
+        _raise(flag, what, late=True)
 
 
 def synchronize_target_checks() -> None:
     """Wait for every pending target check of the GPU losses and raise ``ValueError`` if one saw a bad target."""
-    while _pending:
-        _pending[0][0].synchronize()
-        _read_oldest()
+    while True:
+        with _lock:
+            if not _pending:
+                return
+            _pending[0][0].synchronize()
+            flag, what = _read_oldest()
+        _raise(flag, what, late=True)

@@ -130,6 +130,8 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
     dense = target.is_floating_point()
     on_gpu = logits.is_cuda
+    if type(backend) is not str or (on_gpu and torch._C._len_torch_dispatch_stack() != 0):
+        return None  # the general path's error; a dispatch mode must not see the flag's host copy
     served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, backend))
     if served is None:
         served = _compiled_kernel(backend, logits.device)

@@ -257,14 +257,21 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
                         mix_target, mix_lambda, label_smoothing);
     if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
-  PyObject* result = PyTuple_New(2);
-  if (result == nullptr) return nullptr;
-  PyTuple_SET_ITEM(result, 0, THPVariable_Wrap(std::move(loss)));
-  PyTuple_SET_ITEM(result, 1, THPVariable_Wrap(std::move(target_flag)));
-  if (PyTuple_GET_ITEM(result, 0) == nullptr || PyTuple_GET_ITEM(result, 1) == nullptr) {
-    Py_DECREF(result);  // a NULL slot is skipped by the tuple's deallocation
+  PyObject* loss_obj = THPVariable_Wrap(std::move(loss));
+  if (loss_obj == nullptr) return nullptr;
+  PyObject* flag_obj = THPVariable_Wrap(std::move(target_flag));
+  if (flag_obj == nullptr) {
+    Py_DECREF(loss_obj);
     return nullptr;
   }
+  PyObject* result = PyTuple_New(2);
+  if (result == nullptr) {
+    Py_DECREF(loss_obj);
+    Py_DECREF(flag_obj);
+    return nullptr;
+  }
+  PyTuple_SET_ITEM(result, 0, loss_obj);  // steals the references
+  PyTuple_SET_ITEM(result, 1, flag_obj);
   return result;
   END_HANDLE_TH_ERRORS
 }

@@ -298,6 +298,13 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
             assert fast == general, (number, fast, general)
 
 
+def test_fast_path_leaves_a_backend_that_is_not_a_string_to_the_general_path():
+    z, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
+    for backend in (["cpu"], None, 3):
+        with pytest.raises(ValueError, match="unknown backend"):
+            ck.uncertainty_weighted_ce(z, y, backend=backend)
+
+
 # -------------------------------------------------------------------------------------- the kernel's own arguments
 @pytest.mark.parametrize("bad", [5, -1, 2**40])
 def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):

@@ -349,6 +349,7 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
     from calibkernels import functional
 
     assert functional._compiled_kernel("cuda", torch.device("cuda"))
+    _fast_call = functional._fast_call
     calls = []
     fast_op = functional._EAGER_LOSS
     z, y = _logits(64, 100), _targets(64, 100)
@@ -374,14 +375,29 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     bad = y.clone()
     bad[3] = 100
-    with pytest.raises(ValueError, match="target value 100 is out of range"):
-        ck.uncertainty_weighted_ce(z, bad, backend="cuda")
-        ck.synchronize_target_checks()
     bad_dense = dense.clone()
     bad_dense[9, 0] = -1.0
-    with pytest.raises(ValueError, match="row 9 is not"):
-        ck.uncertainty_weighted_ce(z, bad_dense, backend="cuda")
-        ck.synchronize_target_checks()
+    monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
+    for target, match in ((bad, "target value 100 is out of range"), (bad_dense, "row 9 is not")):
+        with pytest.raises(ValueError, match=match):
+            ck.uncertainty_weighted_ce(z, target, backend="cuda")
+            ck.synchronize_target_checks()
+        assert len(calls) == 1, "the bad target should have taken the fast path"
+        calls.clear()
+    # what the fast path hands to the general path fails there with the general path's error
+    leaf = z.clone().requires_grad_()
+    for call in (lambda: ck.uncertainty_weighted_ce(z, y.cpu(), backend="cuda"),
+                 lambda: ck.uncertainty_weighted_ce(z, dense, backend="cuda", ignore_index=3),
+                 lambda: ck.uncertainty_weighted_ce(leaf, y, backend="cuda", inplace=True),
+                 lambda: ck.uncertainty_weighted_ce(z, y, backend=["cuda"])):
+        with pytest.raises((ValueError, TypeError)) as fast_error:
+            call()
+        monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
+        with pytest.raises((ValueError, TypeError)) as general_error:
+            call()
+        monkeypatch.setattr(functional, "_fast_call", _fast_call)
+        assert str(fast_error.value) == str(general_error.value)
+    assert not calls
 
 
 @needs_gpu

@@ -62,6 +62,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
+#include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -1291,12 +1292,16 @@ Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::o
 // calibkernels._validation.dense_target_flag in ATen ops on the device (no host synchronisation): (any bad row, the
 // first bad row) of a dense target, a row being bad where an entry is < 0 or NaN, or where its sum (float32, float64
 // for a float64 target) is not within dense_row_sum_tolerance of 1.
+// Other floating dtypes are checked in float32 (the tolerance of their dtype still applies).
 at::Tensor dense_target_flag(const at::Tensor& target) {
-  const bool f64 = target.scalar_type() == at::kDouble;
-  const at::Tensor row_sums = target.sum(1, false, f64 ? at::kDouble : at::kFloat).to(at::kDouble);
-  const at::Tensor bad = target.amin(1).ge(0).logical_not().logical_or(
-      row_sums.sub(1.0).abs().le(dense_row_sum_tolerance(target.scalar_type())).logical_not());
   const int64_t n = target.size(0);
+  if (n == 0) return at::zeros({2}, target.options().dtype(at::kLong));
+  const auto dtype = target.scalar_type();
+  const bool standard = dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
+  const at::Tensor t = standard ? target : target.to(at::kFloat);
+  const at::Tensor row_sums = t.sum(1, false, dtype == at::kDouble ? at::kDouble : at::kFloat).to(at::kDouble);
+  const at::Tensor bad = t.amin(1).ge(0).logical_not().logical_or(
+      row_sums.sub(1.0).abs().le(dense_row_sum_tolerance(dtype)).logical_not());
   const at::Tensor rows = at::arange(n, target.options().dtype(at::kLong));
   return at::stack({bad.any().to(at::kLong), at::where(bad, rows, n).min()});
 }
