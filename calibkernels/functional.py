@@ -148,7 +148,7 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     if on_gpu:
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
     loss, flag = _EAGER_LOSS(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index,
-                               reduction_code, *(soft or (None, None, 0.0)), inplace)
+                             reduction_code, *(soft or (None, None, 0.0)), inplace)
     if on_gpu:
         _target_checks.submit(flag, logits.shape[1], ignore_index, target.dtype if dense else None)
     return loss

@@ -1319,10 +1319,11 @@ at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
 // `grad_stride`, may alias z) when non-null. Returns (loss, target_flag): the loss float32 (float64 for float64
 // logits), 0-dim for mean/sum, (N,) for none; the flag as the op returns it. Every reduction is a device kernel (no
 // host synchronisation). With args.soft the soft-target kernel runs (a dense target: every row counts for the mean).
-std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
-               const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
-               const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda,
-               const Args& args) {
+std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride,
+                                       const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
+                                       const std::optional<at::Tensor>& gamma_per_sample,
+                                       const std::optional<at::Tensor>& mix_target,
+                                       const std::optional<at::Tensor>& mix_lambda, const Args& args) {
   const int64_t n = z.size(0);
   const auto acc_dtype = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor row_loss = at::empty({n}, z.options().dtype(acc_dtype));
