@@ -92,6 +92,12 @@ inline double dense_row_sum_tolerance(at::ScalarType dtype) {
   }
 }
 
+// A dense target's row sums as its value check takes them (calibkernels._validation.dense_row_sums): float64 sums of
+// a float64 target, float32 sums otherwise (a 16-bit sum is not rounded back to its dtype), returned in float64.
+inline at::Tensor dense_row_sums(const at::Tensor& target) {
+  return target.sum(1, false, target.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).to(at::kDouble);
+}
+
 // The argument checks every device's kernel makes after checking the devices of `logits` and `target` (the kernels
 // are the last line of defence: under torch.compile the Python-side checks are skipped). `op` prefixes the messages.
 inline void check_arguments(const char* op, const at::Tensor& logits, const at::Tensor& target,

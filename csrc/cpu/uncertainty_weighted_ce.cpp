@@ -138,9 +138,7 @@ double dense_flag_tolerance(at::ScalarType target_dtype, at::ScalarType acc_dtyp
 // calibkernels._validation.check_dense_target's value check, with its reductions and its error messages; run when the
 // kernel flagged a row.
 void check_dense_target_values(const at::Tensor& target) {
-  // calibkernels._validation.dense_row_sums: float64 sums of a float64 target, float32 sums otherwise
-  const at::Tensor row_sums =
-      target.sum(1, false, target.scalar_type() == at::kDouble ? at::kDouble : at::kFloat).to(at::kDouble);
+  const at::Tensor row_sums = dense_row_sums(target);
   TORCH_CHECK_VALUE(target.amin().item<double>() >= 0 && row_sums.isfinite().all().item<bool>(),
                     "a dense target must be finite and >= 0 everywhere (a probability distribution per row)");
   const double tolerance = dense_row_sum_tolerance(target.scalar_type());

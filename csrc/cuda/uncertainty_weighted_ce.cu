@@ -1299,7 +1299,7 @@ at::Tensor dense_target_flag(const at::Tensor& target) {
   const auto dtype = target.scalar_type();
   const bool standard = dtype == at::kDouble || dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16;
   const at::Tensor t = standard ? target : target.to(at::kFloat);
-  const at::Tensor row_sums = t.sum(1, false, dtype == at::kDouble ? at::kDouble : at::kFloat).to(at::kDouble);
+  const at::Tensor row_sums = dense_row_sums(t);
   const at::Tensor bad = t.amin(1).ge(0).logical_not().logical_or(
       row_sums.sub(1.0).abs().le(dense_row_sum_tolerance(dtype)).logical_not());
   const at::Tensor rows = at::arange(n, target.options().dtype(at::kLong));
