@@ -101,20 +101,23 @@ bool scalar_is_one(const Tensor& t) {
 }
 
 Tensor scale_saved_gradient(Tensor grad, const Tensor& grad_output) {
-  Tensor factor = grad_output.dim() == 1 ? grad_output.unsqueeze(1) : grad_output;
-  if (factor.scalar_type() != grad.scalar_type()) factor = factor.to(grad.scalar_type());
+  // the CUDA op reads grad_output as it is; the others take it as a column in the gradient's dtype
+  const auto factor = [&] {
+    const Tensor column = grad_output.dim() == 1 ? grad_output.unsqueeze(1) : grad_output;
+    return column.scalar_type() == grad.scalar_type() ? column : column.to(grad.scalar_type());
+  };
   if (!is_plain(grad) || !is_plain(grad_output) || torch::autograd::get_current_graph_task_keep_graph()) {
-    return grad * factor;  // the saved buffer must survive, or a tracer needs a functional op
+    return grad * factor();  // the saved buffer must survive, or a tracer needs a functional op
   }
   if (grad_output.is_cpu()) {
     if (grad_output.numel() == 1 && scalar_is_one(grad_output)) return grad;
-    return grad.mul_(factor);
+    return grad.mul_(factor());
   }
   if (grad.is_cuda() && grad.scalar_type() != at::kDouble) {
     scale_op().call(grad, grad_output);
     return grad;
   }
-  return grad.mul_(factor);
+  return grad.mul_(factor());
 }
 
 constexpr const char* kDoubleBackwardMessage =

@@ -430,14 +430,18 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
     z, dense = z.float(), dense.to(target_dtype)
     assert T._launch_config(6, 4)[0] == (read == "single read")
 
-    def flag(target):  # weight brier, mode grad, mean
-        return T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, 1, True)[2].tolist()
+    def flag(target, reduction=1):  # weight brier, mode grad; the mean's and sum's reduction folds the row flags
+        return T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,
+                                                 True)[2].tolist()
 
-    assert flag(dense) == [0, 8]
-    torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton"),
-                               ck.uncertainty_weighted_ce(z, dense, backend="reference"), rtol=1e-5, atol=1e-6)
+    for reduction in V.REDUCTION_CODES.values():
+        assert flag(dense, reduction) == [0, 8]
+    for reduction in ("mean", "sum", "none"):
+        torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton", reduction=reduction),
+                                   ck.uncertainty_weighted_ce(z, dense, backend="reference", reduction=reduction),
+                                   rtol=1e-5, atol=1e-6)
     for name, target, row in _bad_dense_targets(dense):
-        assert flag(target) == [1, row], name
+        assert [flag(target, reduction) for reduction in V.REDUCTION_CODES.values()] == [[1, row]] * 3, name
         with pytest.raises(ValueError, match=rf"dense target must be finite and >= 0 and sum to 1.*row {row} is not"):
             _target_checks.submit(T.uncertainty_weighted_ce_forward(
                 z, target, None, None, 4, 1, 4.0, 2.0, -100, 1, True)[2], 6, -100, target.dtype)

@@ -333,13 +333,44 @@ def test_target_flag_output(reduction):
     mean_loss, _ = _op(z, y, reduction="mean")
     sum_loss, _ = _op(z, y, reduction="sum")
     torch.testing.assert_close(mean_loss, sum_loss / valid.sum())
-    dense = torch.softmax(torch.randn(n, c, device="cuda"), 1)
-    assert _op_flag(z, dense, reduction=reduction).tolist()[0] == 0
-    for row, (col, value) in ((5, (0, -0.5)), (2999, (3, float("nan")))):
-        dense[row, col] = value
-    dense[17] *= 1.5  # sums to 1.5
-    torch.testing.assert_close(_op_flag(z, dense, reduction=reduction), V.dense_target_flag(dense), rtol=0, atol=0)
-    assert _op_flag(z, dense, reduction=reduction).tolist() == [1, 5]
+
+
+@needs_gpu
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("c", [50, 2000, 5000])  # warp per row, block per row, streamed
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
+                                    (torch.float16, torch.float16), (torch.float32, torch.float64),
+                                    (torch.float64, torch.float64)])
+def test_dense_target_flag_output(reduction, c, dtypes):
+    """A dense target's flag, (any bad row, the first bad row), from the soft kernel's own reads of the target (the
+    reduction's launch folds the row flags; with reduction "none", a launch of its own), or from device reductions for
+    a float64 target of lower-precision logits: dense_target_flag's answer on every path, in place too and with
+    label smoothing (the check takes the target as given)."""
+    logits_dtype, target_dtype = dtypes
+    n = 1500  # rows past one pass of the fold's block
+    z = _logits(n, c).to(logits_dtype)
+    dense = torch.softmax(torch.randn(n, c, device="cuda", dtype=torch.float64), 1).to(target_dtype)
+    tolerance = V.dense_row_sum_tolerance(target_dtype)
+    for smoothing in (0.0, 0.1):
+        for grad_out in (None, z.clone()):
+            flag = _op_flag(grad_out if grad_out is not None else z, dense, reduction=reduction, grad_out=grad_out,
+                            label_smoothing=smoothing)
+            assert flag.dtype == torch.int64 and flag.shape == (2,) and flag.tolist() == [0, n]
+    cases = [((700, 3, float("nan")),), ((5, 0, -0.5), (1499, 3, float("nan"))), ((1499, 1, float("inf")),),
+             ((9, 2, float("-inf")),)]
+    for entries in cases:
+        target = dense.clone()
+        for row, col, value in entries:
+            target[row, col] = value
+        want = V.dense_target_flag(target)
+        assert want.tolist() == [1, min(row for row, _, _ in entries)]
+        for grad_out in (None, z.clone()):
+            flag = _op_flag(grad_out if grad_out is not None else z, target, reduction=reduction, grad_out=grad_out)
+            torch.testing.assert_close(flag, want, rtol=0, atol=0)
+    for row, factor in ((17, 1 + 3 * tolerance), (1200, 1 - 3 * tolerance)):  # rows off 1 by 3 tolerances
+        target = dense.clone()
+        target[row] *= factor
+        assert _op_flag(z, target, reduction=reduction, label_smoothing=0.1).tolist() == [1, row]
 
 
 @needs_gpu
@@ -640,12 +671,15 @@ def test_compiles_with_fullgraph_and_matches_eager():
 
 @needs_gpu
 def test_scale_grad_op_passes_opcheck():
-    """The backward's in-place scaling op (skipped on the device when grad_output is 1)."""
+    """The backward's in-place scaling op (skipped on the device when grad_output is 1), with grad_output in float32,
+    in the gradient's dtype (read as it is) and in another dtype (cast first), a scalar or one factor per row."""
     op = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_.default
     for dtype in (torch.float32, torch.bfloat16):
         grad = torch.randn(8, 300, device="cuda", dtype=dtype)
         for grad_output in (torch.tensor(1.0, device="cuda"), torch.tensor(-3.0, device="cuda", dtype=dtype),
-                            torch.rand(8, device="cuda") + 0.5):
+                            torch.tensor(1.0, device="cuda", dtype=dtype), torch.rand(8, device="cuda") + 0.5,
+                            (torch.rand(8, device="cuda") + 0.5).to(dtype),
+                            torch.tensor(0.75, device="cuda", dtype=torch.float16)):
             torch.library.opcheck(op, (grad.clone(), grad_output))
             scaled = grad.clone()
             op(scaled, grad_output)

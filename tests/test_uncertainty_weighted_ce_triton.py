@@ -939,10 +939,15 @@ def small_kernels(dtype, arch):
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_targets_kernel, signature=targets,
                              constexprs={"BLOCK": 4096}), target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
     reduce = {"row_loss_ptr": "*fp32", "num_rows": "i32", "valid_count_ptr": "*i64", "loss_ptr": f"*{dtype}",
-              "MEAN": "constexpr", "BLOCK": "constexpr"}
-    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=reduce,
-                             constexprs={"MEAN": True, "BLOCK": 4096}), target=GPUTarget("cuda", arch, 32),
-                   options={"num_warps": 4})
+              "row_flags_ptr": "*i8", "flag_ptr": "*i64", "MEAN": "constexpr", "COUNTED": "constexpr",
+              "FLAGS": "constexpr", "BLOCK": "constexpr"}
+    for counted in (True, False):  # class indices; a dense target, whose flags the reduction folds
+        triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=reduce,
+                                 constexprs={"MEAN": True, "COUNTED": counted, "FLAGS": not counted, "BLOCK": 4096}),
+                       target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    fold = {"row_flags_ptr": "*i8", "num_rows": "i32", "flag_ptr": "*i64", "BLOCK": "constexpr"}
+    triton.compile(ASTSource(fn=T._fold_row_flags_kernel, signature=fold, constexprs={"BLOCK": 4096}),
+                   target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 for weight, mode in itertools.product(sorted(WEIGHT_CODES.values()), range(2)):  # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)

@@ -182,10 +182,14 @@ def _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad):
 
 
 @triton.jit
-def _gradient_scale(valid_count_ptr, REDUCTION: tl.constexpr):
-    """The reduction's factor of every gradient entry: 1 / (non-ignored rows) for the mean, else 1."""
+def _gradient_scale(valid_count_ptr, num_rows, REDUCTION: tl.constexpr, COUNTED: tl.constexpr = True):
+    """The reduction's factor of every gradient entry: 1 / (non-ignored rows) for the mean, else 1. Without a count
+    (COUNTED false: a dense target, whose rows all count) the mean's divisor is ``num_rows``."""
     if REDUCTION == _MEAN:
-        scale = 1.0 / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+        if COUNTED:
+            scale = 1.0 / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+        else:
+            scale = 1.0 / tl.maximum(num_rows.to(tl.float32), 1.0)
     else:
         scale = tl.full((), 1.0, tl.float32)
     return scale
@@ -377,7 +381,7 @@ def _uncertainty_weighted_ce_row(
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        scale = _gradient_scale(valid_count_ptr, REDUCTION)
+        scale = _gradient_scale(valid_count_ptr, 0, REDUCTION)
         grad_target = (-coef_p * one_minus_p + extra_y) * scale
         grad_row = grad_ptr + row * grad_row_stride
         inv_d = 1.0 / d
@@ -842,7 +846,7 @@ def _soft_target_ce_fwd_kernel(
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        scale = _gradient_scale(valid_count_ptr, REDUCTION)
+        scale = _gradient_scale(valid_count_ptr, num_rows, REDUCTION, not DENSE)
         grad_row = grad_ptr + row * grad_row_stride
         if SINGLE_READ:
             grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
@@ -887,10 +891,29 @@ def _uncertainty_weighted_ce_targets_kernel(
 
 
 @triton.jit
-def _uncertainty_weighted_ce_reduce_kernel(row_loss_ptr, num_rows, valid_count_ptr, loss_ptr, MEAN: tl.constexpr,
+def _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK: tl.constexpr):
+    """A dense target's per-row flags (the soft kernel's ``dense_bad``) into the op's target flag ``(any row
+    flagged, the first flagged row)``, ``num_rows`` when none is, as :func:`calibkernels._validation.first_flagged_row`
+    makes it."""
+    offs = tl.arange(0, BLOCK)
+    first = tl.full((BLOCK,), num_rows, tl.int64)
+    for start in range(0, num_rows, BLOCK):
+        rows = start + offs
+        flagged = tl.load(row_flags_ptr + rows, mask=rows < num_rows, other=0) != 0
+        first = tl.minimum(first, tl.where(flagged, rows.to(tl.int64), num_rows))
+    first_row = tl.min(first, 0)
+    tl.store(flag_ptr, (first_row < num_rows).to(tl.int64))
+    tl.store(flag_ptr + 1, first_row)
+
+
+@triton.jit
+def _uncertainty_weighted_ce_reduce_kernel(row_loss_ptr, num_rows, valid_count_ptr, loss_ptr, row_flags_ptr, flag_ptr,
+                                           MEAN: tl.constexpr, COUNTED: tl.constexpr, FLAGS: tl.constexpr,
                                            BLOCK: tl.constexpr):
-    """One program, after the loss kernel: ``Σ_i L_i`` (÷ non-ignored count for the mean), stored in the loss's
-    dtype. A fixed summation order, so the loss is bitwise reproducible; one launch instead of four torch ops."""
+    """One program, after the loss kernel: ``Σ_i L_i`` (÷ non-ignored count for the mean; ÷ ``num_rows`` without a
+    count, COUNTED false), stored in the loss's dtype. A fixed summation order, so the loss is bitwise reproducible;
+    one launch instead of four torch ops. With FLAGS, also :func:`_fold_row_flags` (a dense target's flag, at no
+    launch of its own)."""
     offs = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, num_rows, BLOCK):
@@ -898,8 +921,19 @@ def _uncertainty_weighted_ce_reduce_kernel(row_loss_ptr, num_rows, valid_count_p
         acc += tl.load(row_loss_ptr + rows, mask=rows < num_rows, other=0.0)
     total = tl.sum(acc, 0)
     if MEAN:
-        total = total / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+        if COUNTED:
+            total = total / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+        else:
+            total = total / tl.maximum(num_rows.to(tl.float32), 1.0)
     tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
+    if FLAGS:
+        _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK)
+
+
+@triton.jit
+def _fold_row_flags_kernel(row_flags_ptr, num_rows, flag_ptr, BLOCK: tl.constexpr):
+    """:func:`_fold_row_flags` where no reduction runs (``reduction="none"``)."""
+    _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK)
 
 
 @triton.jit
@@ -1024,9 +1058,8 @@ def uncertainty_weighted_ce_forward(
     ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
     Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
     ``label_smoothing``, or a floating ``target (N, C)`` (dense: the mean divides by N, and ``target_flag`` is
-    ``(any bad row, the first bad row)`` of the kernel's value check, :func:`calibkernels._validation.
-    first_flagged_row`; of float64 reductions for a float64 target, :func:`calibkernels._validation.
-    dense_target_flag`).
+    ``(any bad row, the first bad row)`` of the kernel's value check, folded by the reduction's launch; of float64
+    reductions for a float64 target, :func:`calibkernels._validation.dense_target_flag`).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
     """
@@ -1054,16 +1087,17 @@ def uncertainty_weighted_ce_forward(
     # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows: its rows are
     # checked by float64 reductions instead of the kernel's flags
     dense_flags = dense and target.dtype != torch.float64
+    reduce_block = min(4096, triton.next_power_of_2(num_rows))
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
-        valid_count = torch.full((1,), num_rows, dtype=torch.int64, device=device)
+        valid_count = row_loss  # placeholder: without a count the kernels divide by num_rows
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
+        error = torch.empty(2, dtype=torch.int64, device=device) if dense_flags else V.dense_target_flag(target)
     else:
         # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)
         counts = torch.empty(3, dtype=torch.int64, device=device)
         error, valid_count = counts[:2], counts[2:]
         _uncertainty_weighted_ce_targets_kernel[(1,)](
-            target, num_rows, num_classes, int(ignore_index), valid_count, error,
-            BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
+            target, num_rows, num_classes, int(ignore_index), valid_count, error, BLOCK=reduce_block, num_warps=4)
     per_sample_gamma = gamma_per_sample is not None
     # placeholders (here and for the flags of rows without DENSE_FLAGS) are never read
     weight_args = (sample_weight if sample_weight is not None else row_loss,
@@ -1086,19 +1120,20 @@ def uncertainty_weighted_ce_forward(
             V.dense_row_sum_tolerance(target.dtype),
             DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, DENSE_FLAGS=dense_flags, **meta,
         )
-        if dense:
-            error = V.first_flagged_row(dense_bad) if dense_flags else V.dense_target_flag(target)
     else:
         _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0), target, *weight_args, *output_args,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
         )
+    flag_args = (dense_bad, error) if dense_flags else (row_loss, row_loss)  # placeholders without FLAGS
     if reduction == REDUCTION_NONE:
+        if dense_flags:
+            _fold_row_flags_kernel[(1,)](dense_bad, num_rows, error, BLOCK=reduce_block, num_warps=4)
         return (row_loss if loss_dtype == torch.float32 else row_loss.to(loss_dtype)), grad, error
     loss = torch.empty((), dtype=loss_dtype, device=device)
     _uncertainty_weighted_ce_reduce_kernel[(1,)](
-        row_loss, num_rows, valid_count, loss, MEAN=reduction == REDUCTION_MEAN,
-        BLOCK=min(4096, triton.next_power_of_2(num_rows)), num_warps=4)
+        row_loss, num_rows, valid_count, loss, *flag_args, MEAN=reduction == REDUCTION_MEAN, COUNTED=not dense,
+        FLAGS=dense_flags, BLOCK=reduce_block, num_warps=4)
     return loss, grad, error
 
 

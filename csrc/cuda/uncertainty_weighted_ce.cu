@@ -589,6 +589,8 @@ struct SoftParams {
   const void* dense_target;    // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
   int64_t dense_row_stride;    // elements
   A smoothing;                 // a
+  int8_t* dense_flags;         // (N,): 1 where a dense target's row fails its value check, or nullptr: not checked
+  A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
 };
 
 // Sums of K values over a row's threads (the statistics passes after the row's max and log d are known).
@@ -683,9 +685,19 @@ __device__ __forceinline__ void accumulate_soft(const A (&z)[kPT], ColumnOf colu
   }
 }
 
+// A dense target's entries as read (before smoothing), summed with an entry < 0 or NaN counted as NaN: one thread's
+// share of the row's value check (the row passes where the sum is within the tolerance of 1, which a NaN or an
+// infinite sum never is), made in the kernel's first read of the target instead of two reductions over N × C after
+// it. One accumulator: a separate count of bad entries cost the register-resident rows a spill.
+template <typename A>
+struct TargetCheck {
+  A sum = A(0);
+  __device__ __forceinline__ void add(A value) { sum += value >= A(0) ? value : std::numeric_limits<A>::quiet_NaN(); }
+};
+
 // A dense target's values in a Tile's layout (the columns of the thread's logits), as t = keep · T + add on the
 // columns < C and 0 on the padding. target_t is float32 or the logits' type, so each logits vector's columns are
-// 16 or 32 bytes of target, read as one or two 16-byte vectors.
+// 16 or 32 bytes of target, read as one or two 16-byte vectors. `check`, when given, takes the entries as read.
 template <typename scalar_t, typename target_t, typename A, int kGroup, int kPT>
 struct TargetTile {
   static constexpr int V = Tile<scalar_t, A, kGroup, kPT>::V;
@@ -694,7 +706,7 @@ struct TargetTile {
 
   template <bool kLast = false>
   __device__ __forceinline__ static void load(const target_t* row, bool aligned, int64_t base, int t, int64_t C,
-                                              A keep, A add, A (&out)[kPT]) {
+                                              A keep, A add, A (&out)[kPT], TargetCheck<A>* check = nullptr) {
 #pragma unroll
     for (int j = 0; j < kPT / V; ++j) {
       const int64_t c0 = base + (static_cast<int64_t>(j) * kGroup + t) * V;
@@ -704,11 +716,21 @@ struct TargetTile {
 #pragma unroll
         for (int k = 0; k < kChunks; ++k) reinterpret_cast<int4*>(&p)[k] = kLast ? __ldcs(src + k) : src[k];
 #pragma unroll
-        for (int v = 0; v < V; ++v) out[j * V + v] = keep * static_cast<A>(p.v[v]) + add;
+        for (int v = 0; v < V; ++v) {
+          const A value = static_cast<A>(p.v[v]);
+          if (check != nullptr) check->add(value);
+          out[j * V + v] = keep * value + add;
+        }
       } else {
 #pragma unroll
         for (int v = 0; v < V; ++v) {
-          out[j * V + v] = (c0 + v < C) ? keep * static_cast<A>(row[c0 + v]) + add : A(0);
+          if (c0 + v < C) {
+            const A value = static_cast<A>(row[c0 + v]);
+            if (check != nullptr) check->add(value);
+            out[j * V + v] = keep * value + add;
+          } else {
+            out[j * V + v] = A(0);
+          }
         }
       }
     }
@@ -905,7 +927,7 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
   using T = Tile<scalar_t, A, kGroup, kPT>;
   using TT = TargetTile<scalar_t, target_t, A, kGroup, kPT>;
   constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
-  enum { kTargetSum, kGap, kOneMinusP, kP, kRest, kS, kH, kTargetAtMax, kNumSums };
+  enum { kTargetSum, kGap, kOneMinusP, kP, kRest, kS, kH, kTargetAtMax, kCheckSum, kNumSums };
   const Params<A>& P = SP.hard;
   const int64_t C = P.num_classes;
   const A q = P.norm;
@@ -920,9 +942,10 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
 
   Stats<A> s = empty_stats<A>();
   A z[kPT], t[kPT];
+  TargetCheck<A> check;  // in the target's first read: pass 1 of a resident row, pass 2 of a streamed one
   for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
     T::load(z_row, in_aligned, base, lane, C, z);
-    if constexpr (kResident) TT::load(t_row, t_aligned, base, lane, C, keep, add, t);
+    if constexpr (kResident) TT::load(t_row, t_aligned, base, lane, C, keep, add, t, &check);
     accumulate(z, [&](int e) { return T::column(base, lane, e); }, C, int64_t(-1), A(0), q, false, false, s);
   });
   if constexpr (kGroup == 32) __syncwarp();
@@ -937,7 +960,7 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
   for_each_tile<kResident, kTileCols>(C, true, [&](int64_t base) {
     if constexpr (!kResident) {
       T::load(z_row, in_aligned, base, lane, C, z);
-      TT::load(t_row, t_aligned, base, lane, C, keep, add, t);
+      TT::load(t_row, t_aligned, base, lane, C, keep, add, t, &check);
     }
 #pragma unroll
     for (int e = 0; e < kPT; ++e) {
@@ -954,7 +977,12 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
       if (brier) add_brier_terms(p, p - t[e], q, square, r.v[kS], r.v[kH]);
     }
   });
+  r.v[kCheckSum] = check.sum;
   r = group_sum<kGroup>(r);
+  if (SP.dense_flags != nullptr && lane == 0) {
+    const A off = r.v[kCheckSum] - A(1);
+    SP.dense_flags[row] = (off < A(0) ? -off : off) <= SP.dense_tolerance ? 0 : 1;  // NaN: flagged
+  }
   const A rest = r.v[kRest];                    // 1 - p_max of a unique max
   const A t_max = r.v[kTargetAtMax];
   const A d_max = (A(1) - t_max) - rest;        // its p - t
@@ -1258,15 +1286,41 @@ __global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int
   }
 }
 
-// loss = Σ_i row_loss_i, divided by mean_divisor for the mean.
+// A dense target's per-row flags (soft_target_kernel's dense_flags) folded by the whole block into the op's target
+// flag: [whether some row is flagged, the first flagged row (num_rows if none)], as
+// calibkernels._validation.dense_target_flag writes it.
+__device__ __forceinline__ void fold_row_flags(const int8_t* row_flags, int64_t num_rows, int64_t* flag) {
+  __shared__ long long first;  // atomicMin has no overload for int64_t (long) on LP64
+  if (threadIdx.x == 0) first = static_cast<long long>(num_rows);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < num_rows; i += blockDim.x) {
+    if (row_flags[i] != 0) atomicMin(&first, static_cast<long long>(i));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    flag[0] = first < num_rows ? 1 : 0;
+    flag[1] = static_cast<int64_t>(first);
+  }
+}
+
+// loss = Σ_i row_loss_i, divided by mean_divisor for the mean; with row_flags, also the dense target's flag (so a
+// dense target's check costs no launch of its own).
 template <typename A>
 __global__ void __launch_bounds__(kReduceThreads) reduce_rows_kernel(const A* row_loss, int64_t num_rows, bool mean,
-                                                                     const int64_t* valid_count, A* loss) {
+                                                                     const int64_t* valid_count, A* loss,
+                                                                     const int8_t* row_flags, int64_t* flag) {
   A total = A(0);
 #pragma unroll 8
   for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) total += row_loss[i];
   total = block_sum(total);
   if (threadIdx.x == 0) *loss = mean ? total / static_cast<A>(mean_divisor(valid_count, num_rows)) : total;
+  if (row_flags != nullptr) fold_row_flags(row_flags, num_rows, flag);
+}
+
+// The dense target's flag where no reduction runs (reduction "none").
+__global__ void __launch_bounds__(kReduceThreads) fold_row_flags_kernel(const int8_t* row_flags, int64_t num_rows,
+                                                                        int64_t* flag) {
+  fold_row_flags(row_flags, num_rows, flag);
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -1292,7 +1346,9 @@ Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::o
 // calibkernels._validation.dense_target_flag in ATen ops on the device (no host synchronisation): (any bad row, the
 // first bad row) of a dense target, a row being bad where an entry is < 0 or NaN, or where its sum (float32, float64
 // for a float64 target) is not within dense_row_sum_tolerance of 1.
-// Other floating dtypes are checked in float32 (the tolerance of their dtype still applies).
+// Other floating dtypes are checked in float32 (the tolerance of their dtype still applies). Only for a float64
+// target of lower-precision logits, which the kernel reads in float32 (kernel_checks_dense_target); the kernel
+// checks every other dense target in its own reads.
 at::Tensor dense_target_flag(const at::Tensor& target) {
   const int64_t n = target.size(0);
   if (n == 0) return at::zeros({2}, target.options().dtype(at::kLong));
@@ -1315,6 +1371,12 @@ at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
   return (t.stride(1) == 1 || t.size(1) == 1) ? t : t.contiguous();
 }
 
+// Whether the soft kernel checks a dense target's values itself: it sums each row in its accumulation type, which
+// a float64 target's tolerance needs float64 logits for (dense_target_for reads it in float32 otherwise).
+bool kernel_checks_dense_target(const at::Tensor& z, const at::Tensor& target) {
+  return target.scalar_type() != at::kDouble || z.scalar_type() == at::kDouble;
+}
+
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
 // `grad_stride`, may alias z) when non-null. Returns (loss, target_flag): the loss float32 (float64 for float64
 // logits), 0-dim for mean/sum, (N,) for none; the flag as the op returns it. Every reduction is a device kernel (no
@@ -1332,9 +1394,13 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   const bool mean = args.reduction == static_cast<int64_t>(Reduction::Mean);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   // Class indices: one launch counts the mean's divisor, which the loss kernel (the gradient's scale) and the
-  // reduction read, and makes the target flag. A dense target has no ignored rows (no count: every row counts).
-  at::Tensor counts, target_flag;
-  if (dense) {
+  // reduction read, and makes the target flag. A dense target has no ignored rows (no count: every row counts); the
+  // soft kernel flags its rows, and the reduction (or, without one, a launch of its own) folds the flags.
+  at::Tensor counts, target_flag, row_flags;
+  if (dense && kernel_checks_dense_target(z, target)) {
+    row_flags = at::empty({n}, t.options().dtype(at::kChar));
+    target_flag = at::empty({2}, t.options().dtype(at::kLong));
+  } else if (dense) {
     target_flag = dense_target_flag(target);
   } else {
     counts = at::empty({3}, t.options());
@@ -1389,6 +1455,8 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
       S.dense_target = dense ? t.const_data_ptr() : nullptr;
       S.dense_row_stride = dense ? t.stride(0) : 0;
       S.smoothing = static_cast<A>(args.label_smoothing);
+      S.dense_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
+      S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
       if (dense) {
         launch_dense<scalar_t>(S, t.scalar_type());
       } else {
@@ -1396,12 +1464,20 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
       }
     });
   }
-  if (args.reduction == static_cast<int64_t>(Reduction::None)) return {row_loss, target_flag};
+  const int8_t* flags = row_flags.defined() ? row_flags.const_data_ptr<int8_t>() : nullptr;
+  int64_t* flag_out = row_flags.defined() ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
+  if (args.reduction == static_cast<int64_t>(Reduction::None)) {
+    if (flags != nullptr) {
+      fold_row_flags_kernel<<<1, kReduceThreads, 0, stream>>>(flags, n, flag_out);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    }
+    return {row_loss, target_flag};
+  }
   at::Tensor loss = at::empty({}, row_loss.options());
   AT_DISPATCH_FLOATING_TYPES(row_loss.scalar_type(), "uncertainty_weighted_ce_cuda_reduce", [&] {
     // all rows ignored: 0 / 1 = 0, never NaN
     reduce_rows_kernel<scalar_t><<<1, kReduceThreads, 0, stream>>>(
-        row_loss.const_data_ptr<scalar_t>(), n, mean, valid_count, loss.mutable_data_ptr<scalar_t>());
+        row_loss.const_data_ptr<scalar_t>(), n, mean, valid_count, loss.mutable_data_ptr<scalar_t>(), flags, flag_out);
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {loss, target_flag};
@@ -1432,14 +1508,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
 // loss.backward() (grad_output = 1) then reads one number per block and writes nothing. A persistent grid of a few
-// blocks per multiprocessor strides over the rows.
-template <typename scalar_t>
+// blocks per multiprocessor strides over the rows. factor_t is float32 or the gradient's type (grad_output of a
+// 16-bit loss), read as it is, without a cast's launch.
+template <typename scalar_t, typename factor_t>
 __global__ void __launch_bounds__(256) scale_grad_kernel(scalar_t* grad, int64_t num_rows, int64_t num_classes,
-                                                         int64_t row_stride, const float* factor,
+                                                         int64_t row_stride, const factor_t* factor,
                                                          int64_t factor_stride) {
-  if (factor_stride == 0 && *factor == 1.0f) return;
+  if (factor_stride == 0 && static_cast<float>(*factor) == 1.0f) return;
   for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
-    const float f = factor[row * factor_stride];
+    const float f = static_cast<float>(factor[row * factor_stride]);
     if (f == 1.0f) continue;
     scalar_t* g = grad + row * row_stride;
     for (int64_t c = threadIdx.x; c < num_classes; c += blockDim.x) {
@@ -1458,15 +1535,22 @@ void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor&
               "grad_output must be a scalar or have one entry per row, got shape ", grad_output.sizes());
   if (grad.numel() == 0) return;
   const c10::cuda::CUDAGuard guard(grad.device());
-  const at::Tensor factor = grad_output.to(at::kFloat).reshape({-1});
+  const bool native = grad_output.scalar_type() == at::kFloat || grad_output.scalar_type() == grad.scalar_type();
+  const at::Tensor factor = (native ? grad_output : grad_output.to(at::kFloat)).reshape({-1});
   const int64_t factor_stride = factor.numel() == 1 ? 0 : factor.stride(0);
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, grad.get_device()));
   const int64_t blocks = std::min<int64_t>(grad.size(0), 4 * static_cast<int64_t>(sms > 0 ? sms : 1));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "uncertainty_weighted_ce_scale_grad", [&] {
-    scale_grad_kernel<scalar_t><<<static_cast<unsigned>(blocks), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-        grad.mutable_data_ptr<scalar_t>(), grad.size(0), grad.size(1), grad.stride(0), factor.const_data_ptr<float>(),
-        factor_stride);
+    const auto launch_with = [&](const auto* factor_ptr) {
+      scale_grad_kernel<<<static_cast<unsigned>(blocks), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+          grad.mutable_data_ptr<scalar_t>(), grad.size(0), grad.size(1), grad.stride(0), factor_ptr, factor_stride);
+    };
+    if (factor.scalar_type() == at::kFloat) {
+      launch_with(factor.const_data_ptr<float>());
+    } else {
+      launch_with(factor.const_data_ptr<scalar_t>());
+    }
   });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
