@@ -79,9 +79,9 @@
 #include <limits>
 #include <map>
 #include <mutex>
-#include <string>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
 #include "uncertainty_weighted_ce.h"
 #include "uncertainty_weights.h"
@@ -1085,23 +1085,29 @@ void launch_rows(void (*kernel)(KernelParams), int64_t num_rows, const KernelPar
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Tile shapes of cluster_row_kernel (threads × values per thread), smallest first.
+// Tile shapes of cluster_row_kernel (threads × values per thread, and the name CALIBKERNELS_CUDA_ROW_CLUSTER gives
+// it), smallest first.
 struct ClusterShape {
   int threads, values;
+  const char* name;
 };
-constexpr ClusterShape kClusterShapes[] = {{256, 16}, {256, 32}, {512, 16}, {512, 32}};
+constexpr ClusterShape kClusterShapes[] = {{256, 16, "256x16"}, {256, 32, "256x32"}, {512, 16, "512x16"},
+                                           {512, 32, "512x32"}};
 constexpr int kPortableClusterCtas = 8;
 
 using ClusterKernel = void (*)(Params<float>);
 
+// The kernel of kClusterShapes[shape_index], instantiated from the table itself (so the two cannot disagree).
+template <typename scalar_t, std::size_t... I>
+ClusterKernel cluster_kernel_of(int shape_index, std::index_sequence<I...>) {
+  static const ClusterKernel kernels[] = {
+      cluster_row_kernel<scalar_t, kClusterShapes[I].threads, kClusterShapes[I].values>...};
+  return kernels[shape_index];
+}
+
 template <typename scalar_t>
 ClusterKernel cluster_kernel(int shape_index) {
-  switch (shape_index) {
-    case 0: return cluster_row_kernel<scalar_t, 256, 16>;
-    case 1: return cluster_row_kernel<scalar_t, 256, 32>;
-    case 2: return cluster_row_kernel<scalar_t, 512, 16>;
-    default: return cluster_row_kernel<scalar_t, 512, 32>;
-  }
+  return cluster_kernel_of<scalar_t>(shape_index, std::make_index_sequence<std::size(kClusterShapes)>{});
 }
 
 int64_t cluster_ctas(int64_t C, const ClusterShape& shape) {
@@ -1119,9 +1125,9 @@ int cluster_shape_for(int64_t C) {
   if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "auto") != 0) {
     if (std::strcmp(flag, "off") == 0 || std::strcmp(flag, "0") == 0) return -1;
     for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
-      const std::string name =
-          std::to_string(kClusterShapes[i].threads) + "x" + std::to_string(kClusterShapes[i].values);
-      if (name == flag) return cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1;
+      if (std::strcmp(kClusterShapes[i].name, flag) == 0) {
+        return cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1;
+      }
     }
     TORCH_CHECK_VALUE(false, "CALIBKERNELS_CUDA_ROW_CLUSTER must be auto, off, 256x16, 256x32, 512x16 or 512x32, "
                       "got '", flag, "'");
