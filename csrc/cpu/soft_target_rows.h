@@ -387,10 +387,21 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
     if constexpr (kWide) {
       avx512::DenseSums sums;
+      auto sweep = [&](auto square_tag, auto smooth_tag) {
+        avx512::dense_exp_sweep<decltype(square_tag)::value, decltype(smooth_tag)::value>(z, tg.dense, tg.keep, tg.c,
+                                                                                           exps, C, ref, sums);
+      };
+      auto with_smoothing = [&](auto square_tag) {
+        if (tg.c > T(0)) {
+          sweep(square_tag, std::true_type{});
+        } else {
+          sweep(square_tag, std::false_type{});
+        }
+      };
       if (square_sums) {
-        avx512::dense_exp_sweep<true>(z, tg.dense, tg.keep, tg.c, exps, C, ref, sums);
+        with_smoothing(std::true_type{});
       } else {
-        avx512::dense_exp_sweep<false>(z, tg.dense, tg.keep, tg.c, exps, C, ref, sums);
+        with_smoothing(std::false_type{});
       }
       total_e = sums.e, t_total = sums.t, total_tz = sums.tz, total_te = sums.te, total_ee = sums.ee;
       total_tt = sums.tt;

@@ -103,13 +103,16 @@ CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
   return static_cast<__mmask16>((1u << count) - 1u);
 }
 
+// kBelowMax: x is z - max z of its row (≤ 0 or NaN), so the upper clamp has nothing to do and is left out.
+template <bool kBelowMax = false>
 CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   // x clamped to [-104, 104]: exp(-104) is below the smallest denormal and exp(104) past FLT_MAX, so nothing changes
   // but -inf → 0 and +inf or any huge argument → inf. Without the upper clamp, an argument too large for the range
   // reduction (past ≈ 5e6; ≈ 4.5e4 with the former two-FMA reduction) left |r| in the hundreds and the "exponential"
   // came out finite, negative or NaN: a column 1e10 above the target gave a NaN row. Both clamps return NaN from
   // their second operand; vrangeps, which clamps both sides in one instruction, does not propagate NaN.
-  x = _mm512_min_ps(_mm512_set1_ps(104.0f), _mm512_max_ps(_mm512_set1_ps(-104.0f), x));
+  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+  if constexpr (!kBelowMax) x = _mm512_min_ps(_mm512_set1_ps(104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC5), r, _mm512_set1_ps(kExpC4));
@@ -272,81 +275,89 @@ struct DenseSums {
 };
 
 // out[k] = exp(z[k] - m) (out must not alias z or target) and the DenseSums (Σ e², Σ t² only when kSquare: gBS with
-// q = 2 takes S = Σ p² - 2 P + Σ t² from them). Terms with t_k = 0 are left out of Σ t (z - m), so a -inf logit with
-// no target mass adds 0, not NaN. Two-level summation as in exp_store_sweep. The target's value check rides along:
-// Σ T_k as given, and whether any T_k fails T_k >= 0 (NaN included; +inf shows in the sum).
-template <bool kSquare>
+// q = 2 takes S = Σ p² - 2 P + Σ t² from them). The sums are taken over T as given and turned into sums over
+// t = keep T + c at the end (Σ t = keep Σ T + c C, Σ t e = keep Σ T e + c Σ e, ...), which saves forming t per
+// vector; Σ t (z - m) is keep Σ_{T>0} T (z - m) + c Σ (z - m), so a -inf logit with no target mass adds 0, not NaN,
+// and with smoothing (c > 0, kSmooth) it makes the CE +inf, as every column then has mass. Two-level summation as in
+// exp_store_sweep. The target's value check rides along: Σ T_k as given, and whether any T_k fails T_k >= 0 (NaN
+// included; +inf shows in the sum).
+template <bool kSquare, bool kSmooth>
 CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, float keep, float c, float* out,
                                          int64_t C, float m, DenseSums& sums) {
-  const __m512 m_vec = _mm512_set1_ps(m), keep_vec = _mm512_set1_ps(keep), c_vec = _mm512_set1_ps(c);
+  const __m512 m_vec = _mm512_set1_ps(m);
   const __m512 neg_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity()), zero = _mm512_setzero_ps();
-  __m512 total_e = zero, total_t = zero, total_tz = zero, total_te = zero, total_ee = zero, total_tt = zero,
-         total_given = zero;
+  __m512 total_e = zero, total_tz = zero, total_te = zero, total_ee = zero, total_tt = zero, total_given = zero,
+         total_shift = zero;
   __mmask16 negative = 0;
   for (int64_t begin = 0; begin < C; begin += kBlock) {
     const int64_t end = begin + kBlock < C ? begin + kBlock : C;
-    __m512 se = zero, st = zero, stz = zero, ste = zero, see = zero, stt = zero, sg = zero;
+    __m512 se = zero, stz = zero, ste = zero, see = zero, stt = zero, sg = zero, ss = zero;
     auto step = [&](int64_t k, __mmask16 lanes) CALIBKERNELS_AVX512 {
       const __m512 shifted = _mm512_sub_ps(_mm512_mask_loadu_ps(neg_inf, lanes, z + k), m_vec);
-      const __m512 e = exp_nonpositive(shifted);  // 0 in the lanes past the row
+      const __m512 e = exp_nonpositive<true>(shifted);  // 0 in the lanes past the row
       _mm512_mask_storeu_ps(out + k, lanes, e);
-      const __m512 given = _mm512_maskz_loadu_ps(lanes, target + k);
-      const __m512 t = _mm512_maskz_mov_ps(lanes, _mm512_fmadd_ps(keep_vec, given, c_vec));
+      const __m512 given = _mm512_maskz_loadu_ps(lanes, target + k);  // 0 in the lanes past the row
       sg = _mm512_add_ps(sg, given);
       negative |= _mm512_cmp_ps_mask(given, zero, _CMP_NGE_UQ);
       se = _mm512_add_ps(se, e);
-      st = _mm512_add_ps(st, t);
-      stz = _mm512_mask_add_ps(stz, _mm512_cmp_ps_mask(t, zero, _CMP_GT_OQ), stz, _mm512_mul_ps(t, shifted));
-      ste = _mm512_fmadd_ps(t, e, ste);
+      stz = _mm512_mask_add_ps(stz, _mm512_cmp_ps_mask(given, zero, _CMP_GT_OQ), stz, _mm512_mul_ps(given, shifted));
+      if constexpr (kSmooth) ss = _mm512_mask_add_ps(ss, lanes, ss, shifted);
+      ste = _mm512_fmadd_ps(given, e, ste);
       if constexpr (kSquare) {
         see = _mm512_fmadd_ps(e, e, see);
-        stt = _mm512_fmadd_ps(t, t, stt);
+        stt = _mm512_fmadd_ps(given, given, stt);
       }
     };
     int64_t k = begin;
     for (; k + kWidth <= end; k += kWidth) step(k, static_cast<__mmask16>(0xFFFF));
     if (k < end) step(k, tail_mask(end - k));
     total_e = _mm512_add_ps(total_e, se);
-    total_t = _mm512_add_ps(total_t, st);
     total_given = _mm512_add_ps(total_given, sg);
     total_tz = _mm512_add_ps(total_tz, stz);
     total_te = _mm512_add_ps(total_te, ste);
+    if constexpr (kSmooth) total_shift = _mm512_add_ps(total_shift, ss);
     if constexpr (kSquare) {
       total_ee = _mm512_add_ps(total_ee, see);
       total_tt = _mm512_add_ps(total_tt, stt);
     }
   }
+  const float columns = static_cast<float>(C);
   sums.e = _mm512_reduce_add_ps(total_e);
-  sums.t = _mm512_reduce_add_ps(total_t);
-  sums.tz = _mm512_reduce_add_ps(total_tz);
-  sums.te = _mm512_reduce_add_ps(total_te);
   sums.given = _mm512_reduce_add_ps(total_given);
   sums.not_nonneg = negative != 0;
+  sums.t = keep * sums.given + c * columns;
+  // keep = 0 (label smoothing 1): T takes no part, also where T (z - m) is -inf
+  sums.tz = keep != 0.0f ? keep * _mm512_reduce_add_ps(total_tz) : 0.0f;
+  if constexpr (kSmooth) sums.tz += c * _mm512_reduce_add_ps(total_shift);
+  sums.te = keep * _mm512_reduce_add_ps(total_te) + c * sums.e;
   if constexpr (kSquare) {
     sums.ee = _mm512_reduce_add_ps(total_ee);
-    sums.tt = _mm512_reduce_add_ps(total_tt);
+    sums.tt = keep * keep * _mm512_reduce_add_ps(total_tt) + c * (2.0f * keep * sums.given + c * columns);
   }
 }
 
 // The gradient of a dense row from the exponentials `e`: out[k] = scale · (u d + x p - A p (t - P) + β p (d - τ)),
 // p = e · inv_denom, d = p - t (x: u (Σ t - 1), the CE gradient's Σt p - t). out may alias e, not target.
+// Taken as p (u' + x' - A' (t - P) + β' (d - τ)) - u' t (primes: times scale), nine instructions per vector where
+// the formula as written takes twelve (the dense rows are bound by instructions, not by memory). The focal and Brier
+// terms keep their factors t - P and d - τ: A and β grow with the CE in "loss" mode, and expanded they cancel to the
+// rounding of A p t (a focal row with a logit 1e4 above the rest lost three digits). Only u d becomes u p - u t,
+// whose rounding where p ≈ t is that of u p, what p - t carries from p's own rounding.
 // kStream: streaming stores for the 64-byte lines wholly inside the row, as rescale_stream_sweep (callers fence).
 template <bool kStream>
 CALIBKERNELS_AVX512 inline void dense_gradient_sweep(const float* e, const float* target, float keep, float c, float* out,
                                                      int64_t C, float inv_denom, float u, float excess, float focal,
                                                      float P, float beta, float tau, float scale) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), keep_vec = _mm512_set1_ps(keep), c_vec = _mm512_set1_ps(c),
-               u_vec = _mm512_set1_ps(u), excess_vec = _mm512_set1_ps(excess), focal_vec = _mm512_set1_ps(focal),
-               P_vec = _mm512_set1_ps(P), beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau),
-               scale_vec = _mm512_set1_ps(scale);
+               own_vec = _mm512_set1_ps(scale * (u + excess)), u_vec = _mm512_set1_ps(scale * u),
+               focal_vec = _mm512_set1_ps(scale * focal), P_vec = _mm512_set1_ps(P),
+               beta_vec = _mm512_set1_ps(scale * beta), tau_vec = _mm512_set1_ps(tau);
   auto step = [&](int64_t k, __mmask16 lanes) CALIBKERNELS_AVX512 {
     const __m512 p = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, e + k), inv_vec);
     const __m512 t = _mm512_fmadd_ps(keep_vec, _mm512_maskz_loadu_ps(lanes, target + k), c_vec);
-    const __m512 d = _mm512_sub_ps(p, t);
-    __m512 g = _mm512_fmadd_ps(excess_vec, p, _mm512_mul_ps(u_vec, d));
-    g = _mm512_fnmadd_ps(_mm512_mul_ps(focal_vec, p), _mm512_sub_ps(t, P_vec), g);
-    g = _mm512_fmadd_ps(_mm512_mul_ps(beta_vec, p), _mm512_sub_ps(d, tau_vec), g);
-    g = _mm512_mul_ps(g, scale_vec);
+    __m512 factor = _mm512_fnmadd_ps(focal_vec, _mm512_sub_ps(t, P_vec), own_vec);
+    factor = _mm512_fmadd_ps(beta_vec, _mm512_sub_ps(_mm512_sub_ps(p, t), tau_vec), factor);
+    const __m512 g = _mm512_fnmadd_ps(u_vec, t, _mm512_mul_ps(p, factor));
     if (kStream && lanes == static_cast<__mmask16>(0xFFFF)) {
       _mm512_stream_ps(out + k, g);
     } else {
