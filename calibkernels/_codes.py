@@ -20,6 +20,10 @@ FLSD_LOW_GAMMA = 5.0
 FLSD_MID_THRESHOLD = 0.5
 FLSD_MID_GAMMA = 3.0
 
+# The GPU kernels check a dense target's rows in their own float32 reads up to this many columns; wider rows (whose
+# sums' rounding nears float32's tolerance of 1e-4) are checked by device reductions with pairwise sums instead.
+DENSE_KERNEL_CHECK_MAX_CLASSES = 4194304
+
 # Defaults of ck.uncertainty_weighted_ce: BSCE-GRA as run in the BSCE-GRA paper.
 DEFAULT_WEIGHT = "brier"
 DEFAULT_MODE = "grad"

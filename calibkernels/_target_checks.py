@@ -3,10 +3,10 @@
 The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
 are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, the largest bad value)``, made by
 the launch that counts the mean's divisor and returned by the op as its third output, records it.
-A dense target's values (entries >= 0, rows summing to 1) are checked the same way: the Triton kernel flags the rows
-in its own reads of the target, the CUDA op with device reductions (those of
-:func:`calibkernels._validation.dense_target_flag`), and the flag is ``(any bad row, the first bad row)``; those rows
-are computed from the target as given.
+A dense target's values (entries >= 0, rows summing to 1) are checked the same way: the Triton and CUDA kernels flag
+the rows in their own reads of the target (device reductions, :func:`calibkernels._validation.dense_target_flag`,
+where the kernels' float32 sums cannot decide), and the flag is ``(any bad row, the first bad row)``; those rows are
+computed from the target as given.
 Reading that flag on the host is a synchronisation, which would stall the CPU once per call, so the policy is set by
 the environment variable ``CALIBKERNELS_VALIDATE`` (read at import; :data:`POLICY` may be changed at run time):
 

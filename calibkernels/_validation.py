@@ -185,9 +185,10 @@ def first_flagged_row(flags: torch.Tensor) -> torch.Tensor:
 
 def dense_target_flag(target2d: torch.Tensor) -> torch.Tensor:
     """The device-side ``(any bad row, the first bad row)`` int64 pair of a dense target ``(N, C)`` that
-    :mod:`calibkernels._target_checks` reads, computed without a host synchronisation (the CUDA backend's form of
-    :func:`check_dense_target`'s value check, and the Triton backend's for a float64 target; for other targets the
-    Triton kernel makes it in its own reads): a row is bad where an entry is negative or NaN, or where its sum, taken
+    :mod:`calibkernels._target_checks` reads, computed without a host synchronisation (:func:`check_dense_target`'s
+    value check as the GPU backends make it where their kernels' float32 sums cannot decide: a float64 target of
+    lower-precision logits, rows wider than ``DENSE_KERNEL_CHECK_MAX_CLASSES``; elsewhere the kernels make it in their
+    own reads): a row is bad where an entry is negative or NaN, or where its sum, taken
     as that check takes it, is not finite or is off 1 by more than the dtype's tolerance."""
     row_sums = dense_row_sums(target2d)
     bad = ~(target2d.amin(dim=1) >= 0) | ~((row_sums - 1.0).abs() <= dense_row_sum_tolerance(target2d.dtype))

@@ -53,6 +53,11 @@ def test_flsd_constants_match_the_python_constants():
         0.2, 5.0, 0.5, 3.0)
 
 
+def test_the_dense_check_width_matches_the_python_constant():
+    match = re.search(r"constexpr\s+int64_t\s+kDenseKernelCheckMaxClasses\s*=\s*(\d+)\s*;", HEADER.read_text())
+    assert match and int(match.group(1)) == _codes.DENSE_KERNEL_CHECK_MAX_CLASSES
+
+
 def test_the_parser_sees_a_changed_value():
     """The checks above would pass vacuously if the patterns found nothing: a header with a changed value fails."""
     text = HEADER.read_text().replace("Brier = 4", "Brier = 7").replace("kFlsdMidGamma = 3.0", "kFlsdMidGamma = 2.0")

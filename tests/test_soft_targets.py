@@ -415,20 +415,23 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
 
 
 @pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
-@pytest.mark.parametrize("read", ["single read", "chunked"])
+@pytest.mark.parametrize("read", ["single read", "chunked", "past the check's width"])
 @pytest.mark.parametrize("target_dtype", [torch.float32, torch.float64])
 def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monkeypatch):
     """The Triton kernel's own check of a dense target's values (what a GPU call reads instead of a host check; here
     under the interpreter, on CPU tensors, whose calls keep the host check): the ``(any bad row, first bad row)`` flag
     it returns, in one read of the row and in chunks, and the error that flag becomes. A float64 target's flag comes
-    from float64 reductions instead (its tolerance is below what the kernel's float32 sums can tell)."""
+    from float64 reductions instead (its tolerance is below what the kernel's float32 sums can tell), and so does
+    that of rows wider than DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4)."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     if read == "chunked":
         monkeypatch.setattr(T, "MAX_BLOCK", 4)  # rows of 6 classes in chunks of 2
+    if read == "past the check's width":
+        monkeypatch.setattr(T, "DENSE_KERNEL_CHECK_MAX_CLASSES", 4)
     z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=6)
     z, dense = z.float(), dense.to(target_dtype)
-    assert T._launch_config(6, 4)[0] == (read == "single read")
+    assert T._launch_config(6, 4)[0] == (read != "chunked")
 
     def flag(target, reduction=1):  # weight brier, mode grad; the mean's and sum's reduction folds the row flags
         return T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,

@@ -312,8 +312,8 @@ def test_asynchronous_checks_reuse_their_buffers_and_read_fresh_flags():
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_target_flag_output(reduction):
     """The op's third output is calibkernels._validation.target_flag of class indices (one count-and-check launch;
-    the mean's divisor comes from the same launch), and dense_target_flag of a dense target, on every reduction, in
-    place too."""
+    the mean's divisor comes from the same launch), on every reduction, in place too (a dense target's flag:
+    test_dense_target_flag_output)."""
     n, c = 3000, 50  # rows past one pass of the check's block
     z = _logits(n, c)
     y = _targets(n, c)
@@ -357,20 +357,38 @@ def test_dense_target_flag_output(reduction, c, dtypes):
                             label_smoothing=smoothing)
             assert flag.dtype == torch.int64 and flag.shape == (2,) and flag.tolist() == [0, n]
     cases = [((700, 3, float("nan")),), ((5, 0, -0.5), (1499, 3, float("nan"))), ((1499, 1, float("inf")),),
-             ((9, 2, float("-inf")),)]
+             ((9, 2, float("-inf")),), ((300, 0, -0.25), (300, 1, None))]  # None: the row still sums to 1
     for entries in cases:
         target = dense.clone()
         for row, col, value in entries:
-            target[row, col] = value
+            target[row, col] = value if value is not None else target[row, col] + 0.25 + float(dense[row, 0])
         want = V.dense_target_flag(target)
         assert want.tolist() == [1, min(row for row, _, _ in entries)]
         for grad_out in (None, z.clone()):
             flag = _op_flag(grad_out if grad_out is not None else z, target, reduction=reduction, grad_out=grad_out)
             torch.testing.assert_close(flag, want, rtol=0, atol=0)
+        torch.testing.assert_close(_op_flag(z, target, reduction=reduction, compute_grad=False), want, rtol=0, atol=0)
     for row, factor in ((17, 1 + 3 * tolerance), (1200, 1 - 3 * tolerance)):  # rows off 1 by 3 tolerances
         target = dense.clone()
         target[row] *= factor
         assert _op_flag(z, target, reduction=reduction, label_smoothing=0.1).tolist() == [1, row]
+    one = dense[:1].clone()  # a single row, and an empty batch (the op called directly; the API refuses it)
+    assert _op_flag(z[:1], one, reduction=reduction).tolist() == [0, 1]
+    one[0, 0] = -1.0
+    assert _op_flag(z[:1], one, reduction=reduction).tolist() == [1, 0]
+    assert _op_flag(z[:0], dense[:0], reduction=reduction).tolist() == [0, 0]
+
+
+@needs_gpu
+def test_dense_target_flag_of_rows_past_the_kernels_check_width():
+    """Past DENSE_KERNEL_CHECK_MAX_CLASSES columns the CUDA op checks a dense target by device reductions (pairwise
+    sums), with the same answer."""
+    c = K.DENSE_KERNEL_CHECK_MAX_CLASSES + 16
+    z = torch.zeros(2, c, device="cuda")
+    target = torch.full((2, c), 1.0 / c, device="cuda")
+    assert _op_flag(z, target, reduction="none").tolist() == [0, 2]
+    target[1, 5] = -1e-3
+    assert _op_flag(z, target, reduction="none").tolist() == [1, 1]
 
 
 @needs_gpu
@@ -674,7 +692,7 @@ def test_scale_grad_op_passes_opcheck():
     """The backward's in-place scaling op (skipped on the device when grad_output is 1), with grad_output in float32,
     in the gradient's dtype (read as it is) and in another dtype (cast first), a scalar or one factor per row."""
     op = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_.default
-    for dtype in (torch.float32, torch.bfloat16):
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
         grad = torch.randn(8, 300, device="cuda", dtype=dtype)
         for grad_output in (torch.tensor(1.0, device="cuda"), torch.tensor(-3.0, device="cuda", dtype=dtype),
                             torch.tensor(1.0, device="cuda", dtype=dtype), torch.rand(8, device="cuda") + 0.5,

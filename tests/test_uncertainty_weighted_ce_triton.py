@@ -945,6 +945,10 @@ def small_kernels(dtype, arch):
         triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=reduce,
                                  constexprs={"MEAN": True, "COUNTED": counted, "FLAGS": not counted, "BLOCK": 4096}),
                        target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    # one row: Triton passes an integer argument equal to 1 as a constant, which has no .to()
+    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=dict(reduce, num_rows="constexpr"),
+                             constexprs={"num_rows": 1, "MEAN": True, "COUNTED": False, "FLAGS": True, "BLOCK": 1}),
+                   target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
     fold = {"row_flags_ptr": "*i8", "num_rows": "i32", "flag_ptr": "*i64", "BLOCK": "constexpr"}
     triton.compile(ASTSource(fn=T._fold_row_flags_kernel, signature=fold, constexprs={"BLOCK": 4096}),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
@@ -959,7 +963,8 @@ fwd("bf16", 4, 1, 1, 1024, True, False, 80)
 fwd("fp32", 3, 0, 1, 4096, False, False, 80, num_warps=8)
 
 
-def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, smooth, norm_is_two, arch, num_warps):
+def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, smooth, norm_is_two, arch, num_warps,
+         num_rows=None):
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": f"*{target_dtype}",
                  "target_row_stride": "i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
@@ -969,6 +974,8 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=1, COMPUTE_GRAD=True, PER_SAMPLE_GAMMA=False, BLOCK=block,
                       SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth,
                       DENSE_FLAGS=dense and target_dtype != "fp64")
+    if num_rows is not None:  # an integer argument equal to 1 arrives as a constant
+        constexprs["num_rows"] = num_rows
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._soft_target_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
@@ -983,6 +990,7 @@ soft("fp16", "fp16", 1, 0, 4096, True, True, False, False, False, 90, 16)  # den
 soft("bf16", "i64", 6, 0, 2048, False, False, True, True, True, 90, 4)     # compact, Brier-FLSD q = 2, two reads
 soft("fp32", "fp32", 6, 0, 1024, True, True, False, False, False, 80, 8)   # dense, Brier-FLSD q != 2, in registers
 soft("fp32", "fp64", 4, 1, 2048, False, True, False, True, True, 90, 4)    # dense float64 target: no row flags
+soft("fp32", "fp32", 4, 1, 1024, True, True, False, False, True, 90, 8, num_rows=1)  # a one-row dense mean
 print("compiled")
 '''
 

@@ -114,7 +114,8 @@ import triton
 import triton.language as tl
 
 from .. import _validation as V
-from .._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
+from .._codes import (DENSE_KERNEL_CHECK_MAX_CLASSES, FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA,
+                      FLSD_MID_THRESHOLD)
 
 __all__ = [
     "SOFT_TARGETS",
@@ -189,7 +190,7 @@ def _gradient_scale(valid_count_ptr, num_rows, REDUCTION: tl.constexpr, COUNTED:
         if COUNTED:
             scale = 1.0 / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
         else:
-            scale = 1.0 / tl.maximum(num_rows.to(tl.float32), 1.0)
+            scale = 1.0 / tl.maximum(tl.cast(num_rows, tl.float32), 1.0)
     else:
         scale = tl.full((), 1.0, tl.float32)
     return scale
@@ -924,7 +925,7 @@ def _uncertainty_weighted_ce_reduce_kernel(row_loss_ptr, num_rows, valid_count_p
         if COUNTED:
             total = total / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
         else:
-            total = total / tl.maximum(num_rows.to(tl.float32), 1.0)
+            total = total / tl.maximum(tl.cast(num_rows, tl.float32), 1.0)
     tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
     if FLAGS:
         _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK)
@@ -1084,9 +1085,10 @@ def uncertainty_weighted_ce_forward(
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:
         dest, grad = grad_out, empty
-    # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows: its rows are
-    # checked by float64 reductions instead of the kernel's flags
-    dense_flags = dense and target.dtype != torch.float64
+    # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows, and past
+    # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by device
+    # reductions (pairwise sums) instead of the kernel's flags
+    dense_flags = dense and target.dtype != torch.float64 and num_classes <= DENSE_KERNEL_CHECK_MAX_CLASSES
     reduce_block = min(4096, triton.next_power_of_2(num_rows))
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         valid_count = row_loss  # placeholder: without a count the kernels divide by num_rows

@@ -103,7 +103,8 @@ CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
   return static_cast<__mmask16>((1u << count) - 1u);
 }
 
-// kBelowMax: x is z - max z of its row (≤ 0 or NaN), so the upper clamp has nothing to do and is left out.
+// kBelowMax: x is z - max z of its row, so the upper clamp has nothing to do and is left out (a NaN in the row may
+// lose the max and leave a positive x; that row's sums are NaN anyway).
 template <bool kBelowMax = false>
 CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   // x clamped to [-104, 104]: exp(-104) is below the smallest denormal and exp(104) past FLT_MAX, so nothing changes

@@ -707,6 +707,7 @@ struct TargetTile {
   template <bool kLast = false>
   __device__ __forceinline__ static void load(const target_t* row, bool aligned, int64_t base, int t, int64_t C,
                                               A keep, A add, A (&out)[kPT], TargetCheck<A>* check = nullptr) {
+    TargetCheck<A> tile;  // the tile's own sum first: a streamed row's running sum then takes one add per tile
 #pragma unroll
     for (int j = 0; j < kPT / V; ++j) {
       const int64_t c0 = base + (static_cast<int64_t>(j) * kGroup + t) * V;
@@ -718,7 +719,7 @@ struct TargetTile {
 #pragma unroll
         for (int v = 0; v < V; ++v) {
           const A value = static_cast<A>(p.v[v]);
-          if (check != nullptr) check->add(value);
+          if (check != nullptr) tile.add(value);
           out[j * V + v] = keep * value + add;
         }
       } else {
@@ -726,7 +727,7 @@ struct TargetTile {
         for (int v = 0; v < V; ++v) {
           if (c0 + v < C) {
             const A value = static_cast<A>(row[c0 + v]);
-            if (check != nullptr) check->add(value);
+            if (check != nullptr) tile.add(value);
             out[j * V + v] = keep * value + add;
           } else {
             out[j * V + v] = A(0);
@@ -734,6 +735,7 @@ struct TargetTile {
         }
       }
     }
+    if (check != nullptr) check->sum += tile.sum;
   }
 };
 
@@ -1300,7 +1302,10 @@ __device__ __forceinline__ void fold_row_flags(const int8_t* row_flags, int64_t 
   if (threadIdx.x == 0) first = static_cast<long long>(num_rows);
   __syncthreads();
   for (int64_t i = threadIdx.x; i < num_rows; i += blockDim.x) {
-    if (row_flags[i] != 0) atomicMin(&first, static_cast<long long>(i));
+    if (row_flags[i] != 0) {
+      atomicMin(&first, static_cast<long long>(i));
+      break;  // a thread's later rows come after this one
+    }
   }
   __syncthreads();
   if (threadIdx.x == 0) {
@@ -1352,9 +1357,9 @@ Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::o
 // calibkernels._validation.dense_target_flag in ATen ops on the device (no host synchronisation): (any bad row, the
 // first bad row) of a dense target, a row being bad where an entry is < 0 or NaN, or where its sum (float32, float64
 // for a float64 target) is not within dense_row_sum_tolerance of 1.
-// Other floating dtypes are checked in float32 (the tolerance of their dtype still applies). Only for a float64
-// target of lower-precision logits, which the kernel reads in float32 (kernel_checks_dense_target); the kernel
-// checks every other dense target in its own reads.
+// Other floating dtypes are checked in float32 (the tolerance of their dtype still applies). Only where the kernel
+// does not check the target in its own reads (kernel_checks_dense_target): a float64 target of lower-precision
+// logits, rows wider than kDenseKernelCheckMaxClasses, an empty batch.
 at::Tensor dense_target_flag(const at::Tensor& target) {
   const int64_t n = target.size(0);
   if (n == 0) return at::zeros({2}, target.options().dtype(at::kLong));
@@ -1378,9 +1383,12 @@ at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
 }
 
 // Whether the soft kernel checks a dense target's values itself: it sums each row in its accumulation type, which
-// a float64 target's tolerance needs float64 logits for (dense_target_for reads it in float32 otherwise).
+// a float64 target's tolerance needs float64 logits for (dense_target_for reads it in float32 otherwise), and whose
+// float32 rounding past kDenseKernelCheckMaxClasses columns nears float32's tolerance. An empty batch runs no kernel.
 bool kernel_checks_dense_target(const at::Tensor& z, const at::Tensor& target) {
-  return target.scalar_type() != at::kDouble || z.scalar_type() == at::kDouble;
+  if (z.size(0) == 0) return false;
+  if (z.scalar_type() == at::kDouble) return true;
+  return target.scalar_type() != at::kDouble && z.size(1) <= kDenseKernelCheckMaxClasses;
 }
 
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
