@@ -527,6 +527,50 @@ def test_softmax_gradient_is_accurate_element_by_element():
     assert rel.max().item() < 8 * torch.finfo(torch.float32).eps, f"worst relative error {rel.max().item():.2e} ({_isa()})"
 
 
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+@pytest.mark.parametrize("weight", ["none", "brier"])
+@pytest.mark.parametrize("kind", ["hard", "mix", "dense"])
+@pytest.mark.parametrize("c", [10, 1000, 1031])
+def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inplace):
+    """Both vector exponentials (csrc/cpu/vec_exp.h) return exactly 0 below exp(-86), never a denormal: on Intel
+    cores every denormal result costs a microcode assist, and the AVX-512 form once took one per row in the masked
+    lanes past a row whose C is not a multiple of 16. Columns 88-103 nats below the reference column get a gradient of
+    exactly 0 (their target is 0), and no gradient entry of any row is subnormal."""
+    if _isa() == "default":
+        pytest.skip("the default build uses ATen's exponential, which keeps denormals")
+    g = torch.Generator().manual_seed(c)
+    n = 6
+    z = -88.0 - 15.0 * torch.rand(n, c, generator=g)
+    z[:, :4] = torch.tensor([0.0, 0.0, -1.0, -2.0])
+    z = z[:, torch.randperm(c, generator=g)]  # the in-range columns anywhere in their vectors
+    live = z > -10.0
+    y = torch.stack([torch.nonzero(row)[i % 3, 0] for i, row in enumerate(live)])  # sometimes not the row max
+    kwargs = {}
+    if kind == "mix":
+        kwargs = dict(mix_target=torch.stack([torch.nonzero(row)[3, 0] for row in live]),
+                      mix_lambda=torch.rand(n, generator=g))
+    elif kind == "dense":
+        t = torch.rand(n, c, generator=g) * live
+        y = t / t.sum(1, keepdim=True)
+    x = z.clone().requires_grad_()
+    if inplace:
+        loss = ck.uncertainty_weighted_ce(x * 1.0, y, weight=weight, inplace=True, backend="cpu", **kwargs)
+    else:
+        loss = ck.uncertainty_weighted_ce(x, y, weight=weight, backend="cpu", **kwargs)
+    loss.backward()
+    grad = x.grad
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (grad[~live] == 0).all(), f"largest deep-column gradient {grad[~live].abs().max().item():.3e} ({_isa()})"
+    subnormal = (grad != 0) & (grad.abs() < torch.finfo(torch.float32).tiny)
+    assert not subnormal.any(), f"{int(subnormal.sum())} subnormal gradient entries ({_isa()})"
+    x64 = z.double().requires_grad_()
+    expected = ck.uncertainty_weighted_ce(x64, y.double() if kind == "dense" else y, weight=weight,
+                                          backend="reference", **kwargs)
+    expected.backward()
+    torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad.double(), x64.grad, rtol=0, atol=1e-6)
+
+
 def test_cpu_isa_is_reported_and_follows_aten():
     """calibkernels._C.CPU_ISA names the vector path in use; AVX-512 is used only when ATen uses it."""
     from torch.backends import cpu as torch_cpu
@@ -550,7 +594,7 @@ def test_avx2_sweeps_agree_with_the_reference_in_a_subprocess():
     assert probe.stdout.strip() == "avx2"
     # "cpu-cpu": the C++ backend's parametrisations only (not the reference's or the interpreted Triton's)
     selection = ("(cpu-cpu and (every_weight or odd_shapes or extreme or half_precision or nan_logits or "
-                 "non_contiguous)) or every_target_lane or accurate_element or target_reference")
+                 "non_contiguous)) or every_target_lane or accurate_element or target_reference or flush_to_zero")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
          os.path.join(here, "test_uncertainty_weighted_ce.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"),

@@ -18,10 +18,10 @@
 // (AVX2), single thread.
 //   * AVX2: 2^n is added to the exponent bits; x is clamped to [-86, 88] (so 2^n·exp(r) stays a normal number) and
 //     results below exp(-86) ≈ 4.5e-38 (≈ FLT_MIN) are flushed to exactly 0, which also gives exp(-inf) = 0.
-//   * AVX-512: vscalefps scales by 2^n with IEEE underflow (denormals, then 0) and overflow (inf past exp(88.7)),
-//     after clamping x to [-104, 104] (exp(-104) is below the smallest denormal), so exp(-inf) = 0 and exp(+inf) =
-//     inf too.
-//   * NaN propagates (the clamps take NaN from their second operand, and the AVX2 flush keeps unordered lanes), so a
+//   * AVX-512: vscalefps scales by 2^n with overflow to inf past exp(88.7) (x is clamped above at 104); results
+//     below exp(-86) are flushed to exactly 0 by its zero-masking, as in the AVX2 form (no denormal ever comes out:
+//     each one costs a microcode assist on Intel cores), so exp(-inf) = 0 and exp(+inf) = inf too.
+//   * NaN propagates (the clamps take NaN from their second operand, and both flushes keep unordered lanes), so a
 //     NaN logit gives a NaN row, as in the reference.
 //
 // Why AVX-512 sweeps with a target attribute (and not a second -march build of the whole kernel): only the three
@@ -107,12 +107,15 @@ CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
 // lose the max and leave a positive x; that row's sums are NaN anyway).
 template <bool kBelowMax = false>
 CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  // x clamped to [-104, 104]: exp(-104) is below the smallest denormal and exp(104) past FLT_MAX, so nothing changes
-  // but -inf → 0 and +inf or any huge argument → inf. Without the upper clamp, an argument too large for the range
-  // reduction (past ≈ 5e6; ≈ 4.5e4 with the former two-FMA reduction) left |r| in the hundreds and the "exponential"
-  // came out finite, negative or NaN: a column 1e10 above the target gave a NaN row. Both clamps return NaN from
-  // their second operand; vrangeps, which clamps both sides in one instruction, does not propagate NaN.
-  x = _mm512_max_ps(_mm512_set1_ps(-104.0f), x);
+  // Results below exp(-86) ≈ 4.5e-38 (just above FLT_MIN) are flushed to exactly 0 by zero-masking the final scaling,
+  // as the AVX2 form does: vscalefps would round them through the denormals, and on Intel cores each denormal or
+  // underflowing result costs a microcode assist of some hundred cycles. The lanes past a row (-inf) took one in every
+  // row whose C is not a multiple of 16 (ImageNet's 1000 classes, CIFAR's 10 and 100). The mask keeps NaN (unordered),
+  // so a NaN logit still gives a NaN row; -inf and any argument too negative for the range reduction land in masked
+  // lanes, whose NaN or garbage never reaches the result. The upper clamp at 104 (exp overflows to inf past 88.7)
+  // keeps positive arguments of target-referenced rows finite through the reduction, so +inf gives inf; it returns
+  // NaN from its second operand.
+  const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-86.0f), _CMP_NLT_UQ);
   if constexpr (!kBelowMax) x = _mm512_min_ps(_mm512_set1_ps(104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
@@ -121,7 +124,7 @@ CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return _mm512_maskz_scalef_ps(keep, p, n);
 }
 
 // max_k z[k] over [0, C). A NaN may or may not win the max; either way exp_store_sweep turns it into a NaN sum.
