@@ -571,6 +571,39 @@ def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inpla
     torch.testing.assert_close(grad.double(), x64.grad, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+@pytest.mark.parametrize("kind", ["hard", "smooth", "dense"])
+@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("focal", "grad")])
+def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept(weight, mode, kind, dtype):
+    """Rows whose target logit is far above the rest have a tiny weight (u ≈ 1e-19 for BSCE-GRA 25 nats apart), so
+    their gradient entries u p_k / N fall below the smallest normal number: without a flush about 50000 of these
+    64000 float32 entries (64000 of float64's at 150 nats) came out denormal. The kernel flushes such results to 0
+    (each denormal result costs a microcode assist on Intel cores), and only inside its own tasks: the calling thread
+    still computes denormals after the op."""
+    tiny = torch.tensor([1e-39], dtype=torch.float32)
+    assert (tiny * 0.5).item() != 0.0, "this process already flushes denormals"
+    g = torch.Generator().manual_seed(7)
+    n, c, gap = 64, 1000, 25.0 if dtype != torch.float64 else 150.0
+    y = torch.randint(0, c, (n,), generator=g)
+    z = torch.randn(n, c, generator=g) + gap * torch.nn.functional.one_hot(y, c)
+    target = {"hard": y, "smooth": y, "dense": torch.nn.functional.one_hot(y, c).float()}[kind]
+    kwargs = dict(label_smoothing=0.0 if kind != "smooth" else 1e-30)
+    x = z.to(dtype).clone().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(x, target, weight=weight, mode=mode, backend="cpu", **kwargs)
+    loss.backward()
+    grad = x.grad.float() if dtype == torch.bfloat16 else x.grad
+    finfo = torch.finfo(grad.dtype)
+    subnormal = (grad != 0) & (grad.abs() < finfo.tiny)
+    assert not subnormal.any(), f"{int(subnormal.sum())} subnormal gradient entries"
+    assert torch.isfinite(loss) and torch.isfinite(grad).all()
+    assert (tiny * 0.5).item() != 0.0, "the op left the calling thread flushing denormals"
+    x64 = z.double().clone().requires_grad_()
+    expected = ck.uncertainty_weighted_ce(x64, target.double() if kind == "dense" else target, weight=weight,
+                                          mode=mode, backend="reference", **kwargs)
+    expected.backward()
+    torch.testing.assert_close(grad.double(), x64.grad, rtol=0, atol=1e-12)
+
+
 def test_cpu_isa_is_reported_and_follows_aten():
     """calibkernels._C.CPU_ISA names the vector path in use; AVX-512 is used only when ATen uses it."""
     from torch.backends import cpu as torch_cpu
@@ -698,7 +731,7 @@ def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(is
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
          os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu_flsd.py"),
-         "-k", "every_target_lane or target_reference or flsd or threshold or opcheck"],
+         "-k", "every_target_lane or target_reference or flsd or threshold or opcheck or confident_rows"],
         env=env, capture_output=True, text=True, cwd=here)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " failed" not in run.stdout and "passed" in run.stdout, run.stdout[-2000:]
