@@ -527,17 +527,27 @@ def test_softmax_gradient_is_accurate_element_by_element():
     assert rel.max().item() < 8 * torch.finfo(torch.float32).eps, f"worst relative error {rel.max().item():.2e} ({_isa()})"
 
 
+def _skip_without_flush_to_zero():
+    """The kernel flushes denormal results only on x86-64 (MXCSR), and the tests below need a caller that does not."""
+    import platform
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip(f"the kernel keeps the default floating-point mode on {platform.machine()}")
+    if (torch.tensor([1e-39]) * 0.5).item() == 0.0:
+        pytest.skip("this process already flushes denormals (the tests compare against a caller that does not)")
+
+
 @pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
 @pytest.mark.parametrize("weight", ["none", "brier"])
 @pytest.mark.parametrize("kind", ["hard", "mix", "dense"])
 @pytest.mark.parametrize("c", [10, 1000, 1031])
 def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inplace):
-    """Both vector exponentials (csrc/cpu/vec_exp.h) return exactly 0 below exp(-86), never a denormal: on Intel
-    cores every denormal result costs a microcode assist, and the AVX-512 form once took one per row in the masked
-    lanes past a row whose C is not a multiple of 16. Columns 88-103 nats below the reference column get a gradient of
-    exactly 0 (their target is 0), and no gradient entry of any row is subnormal."""
-    if _isa() == "default":
-        pytest.skip("the default build uses ATen's exponential, which keeps denormals")
+    """Both vector exponentials (csrc/cpu/vec_exp.h) return exactly 0 below exp(-86), never a denormal (on Intel
+    cores every denormal result costs a microcode assist, and the lanes past a row whose C is not a multiple of 16
+    are -inf); the default build's exponential keeps denormals, which the kernel's flush-to-zero mode turns into 0.
+    Columns 88-103 nats below the reference column get a gradient of exactly 0 (their target is 0), and no gradient
+    entry of any row is subnormal."""
+    _skip_without_flush_to_zero()
     g = torch.Generator().manual_seed(c)
     n = 6
     z = -88.0 - 15.0 * torch.rand(n, c, generator=g)
@@ -571,17 +581,22 @@ def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inpla
     torch.testing.assert_close(grad.double(), x64.grad, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
-@pytest.mark.parametrize("kind", ["hard", "smooth", "dense"])
-@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("focal", "grad")])
+# the cases whose gradient had denormal entries before the flush (the rest came out normal or 0 without it)
+CONFIDENT_ROW_CASES = [(w, m, k, d) for w, m in [("brier", "grad"), ("brier", "loss"), ("focal", "grad")]
+                       for k in ["hard", "smooth", "dense"] for d in [torch.float32, torch.bfloat16, torch.float64]
+                       if not (w == "brier" and k == "dense") and not (d == torch.float64 and k != "hard")]
+
+
+@pytest.mark.parametrize("weight,mode,kind,dtype", CONFIDENT_ROW_CASES,
+                         ids=[f"{w}-{m}-{k}-{str(d)[6:]}" for w, m, k, d in CONFIDENT_ROW_CASES])
 def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept(weight, mode, kind, dtype):
     """Rows whose target logit is far above the rest have a tiny weight (u ≈ 1e-19 for BSCE-GRA 25 nats apart), so
     their gradient entries u p_k / N fall below the smallest normal number: without a flush about 50000 of these
     64000 float32 entries (64000 of float64's at 150 nats) came out denormal. The kernel flushes such results to 0
     (each denormal result costs a microcode assist on Intel cores), and only inside its own tasks: the calling thread
     still computes denormals after the op."""
+    _skip_without_flush_to_zero()
     tiny = torch.tensor([1e-39], dtype=torch.float32)
-    assert (tiny * 0.5).item() != 0.0, "this process already flushes denormals"
     g = torch.Generator().manual_seed(7)
     n, c, gap = 64, 1000, 25.0 if dtype != torch.float64 else 150.0
     y = torch.randint(0, c, (n,), generator=g)
@@ -602,6 +617,48 @@ def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept
                                           mode=mode, backend="reference", **kwargs)
     expected.backward()
     torch.testing.assert_close(grad.double(), x64.grad, rtol=0, atol=1e-12)
+
+
+_TRAP_INVALID_CHILD = """
+import ctypes, torch, calibkernels as ck
+torch.set_num_threads(2)
+ctypes.CDLL("libm.so.6").feenableexcept(1)  # FE_INVALID: an invalid operation now kills the process with SIGFPE
+g = torch.Generator().manual_seed(0)
+for c in (10, 16, 1000, 1031):
+    for weight, mode in [("none", "grad"), ("brier", "grad"), ("brier", "loss"), ("focal", "loss"), ("flsd", "grad")]:
+        for kind in ("hard", "smooth", "mix", "dense"):
+            for inplace in (False, True):
+                z = torch.randn(64, c, generator=g) * 3
+                y = torch.randint(0, c, (64,), generator=g)
+                kw = dict(label_smoothing=0.1) if kind == "smooth" else {}
+                if kind == "mix":
+                    kw = dict(mix_target=y.flip(0), mix_lambda=0.3)
+                t = torch.softmax(torch.randn(64, c, generator=g), 1) if kind == "dense" else y
+                x = z.clone().requires_grad_()
+                h = x * 1.0 if inplace else x
+                ck.uncertainty_weighted_ce(h, t, weight=weight, mode=mode, backend="cpu", inplace=inplace,
+                                           **kw).sum().backward()
+print("no trap")
+"""
+
+
+@pytest.mark.parametrize("isa", ["native", "avx2", "default"])
+def test_finite_inputs_raise_no_invalid_operation(isa):
+    """On finite logits the kernel raises no invalid-operation exception, so a process that traps them (SIGFPE)
+    survives a step: the lanes past a row (-inf) stay out of every unmasked operation that would form inf - inf or
+    0 · inf. Hard, smoothed, mixed and dense targets, C with and without a partial vector, in place and not, each
+    instruction-set build (glibc's feenableexcept, in a child process)."""
+    import platform
+
+    if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("feenableexcept is glibc's, and the trap is checked on x86-64")
+    env = dict(os.environ)
+    if isa != "native":
+        env["CALIBKERNELS_CPU_ISA"] = isa
+        if isa == "avx2" and _isa() == "default":
+            pytest.skip("this CPU (or ATen) does not run AVX2")
+    run = subprocess.run([sys.executable, "-c", _TRAP_INVALID_CHILD], env=env, capture_output=True, text=True)
+    assert run.returncode == 0 and "no trap" in run.stdout, (run.returncode, run.stdout[-2000:], run.stderr[-2000:])
 
 
 def test_cpu_isa_is_reported_and_follows_aten():
@@ -731,7 +788,8 @@ def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(is
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
          os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu_flsd.py"),
-         "-k", "every_target_lane or target_reference or flsd or threshold or opcheck or confident_rows"],
+         "-k", "every_target_lane or target_reference or flsd or threshold or opcheck or confident_rows or "
+         "flush_to_zero"],
         env=env, capture_output=True, text=True, cwd=here)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
     assert " failed" not in run.stdout and "passed" in run.stdout, run.stdout[-2000:]

@@ -287,21 +287,24 @@ constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 // made the target-referenced sweep 17–32% faster than a max sweep followed by the exponential sweep (1 and 2 threads).
 constexpr int64_t kPrefetchBytes = 4096;
 
-// Denormal results flushed to zero (MXCSR's FTZ bit) in the calling thread while alive, the thread's own mode
-// restored after. Every parallel task of the kernel holds one. On Intel cores each arithmetic result that would be a
-// denormal costs a microcode assist of some hundred cycles, and the calibration weights make such results common in
-// confident rows: a BSCE-GRA row whose target logit is 40 above the rest has u ≈ 1e-29 and gradient entries
-// u · p_k / N ≈ 1e-50, so every entry of the row underflowed through an assist (the op alone at 4096 × 1000 fp32 took
-// 12.5 ms instead of 1.6). Only values below FLT_MIN (DBL_MIN for float64) change, to 0, far below any tolerance of the
-// loss or its gradient; inputs that are themselves denormal are still read as they are (no DAZ).
+// Denormal results flushed to zero (MXCSR's FTZ bit) in the calling thread while alive; the thread's own mode is
+// restored after, with the exception flags raised meanwhile kept. Every parallel task of the kernel holds one. On
+// Intel cores each arithmetic result that would be a denormal costs a microcode assist of some hundred cycles, and the
+// calibration weights make such results common in confident rows: a BSCE-GRA row whose target logit is 40 above the
+// rest has u ≈ 1e-29 and gradient entries u · p_k / N ≈ 1e-50, every one of which would underflow through an assist
+// (docs/performance.md has the measurement). What changes: results below FLT_MIN (DBL_MIN for float64) become 0, and
+// so do results computed from such intermediates, which stay tiny (a gradient entry of ≈ 1e-35 can come out 0 in
+// float32), far below any tolerance of the loss or its gradient. Inputs that are themselves denormal are still read as
+// they are (no DAZ).
 class FlushDenormalResults {
  public:
 #if defined(__x86_64__) || defined(_M_X64)
   FlushDenormalResults() : saved_(_mm_getcsr()) { _mm_setcsr(saved_ | kFlushToZero); }
-  ~FlushDenormalResults() { _mm_setcsr(saved_); }
+  ~FlushDenormalResults() { _mm_setcsr(saved_ | (_mm_getcsr() & kExceptionFlags)); }
 
  private:
   static constexpr unsigned kFlushToZero = 0x8000;
+  static constexpr unsigned kExceptionFlags = 0x3f;  // the sticky flags IE, DE, ZE, OE, UE, PE
   unsigned saved_;
 #else
   FlushDenormalResults() {}  // other architectures keep their default mode

@@ -4,12 +4,13 @@
 // so the argument is ≤ 0 (or -inf, or NaN). The exception is the exponential sweep referenced to the target logit
 // (process_row), whose arguments can be positive; it redoes from the row max any row where one exceeds ≈ 41, so
 // positive arguments need the same accuracy up to there and only a finite or infinite (never a wrapped or garbage)
-// result beyond: both forms clamp the argument (AVX-512 at ±104, so exp overflows to inf; AVX2 at 88). The exponential
-// bounds the kernel on a CPU (the sweep is limited by the FMA pipes), so its instruction count is the kernel's speed:
-// 11 vector instructions, against ≈ 20 for ATen's exp_u20. Maximum relative error, measured against double exp on
-// 2^24-point grids (normal results only; both ISAs): 2.0e-7 on [-20, 0], 3.0e-7 on [0, 42], 3.9e-7 on
-// [-87, 0], i.e. at most about 3 ulps, where exp_u20 is allowed 20. The largest errors are on the smallest results
-// (below e^-20, where they are negligible against the row's sum) and on the positive side of target-referenced rows.
+// result beyond: both forms clamp the argument from above (AVX-512 at 104, so exp overflows to inf; AVX2 at 88). The
+// exponential bounds the kernel on a CPU (the sweep is limited by the FMA pipes), so its instruction count is the
+// kernel's speed: 11 vector instructions, against ≈ 20 for ATen's exp_u20. Maximum relative error, measured against
+// double exp on 2^24-point grids (normal results only; both ISAs): 2.0e-7 on [-20, 0], 3.0e-7 on [0, 42], 3.9e-7 on
+// [-86, 0] (both forms return 0 below -86), i.e. at most about 3 ulps, where exp_u20 is allowed 20. The largest errors
+// are on the smallest results (below e^-20, where they are negligible against the row's sum) and on the positive side
+// of target-referenced rows.
 //
 // Algorithm: n = round(x log2 e), r = x - n ln2 in one FMA (the product n·ln2 is exact inside it, so r is off only
 // by n times the rounding of ln2 to float, ≤ 3e-7 relative for |n| ≤ 150), exp(r) ≈ 1 + r + c2 r² + … + c5 r⁵ on
@@ -107,18 +108,19 @@ CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
 // lose the max and leave a positive x; that row's sums are NaN anyway).
 template <bool kBelowMax = false>
 CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
-  // Results below exp(-86) ≈ 4.5e-38 (just above FLT_MIN) are flushed to exactly 0 by zero-masking the final scaling,
-  // as the AVX2 form does: vscalefps would round them through the denormals, and on Intel cores each denormal or
-  // underflowing result costs a microcode assist of some hundred cycles. The lanes past a row (-inf) took one in every
-  // row whose C is not a multiple of 16 (ImageNet's 1000 classes, CIFAR's 10 and 100). The mask keeps NaN (unordered),
-  // so a NaN logit still gives a NaN row; -inf and any argument too negative for the range reduction land in masked
-  // lanes, whose NaN or garbage never reaches the result. The upper clamp at 104 (exp overflows to inf past 88.7)
-  // keeps positive arguments of target-referenced rows finite through the reduction, so +inf gives inf; it returns
-  // NaN from its second operand.
+  // Results below exp(-86) ≈ 4.5e-38 (just above FLT_MIN) are flushed to exactly 0 by zero-masking, as the AVX2 form
+  // does: vscalefps would round them through the denormals, and on Intel cores each denormal or underflowing result
+  // costs a microcode assist of some hundred cycles. That matters for the lanes past a row (-inf), which every row
+  // whose C is not a multiple of 16 has (ImageNet's 1000 classes, CIFAR's 10 and 100). The mask keeps NaN
+  // (unordered), so a NaN logit still gives a NaN row. -inf and arguments too negative for the range reduction are
+  // masked from the reduction's FMA on (where -inf would compute inf - inf) to the scaling, so those lanes raise no
+  // floating-point exception and their garbage never reaches the result. The upper clamp at 104 (exp overflows to inf
+  // past 88.7) keeps positive arguments of target-referenced rows finite through the reduction, so +inf gives inf; it
+  // returns NaN from its second operand.
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-86.0f), _CMP_NLT_UQ);
   if constexpr (!kBelowMax) x = _mm512_min_ps(_mm512_set1_ps(104.0f), x);
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(kLn2), x);
+  const __m512 r = _mm512_maskz_fnmadd_ps(keep, n, _mm512_set1_ps(kLn2), x);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC5), r, _mm512_set1_ps(kExpC4));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC2));
@@ -304,7 +306,10 @@ CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, fl
       sg = _mm512_add_ps(sg, given);
       negative |= _mm512_cmp_ps_mask(given, zero, _CMP_NGE_UQ);
       se = _mm512_add_ps(se, e);
-      stz = _mm512_mask_add_ps(stz, _mm512_cmp_ps_mask(given, zero, _CMP_GT_OQ), stz, _mm512_mul_ps(given, shifted));
+      // masked product: 0 · (-inf) in a lane past the row, or for a -inf logit with a 0 target, would raise an
+      // invalid-operation exception (its NaN was masked out of the sum anyway)
+      const __mmask16 positive = _mm512_cmp_ps_mask(given, zero, _CMP_GT_OQ);
+      stz = _mm512_mask_add_ps(stz, positive, stz, _mm512_maskz_mul_ps(positive, given, shifted));
       if constexpr (kSmooth) ss = _mm512_mask_add_ps(ss, lanes, ss, shifted);
       ste = _mm512_fmadd_ps(given, e, ste);
       if constexpr (kSquare) {
