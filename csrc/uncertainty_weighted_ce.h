@@ -71,7 +71,7 @@ int64_t release_cpu_gradient_cache();
 
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/
 // _codes.py DENSE_KERNEL_CHECK_MAX_CLASSES); wider rows are checked by device reductions with pairwise sums.
-constexpr int64_t kDenseKernelCheckMaxClasses = 4194304;
+constexpr int64_t kDenseKernelCheckMaxClasses = 262144;
 
 // FLSD-53 schedule (Mukhoti et al. 2020): gamma_i = 5 if p_y < 0.2, 3 if p_y < 0.5, else `gamma`.
 constexpr double kFlsdLowThreshold = 0.2;

@@ -415,6 +415,34 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
 
 
 @pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
+@pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "dense"])
+def test_triton_kernels_take_an_empty_batch_like_the_cpu_op(kind):
+    """The op called directly with no rows (the public API refuses an empty batch): the loss the CPU op gives (0 for
+    mean and sum, an empty vector for none), an empty (0, C) gradient, and a flag that says no target is bad."""
+    from calibkernels.triton import uncertainty_weighted_ce as T
+
+    z = torch.zeros(0, 6)
+    target = torch.zeros(0, 6) if kind == "dense" else torch.zeros(0, dtype=torch.int64)
+    soft = dict(label_smoothing=0.1) if kind == "smooth" else {}
+    if kind == "mix":
+        soft = dict(mix_target=torch.zeros(0, dtype=torch.int64), mix_lambda=0.5)
+    cpu = torch.ops.calibkernels.uncertainty_weighted_ce.default if _backends.unavailable_reason(
+        "cpu", torch.device("cpu")) is None else None
+    for reduction in V.REDUCTION_CODES.values():
+        loss, grad, flag = T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,
+                                                             True, **soft)
+        assert grad.shape == (0, 6) and int(flag[0]) == 0
+        assert loss.shape == ((0,) if reduction == V.REDUCTION_CODES["none"] else ())
+        if reduction != V.REDUCTION_CODES["none"]:
+            assert loss.item() == 0.0
+        if cpu is not None:
+            mix = (soft["mix_target"], torch.tensor(0.5)) if kind == "mix" else (None, None)
+            expected = cpu(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction, True, None, *mix,
+                           soft.get("label_smoothing", 0.0))[0]
+            torch.testing.assert_close(loss, expected)
+
+
+@pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
 @pytest.mark.parametrize("read", ["single read", "chunked", "past the check's width"])
 @pytest.mark.parametrize("target_dtype", [torch.float32, torch.float64])
 def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monkeypatch):
@@ -433,9 +461,17 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
     z, dense = z.float(), dense.to(target_dtype)
     assert T._launch_config(6, 4)[0] == (read != "chunked")
 
+    reductions_used = []  # whether each flag came from the device reductions instead of the kernel's own check
+    real_flag = V.dense_target_flag
+    monkeypatch.setattr(V, "dense_target_flag", lambda target: reductions_used.append(True) or real_flag(target))
+    fallback = read == "past the check's width" or target_dtype == torch.float64
+
     def flag(target, reduction=1):  # weight brier, mode grad; the mean's and sum's reduction folds the row flags
-        return T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,
-                                                 True)[2].tolist()
+        reductions_used.clear()
+        result = T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,
+                                                   True)[2].tolist()
+        assert bool(reductions_used) == fallback, (read, target_dtype)
+        return result
 
     for reduction in V.REDUCTION_CODES.values():
         assert flag(dense, reduction) == [0, 8]

@@ -337,27 +337,39 @@ def test_target_flag_output(reduction):
 
 @needs_gpu
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("c", [50, 2000, 5000])  # warp per row, block per row, streamed
+@pytest.mark.parametrize("c", [50, 700, 2000, 5000])  # warp per row (8 and 32 values a lane), block per row, streamed
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32),
-                                    (torch.float16, torch.float16), (torch.float32, torch.float64),
-                                    (torch.float64, torch.float64)])
+                                    (torch.float16, torch.float16), (torch.float32, torch.bfloat16),
+                                    (torch.float32, torch.float64), (torch.float64, torch.float64)])
 def test_dense_target_flag_output(reduction, c, dtypes):
     """A dense target's flag, (any bad row, the first bad row), from the soft kernel's own reads of the target (the
     reduction's launch folds the row flags; with reduction "none", a launch of its own), or from device reductions for
     a float64 target of lower-precision logits: dense_target_flag's answer on every path, in place too and with
-    label smoothing (the check takes the target as given)."""
+    label smoothing (the check takes the target as given). A bfloat16 target of float32 logits is read converted to
+    float32 and keeps bfloat16's tolerance. Every call under test follows a call with another answer: the row flags'
+    buffer is most likely the block that call freed, so a path that left its flags unwritten would report the other
+    call's answer, not a copy of its own."""
     logits_dtype, target_dtype = dtypes
     n = 1500  # rows past one pass of the fold's block
     z = _logits(n, c).to(logits_dtype)
     dense = torch.softmax(torch.randn(n, c, device="cuda", dtype=torch.float64), 1).to(target_dtype)
     tolerance = V.dense_row_sum_tolerance(target_dtype)
+    decoy_bad = dense.clone()
+    decoy_bad[n // 2, 0] = float("nan")
+
+    def flag(logits, target, want, **kw):
+        decoy, decoy_want = (decoy_bad, [1, n // 2]) if want[0] == 0 else (dense, [0, n])
+        assert _op_flag(z, decoy, reduction=reduction).tolist() == decoy_want
+        got = _op_flag(logits, target, reduction=reduction, **kw)
+        assert got.dtype == torch.int64 and got.shape == (2,)
+        assert got.tolist() == list(want), (want, kw.keys())
+
     for smoothing in (0.0, 0.1):
         for grad_out in (None, z.clone()):
-            flag = _op_flag(grad_out if grad_out is not None else z, dense, reduction=reduction, grad_out=grad_out,
-                            label_smoothing=smoothing)
-            assert flag.dtype == torch.int64 and flag.shape == (2,) and flag.tolist() == [0, n]
+            flag(grad_out if grad_out is not None else z, dense, [0, n], grad_out=grad_out, label_smoothing=smoothing)
     cases = [((700, 3, float("nan")),), ((5, 0, -0.5), (1499, 3, float("nan"))), ((1499, 1, float("inf")),),
-             ((9, 2, float("-inf")),), ((300, 0, -0.25), (300, 1, None))]  # None: the row still sums to 1
+             ((9, 2, float("-inf")),), ((300, 0, -0.25), (300, 1, None)),  # None: the row still sums to 1
+             ((42, -1, -0.5),)]  # the row's last column: the scalar tail, or the last streamed tile
     for entries in cases:
         target = dense.clone()
         for row, col, value in entries:
@@ -365,13 +377,12 @@ def test_dense_target_flag_output(reduction, c, dtypes):
         want = V.dense_target_flag(target)
         assert want.tolist() == [1, min(row for row, _, _ in entries)]
         for grad_out in (None, z.clone()):
-            flag = _op_flag(grad_out if grad_out is not None else z, target, reduction=reduction, grad_out=grad_out)
-            torch.testing.assert_close(flag, want, rtol=0, atol=0)
-        torch.testing.assert_close(_op_flag(z, target, reduction=reduction, compute_grad=False), want, rtol=0, atol=0)
+            flag(grad_out if grad_out is not None else z, target, want.tolist(), grad_out=grad_out)
+        flag(z, target, want.tolist(), compute_grad=False)
     for row, factor in ((17, 1 + 3 * tolerance), (1200, 1 - 3 * tolerance)):  # rows off 1 by 3 tolerances
         target = dense.clone()
         target[row] *= factor
-        assert _op_flag(z, target, reduction=reduction, label_smoothing=0.1).tolist() == [1, row]
+        flag(z, target, [1, row], label_smoothing=0.1)
     one = dense[:1].clone()  # a single row, and an empty batch (the op called directly; the API refuses it)
     assert _op_flag(z[:1], one, reduction=reduction).tolist() == [0, 1]
     one[0, 0] = -1.0

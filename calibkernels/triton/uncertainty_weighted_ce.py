@@ -1089,7 +1089,7 @@ def uncertainty_weighted_ce_forward(
     # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by device
     # reductions (pairwise sums) instead of the kernel's flags
     dense_flags = dense and target.dtype != torch.float64 and num_classes <= DENSE_KERNEL_CHECK_MAX_CLASSES
-    reduce_block = min(4096, triton.next_power_of_2(num_rows))
+    reduce_block = min(4096, triton.next_power_of_2(max(num_rows, 1)))  # an empty batch still folds (to "none bad")
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         valid_count = row_loss  # placeholder: without a count the kernels divide by num_rows
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
@@ -1110,7 +1110,9 @@ def uncertainty_weighted_ce_forward(
                 COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block,
                 SINGLE_READ=single_read, NORM_IS_TWO=weight in (WEIGHT_BRIER, WEIGHT_BRIER_FLSD) and float(norm) == 2.0,
                 num_warps=num_warps)
-    if soft:
+    if num_rows == 0:
+        pass  # no row to launch: the reduction's launch below still writes the loss (0) and folds the flag
+    elif soft:
         has_mix = mix_target is not None
         _soft_target_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0),
