@@ -444,13 +444,14 @@ def test_triton_kernels_take_an_empty_batch_like_the_cpu_op(kind):
 
 @pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
 @pytest.mark.parametrize("read", ["single read", "chunked", "past the check's width"])
-@pytest.mark.parametrize("target_dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monkeypatch):
     """The Triton kernel's own check of a dense target's values (what a GPU call reads instead of a host check; here
     under the interpreter, on CPU tensors, whose calls keep the host check): the ``(any bad row, first bad row)`` flag
-    it returns, in one read of the row and in chunks, and the error that flag becomes. A float64 target's flag comes
-    from float64 reductions instead (its tolerance is below what the kernel's float32 sums can tell), and so does
-    that of rows wider than DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4)."""
+    it returns, in one read of the row and in chunks, and the error that flag becomes; a half-precision target is
+    read in float32 and judged with its own dtype's tolerance. A float64 target's flag comes from float64 reductions
+    instead (its tolerance is below what the kernel's float32 sums can tell), and so does that of rows wider than
+    DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4)."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     if read == "chunked":
@@ -479,7 +480,7 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
         torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton", reduction=reduction),
                                    ck.uncertainty_weighted_ce(z, dense, backend="reference", reduction=reduction),
                                    rtol=1e-5, atol=1e-6)
-    for name, target, row in _bad_dense_targets(dense):
+    for name, target, row in _bad_dense_targets(dense, V.dense_row_sum_tolerance(target_dtype)):
         assert [flag(target, reduction) for reduction in V.REDUCTION_CODES.values()] == [[1, row]] * 3, name
         with pytest.raises(ValueError, match=rf"dense target must be finite and >= 0 and sum to 1.*row {row} is not"):
             _target_checks.submit(T.uncertainty_weighted_ce_forward(
