@@ -414,6 +414,32 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
         assert f"for {dtype}" in str(raised.value)
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() or "triton" not in ck.available_backends(),
+                    reason="the compiled Triton kernels need a GPU")
+@pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
+@pytest.mark.parametrize("target_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_dense_flag_folds_rows_past_one_block_on_the_gpu(reduction, target_dtype):
+    """Compiled on a GPU, the fold of the row flags loops over blocks of 4096 rows: a bad row in the second block,
+    and with a bad row in each block the first, against dense_target_flag; 16-bit targets are read in float32."""
+    from calibkernels.triton import uncertainty_weighted_ce as T
+
+    n, c = 5000, 50
+    g = torch.Generator(device="cuda").manual_seed(11)
+    z = torch.randn(n, c, device="cuda", generator=g)
+    dense = torch.softmax(torch.randn(n, c, device="cuda", dtype=torch.float64, generator=g), 1).to(target_dtype)
+    code = V.REDUCTION_CODES[reduction]
+
+    def flag(target):
+        return T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, code, True)[2].tolist()
+
+    assert flag(dense) == [0, n]
+    for rows in ([4500], [4999], [4500, 17]):
+        target = dense.clone()
+        for row in rows:
+            target[row, 3] = -0.5
+        assert flag(target) == V.dense_target_flag(target).tolist() == [1, min(rows)]
+
+
 @pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
 @pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "dense"])
 def test_triton_kernels_take_an_empty_batch_like_the_cpu_op(kind):
