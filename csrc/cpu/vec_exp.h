@@ -306,10 +306,9 @@ CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, fl
       sg = _mm512_add_ps(sg, given);
       negative |= _mm512_cmp_ps_mask(given, zero, _CMP_NGE_UQ);
       se = _mm512_add_ps(se, e);
-      // masked product: 0 · (-inf) in a lane past the row, or for a -inf logit with a 0 target, would raise an
-      // invalid-operation exception (its NaN was masked out of the sum anyway)
-      const __mmask16 positive = _mm512_cmp_ps_mask(given, zero, _CMP_GT_OQ);
-      stz = _mm512_mask_add_ps(stz, positive, stz, _mm512_maskz_mul_ps(positive, given, shifted));
+      // only where T > 0, as a zero-masked product: 0 · (-inf) in a lane past the row, or for a -inf logit with a 0
+      // target, would be NaN and raise an invalid-operation exception; the other lanes add 0
+      stz = _mm512_add_ps(stz, _mm512_maskz_mul_ps(_mm512_cmp_ps_mask(given, zero, _CMP_GT_OQ), given, shifted));
       if constexpr (kSmooth) ss = _mm512_mask_add_ps(ss, lanes, ss, shifted);
       ste = _mm512_fmadd_ps(given, e, ste);
       if constexpr (kSquare) {
