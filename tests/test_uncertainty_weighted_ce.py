@@ -126,6 +126,34 @@ def test_odd_shapes(backend_device, shape, weight, mode):
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("weight, gamma", [("focal", 0.5), ("focal", 2.5), ("focal", 3.5), ("brier", 1.0),
+                                           ("brier", 3.0), ("brier", 5.0)])
+def test_half_integer_exponents(backend_device, weight, gamma, dtype):
+    # (1 - p)^γ and S^(γ/2) with a half-integer exponent (BSCE-GRA's default S^(1/2) among them): the kernels take a
+    # square root times repeated squaring there instead of pow. Rows whose base is exactly 0 (a target logit far above
+    # the rest) must give pow's 0, and smoothing/a mix the same exponents on soft rows.
+    backend, device = backend_device
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the Triton backend takes no float64 logits")
+    z = (torch.randn(12, 33, dtype=dtype) * 3)
+    z[0, 4] = 200.0  # saturated rows: 1 - p_y and S underflow to 0
+    z[1, 7] = 200.0
+    y = torch.randint(0, 33, (12,))
+    y[0], y[1] = 4, 7
+    z, y = z.to(device), y.to(device)
+    # float64: "loss" mode's focal gradient on rows with p_y near 1e-6 (CE near 14) is about 100 ulps off the float64
+    # reference, with pow as with the square root (the same bits); the reference then has no error of its own to scale
+    ulps = 256 if dtype == torch.float64 else 64
+    for mode in MODES:
+        check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
+                                ulps=ulps)
+        if weight == "brier" or mode == "grad":
+            check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
+                                    label_smoothing=0.1, mix_target=y.flip(0), mix_lambda=0.7, ulps=ulps)
+
+
+@pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("norm", [1.0, 1.5, 3.0])
 def test_generalised_brier_norms(backend_device, norm):
     backend, device = backend_device
