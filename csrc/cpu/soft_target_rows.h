@@ -106,11 +106,11 @@ Vectorized<T> load_masked(const T* p, int64_t count, T fill) {
 }
 
 // The row's CE, P = <t, p>, 1 - P and the FLSD band from a compact row's sums: the exponentials e_y, e_m relative to
-// ref, `rest` = Σ over the columns other than y and m, `shift_sum` = Σ_k (z_k - ref) over all columns (read only
-// when c > 0).
+// ref, `others` = Σ_{k≠y} e_k (e_m included), `rest` = Σ over the columns other than y and m, `shift_sum` =
+// Σ_k (z_k - ref) over all columns (read only when c > 0).
 template <typename T>
 struct CompactSums {
-  T e_y, e_m, rest, shift_sum;
+  T e_y, e_m, others, rest, shift_sum;
 };
 
 template <typename T>
@@ -126,9 +126,11 @@ inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<
                                                                 T ref, const CompactSums<T>& s) {
   CompactRow<T> r;
   const bool mixed = tg.m != tg.y;
-  r.denom = s.e_y + s.e_m + s.rest;
+  // from the sweep's sum rather than e_m + rest: the division, which everything after it waits for, starts one add
+  // earlier (and the sum of positive terms loses nothing to rest's subtraction)
+  r.denom = s.e_y + s.others;
   const T inv = T(1) / r.denom;
-  const T others_y = s.e_m + s.rest;  // Σ_{k≠y} e_k (e_m is 0 without a distinct m)
+  const T others_y = s.others;  // Σ_{k≠y} e_k
   r.p_y = s.e_y * inv;
   r.one_minus_p_y = others_y * inv;
   r.p_m = mixed ? s.e_m * inv : r.p_y;
@@ -255,7 +257,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     // in L1)
     rest_sums(e_row, C, y, m, rest, rest_sq);
   }
-  const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, rest, shift_sum});
+  const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others, rest, shift_sum});
 
   const bool loss_mode = spec.mode == Mode::Loss;
   const bool need_log = loss_mode || spec.flsd_schedule;
@@ -270,14 +272,17 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   r.q = spec.q;
   r.external = external;
   if constexpr (kSquare) {
-    // S = Σ_{k∉{y,m}} (p_k - c)² + d_y² + d_m², the first sum from Σ p_k² and Σ p_k over those columns
-    const T inv2 = (T(1) / cr.denom) * (T(1) / cr.denom);
-    const T rest_sq_p = std::max(T(0), rest_sq) * inv2;
-    const T rest_p = std::max(T(0), rest) / cr.denom;
+    // S = Σ_{k∉{y,m}} (p_k - c)² + d_y² + d_m², the first sum from Σ p_k² and Σ p_k over those columns. S is on
+    // the chain of dependent operations from the sweep's sums to the gradient sweep's coefficients, so its terms
+    // are grouped to start as early as they can: c's terms from rest_p, the two exact columns' squares apart.
+    const T inv = T(1) / cr.denom;
+    const T rest_p = std::max(T(0), rest) * inv;
     const T n_rest = static_cast<T>(C - (mixed ? 2 : 1));
-    const T uniform_part = std::max(T(0), rest_sq_p - T(2) * tg.c * rest_p + n_rest * tg.c * tg.c);
-    r.S = uniform_part + cr.d_y * cr.d_y + (mixed ? cr.d_m * cr.d_m : T(0));
-    r.H = (sum_sq_others + e_y * e_y) * inv2 - cr.P;  // τ = Σ p² - P
+    const T uniform_terms = n_rest * tg.c * tg.c - T(2) * tg.c * rest_p;  // Σ (c² - 2 c p_k) over those columns
+    const T uniform_part = std::max(T(0), std::max(T(0), rest_sq) * inv * inv + uniform_terms);
+    const T exact_part = mixed ? cr.d_y * cr.d_y + cr.d_m * cr.d_m : cr.d_y * cr.d_y;
+    r.S = uniform_part + exact_part;
+    r.H = (sum_sq_others + e_y * e_y) * (inv * inv) - cr.P;  // τ = Σ p² - P
   }
   const SoftCoefficients<T> coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
   if (grad != nullptr) {
@@ -450,7 +455,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     }
   } else {
     const T z_y = z[tg.y], z_m = z[tg.m];
-    CompactSums<T> s{std::exp(z_y - ref), tg.m != tg.y ? std::exp(z_m - ref) : T(0), T(0), T(0)};
+    CompactSums<T> s{std::exp(z_y - ref), tg.m != tg.y ? std::exp(z_m - ref) : T(0), T(0), T(0), T(0)};
     T unused_sq = 0;
     for_columns_except(C, tg.y, tg.m, [&](int64_t lo, int64_t hi) {
       if (tg.c > T(0)) {
@@ -460,6 +465,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       }
     });
     s.shift_sum += (z_y - ref) + (tg.m != tg.y ? z_m - ref : T(0));
+    s.others = s.e_m + s.rest;
     cr = compact_row(tg, C, z_y, z_m, ref, s);
     denom = cr.denom;
     const T log_denom = std::log1p(cr.log_arg);
