@@ -555,6 +555,23 @@ std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
 }
 
 // The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
+// Σ_i loss_i in double, in a fixed order (deterministic whatever the thread count), with four accumulators and out of
+// line: one accumulator is a chain of dependent adds, and inside launch the compiler kept it on the stack, a store
+// and a reload on the chain for every row (docs/performance.md).
+template <typename T>
+__attribute__((noinline)) double total_of_row_losses(const T* loss, int64_t n) {
+  double a = 0, b = 0, c = 0, d = 0;
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    a += static_cast<double>(loss[i]);
+    b += static_cast<double>(loss[i + 1]);
+    c += static_cast<double>(loss[i + 2]);
+    d += static_cast<double>(loss[i + 3]);
+  }
+  for (; i < n; ++i) a += static_cast<double>(loss[i]);
+  return (a + b) + (c + d);
+}
+
 template <typename scalar_t, typename acc_t>
 void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const int64_t* t_ptr,
                       const acc_t* weight_ptr, const acc_t* gamma_ptr, const RowSpec<acc_t>& spec,
@@ -664,7 +681,6 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const scalar_t* z_ptr = z.const_data_ptr<scalar_t>();
   const int64_t* t_ptr = target.scalar_type() == at::kLong ? target.const_data_ptr<int64_t>() : nullptr;
   acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
-  std::vector<RowLoss<acc_t>> row_parts(n);
   const RowSpec<acc_t> spec{weight_formula(args.weight), args.mode, static_cast<acc_t>(args.gamma),
                             static_cast<acc_t>(args.norm), uses_flsd_schedule(args.weight)};
 
@@ -672,6 +688,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
     launch_soft_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args, scale,
                                       loss_ptr, avx512);
   } else {
+    std::vector<RowLoss<acc_t>> row_parts(n);
     auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
       constexpr PowQ kPow = decltype(pow_tag)::value;
       constexpr bool kDual = decltype(dual_tag)::value;
@@ -752,9 +769,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   }
 
   if (args.reduction == Reduction::None) return row_loss;
-  // Serial, in double: deterministic whatever the thread count.
-  double total = 0;
-  for (int64_t i = 0; i < n; ++i) total += static_cast<double>(loss_ptr[i]);
+  double total = total_of_row_losses(loss_ptr, n);
   if (args.reduction == Reduction::Mean) total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
   return at::scalar_tensor(total, z.options().dtype(loss_dtype));
 }
