@@ -38,18 +38,22 @@ C10_HOST_DEVICE inline double exp_of(double x) { return ::exp(x); }
 C10_HOST_DEVICE inline float sqrt_of(float x) { return ::sqrtf(x); }
 C10_HOST_DEVICE inline double sqrt_of(double x) { return ::sqrt(x); }
 
-// base^exponent; small non-negative integer and half-integer exponents (γ = 2, 3, 4, 5, q = 2, and gBS's γ/q = 1/2 of
-// BSCE-GRA's default, as in every published setting) by repeated squaring, times sqrt(base) for the half, which is
-// several times cheaper than pow and within a few ulps of it. pow costs about as much as a row's whole vector sweep
-// at small C on a CPU, and a row takes up to four of them; it also sits on the row's chain of dependent scalar
-// operations between its two sweeps, so its latency is paid in full.
+// base^exponent; small non-negative integer and half-integer exponents (γ = 2, 3, 4, 5, and gBS's γ/q with q = 2, as
+// in every published setting) by repeated squaring, times sqrt(base) for the half, which is several times cheaper than
+// pow and within a few ulps of it. pow costs about as much as a row's whole vector sweep at small C on a CPU, and a
+// row takes up to four of them; it also sits on the row's chain of dependent scalar operations between its two
+// sweeps, so its latency is paid in full. Every caller's base is >= 0 or NaN; for a half-integer exponent a negative
+// base gives NaN as pow does, except -inf (NaN here, +inf from pow).
 template <typename A>
 C10_HOST_DEVICE inline A weight_power(A base, A exponent) {
   if (!(exponent >= A(0) && exponent <= A(16))) return pow_of(base, exponent);  // also NaN, before the cast
   const int twice = static_cast<int>(exponent * A(2));
   if (exponent * A(2) != static_cast<A>(twice)) return pow_of(base, exponent);
-  // pow(-0, n + 1/2) is +0 where sqrt(-0) is -0: adding +0 gives +0 (and changes nothing else)
-  A result = (twice & 1) ? sqrt_of(base) + A(0) : A(1);
+  A result = 1;
+  if (twice & 1) {
+    base += A(0);  // pow(-0, n + 1/2) is +0, where sqrt(-0) and (-0)^n for odd n are -0; +0 changes nothing else
+    result = sqrt_of(base);
+  }
   for (int bits = twice >> 1; bits != 0; bits >>= 1) {
     if (bits & 1) result *= base;
     base *= base;
