@@ -144,13 +144,12 @@ def test_half_integer_exponents(backend_device, weight, gamma, dtype):
     z, y = z.to(device), y.to(device)
     # float64: "loss" mode's focal gradient on rows with p_y near 1e-6 (CE near 14) is about 100 ulps off the float64
     # reference, with pow as with the square root (the same bits); the reference then has no error of its own to scale
-    ulps = 256 if dtype == torch.float64 else 64
     for mode in MODES:
+        ulps = 256 if dtype == torch.float64 and weight == "focal" and mode == "loss" else 64
         check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
                                 ulps=ulps)
-        if weight == "brier" or mode == "grad":
-            check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
-                                    label_smoothing=0.1, mix_target=y.flip(0), mix_lambda=0.7, ulps=ulps)
+        check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
+                                label_smoothing=0.1, mix_target=y.flip(0), mix_lambda=0.7, ulps=ulps)
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
