@@ -115,7 +115,7 @@ struct CompactSums {
 
 template <typename T>
 struct CompactRow {
-  T denom, p_y, p_m, one_minus_p_y, one_minus_p_m, d_y, d_m, t_y, t_m, P, one_minus_P;
+  T denom, inv, p_y, p_m, one_minus_p_y, one_minus_p_m, d_y, d_m, t_y, t_m, P, one_minus_P;  // inv = 1 / denom
   // CE = ce_offset + ce_scale · L with L = log(denom) = log1p(log_arg): the logarithm can wait for the vectorised
   // pass of finish_row_losses when nothing in the row needs the CE (mode "grad", no FLSD band)
   T ce_offset, ce_scale, log_arg;
@@ -129,7 +129,8 @@ inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<
   // from the sweep's sum rather than e_m + rest: the division, which everything after it waits for, starts one add
   // earlier (and the sum of positive terms loses nothing to rest's subtraction)
   r.denom = s.e_y + s.others;
-  const T inv = T(1) / r.denom;
+  r.inv = T(1) / r.denom;
+  const T inv = r.inv;
   const T others_y = s.others;  // Σ_{k≠y} e_k
   r.p_y = s.e_y * inv;
   r.one_minus_p_y = others_y * inv;
@@ -275,7 +276,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     // S = Σ_{k∉{y,m}} (p_k - c)² + d_y² + d_m², the first sum from Σ p_k² and Σ p_k over those columns. S is on
     // the chain of dependent operations from the sweep's sums to the gradient sweep's coefficients, so its terms
     // are grouped to start as early as they can: c's terms from rest_p, the two exact columns' squares apart.
-    const T inv = T(1) / cr.denom;
+    const T inv = cr.inv;
     const T rest_p = std::max(T(0), rest) * inv;
     const T n_rest = static_cast<T>(C - (mixed ? 2 : 1));
     const T uniform_terms = n_rest * tg.c * tg.c - T(2) * tg.c * rest_p;  // Σ (c² - 2 c p_k) over those columns
@@ -292,7 +293,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     // the loss mode multiplies the difference by β = CE γ S^{γ/2-1}
     // column m the same way: t_m - P = w_m (1 - p_m) - w_y p_y, (p_m - t_m) - τ = p_m (1 - p_m) - Σ_{k≠m} p_k² -
     // (t_m - P). `others_sq_e`: Σ e_k² over the other columns.
-    const T inv = T(1) / cr.denom;
+    const T inv = cr.inv;
     auto exact_column = [&](T p, T one_minus_p, T d, T t_minus_P, T others_sq_e) {
       T g = coefs.u * d - coefs.focal * p * t_minus_P;
       if constexpr (kSquare) g += coefs.beta * p * (p * one_minus_p - others_sq_e * inv * inv - t_minus_P);

@@ -554,7 +554,6 @@ std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
   return t->detach().to(c10::CppTypeToScalarType<T>::value).contiguous();
 }
 
-// The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
 // Σ_i loss_i in double, in a fixed order (deterministic whatever the thread count), with four accumulators and out of
 // line: one accumulator is a chain of dependent adds, and inside launch the compiler kept it on the stack, a store
 // and a reload on the chain for every row (docs/performance.md).
@@ -572,6 +571,7 @@ __attribute__((noinline)) double total_of_row_losses(const T* loss, int64_t n) {
   return (a + b) + (c + d);
 }
 
+// The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
 template <typename scalar_t, typename acc_t>
 void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const int64_t* t_ptr,
                       const acc_t* weight_ptr, const acc_t* gamma_ptr, const RowSpec<acc_t>& spec,
