@@ -320,6 +320,45 @@ def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
         ops.uncertainty_weighted_ce(buffer, *_op_args(z, y), True, buffer)
 
 
+@pytest.mark.parametrize("at", [0, 37, 1036])
+def test_kernel_checks_every_row_of_a_mix(at):
+    """The op's own target, mix_target and mix_lambda checks over a long batch (their first pass has no branches):
+    one bad value anywhere raises and is named; a mix_target on an ignored row may be anything."""
+    op = torch.ops.calibkernels.uncertainty_weighted_ce.default
+    n, c = 1037, 5
+    z = torch.randn(n, c)
+    y = torch.randint(0, c, (n,))
+    mix = torch.randint(0, c, (n,))
+    ignored = (at + 1) % n
+    y[ignored], mix[ignored] = -100, 123  # an ignored row's mix_target is not checked
+    base = torch.rand(2 * n)
+    lam = base[::2]  # a strided per-row λ, as a Beta sample's column is
+
+    def call(t, m, l):
+        return op(z, t, None, None, 4, 1, 2.0, 2.0, -100, 1, False, None, m, l, 0.1)
+
+    assert torch.isfinite(call(y, mix, lam)[0])  # valid as it stands
+    for bad in (c, -1, 2**40):
+        t = y.clone()
+        t[at] = bad
+        with pytest.raises(ValueError, match=f"target value {bad} is out of range for {c} classes"):
+            call(t, mix, lam)
+        m = mix.clone()
+        m[at] = bad
+        with pytest.raises(ValueError, match=f"mix_target value {bad} is out of range for {c} classes"):
+            call(y, m, lam)
+    m = mix.clone()
+    m[at] = -100
+    with pytest.raises(ValueError, match="it is ignore_index, but the row's target is not ignored"):
+        call(y, m, lam)
+    for bad in (-0.25, 1.5, float("nan")):
+        for dtype in (torch.float32, torch.float64):
+            strided = base.to(dtype)
+            strided[2 * at] = bad
+            with pytest.raises(ValueError, match=r"mix_lambda must be in \[0, 1\] everywhere"):
+                call(y, mix, strided[::2])
+
+
 def test_kernel_rejects_malformed_arguments():
     ops = _op()
     z, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])

@@ -73,7 +73,25 @@ int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ign
   const at::Tensor mix = mix_target.has_value() ? mix_target->contiguous() : at::Tensor();
   const int64_t* m = mix.defined() ? mix.const_data_ptr<int64_t>() : nullptr;
   const int64_t n = target.numel();
+  // a first pass without branches (the compiler vectorises it): the count, and whether any row is out of range (an
+  // unsigned compare catches negative values too); only a call that has a bad row takes the loop that names it
+  const auto classes = static_cast<uint64_t>(num_classes);
   int64_t valid = 0;
+  bool bad = false;
+  if (m == nullptr) {
+    for (int64_t i = 0; i < n; ++i) {
+      const bool counted = t[i] != ignore_index;
+      valid += counted;
+      bad |= counted & (static_cast<uint64_t>(t[i]) >= classes);
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) {
+      const bool counted = t[i] != ignore_index;
+      valid += counted;
+      bad |= counted & ((static_cast<uint64_t>(t[i]) >= classes) | (static_cast<uint64_t>(m[i]) >= classes));
+    }
+  }
+  if (!bad) return valid;
   for (int64_t i = 0; i < n; ++i) {
     if (t[i] == ignore_index) continue;
     TORCH_CHECK_VALUE(t[i] >= 0 && t[i] < num_classes, "target value ", t[i], " is out of range for ", num_classes,
@@ -84,9 +102,8 @@ int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ign
                         " on every row whose target is not ignore_index)",
                         m[i] == ignore_index ? " (it is ignore_index, but the row's target is not ignored)" : "");
     }
-    ++valid;
   }
-  return valid;
+  return valid;  // not reached: the loop raises for the row the first pass found
 }
 
 KernelArgs check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
@@ -180,6 +197,9 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
     const int64_t count = held.lambda.numel();
     const int64_t stride = held.lambda.dim() == 0 ? 0 : held.lambda.stride(0);
     auto check_range = [&](const auto* lam) {
+      bool in_range = true;  // without branches first (NaN fails both compares), then the loop that names the value
+      for (int64_t i = 0; i < count; ++i) in_range &= (lam[i * stride] >= 0) & (lam[i * stride] <= 1);
+      if (in_range) return;
       for (int64_t i = 0; i < count; ++i) {
         const auto value = lam[i * stride];
         TORCH_CHECK_VALUE(value >= 0 && value <= 1, "mix_lambda must be in [0, 1] everywhere (NaN is refused), got ",

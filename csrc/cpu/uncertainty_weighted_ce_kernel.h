@@ -593,71 +593,104 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
                       avx512 && grad_ptr != nullptr &&
                       static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
                       use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
-  auto row = [&](const acc_t* z_row, acc_t* grad_row, const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
-                 acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
-    if (!compact) {
-      if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
-        return soft::general_soft_row<acc_t, true>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps, stream);
-      }
-      return soft::general_soft_row<acc_t, false>(z_row, grad_row, c, tg, spec, gamma, ext, scale, exps);
-    }
-    using F = std::false_type;
-    using Tr = std::true_type;
-    auto go = [&](auto square_tag, auto avx512_tag) {
-      return soft::compact_soft_row<acc_t, decltype(square_tag)::value, decltype(avx512_tag)::value>(
-          z_row, grad_row, c, tg, spec, gamma, ext, scale, exps, ahead, stream);
-    };
-    if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) return square ? go(Tr{}, Tr{}) : go(F{}, Tr{});
-    return square ? go(Tr{}, F{}) : go(F{}, F{});
-  };
-  at::parallel_for(0, n, row_grain(c), [&](int64_t begin, int64_t end) {
-    const FlushDenormalResults flush_denormals;
-    std::vector<acc_t> scratch(kWiden ? c : 0);
-    // the exponentials' scratch row, 64-byte aligned for the AVX-512 sweeps
-    std::vector<acc_t> exp_storage(c + 64 / sizeof(acc_t));
-    const auto misalign = reinterpret_cast<uintptr_t>(exp_storage.data()) % 64;
-    acc_t* const exps = exp_storage.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
-    RowLoss<acc_t>* parts = row_parts.data();
-    for (int64_t i = begin; i < end; ++i) {
-      scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
-      soft::RowTarget<acc_t> tg{nullptr, keep, uniform, acc_t(0), acc_t(0), 0, 0};
-      if (dense_ptr != nullptr) {
-        tg.dense = dense_ptr + i * c;
-        tg.invalid = st.dense_invalid;
-        tg.flag_tolerance = static_cast<acc_t>(st.dense_flag_tolerance);
-      } else {
-        const int64_t y = t_ptr[i];
-        if (y == args.ignore_index) {
-          parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
-          if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
-          continue;
+  // The row loop, instantiated once per row form (`row_fn`) so that the form is chosen once per call, and with the
+  // per-call values copied into locals of the chunk: read through the closure's references they were reloaded for
+  // every row (a row's stores may alias them), a cost that showed in profiles at small C.
+  auto run_rows = [&](auto row_fn) {
+    at::parallel_for(0, n, row_grain(c), [&, row_fn](int64_t begin, int64_t end) {
+      const FlushDenormalResults flush_denormals;
+      const int64_t classes = c, ignore_index = args.ignore_index, lambda_stride = st.lambda_stride;
+      const int64_t zs = z_stride, gs = grad_stride;
+      const int64_t* const targets = t_ptr;
+      const int64_t* const mix = st.mix;
+      const float* const lambda_float = st.lambda_float;
+      const double* const lambda_double = st.lambda_double;
+      const acc_t* const dense_rows = dense_ptr;
+      const acc_t* const gammas = gamma_ptr;
+      const acc_t* const weights = weight_ptr;
+      const acc_t row_keep = keep, row_uniform = uniform, default_gamma = spec.gamma;
+      const scalar_t* const logits = z_ptr;
+      scalar_t* const grads = grad_ptr;
+      std::vector<acc_t> scratch(kWiden ? classes : 0);
+      // the exponentials' scratch row, 64-byte aligned for the AVX-512 sweeps
+      std::vector<acc_t> exp_storage(classes + 64 / sizeof(acc_t));
+      const auto misalign = reinterpret_cast<uintptr_t>(exp_storage.data()) % 64;
+      acc_t* const exps = exp_storage.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
+      RowLoss<acc_t>* const parts = row_parts.data();
+      for (int64_t i = begin; i < end; ++i) {
+        scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
+        soft::RowTarget<acc_t> tg{nullptr, row_keep, row_uniform, acc_t(0), acc_t(0), 0, 0};
+        if (dense_rows != nullptr) {
+          tg.dense = dense_rows + i * classes;
+          tg.invalid = st.dense_invalid;
+          tg.flag_tolerance = static_cast<acc_t>(st.dense_flag_tolerance);
+        } else {
+          const int64_t y = targets[i];
+          if (y == ignore_index) {
+            parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
+            if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
+            continue;
+          }
+          const acc_t lam = lambda_float != nullptr    ? static_cast<acc_t>(lambda_float[i * lambda_stride])
+                            : lambda_double != nullptr ? static_cast<acc_t>(lambda_double[i * lambda_stride])
+                                                       : acc_t(1);
+          tg.y = y;
+          tg.m = mix != nullptr ? mix[i] : y;
+          tg.w_y = row_keep * lam;
+          tg.w_m = row_keep * (acc_t(1) - lam);
         }
-        const int64_t at_row = i * st.lambda_stride;
-        const acc_t lam = st.lambda_float != nullptr    ? static_cast<acc_t>(st.lambda_float[at_row])
-                          : st.lambda_double != nullptr ? static_cast<acc_t>(st.lambda_double[at_row])
-                                                        : acc_t(1);
-        tg.y = y;
-        tg.m = st.mix != nullptr ? st.mix[i] : y;
-        tg.w_y = keep * lam;
-        tg.w_m = keep * (acc_t(1) - lam);
+        const acc_t gamma = gammas ? gammas[i] : default_gamma;
+        const acc_t ext = weights ? weights[i] : acc_t(1);
+        const scalar_t* const z_row = logits + i * zs;
+        if constexpr (kWiden) {
+          at::vec::convert(z_row, scratch.data(), classes);
+          parts[i] = row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0);
+          if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
+        } else {
+          parts[i] = row_fn(z_row, grad_row, tg, gamma, ext, exps,
+                            kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
+        }
       }
-      const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
-      const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
-      const scalar_t* z_row = z_ptr + i * z_stride;
-      if constexpr (kWiden) {
-        at::vec::convert(z_row, scratch.data(), c);
-        parts[i] = row(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0);
-        if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
-      } else {
-        parts[i] = row(z_row, grad_row, tg, gamma, ext, exps,
-                       kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
-      }
-    }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
-    if (stream) avx512::stream_fence();  // make the streamed rows visible before the op returns
+      if (stream) avx512::stream_fence();  // make the streamed rows visible before the op returns
 #endif
-    finish_row_losses(parts, loss_ptr, begin, end);
-  });
+      finish_row_losses(parts, loss_ptr, begin, end);
+    });
+  };
+  const RowSpec<acc_t> row_spec = spec;
+  const int64_t classes = c;
+  const acc_t row_scale = scale;
+  if (!compact) {
+    auto general = [&](auto avx512_tag) {
+      run_rows([row_spec, classes, row_scale, stream](const acc_t* z_row, acc_t* grad_row,
+                                                      const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
+                                                      acc_t* exps, int64_t) -> RowLoss<acc_t> {
+        return soft::general_soft_row<acc_t, decltype(avx512_tag)::value>(z_row, grad_row, classes, tg, row_spec, gamma,
+                                                                          ext, row_scale, exps, stream);
+      });
+    };
+    if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
+      general(std::true_type{});
+    } else {
+      general(std::false_type{});
+    }
+    return;
+  }
+  auto go = [&](auto square_tag, auto avx512_tag) {
+    run_rows([row_spec, classes, row_scale, stream](const acc_t* z_row, acc_t* grad_row,
+                                                    const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
+                                                    acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
+      return soft::compact_soft_row<acc_t, decltype(square_tag)::value, decltype(avx512_tag)::value>(
+          z_row, grad_row, classes, tg, row_spec, gamma, ext, row_scale, exps, ahead, stream);
+    });
+  };
+  using F = std::false_type;
+  using Tr = std::true_type;
+  if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
+    square ? go(Tr{}, Tr{}) : go(F{}, Tr{});
+  } else {
+    square ? go(Tr{}, F{}) : go(F{}, F{});
+  }
 }
 
 // Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (row stride
