@@ -745,27 +745,40 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
           const auto misalign = reinterpret_cast<uintptr_t>(exp_row.data()) % 64;
           exp_ptr = exp_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
         }
-        RowLoss<acc_t>* parts = row_parts.data();
+        // the per-call values as locals of the chunk, as in launch_soft_rows (through the closure's references they
+        // were reloaded for every row)
+        const int64_t classes = c, ignore_index = args.ignore_index, zs = z_stride, gs = grad_stride;
+        const int64_t* const targets = t_ptr;
+        const acc_t* const gammas = gamma_ptr;
+        const acc_t* const weights = weight_ptr;
+        const scalar_t* const logits = z_ptr;
+        scalar_t* const grads = grad_ptr;
+        const RowSpec<acc_t> row_spec = spec;
+        const acc_t row_scale = scale;
+        const bool row_stream = stream;
+        RowLoss<acc_t>* const parts = row_parts.data();
         for (int64_t i = begin; i < end; ++i) {
-          scalar_t* grad_row = grad_ptr ? grad_ptr + i * grad_stride : nullptr;
-          const int64_t y = t_ptr[i];
-          if (y == args.ignore_index) {
+          scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
+          const int64_t y = targets[i];
+          if (y == ignore_index) {
             parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
-            if (grad_row) std::fill(grad_row, grad_row + c, scalar_t(0));
+            if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
             continue;
           }
-          const scalar_t* z_row = z_ptr + i * z_stride;
-          const acc_t gamma = gamma_ptr ? gamma_ptr[i] : spec.gamma;
-          const acc_t ext = weight_ptr ? weight_ptr[i] : acc_t(1);
+          const scalar_t* const z_row = logits + i * zs;
+          const acc_t gamma = gammas ? gammas[i] : row_spec.gamma;
+          const acc_t ext = weights ? weights[i] : acc_t(1);
           if constexpr (kWiden) {
-            at::vec::convert(z_row, scratch.data(), c);
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, c, y,
-                                                                spec, gamma, ext, scale, 0, exp_ptr, false);
-            if (grad_row) at::vec::convert(scratch.data(), grad_row, c);
+            at::vec::convert(z_row, scratch.data(), classes);
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
+                                                                classes, y, row_spec, gamma, ext, row_scale, 0,
+                                                                exp_ptr, false);
+            if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, c, y, spec, gamma, ext, scale,
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, classes, y, row_spec, gamma, ext,
+                                                                row_scale,
                                                                 kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                                                                exp_ptr, stream);
+                                                                exp_ptr, row_stream);
           }
         }
   #if CALIBKERNELS_HAVE_AVX512_SWEEPS
