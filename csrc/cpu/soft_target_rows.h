@@ -194,14 +194,24 @@ template <typename T, bool kAvx512 = false>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
                             T external, T scale, T* exps, bool stream = false);
 
+// The weight families of compact_soft_row, a template parameter so that each row's scalar code holds only its own
+// weight's terms (with the weight chosen at run time, the dead focal and gBS terms of plain CE's rows measured about
+// 9 ns a row on a 2-core Cascade Lake VM, docs/performance.md).
+enum class SoftFamily {
+  Plain,  // none / external: u is a constant of the row
+  Focal,  // focal / FLSD: u = (1 - P)^γ
+  Square  // gBS with q = 2: u = S^{γ/2}
+};
+
 // A compact row (class indices, a mix, smoothing) with the weights none / external / focal / FLSD / gBS with q = 2
-// (kSquare): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
+// (kFamily): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
 // process_row; the AVX-512 form for float rows when kAvx512), then one sweep writing the gradient, and the columns y
 // and m written exactly. `exps` is a scratch row of C elements (z may be the gradient row: in place).
-template <typename T, bool kSquare, bool kAvx512>
+template <typename T, SoftFamily kFamily, bool kAvx512>
 RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
                             T external, T scale, T* exps, int64_t ahead, bool stream) {
   constexpr bool kWide = kAvx512 && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
+  constexpr bool kSquare = kFamily == SoftFamily::Square;
   const int64_t y = tg.y, m = tg.m;
   const bool mixed = m != y;
   const T z_y = z[y];
@@ -285,9 +295,17 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     r.S = uniform_part + exact_part;
     r.H = (sum_sq_others + e_y * e_y) * (inv * inv) - cr.P;  // τ = Σ p² - P
   }
-  const SoftCoefficients<T> coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
+  SoftCoefficients<T> coefs;
+  if constexpr (kFamily == SoftFamily::Plain) {
+    coefs.u = spec.weight == Weight::External ? external : T(1);  // what soft_weight_coefficients gives, nothing else
+  } else {
+    coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
+  }
   if (grad != nullptr) {
-    const UniformColumnCoefficients<T> uc = soft_uniform_columns(coefs, tg.c);
+    // plain: soft_uniform_columns with A = β = τ = 0, whose u + 0 · (P - t) is u
+    const UniformColumnCoefficients<T> uc = kFamily == SoftFamily::Plain
+                                                ? UniformColumnCoefficients<T>{coefs.u, T(0), tg.c, -coefs.u * tg.c}
+                                                : soft_uniform_columns(coefs, tg.c);
     // column y without cancellation when p_y → 1: t_y - P = w_y (1 - p_y) ∓ w_m p_m, and (p_y - t_y) - τ =
     // p_y (1 - p_y) - Σ_{k≠y} p_k² - (t_y - P) (τ = Σ p² - P), where the generic form subtracts numbers near 1 and
     // the loss mode multiplies the difference by β = CE γ S^{γ/2-1}
@@ -295,7 +313,8 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     // (t_m - P). `others_sq_e`: Σ e_k² over the other columns.
     const T inv = cr.inv;
     auto exact_column = [&](T p, T one_minus_p, T d, T t_minus_P, T others_sq_e) {
-      T g = coefs.u * d - coefs.focal * p * t_minus_P;
+      T g = coefs.u * d;
+      if constexpr (kFamily == SoftFamily::Focal) g -= coefs.focal * p * t_minus_P;
       if constexpr (kSquare) g += coefs.beta * p * (p * one_minus_p - others_sq_e * inv * inv - t_minus_P);
       return g * scale;
     };

@@ -676,20 +676,28 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
     }
     return;
   }
-  auto go = [&](auto square_tag, auto avx512_tag) {
+  auto go = [&](auto family_tag, auto avx512_tag) {
     run_rows([row_spec, classes, row_scale, stream](const acc_t* z_row, acc_t* grad_row,
                                                     const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
                                                     acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
-      return soft::compact_soft_row<acc_t, decltype(square_tag)::value, decltype(avx512_tag)::value>(
+      return soft::compact_soft_row<acc_t, decltype(family_tag)::value, decltype(avx512_tag)::value>(
           z_row, grad_row, classes, tg, row_spec, gamma, ext, row_scale, exps, ahead, stream);
     });
   };
-  using F = std::false_type;
-  using Tr = std::true_type;
+  auto with_family = [&](auto avx512_tag) {
+    using soft::SoftFamily;
+    if (square) {
+      go(std::integral_constant<SoftFamily, SoftFamily::Square>{}, avx512_tag);
+    } else if (spec.weight == Weight::Focal || spec.weight == Weight::Flsd) {
+      go(std::integral_constant<SoftFamily, SoftFamily::Focal>{}, avx512_tag);
+    } else {
+      go(std::integral_constant<SoftFamily, SoftFamily::Plain>{}, avx512_tag);
+    }
+  };
   if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
-    square ? go(Tr{}, Tr{}) : go(F{}, Tr{});
+    with_family(std::true_type{});
   } else {
-    square ? go(Tr{}, F{}) : go(F{}, F{});
+    with_family(std::false_type{});
   }
 }
 
