@@ -194,9 +194,9 @@ template <typename T, bool kAvx512 = false>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
                             T external, T scale, T* exps, bool stream = false);
 
-// The weight families of compact_soft_row, a template parameter so that each row's scalar code holds only its own
-// weight's terms (with the weight chosen at run time, the dead focal and gBS terms of plain CE's rows measured about
-// 9 ns a row on a 2-core Cascade Lake VM, docs/performance.md).
+// The weight families of compact_soft_row, a template parameter (with the mode, kLoss) so that each row's scalar code
+// holds only its own weight's terms (with the weight chosen at run time, the dead focal and gBS terms of plain CE's
+// rows measured about 9 ns a row on a 2-core Cascade Lake VM, docs/performance.md).
 enum class SoftFamily {
   Plain,  // none / external: u is a constant of the row
   Focal,  // focal / FLSD: u = (1 - P)^γ
@@ -204,10 +204,10 @@ enum class SoftFamily {
 };
 
 // A compact row (class indices, a mix, smoothing) with the weights none / external / focal / FLSD / gBS with q = 2
-// (kFamily): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
+// (kFamily; kLoss: mode "loss"): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
 // process_row; the AVX-512 form for float rows when kAvx512), then one sweep writing the gradient, and the columns y
 // and m written exactly. `exps` is a scratch row of C elements (z may be the gradient row: in place).
-template <typename T, SoftFamily kFamily, bool kAvx512>
+template <typename T, SoftFamily kFamily, bool kLoss, bool kAvx512>
 RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
                             T external, T scale, T* exps, int64_t ahead, bool stream) {
   constexpr bool kWide = kAvx512 && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
@@ -270,7 +270,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   }
   const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others, rest, shift_sum});
 
-  const bool loss_mode = spec.mode == Mode::Loss;
+  constexpr bool loss_mode = kLoss;  // the caller's dispatch on spec.mode
   const bool need_log = loss_mode || spec.flsd_schedule;
   const T log_denom = need_log ? std::log1p(cr.log_arg) : T(0);
   SoftRowQuantities<T> r{};
@@ -293,7 +293,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     const T uniform_part = std::max(T(0), std::max(T(0), rest_sq) * inv * inv + uniform_terms);
     const T exact_part = mixed ? cr.d_y * cr.d_y + cr.d_m * cr.d_m : cr.d_y * cr.d_y;
     r.S = uniform_part + exact_part;
-    r.H = (sum_sq_others + e_y * e_y) * (inv * inv) - cr.P;  // τ = Σ p² - P
+    if constexpr (kLoss) r.H = (sum_sq_others + e_y * e_y) * (inv * inv) - cr.P;  // τ = Σ p² - P
   }
   SoftCoefficients<T> coefs;
   if constexpr (kFamily == SoftFamily::Plain) {
@@ -302,8 +302,8 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
   }
   if (grad != nullptr) {
-    // plain: soft_uniform_columns with A = β = τ = 0, whose u + 0 · (P - t) is u
-    const UniformColumnCoefficients<T> uc = kFamily == SoftFamily::Plain
+    // plain, and every family in mode "grad": soft_uniform_columns with A = β = τ = 0, whose u + 0 · (P - t) is u
+    const UniformColumnCoefficients<T> uc = kFamily == SoftFamily::Plain || !kLoss
                                                 ? UniformColumnCoefficients<T>{coefs.u, T(0), tg.c, -coefs.u * tg.c}
                                                 : soft_uniform_columns(coefs, tg.c);
     // column y without cancellation when p_y → 1: t_y - P = w_y (1 - p_y) ∓ w_m p_m, and (p_y - t_y) - τ =
@@ -314,8 +314,8 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     const T inv = cr.inv;
     auto exact_column = [&](T p, T one_minus_p, T d, T t_minus_P, T others_sq_e) {
       T g = coefs.u * d;
-      if constexpr (kFamily == SoftFamily::Focal) g -= coefs.focal * p * t_minus_P;
-      if constexpr (kSquare) g += coefs.beta * p * (p * one_minus_p - others_sq_e * inv * inv - t_minus_P);
+      if constexpr (kFamily == SoftFamily::Focal && kLoss) g -= coefs.focal * p * t_minus_P;
+      if constexpr (kSquare && kLoss) g += coefs.beta * p * (p * one_minus_p - others_sq_e * inv * inv - t_minus_P);
       return g * scale;
     };
     const T g_y = exact_column(cr.p_y, cr.one_minus_p_y, cr.d_y,

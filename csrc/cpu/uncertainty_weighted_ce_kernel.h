@@ -676,13 +676,21 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
     }
     return;
   }
-  auto go = [&](auto family_tag, auto avx512_tag) {
+  auto go_with = [&](auto family_tag, auto loss_tag, auto avx512_tag) {
     run_rows([row_spec, classes, row_scale, stream](const acc_t* z_row, acc_t* grad_row,
                                                     const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
                                                     acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
-      return soft::compact_soft_row<acc_t, decltype(family_tag)::value, decltype(avx512_tag)::value>(
-          z_row, grad_row, classes, tg, row_spec, gamma, ext, row_scale, exps, ahead, stream);
+      return soft::compact_soft_row<acc_t, decltype(family_tag)::value, decltype(loss_tag)::value,
+                                    decltype(avx512_tag)::value>(z_row, grad_row, classes, tg, row_spec, gamma, ext,
+                                                                 row_scale, exps, ahead, stream);
     });
+  };
+  auto go = [&](auto family_tag, auto avx512_tag) {
+    if (spec.mode == Mode::Loss) {
+      go_with(family_tag, std::true_type{}, avx512_tag);
+    } else {
+      go_with(family_tag, std::false_type{}, avx512_tag);
+    }
   };
   auto with_family = [&](auto avx512_tag) {
     using soft::SoftFamily;
