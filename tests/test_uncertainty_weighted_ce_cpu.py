@@ -320,6 +320,36 @@ def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
         ops.uncertainty_weighted_ce(buffer, *_op_args(z, y), True, buffer)
 
 
+@pytest.mark.parametrize("soft", [{}, {"label_smoothing": 0.1}, {"mix": True}])
+def test_strided_targets_read_as_their_rows(soft):
+    """A target that is a strided view (every other entry of a longer tensor) counts and checks its own rows, not its
+    storage's: the gaps hold ignore_index and out-of-range values, which must neither change the mean's count nor
+    raise."""
+    n, c = 37, 6
+    z = torch.randn(n, c)
+    storage = torch.full((2 * n,), -100, dtype=torch.int64)
+    storage[1::4] = 99  # out of range, in the gaps only
+    storage[0::2] = torch.randint(0, c, (n,))
+    storage[4] = -100  # one ignored row of the view itself
+    target = storage[0::2]
+    assert not target.is_contiguous()
+    kw = dict(soft)
+    if kw.pop("mix", False):
+        mix_storage = torch.full((2 * n,), 99, dtype=torch.int64)
+        mix_storage[0::2] = torch.randint(0, c, (n,))
+        kw.update(mix_target=mix_storage[0::2], mix_lambda=torch.rand(n))
+    for reduction in ("mean", "sum", "none"):
+        for weight in ("brier", "none"):
+            got = ck.uncertainty_weighted_ce(z, target, weight=weight, reduction=reduction, backend="cpu", **kw)
+            contiguous = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+            want = ck.uncertainty_weighted_ce(z, target.contiguous(), weight=weight, reduction=reduction,
+                                              backend="cpu", **contiguous)
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+            ref = ck.uncertainty_weighted_ce(z.double(), target, weight=weight, reduction=reduction,
+                                             backend="reference", **kw)
+            torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("at", [0, 37, 1036])
 def test_kernel_checks_every_row_of_a_mix(at):
     """The op's own target, mix_target and mix_lambda checks over a long batch (their first pass has no branches):

@@ -302,9 +302,11 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     coefs = soft_weight_coefficients(spec.weight, loss_mode, r, true);
   }
   if (grad != nullptr) {
-    // plain, and every family in mode "grad": soft_uniform_columns with A = β = τ = 0, whose u + 0 · (P - t) is u
+    // plain, and every family in mode "grad": soft_uniform_columns with A = β = τ = 0, whose u + 0 · (P - t) is
+    // u + 0 (P ≥ t = c here, so the product is +0, and u = -0 gives +0 as before)
     const UniformColumnCoefficients<T> uc = kFamily == SoftFamily::Plain || !kLoss
-                                                ? UniformColumnCoefficients<T>{coefs.u, T(0), tg.c, -coefs.u * tg.c}
+                                                ? UniformColumnCoefficients<T>{coefs.u + T(0), T(0), tg.c,
+                                                                               -coefs.u * tg.c}
                                                 : soft_uniform_columns(coefs, tg.c);
     // column y without cancellation when p_y → 1: t_y - P = w_y (1 - p_y) ∓ w_m p_m, and (p_y - t_y) - τ =
     // p_y (1 - p_y) - Σ_{k≠y} p_k² - (t_y - P) (τ = Σ p² - P), where the generic form subtracts numbers near 1 and

@@ -69,7 +69,8 @@ CpuIsa selected_isa() {
 int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index,
                       const std::optional<at::Tensor>& mix_target) {
   if (target.is_floating_point()) return target.size(0);  // dense: every row counts
-  const int64_t* t = target.const_data_ptr<int64_t>();
+  const at::Tensor indices = target.contiguous();  // a strided target (a view) read as its own rows, not its storage's
+  const int64_t* t = indices.const_data_ptr<int64_t>();
   const at::Tensor mix = mix_target.has_value() ? mix_target->contiguous() : at::Tensor();
   const int64_t* m = mix.defined() ? mix.const_data_ptr<int64_t>() : nullptr;
   const int64_t n = target.numel();
