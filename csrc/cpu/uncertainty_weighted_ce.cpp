@@ -65,32 +65,25 @@ CpuIsa selected_isa() {
 
 // Validates targets (the kernel is the last line of defence: under torch.compile the Python range check is
 // skipped) and counts the non-ignored rows for the mean; raises the reference's ValueError, with the same text.
-// With a mix, mix_target must be a class on every non-ignored row.
+// With a mix, mix_target must be a class on every non-ignored row. `target` and `mix_target` are contiguous (the
+// caller's copies: a strided target, e.g. y[::2], must be read as its own rows, not its storage's).
 int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ignore_index,
                       const std::optional<at::Tensor>& mix_target) {
   if (target.is_floating_point()) return target.size(0);  // dense: every row counts
-  const at::Tensor indices = target.contiguous();  // a strided target (a view) read as its own rows, not its storage's
-  const int64_t* t = indices.const_data_ptr<int64_t>();
-  const at::Tensor mix = mix_target.has_value() ? mix_target->contiguous() : at::Tensor();
-  const int64_t* m = mix.defined() ? mix.const_data_ptr<int64_t>() : nullptr;
+  const int64_t* t = target.const_data_ptr<int64_t>();
+  const int64_t* m = mix_target.has_value() ? mix_target->const_data_ptr<int64_t>() : nullptr;
   const int64_t n = target.numel();
   // a first pass without branches (the compiler vectorises it): the count, and whether any row is out of range (an
-  // unsigned compare catches negative values too); only a call that has a bad row takes the loop that names it
+  // unsigned compare catches negative values too); only a call that has a bad row takes the loop that names it.
+  // Without a mix the target stands in for mix_target (checked twice, so that one loop serves both).
+  const int64_t* const partner = m != nullptr ? m : t;
   const auto classes = static_cast<uint64_t>(num_classes);
   int64_t valid = 0;
   bool bad = false;
-  if (m == nullptr) {
-    for (int64_t i = 0; i < n; ++i) {
-      const bool counted = t[i] != ignore_index;
-      valid += counted;
-      bad |= counted & (static_cast<uint64_t>(t[i]) >= classes);
-    }
-  } else {
-    for (int64_t i = 0; i < n; ++i) {
-      const bool counted = t[i] != ignore_index;
-      valid += counted;
-      bad |= counted & ((static_cast<uint64_t>(t[i]) >= classes) | (static_cast<uint64_t>(m[i]) >= classes));
-    }
+  for (int64_t i = 0; i < n; ++i) {
+    const bool counted = t[i] != ignore_index;
+    valid += counted;
+    bad |= counted & ((static_cast<uint64_t>(t[i]) >= classes) | (static_cast<uint64_t>(partner[i]) >= classes));
   }
   if (!bad) return valid;
   for (int64_t i = 0; i < n; ++i) {
@@ -188,7 +181,7 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
     args.soft.dense_flag_tolerance = dense_flag_tolerance(target.scalar_type(), acc, z.size(1));
   }
   if (mix_target.has_value()) {
-    held.mix = mix_target->contiguous();
+    held.mix = *mix_target;  // contiguous (the caller's copy)
     // λ is read where it lies when float32/float64, strided too (a per-row λ is often a strided view: a Beta sample
     // is a column of a Dirichlet's); a plain loop checks the range (a copy or a few ATen ops on N values would cost
     // a few percent of the whole op at classification shapes)
@@ -226,15 +219,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
     const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
-  KernelArgs args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                               ignore_index, reduction, mix_target, mix_lambda, label_smoothing);
+  // the class-index tensors made contiguous once, for the target check and the kernel alike
+  const at::Tensor t = target.contiguous();
+  const std::optional<at::Tensor> mix =
+      mix_target.has_value() ? std::optional<at::Tensor>(mix_target->contiguous()) : std::nullopt;
+  KernelArgs args = check_args(logits, t, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                               reduction, mix, mix_lambda, label_smoothing);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
   const at::Tensor z = direct ? logits : logits.contiguous();
-  const at::Tensor t = target.contiguous();
-  const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix_target, mix_lambda);
+  const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix, mix_lambda);
   const CpuIsa isa = selected_isa();
   std::atomic<bool> dense_invalid{false};
   args.soft.dense_invalid = &dense_invalid;
