@@ -130,9 +130,9 @@ def test_odd_shapes(backend_device, shape, weight, mode):
 @pytest.mark.parametrize("weight, gamma", [("focal", 0.5), ("focal", 2.5), ("focal", 3.5), ("brier", 1.0),
                                            ("brier", 3.0), ("brier", 5.0)])
 def test_half_integer_exponents(backend_device, weight, gamma, dtype):
-    # (1 - p)^γ and S^(γ/2) with a half-integer exponent (gBS with γ = 1 or 3 and q = 2: S^(1/2), S^(3/2)): the kernels
-    # take a square root times repeated squaring there instead of pow. Rows whose base is exactly 0 (a target logit far above
-    # the rest) must give pow's 0, and smoothing/a mix the same exponents on soft rows.
+    # (1 - p)^γ and S^(γ/2) with a half-integer exponent (gBS with γ = 1 or 3 and q = 2: S^(1/2), S^(3/2)): the
+    # kernels take a square root times repeated squaring there instead of pow. Rows whose base is exactly 0 (a target
+    # logit far above the rest) must give pow's 0, and smoothing/a mix the same exponents on soft rows.
     backend, device = backend_device
     if backend == "triton" and dtype == torch.float64:
         pytest.skip("the Triton backend takes no float64 logits")

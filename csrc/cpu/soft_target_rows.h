@@ -204,9 +204,9 @@ enum class SoftFamily {
 };
 
 // A compact row (class indices, a mix, smoothing) with the weights none / external / focal / FLSD / gBS with q = 2
-// (kFamily; kLoss: mode "loss"): the hard path's exponential sweep (referenced to the target logit while the sums stay in range, like
-// process_row; the AVX-512 form for float rows when kAvx512), then one sweep writing the gradient, and the columns y
-// and m written exactly. `exps` is a scratch row of C elements (z may be the gradient row: in place).
+// (kFamily; kLoss: mode "loss"): the hard path's exponential sweep (referenced to the target logit while the sums stay
+// in range, like process_row; the AVX-512 form for float rows when kAvx512), then one sweep writing the gradient, and
+// the columns y and m written exactly. `exps` is a scratch row of C elements (z may be the gradient row: in place).
 template <typename T, SoftFamily kFamily, bool kLoss, bool kAvx512>
 RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
                             T external, T scale, T* exps, int64_t ahead, bool stream) {
