@@ -106,8 +106,13 @@ def _hard_ece(logits, labels, n_bins=15):
 def test_dece_tends_to_hard_ece_when_sharp():
     logits, labels = _random_problem(n=200, c=5, scale=2.0)
     _, conf, _ = _confidence_and_correct(logits, labels)
-    # keep confidences away from bin edges so a sharp-but-finite soft binning is still effectively hard
-    keep = torch.tensor([abs(c * 15 - round(c * 15)) > 0.05 for c in conf])
+    # keep confidences away from bin edges so a sharp-but-finite soft binning is still effectively hard, and the
+    # target's probability away from every other class's so that the soft rank (sigmoid(t_a (p_k - p_y))) is too:
+    # a gap under about 1e-5 leaves it between 0 and 1 at t_a = 1e6 (about 1 seed in 1000 drew one)
+    probs = torch.softmax(logits, dim=-1)
+    gaps = (probs - probs.gather(1, labels[:, None])).abs()
+    gaps.scatter_(1, labels[:, None], 1.0)
+    keep = torch.tensor([abs(c * 15 - round(c * 15)) > 0.05 for c in conf]) & (gaps.min(dim=1).values > 1e-4)
     logits, labels = logits[keep], labels[keep]
     sharp = dece(logits, labels, n_bins=15, t_a=1e6, t_b=1e-5).item()
     assert sharp == pytest.approx(_hard_ece(logits, labels), abs=1e-6)
