@@ -1,4 +1,4 @@
-"""The CUDA C++ kernel (``csrc/cuda/uncertainty_weighted_ce.cu``, backend ``"cuda"``).
+"""The CUDA C++ kernels (``csrc/cuda/``: the op, its row kernels in ``row_kernels.cuh``), backend ``"cuda"``.
 
 * Everywhere: a build made with a CUDA toolkit (``calibkernels._C.WITH_CUDA``) registers the CUDA kernels of the op
   and of the backward's scaling,

@@ -1,0 +1,65 @@
+// The parameters of the CUDA row kernels (row_kernels.cuh) as the op's host side (uncertainty_weighted_ce.cu) fills
+// them, and the two launches it calls. Each logits dtype's kernels are instantiated in a translation unit of their
+// own (rows_float.cu, rows_half.cu, rows_bfloat16.cu, rows_double.cu): in one file they made a single nvcc process
+// that took most of the build's time, which a parallel build (MAX_JOBS) now splits four ways.
+#pragma once
+
+#include <c10/core/ScalarType.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace calibkernels {
+namespace cuda_rows {
+
+// The accumulation type of a logits dtype: float64 stays float64 (gradcheck), the others accumulate in float32.
+
+template <typename scalar_t>
+using Acc = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+
+template <typename A>
+struct Params {
+  const void* logits;
+  int64_t logits_row_stride;  // elements
+  void* grad;                 // nullptr: no gradient (inference)
+  int64_t grad_row_stride;
+  const int64_t* target;
+  const A* sample_weight;     // (N,) or nullptr
+  const A* gamma_per_sample;  // (N,) or nullptr
+  const int64_t* valid_count; // 0-dim, read only for the mean; nullptr: every row counts (a dense target)
+  A* row_loss;
+  int64_t num_rows;
+  int64_t num_classes;
+  int64_t ignore_index;
+  A gamma;
+  A norm;
+  int weight;          // the weight's formula (weight_formula of the op's code), which the kernels branch on
+  int mode;
+  int reduction;
+  bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule of the op's code) instead of `gamma`
+};
+
+template <typename A>
+struct SoftParams {
+  Params<A> hard;              // `target` holds the class indices (compact form); nullptr with a dense target
+  const int64_t* mix_target;   // (N,), or nullptr: no mix (λ = 1, m = y)
+  const A* mix_lambda;         // λ of row i at mix_lambda[i * lambda_stride] (stride 0: one λ for every row)
+  int64_t lambda_stride;
+  const void* dense_target;    // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
+  int64_t dense_row_stride;    // elements
+  A smoothing;                 // a
+  int8_t* dense_flags;         // (N,): 1 where a dense target's row fails its value check, or nullptr: not checked
+  A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
+};
+
+// Launches the kernel of hard targets (class indices, no smoothing, no mix) over P's rows, on the current stream.
+template <typename scalar_t>
+void launch_hard_targets(const Params<Acc<scalar_t>>& P);
+
+// Launches the soft-target kernel over SP's rows, on the current stream: class indices with smoothing or a mix
+// (SP.dense_target == nullptr), or a dense target whose elements are of `dense_dtype`.
+template <typename scalar_t>
+void launch_soft_targets(const SoftParams<Acc<scalar_t>>& SP, at::ScalarType dense_dtype);
+
+}  // namespace cuda_rows
+}  // namespace calibkernels

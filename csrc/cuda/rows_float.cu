@@ -1,0 +1,4 @@
+// The CUDA row kernels for float logits (row_params.h says why each dtype has a file of its own).
+#include "row_kernels.cuh"
+
+CALIBKERNELS_CUDA_ROWS_FOR(float)
