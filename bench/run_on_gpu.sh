@@ -4,6 +4,13 @@
 #   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [rowsplit] [raise]
 #   (stages run in the order given)
 #
+# PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote) and summary.txt.
+# DEADLINE=<seconds> ends every stage by then (a stage still running is stopped; those after it are skipped), so that
+# a command with a wall-clock limit still prints its summary. `build` uses a carried build instead of compiling when
+# `python -m bench.prebuilt check` accepts it (bench/prebuilt.py: built on another machine for this Python, torch and
+# GPU, from these sources). `test` runs the tests that involve the GPU (`-k "cuda or triton or gpu"`; TEST_K= for all
+# of the listed files: their CPU cases are CI's job).
+#
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
 # The benches write <suite>-<gpu>-<date>.json/.md and $OUT/history.jsonl (rows naming bench/results/<file>): copy the
 # result files into bench/results/ (git rm the earlier ones of the same suite and GPU) and append $OUT/history.jsonl
@@ -17,6 +24,7 @@ OUT="${OUT:-bench/results/gpu-run-$(date +%F)}"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 PY="${PYTHON:-python3}"
+export OUT PY
 
 if compgen -G ".whl/*.whl" >/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
@@ -24,17 +32,35 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 summary=()
-stage() { local name=$1; shift; local t0=$SECONDS; "$@"; local rc=$?; summary+=("$name: rc=$rc, $((SECONDS - t0)) s"); return $rc; }
+# stage NAME FUNCTION: runs the function (in a child shell, under `timeout` when DEADLINE is set) and notes its time
+stage() {
+  local name=$1 fn=$2 t0=$SECONDS rc
+  if [ -n "${DEADLINE:-}" ]; then
+    local left=$((DEADLINE - SECONDS))
+    if [ "$left" -lt 15 ]; then summary+=("$name: skipped, ${left} s left before DEADLINE"); return 1; fi
+    timeout --signal=INT --kill-after=10 "$left" bash -c "$fn"
+  else
+    "$fn"
+  fi
+  rc=$?
+  summary+=("$name: rc=$rc, $((SECONDS - t0)) s$([ "$rc" -eq 124 ] && echo ', stopped at DEADLINE')")
+  return $rc
+}
 
 do_build() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv | tee "$OUT/nvidia-smi.txt"
   $PY -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())" | tee -a "$OUT/nvidia-smi.txt"
   local cc
   cc=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
-  rm -rf build calibkernels/_C.*.so
-  CALIBKERNELS_CUDA_ARCHS="$cc" MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py -q build_ext --inplace >"$OUT/build.log" 2>&1
-  local rc=$?
-  tail -n 5 "$OUT/build.log"
+  local rc=0
+  if $PY -m bench.prebuilt check | tee "$OUT/build.log"; then
+    :
+  else
+    rm -rf build calibkernels/_C.*.so calibkernels/_C.prebuilt.json
+    CALIBKERNELS_CUDA_ARCHS="$cc" MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py -q build_ext --inplace >>"$OUT/build.log" 2>&1
+    rc=$?
+    tail -n 5 "$OUT/build.log"
+  fi
   $PY -c "import calibkernels, calibkernels._C as C; print('WITH_CUDA', C.WITH_CUDA, calibkernels.available_backends())"
   return $rc
 }
@@ -42,7 +68,9 @@ do_build() {
 do_test() {
   # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device); the whole suite is
   # CI's job on a CPU machine
-  timeout "${TEST_TIMEOUT:-540}" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider \
+  local select=()
+  [ -n "${TEST_K-cuda or triton or gpu}" ] && select=(-k "${TEST_K-cuda or triton or gpu}")
+  timeout "${TEST_TIMEOUT:-540}" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider "${select[@]}" \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
     tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
@@ -57,7 +85,7 @@ do_test() {
 }
 
 do_raise() {
-  # The open crash of the torch 2.11 host (2026-11-23): an error raised by this extension's ops killed the process
+  # The open crash of the torch 2.11 host: an error raised by this extension's ops killed the process
   # (SIGSEGV) instead of raising. Calls each op with a target of the wrong length (a TORCH_CHECK in the shared
   # argument checks), plain, with C++ stack traces on, and under gdb for the native backtrace when gdb is installed.
   local snippet='import torch, calibkernels
@@ -124,6 +152,8 @@ do_train() {
   return $rc
 }
 
+export -f do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train
+
 for s in "$@"; do
   case $s in
     build) stage build do_build || break ;;
@@ -139,4 +169,9 @@ for s in "$@"; do
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done
-printf '%s\n' "${summary[@]}"
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+if [ -n "${PACK:-}" ]; then
+  # one archive in place of the many logs and result files, for a transfer that returns only a few files
+  tar -C "$OUT" -czf /tmp/gpu-run.tgz --exclude=./gpu-run.tgz . && find "$OUT" -mindepth 1 -delete \
+    && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz" && printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+fi

@@ -488,3 +488,85 @@ def test_tune_triton_sets_each_launch_shape_and_restores_the_defaults():
         with launch_shape(T, "two-read", 4096, 4, 1000, 4):
             pass
     assert (T.MAX_BLOCK, T.MAX_BLOCK_16BIT, dict(T.TWO_READ_CHUNK), T._launch_config) == defaults
+
+
+def _prebuilt_tree(tmp_path, monkeypatch):
+    """A tree with sources and a stamped build for this interpreter and torch, as `bench.prebuilt build` leaves it."""
+    import sysconfig
+
+    from bench import prebuilt
+
+    (tmp_path / "csrc" / "cuda").mkdir(parents=True)
+    (tmp_path / "csrc" / "op.cpp").write_text("int op();\n")
+    (tmp_path / "csrc" / "cuda" / "rows.cu").write_text("__global__ void k() {}\n")
+    (tmp_path / "setup.py").write_text("# setup\n")
+    (tmp_path / "calibkernels").mkdir()
+    so = f"_C{sysconfig.get_config_var('EXT_SUFFIX')}"
+    (tmp_path / "calibkernels" / so).write_bytes(b"\x7fELF")
+    monkeypatch.setattr(prebuilt, "ROOT", tmp_path)
+    monkeypatch.setattr(prebuilt, "STAMP", tmp_path / "calibkernels" / "_C.prebuilt.json")
+    archs = "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "9.0"
+    stamp = {"sources": prebuilt.sources_hash(tmp_path), "suffix": sysconfig.get_config_var("EXT_SUFFIX"),
+             "torch": torch.__version__, "archs": archs, "file": so}
+    prebuilt.STAMP.write_text(json.dumps(stamp))
+    return prebuilt, stamp
+
+
+def test_a_prebuilt_extension_is_used_only_where_its_stamp_matches(tmp_path, monkeypatch, capsys):
+    prebuilt, stamp = _prebuilt_tree(tmp_path, monkeypatch)
+    assert prebuilt.check() == 0, capsys.readouterr().out
+    # an edited, added or renamed source file: compile again
+    for change in ("edit", "add", "rename"):
+        cu = tmp_path / "csrc" / "cuda" / "rows.cu"
+        original = cu.read_text()
+        if change == "edit":
+            cu.write_text(original + "// one more line\n")
+        elif change == "add":
+            (tmp_path / "csrc" / "extra.h").write_text("\n")
+        else:
+            cu.rename(tmp_path / "csrc" / "cuda" / "rows2.cu")
+        capsys.readouterr()
+        assert prebuilt.check() == 1
+        assert "the sources changed" in capsys.readouterr().out
+        (tmp_path / "csrc" / "extra.h").unlink(missing_ok=True)
+        if change == "rename":
+            (tmp_path / "csrc" / "cuda" / "rows2.cu").rename(cu)
+        cu.write_text(original)
+        assert prebuilt.check() == 0
+    # another torch, another interpreter, a missing library, no stamp
+    for key, value, reason in [("torch", "2.0.0", "built against torch 2.0.0"),
+                               ("suffix", ".cpython-39-x86_64-linux-gnu.so", "built for .cpython-39")]:
+        prebuilt.STAMP.write_text(json.dumps(dict(stamp, **{key: value})))
+        capsys.readouterr()
+        assert prebuilt.check() == 1 and reason in capsys.readouterr().out
+    prebuilt.STAMP.write_text(json.dumps(stamp))
+    (tmp_path / "calibkernels" / stamp["file"]).unlink()
+    assert prebuilt.check() == 1
+    prebuilt.STAMP.unlink()
+    assert prebuilt.check() == 1
+
+
+def test_run_on_gpu_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_path):
+    """bench/run_on_gpu.sh with DEADLINE: the summary still prints, naming the stopped and the skipped stages; with
+    PACK the output folder holds the archive of everything and the summary."""
+    import tarfile
+
+    script = (ROOT / "bench" / "run_on_gpu.sh").read_text()
+    # two stand-in stages, one that outlasts the deadline; the real stages need a GPU
+    script = script.replace('do_quick() {', 'do_quick() { sleep 30; }\n_unused_quick() {', 1)
+    script = script.replace('do_bench() {', 'do_bench() { echo bench-ran; }\n_unused_bench() {', 1)
+    fake = ROOT / "bench" / f".run_on_gpu_test_{os.getpid()}.sh"
+    fake.write_text(script)
+    try:
+        proc = subprocess.run(["bash", str(fake), "quick", "bench"], capture_output=True, text=True, cwd=ROOT,
+                              env=dict(os.environ, OUT=str(tmp_path), DEADLINE="16", PACK="1"), timeout=120)
+    finally:
+        fake.unlink()
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-2].startswith("quick: rc=124") and "stopped at DEADLINE" in lines[-2], proc.stdout + proc.stderr
+    assert lines[-1].startswith("bench: skipped"), proc.stdout
+    assert "bench-ran" not in proc.stdout
+    assert sorted(os.listdir(tmp_path)) == ["gpu-run.tgz", "summary.txt"]
+    assert (tmp_path / "summary.txt").read_text().splitlines() == lines[-2:]
+    with tarfile.open(tmp_path / "gpu-run.tgz") as archive:
+        assert "./summary.txt" in archive.getnames()
