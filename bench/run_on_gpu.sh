@@ -32,13 +32,14 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 summary=()
-# stage NAME FUNCTION: runs the function (in a child shell, under `timeout` when DEADLINE is set) and notes its time
+# stage NAME FUNCTION: runs the function (in a child shell with this one's options, under `timeout`, when DEADLINE is
+# set) and notes its time
 stage() {
   local name=$1 fn=$2 t0=$SECONDS rc
   if [ -n "${DEADLINE:-}" ]; then
     local left=$((DEADLINE - SECONDS))
     if [ "$left" -lt 15 ]; then summary+=("$name: skipped, ${left} s left before DEADLINE"); return 1; fi
-    timeout --signal=INT --kill-after=10 "$left" bash -c "$fn"
+    timeout --signal=INT --kill-after=10 "$left" bash -uo pipefail -c "$fn"
   else
     "$fn"
   fi

@@ -552,21 +552,25 @@ def test_run_on_gpu_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_path):
     import tarfile
 
     script = (ROOT / "bench" / "run_on_gpu.sh").read_text()
-    # two stand-in stages, one that outlasts the deadline; the real stages need a GPU
+    # stand-in stages (the real ones need a GPU): a failing pipeline (whose status the stage must keep, as the build
+    # stage's check does), one that outlasts the deadline, one left no time
+    script = script.replace('if compgen -G ".whl/*.whl"', 'if false', 1)  # no wheel installs from a test
+    script = script.replace('do_soft() {', 'do_soft() { false | cat; }\n_unused_soft() {', 1)
     script = script.replace('do_quick() {', 'do_quick() { sleep 30; }\n_unused_quick() {', 1)
     script = script.replace('do_bench() {', 'do_bench() { echo bench-ran; }\n_unused_bench() {', 1)
     fake = ROOT / "bench" / f".run_on_gpu_test_{os.getpid()}.sh"
     fake.write_text(script)
     try:
-        proc = subprocess.run(["bash", str(fake), "quick", "bench"], capture_output=True, text=True, cwd=ROOT,
-                              env=dict(os.environ, OUT=str(tmp_path), DEADLINE="16", PACK="1"), timeout=120)
+        proc = subprocess.run(["bash", str(fake), "soft", "quick", "bench"], capture_output=True, text=True, cwd=ROOT,
+                              env=dict(os.environ, OUT=str(tmp_path), DEADLINE="18", PACK="1"), timeout=120)
     finally:
         fake.unlink()
     lines = proc.stdout.strip().splitlines()
+    assert lines[-3].startswith("soft: rc=1,"), proc.stdout + proc.stderr
     assert lines[-2].startswith("quick: rc=124") and "stopped at DEADLINE" in lines[-2], proc.stdout + proc.stderr
     assert lines[-1].startswith("bench: skipped"), proc.stdout
     assert "bench-ran" not in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["gpu-run.tgz", "summary.txt"]
-    assert (tmp_path / "summary.txt").read_text().splitlines() == lines[-2:]
+    assert (tmp_path / "summary.txt").read_text().splitlines() == lines[-3:]
     with tarfile.open(tmp_path / "gpu-run.tgz") as archive:
         assert "./summary.txt" in archive.getnames()
