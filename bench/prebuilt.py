@@ -8,11 +8,11 @@ CUDA major version; no GPU needed), build here and carry the result over:
     python -m bench.prebuilt check        # on the GPU machine; exit status 0: the carried build is usable
 
 ``build`` compiles a copy of the working tree (``setup.py build_ext --inplace``) with that interpreter and puts its
-``calibkernels/_C<suffix>`` into this tree's ``calibkernels/`` with a stamp, ``calibkernels/_C.prebuilt.json``: the
-hash of the sources (``csrc/`` and ``setup.py``), the interpreter's extension suffix, torch's version and the CUDA
-architectures. ``check`` accepts the build only where all four match (the hash against the sources beside it, the
-architectures against the current GPU's compute capability), so a source edited after the build is compiled again
-(``bench/run_on_gpu.sh build``) instead of testing stale kernels.
+``calibkernels/_C<suffix>`` into this tree's ``calibkernels/`` with a stamp, ``calibkernels/_C.prebuilt.json``: the hash
+of the sources (``csrc/`` and ``setup.py``), the interpreter's extension suffix, torch's version, the CUDA architectures
+and the library's own hash. ``check`` accepts the build only where all of them match (the hash against the sources
+beside it, the architectures against the current GPU's compute capability), so a source edited after the build is
+compiled again (``bench/run_on_gpu.sh build``) instead of testing stale kernels.
 """
 
 from __future__ import annotations
@@ -32,16 +32,31 @@ ROOT = Path(__file__).resolve().parent.parent
 STAMP = ROOT / "calibkernels" / "_C.prebuilt.json"
 
 
+SOURCE_SUFFIXES = {".c", ".cc", ".cpp", ".cu", ".cuh", ".h", ".hpp"}
+
+
 def sources_hash(root: Path | None = None) -> str:
     """SHA-256 over the relative paths and contents of the files the extension is built from (under ``root``, by
-    default this tree)."""
+    default this tree): the C++/CUDA sources and headers of ``csrc/`` (not an editor's backup beside them) and
+    ``setup.py``."""
     root = ROOT if root is None else root
-    files = sorted(p for p in (root / "csrc").rglob("*") if p.is_file()) + [root / "setup.py"]
+    files = sorted(p for p in (root / "csrc").rglob("*") if p.is_file() and p.suffix in SOURCE_SUFFIXES)
+    files.append(root / "setup.py")
     digest = hashlib.sha256()
     for path in files:
         digest.update(path.relative_to(root).as_posix().encode() + b"\0")
         digest.update(path.read_bytes() + b"\0")
     return digest.hexdigest()
+
+
+def _file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def _archs(text: str) -> set[str]:
+    """Compute capabilities of an arch list as TORCH_CUDA_ARCH_LIST writes it ("8.0;9.0a", "9.0+PTX", "8.0 9.0"):
+    "9.0a" and "9.0+PTX" run on a 9.0 device."""
+    return {a.removesuffix("+PTX").rstrip("a") for a in text.replace(",", ";").replace(" ", ";").split(";") if a}
 
 
 def _interpreter_facts(python: str) -> dict:
@@ -67,9 +82,10 @@ def build(python: str, archs: str, jobs: int) -> int:
         for name in _tracked_files(ROOT):
             (tree / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(ROOT / name, tree / name)
-        env = dict(os.environ, CALIBKERNELS_CUDA_ARCHS=archs, MAX_JOBS=str(jobs))
+        # the CUDA kernels or a failed build, never a quiet CPU-only one; the default CPU flags (no -march)
+        env = dict(os.environ, CALIBKERNELS_CUDA_ARCHS=archs, CALIBKERNELS_FORCE_CUDA="1", MAX_JOBS=str(jobs))
         env.setdefault("CUDA_HOME", "/usr/local/cuda")
-        for name in ("CALIBKERNELS_NO_CUDA", "CALIBKERNELS_SKIP_EXT", "CALIBKERNELS_DEBUG"):
+        for name in ("CALIBKERNELS_NO_CUDA", "CALIBKERNELS_SKIP_EXT", "CALIBKERNELS_DEBUG", "CALIBKERNELS_CPU_ARCH"):
             env.pop(name, None)
         result = subprocess.run([python, "setup.py", "-q", "build_ext", "--inplace"], cwd=tree, env=env)
         if result.returncode != 0:
@@ -83,7 +99,7 @@ def build(python: str, archs: str, jobs: int) -> int:
         if shutil.which("strip"):  # the host code's DWARF is most of the file, and the file travels
             subprocess.run(["strip", "--strip-debug", str(dest)], check=True)
         stamp = {"sources": sources_hash(tree), "suffix": facts["suffix"], "torch": facts["torch"],
-                 "archs": archs, "file": built.name}
+                 "archs": archs, "file": built.name, "file_sha256": _file_hash(dest)}
     STAMP.write_text(json.dumps(stamp, indent=1) + "\n")
     print(f"calibkernels/{stamp['file']} ({(ROOT / 'calibkernels' / stamp['file']).stat().st_size >> 20} MiB) and "
           f"{STAMP.relative_to(ROOT)}: torch {stamp['torch']}, archs {archs}")
@@ -99,16 +115,19 @@ def check() -> int:
     import torch
 
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
+    library = ROOT / "calibkernels" / f"_C{suffix}"
     reasons = []
-    if stamp.get("suffix") != suffix or not (ROOT / "calibkernels" / f"_C{suffix}").is_file():
+    if stamp.get("suffix") != suffix or not library.is_file():
         reasons.append(f"built for {stamp.get('suffix')}, this Python wants {suffix}")
+    elif stamp.get("file_sha256") != _file_hash(library):
+        reasons.append(f"calibkernels/{library.name} is not the stamped build")
     if stamp.get("torch") != torch.__version__:
         reasons.append(f"built against torch {stamp.get('torch')}, this is {torch.__version__}")
     if stamp.get("sources") != sources_hash():
         reasons.append("the sources changed after the build")
     if torch.cuda.is_available():
         capability = "%d.%d" % torch.cuda.get_device_capability()
-        if capability not in stamp.get("archs", "").replace(",", ";").split(";"):
+        if capability not in _archs(stamp.get("archs", "")):
             reasons.append(f"built for {stamp.get('archs')}, this GPU is {capability}")
     if reasons:
         print("prebuilt: not usable: " + "; ".join(reasons))

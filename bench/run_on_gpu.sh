@@ -5,7 +5,7 @@
 #   (stages run in the order given)
 #
 # PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote) and summary.txt.
-# DEADLINE=<seconds> ends every stage by then (a stage still running is stopped; those after it are skipped), so that
+# DEADLINE=<seconds> stops the stage still running then (SIGINT; SIGKILL 10 s later) and skips those after it, so that
 # a command with a wall-clock limit still prints its summary. `build` uses a carried build instead of compiling when
 # `python -m bench.prebuilt check` accepts it (bench/prebuilt.py: built on another machine for this Python, torch and
 # GPU, from these sources). `test` runs the tests that involve the GPU (`-k "cuda or triton or gpu"`; TEST_K= for all
@@ -32,20 +32,28 @@ if compgen -G ".whl/*.whl" >/dev/null; then
 fi
 
 summary=()
-# stage NAME FUNCTION: runs the function (in a child shell with this one's options, under `timeout`, when DEADLINE is
-# set) and notes its time
+# stage NAME FUNCTION: runs the function and notes its time. With DEADLINE: in a child shell with this one's options,
+# under `timeout` (SIGINT at DEADLINE, SIGKILL 10 s later), with STAGE_LEFT, the seconds left, for within_stage.
 stage() {
-  local name=$1 fn=$2 t0=$SECONDS rc
+  local name=$1 fn=$2 t0=$SECONDS rc left=
   if [ -n "${DEADLINE:-}" ]; then
-    local left=$((DEADLINE - SECONDS))
+    left=$((DEADLINE - SECONDS))
     if [ "$left" -lt 15 ]; then summary+=("$name: skipped, ${left} s left before DEADLINE"); return 1; fi
-    timeout --signal=INT --kill-after=10 "$left" bash -uo pipefail -c "$fn"
+    STAGE_LEFT=$left timeout --signal=INT --kill-after=10 "$left" bash -uo pipefail -c "$fn"
   else
     "$fn"
   fi
   rc=$?
-  summary+=("$name: rc=$rc, $((SECONDS - t0)) s$([ "$rc" -eq 124 ] && echo ', stopped at DEADLINE')")
+  local note=""
+  if [ -n "$left" ] && [ "$rc" -ne 0 ] && [ $((SECONDS - t0)) -ge $((left - 1)) ]; then note=", stopped at DEADLINE"; fi
+  summary+=("$name: rc=$rc, $((SECONDS - t0)) s$note")
   return $rc
+}
+
+# within_stage LIMIT: LIMIT, or the seconds left before DEADLINE if fewer. For a `timeout` inside a stage: it runs its
+# command in a process group of its own, which the stage's own timeout does not signal.
+within_stage() {
+  if [ -n "${STAGE_LEFT:-}" ] && [ "$STAGE_LEFT" -lt "$1" ]; then echo "$STAGE_LEFT"; else echo "$1"; fi
 }
 
 do_build() {
@@ -54,7 +62,9 @@ do_build() {
   local cc
   cc=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
   local rc=0
-  if $PY -m bench.prebuilt check | tee "$OUT/build.log"; then
+  # a carried build: its stamp matches, and it loads with the CUDA kernels in it
+  if $PY -m bench.prebuilt check | tee "$OUT/build.log" \
+      && $PY -c "import calibkernels._C as C; assert C.WITH_CUDA" >>"$OUT/build.log" 2>&1; then
     :
   else
     rm -rf build calibkernels/_C.*.so calibkernels/_C.prebuilt.json
@@ -71,7 +81,7 @@ do_test() {
   # CI's job on a CPU machine
   local select=()
   [ -n "${TEST_K-cuda or triton or gpu}" ] && select=(-k "${TEST_K-cuda or triton or gpu}")
-  timeout "${TEST_TIMEOUT:-540}" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider "${select[@]}" \
+  timeout "$(within_stage "${TEST_TIMEOUT:-540}")" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider "${select[@]}" \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
     tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
@@ -153,7 +163,7 @@ do_train() {
   return $rc
 }
 
-export -f do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train
+export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train
 
 for s in "$@"; do
   case $s in
@@ -172,7 +182,12 @@ for s in "$@"; do
 done
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
-  # one archive in place of the many logs and result files, for a transfer that returns only a few files
-  tar -C "$OUT" -czf /tmp/gpu-run.tgz --exclude=./gpu-run.tgz . && find "$OUT" -mindepth 1 -delete \
-    && mv /tmp/gpu-run.tgz "$OUT/gpu-run.tgz" && printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+  # one archive in place of the many logs and result files, for a transfer that returns only a few files (tar's exit
+  # status 1: a file changed while it was read, e.g. a log a stopped stage's process still wrote)
+  archive=$(mktemp /tmp/gpu-run.XXXXXX)
+  tar -C "$OUT" -czf "$archive" --warning=no-file-changed .
+  if [ $? -le 1 ]; then
+    find "$OUT" -mindepth 1 -delete
+    mv "$archive" "$OUT/gpu-run.tgz" && printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"
+  fi
 fi

@@ -507,7 +507,8 @@ def _prebuilt_tree(tmp_path, monkeypatch):
     monkeypatch.setattr(prebuilt, "STAMP", tmp_path / "calibkernels" / "_C.prebuilt.json")
     archs = "%d.%d" % torch.cuda.get_device_capability() if torch.cuda.is_available() else "9.0"
     stamp = {"sources": prebuilt.sources_hash(tmp_path), "suffix": sysconfig.get_config_var("EXT_SUFFIX"),
-             "torch": torch.__version__, "archs": archs, "file": so}
+             "torch": torch.__version__, "archs": archs, "file": so, "file_sha256": prebuilt._file_hash(
+                 tmp_path / "calibkernels" / so)}
     prebuilt.STAMP.write_text(json.dumps(stamp))
     return prebuilt, stamp
 
@@ -540,37 +541,64 @@ def test_a_prebuilt_extension_is_used_only_where_its_stamp_matches(tmp_path, mon
         capsys.readouterr()
         assert prebuilt.check() == 1 and reason in capsys.readouterr().out
     prebuilt.STAMP.write_text(json.dumps(stamp))
-    (tmp_path / "calibkernels" / stamp["file"]).unlink()
+    # an editor's backup beside the sources is not a source
+    (tmp_path / "csrc" / "op.cpp~").write_text("old\n")
+    assert prebuilt.check() == 0
+    # a library built again after the stamp, or none
+    library = tmp_path / "calibkernels" / stamp["file"]
+    library.write_bytes(b"\x7fELF again")
+    capsys.readouterr()
+    assert prebuilt.check() == 1 and "is not the stamped build" in capsys.readouterr().out
+    library.unlink()
     assert prebuilt.check() == 1
     prebuilt.STAMP.unlink()
     assert prebuilt.check() == 1
 
 
-def test_run_on_gpu_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_path):
-    """bench/run_on_gpu.sh with DEADLINE: the summary still prints, naming the stopped and the skipped stages; with
-    PACK the output folder holds the archive of everything and the summary."""
+@pytest.mark.parametrize("archs,capability,usable", [("9.0", (9, 0), True), ("8.0;9.0a", (9, 0), True),
+                                                      ("9.0+PTX", (9, 0), True), ("8.0 9.0", (9, 0), True),
+                                                      ("9.0", (8, 0), False), ("8.6;9.0", (8, 0), False)])
+def test_a_prebuilt_extension_needs_the_devices_compute_capability(tmp_path, monkeypatch, capsys, archs, capability,
+                                                                     usable):
+    prebuilt, stamp = _prebuilt_tree(tmp_path, monkeypatch)
+    prebuilt.STAMP.write_text(json.dumps(dict(stamp, archs=archs)))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert prebuilt.check() == (0 if usable else 1), capsys.readouterr().out
+
+
+def test_the_lease_script_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_path):
+    """bench/run_on_gpu.sh with DEADLINE: the summary still prints, naming the stopped and the skipped stages; a
+    `timeout` inside a stage ends by the deadline too; with PACK the output folder holds the archive of everything and
+    the summary. (The name leaves out the words of run_on_gpu.sh's test selection, which would run it there.)"""
     import tarfile
 
     script = (ROOT / "bench" / "run_on_gpu.sh").read_text()
-    # stand-in stages (the real ones need a GPU): a failing pipeline (whose status the stage must keep, as the build
-    # stage's check does), one that outlasts the deadline, one left no time
+    # stand-in stages (the real ones need a GPU): one that writes with $PY into $OUT and ends in a failing pipeline
+    # (whose status the stage must keep, as the build stage's check does), one whose own `timeout` (as the test stage's)
+    # outlasts the deadline, one left no time
     script = script.replace('if compgen -G ".whl/*.whl"', 'if false', 1)  # no wheel installs from a test
-    script = script.replace('do_soft() {', 'do_soft() { false | cat; }\n_unused_soft() {', 1)
-    script = script.replace('do_quick() {', 'do_quick() { sleep 30; }\n_unused_quick() {', 1)
+    script = script.replace('do_soft() {', 'do_soft() { $PY -c "print(7 * 6)" > "$OUT/soft.txt"; false | cat; }\n'
+                            '_unused_soft() {', 1)
+    script = script.replace('do_quick() {', 'do_quick() { timeout "$(within_stage 100)" sleep 40; }\n'
+                            '_unused_quick() {', 1)
     script = script.replace('do_bench() {', 'do_bench() { echo bench-ran; }\n_unused_bench() {', 1)
     fake = ROOT / "bench" / f".run_on_gpu_test_{os.getpid()}.sh"
     fake.write_text(script)
     try:
         proc = subprocess.run(["bash", str(fake), "soft", "quick", "bench"], capture_output=True, text=True, cwd=ROOT,
-                              env=dict(os.environ, OUT=str(tmp_path), DEADLINE="18", PACK="1"), timeout=120)
+                              env=dict(os.environ, OUT=str(tmp_path), DEADLINE="18", PACK="1", PYTHON=sys.executable),
+                              timeout=120)
     finally:
         fake.unlink()
     lines = proc.stdout.strip().splitlines()
     assert lines[-3].startswith("soft: rc=1,"), proc.stdout + proc.stderr
     assert lines[-2].startswith("quick: rc=124") and "stopped at DEADLINE" in lines[-2], proc.stdout + proc.stderr
+    assert int(lines[-2].split(", ")[1].removesuffix(" s")) <= 22, lines[-2]  # not the 10 s of SIGKILL's grace
     assert lines[-1].startswith("bench: skipped"), proc.stdout
     assert "bench-ran" not in proc.stdout
     assert sorted(os.listdir(tmp_path)) == ["gpu-run.tgz", "summary.txt"]
     assert (tmp_path / "summary.txt").read_text().splitlines() == lines[-3:]
     with tarfile.open(tmp_path / "gpu-run.tgz") as archive:
         assert "./summary.txt" in archive.getnames()
+        assert archive.extractfile("./soft.txt").read() == b"42\n"

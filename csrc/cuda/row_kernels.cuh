@@ -53,8 +53,8 @@
 // row stays in registers). Their only column that can have p > 1/2 is a unique max, whose 1 - p is Σ_{k≠max} p_k.
 //
 //
-// Included by rows_<dtype>.cu, one translation unit per logits dtype (row_params.h), each of which instantiates the
-// two launches, cuda_rows::launch_hard_targets and launch_soft_targets, for its dtype (CALIBKERNELS_CUDA_ROWS_FOR).
+// Included by rows_<dtype>.cu, one translation unit per logits dtype (row_params.h), each of which defines the two
+// launches, cuda_rows::launch_hard_targets and launch_soft_targets, for its dtype (CALIBKERNELS_CUDA_ROWS_FOR).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -1167,29 +1167,16 @@ void launch_dense(const SoftParams<A>& SP, at::ScalarType target_dtype) {
 }
 
 }  // namespace
-
-namespace cuda_rows {
-
-template <typename scalar_t>
-void launch_hard_targets(const Params<Acc<scalar_t>>& P) {
-  launch<scalar_t>(P);
-}
-
-template <typename scalar_t>
-void launch_soft_targets(const SoftParams<Acc<scalar_t>>& SP, at::ScalarType dense_dtype) {
-  if (SP.dense_target != nullptr) {
-    launch_dense<scalar_t>(SP, dense_dtype);
-  } else {
-    launch_soft<scalar_t, int64_t>(SP);
-  }
-}
-
-}  // namespace cuda_rows
 }  // namespace calibkernels
 
-// The two launches' instantiation for logits of type T: the whole of each rows_<dtype>.cu.
+// The two launches for logits of type T (row_params.h), each defined once: the whole of rows_<dtype>.cu.
 #define CALIBKERNELS_CUDA_ROWS_FOR(T)                                                                                \
-  template void calibkernels::cuda_rows::launch_hard_targets<T>(                                                     \
-      const calibkernels::cuda_rows::Params<calibkernels::cuda_rows::Acc<T>>& P);                                    \
-  template void calibkernels::cuda_rows::launch_soft_targets<T>(                                                     \
-      const calibkernels::cuda_rows::SoftParams<calibkernels::cuda_rows::Acc<T>>& SP, at::ScalarType dense_dtype);
+  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P) { launch<T>(P); }            \
+  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP,                         \
+                                                    at::ScalarType dense_dtype) {                                    \
+    if (SP.dense_target != nullptr) {                                                                                \
+      launch_dense<T>(SP, dense_dtype);                                                                              \
+    } else {                                                                                                         \
+      launch_soft<T, int64_t>(SP);                                                                                   \
+    }                                                                                                                \
+  }

@@ -5,6 +5,8 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <cstdint>
 #include <type_traits>
@@ -13,7 +15,6 @@ namespace calibkernels {
 namespace cuda_rows {
 
 // The accumulation type of a logits dtype: float64 stays float64 (gradcheck), the others accumulate in float32.
-
 template <typename scalar_t>
 using Acc = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
 
@@ -52,14 +53,23 @@ struct SoftParams {
   A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
 };
 
-// Launches the kernel of hard targets (class indices, no smoothing, no mix) over P's rows, on the current stream.
+// A logits dtype as an overload tag: the launches of each dtype are plain functions, each defined once, in the
+// dtype's rows_<dtype>.cu (CALIBKERNELS_CUDA_ROWS_FOR in row_kernels.cuh), and called by the op's dtype dispatch.
 template <typename scalar_t>
-void launch_hard_targets(const Params<Acc<scalar_t>>& P);
+struct Logits {};
+
+// Launches the kernel of hard targets (class indices, no smoothing, no mix) over P's rows, on the current stream.
+void launch_hard_targets(Logits<float>, const Params<float>& P);
+void launch_hard_targets(Logits<c10::Half>, const Params<float>& P);
+void launch_hard_targets(Logits<c10::BFloat16>, const Params<float>& P);
+void launch_hard_targets(Logits<double>, const Params<double>& P);
 
 // Launches the soft-target kernel over SP's rows, on the current stream: class indices with smoothing or a mix
 // (SP.dense_target == nullptr), or a dense target whose elements are of `dense_dtype`.
-template <typename scalar_t>
-void launch_soft_targets(const SoftParams<Acc<scalar_t>>& SP, at::ScalarType dense_dtype);
+void launch_soft_targets(Logits<float>, const SoftParams<float>& SP, c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<c10::Half>, const SoftParams<float>& SP, c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<c10::BFloat16>, const SoftParams<float>& SP, c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<double>, const SoftParams<double>& SP, c10::ScalarType dense_dtype);
 
 }  // namespace cuda_rows
 }  // namespace calibkernels

@@ -244,7 +244,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
       P.mode = static_cast<int>(args.mode);
       P.reduction = static_cast<int>(args.reduction);
       if (!args.soft) {
-        cuda_rows::launch_hard_targets<scalar_t>(P);
+        cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P);
         return;
       }
       SoftParams<A> S;
@@ -257,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
       S.smoothing = static_cast<A>(args.label_smoothing);
       S.dense_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
       S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
-      cuda_rows::launch_soft_targets<scalar_t>(S, t.scalar_type());
+      cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, t.scalar_type());
     });
   }
   const int8_t* flags = row_flags.defined() ? row_flags.const_data_ptr<int8_t>() : nullptr;
