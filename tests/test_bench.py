@@ -602,3 +602,26 @@ def test_the_lease_script_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_p
     with tarfile.open(tmp_path / "gpu-run.tgz") as archive:
         assert "./summary.txt" in archive.getnames()
         assert archive.extractfile("./soft.txt").read() == b"42\n"
+
+
+def test_the_lease_scripts_training_stage_runs_the_runs_it_is_given(tmp_path):
+    """bench/run_on_gpu.sh train with TRAIN_RUNS and TRAIN_CIFAR=0, its Python a stand-in that logs its arguments."""
+    stand_in = tmp_path / "python"
+    stand_in.write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\necho "epoch 2/2: 100 img/s"\n')
+    stand_in.chmod(0o755)
+    script = (ROOT / "bench" / "run_on_gpu.sh").read_text().replace('if compgen -G ".whl/*.whl"', 'if false', 1)
+    fake = ROOT / "bench" / f".run_on_gpu_train_test_{os.getpid()}.sh"
+    fake.write_text(script)
+    out = tmp_path / "out"
+    try:
+        proc = subprocess.run(["bash", str(fake), "train"], capture_output=True, text=True, cwd=ROOT, timeout=60,
+                              env=dict(os.environ, OUT=str(out), PYTHON=str(stand_in), TRAIN_CIFAR="0",
+                                       TRAIN_RUNS="bsce_gra triton,cross_entropy cuda"))
+    finally:
+        fake.unlink()
+    assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=0"), proc.stdout + proc.stderr
+    calls = (out / "calls.txt").read_text().splitlines()
+    assert len(calls) == 2 and all("--recipe imagenet-resnet50-finetune" in c for c in calls), calls
+    assert "--loss bsce_gra --backend triton" in calls[0] and "--loss cross_entropy --backend cuda" in calls[1]
+    assert (out / "train-throughput.txt").read_text().splitlines() == [
+        "bsce_gra / triton: epoch 2/2: 100 img/s", "cross_entropy / cuda: epoch 2/2: 100 img/s"]
