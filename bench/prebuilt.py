@@ -101,7 +101,7 @@ def build(python: str, archs: str, jobs: int) -> int:
         stamp = {"sources": sources_hash(tree), "suffix": facts["suffix"], "torch": facts["torch"],
                  "archs": archs, "file": built.name, "file_sha256": _file_hash(dest)}
     STAMP.write_text(json.dumps(stamp, indent=1) + "\n")
-    print(f"calibkernels/{stamp['file']} ({(ROOT / 'calibkernels' / stamp['file']).stat().st_size >> 20} MiB) and "
+    print(f"calibkernels/{stamp['file']} ({dest.stat().st_size >> 20} MiB) and "
           f"{STAMP.relative_to(ROOT)}: torch {stamp['torch']}, archs {archs}")
     return 0
 
@@ -117,8 +117,10 @@ def check() -> int:
     suffix = sysconfig.get_config_var("EXT_SUFFIX")
     library = ROOT / "calibkernels" / f"_C{suffix}"
     reasons = []
-    if stamp.get("suffix") != suffix or not library.is_file():
+    if stamp.get("suffix") != suffix:
         reasons.append(f"built for {stamp.get('suffix')}, this Python wants {suffix}")
+    elif not library.is_file():
+        reasons.append(f"no calibkernels/{library.name}")
     elif stamp.get("file_sha256") != _file_hash(library):
         reasons.append(f"calibkernels/{library.name} is not the stamped build")
     if stamp.get("torch") != torch.__version__:

@@ -79,8 +79,8 @@ do_build() {
 do_test() {
   # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device); the whole suite is
   # CI's job on a CPU machine
-  local select=()
-  [ -n "${TEST_K-cuda or triton or gpu}" ] && select=(-k "${TEST_K-cuda or triton or gpu}")
+  local k=${TEST_K-cuda or triton or gpu} select=()
+  [ -n "$k" ] && select=(-k "$k")
   timeout "$(within_stage "${TEST_TIMEOUT:-540}")" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider "${select[@]}" \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
     tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \

@@ -550,7 +550,8 @@ def test_a_prebuilt_extension_is_used_only_where_its_stamp_matches(tmp_path, mon
     capsys.readouterr()
     assert prebuilt.check() == 1 and "is not the stamped build" in capsys.readouterr().out
     library.unlink()
-    assert prebuilt.check() == 1
+    capsys.readouterr()
+    assert prebuilt.check() == 1 and f"no calibkernels/{library.name}" in capsys.readouterr().out
     prebuilt.STAMP.unlink()
     assert prebuilt.check() == 1
 
@@ -567,30 +568,35 @@ def test_a_prebuilt_extension_needs_the_devices_compute_capability(tmp_path, mon
     assert prebuilt.check() == (0 if usable else 1), capsys.readouterr().out
 
 
+def _run_lease_script(stages, env, stand_ins=()):
+    """bench/run_on_gpu.sh run from a copy whose functions named in ``stand_ins`` ((name, body) pairs) are replaced
+    (the real stages need a GPU) and which installs no wheels."""
+    script = (ROOT / "bench" / "run_on_gpu.sh").read_text().replace('if compgen -G ".whl/*.whl"', 'if false', 1)
+    for name, body in stand_ins:
+        script = script.replace(f"{name}() {{", f"{name}() {{ {body}; }}\n_unused_{name}() {{", 1)
+    fake = ROOT / "bench" / f".run_on_gpu_test_{os.getpid()}.sh"
+    fake.write_text(script)
+    try:
+        return subprocess.run(["bash", str(fake), *stages], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                              env=dict(os.environ, **env))
+    finally:
+        fake.unlink()
+
+
 def test_the_lease_script_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_path):
     """bench/run_on_gpu.sh with DEADLINE: the summary still prints, naming the stopped and the skipped stages; a
     `timeout` inside a stage ends by the deadline too; with PACK the output folder holds the archive of everything and
     the summary. (The name leaves out the words of run_on_gpu.sh's test selection, which would run it there.)"""
     import tarfile
 
-    script = (ROOT / "bench" / "run_on_gpu.sh").read_text()
-    # stand-in stages (the real ones need a GPU): one that writes with $PY into $OUT and ends in a failing pipeline
-    # (whose status the stage must keep, as the build stage's check does), one whose own `timeout` (as the test stage's)
-    # outlasts the deadline, one left no time
-    script = script.replace('if compgen -G ".whl/*.whl"', 'if false', 1)  # no wheel installs from a test
-    script = script.replace('do_soft() {', 'do_soft() { $PY -c "print(7 * 6)" > "$OUT/soft.txt"; false | cat; }\n'
-                            '_unused_soft() {', 1)
-    script = script.replace('do_quick() {', 'do_quick() { timeout "$(within_stage 100)" sleep 40; }\n'
-                            '_unused_quick() {', 1)
-    script = script.replace('do_bench() {', 'do_bench() { echo bench-ran; }\n_unused_bench() {', 1)
-    fake = ROOT / "bench" / f".run_on_gpu_test_{os.getpid()}.sh"
-    fake.write_text(script)
-    try:
-        proc = subprocess.run(["bash", str(fake), "soft", "quick", "bench"], capture_output=True, text=True, cwd=ROOT,
-                              env=dict(os.environ, OUT=str(tmp_path), DEADLINE="18", PACK="1", PYTHON=sys.executable),
-                              timeout=120)
-    finally:
-        fake.unlink()
+    # stand-in stages: one that writes with $PY into $OUT and ends in a failing pipeline (whose status the stage must
+    # keep, as the build stage's check does), one whose own `timeout` (as the test stage's) outlasts the deadline, one
+    # left no time
+    proc = _run_lease_script(["soft", "quick", "bench"],
+                             dict(OUT=str(tmp_path), DEADLINE="18", PACK="1", PYTHON=sys.executable),
+                             [("do_soft", '$PY -c "print(7 * 6)" > "$OUT/soft.txt"; false | cat'),
+                              ("do_quick", 'timeout "$(within_stage 100)" sleep 40'),
+                              ("do_bench", "echo bench-ran")])
     lines = proc.stdout.strip().splitlines()
     assert lines[-3].startswith("soft: rc=1,"), proc.stdout + proc.stderr
     assert lines[-2].startswith("quick: rc=124") and "stopped at DEADLINE" in lines[-2], proc.stdout + proc.stderr
@@ -609,16 +615,9 @@ def test_the_lease_scripts_training_stage_runs_the_runs_it_is_given(tmp_path):
     stand_in = tmp_path / "python"
     stand_in.write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\necho "epoch 2/2: 100 img/s"\n')
     stand_in.chmod(0o755)
-    script = (ROOT / "bench" / "run_on_gpu.sh").read_text().replace('if compgen -G ".whl/*.whl"', 'if false', 1)
-    fake = ROOT / "bench" / f".run_on_gpu_train_test_{os.getpid()}.sh"
-    fake.write_text(script)
     out = tmp_path / "out"
-    try:
-        proc = subprocess.run(["bash", str(fake), "train"], capture_output=True, text=True, cwd=ROOT, timeout=60,
-                              env=dict(os.environ, OUT=str(out), PYTHON=str(stand_in), TRAIN_CIFAR="0",
-                                       TRAIN_RUNS="bsce_gra triton,cross_entropy cuda"))
-    finally:
-        fake.unlink()
+    proc = _run_lease_script(["train"], dict(OUT=str(out), PYTHON=str(stand_in), TRAIN_CIFAR="0",
+                                             TRAIN_RUNS="bsce_gra triton,cross_entropy cuda"))
     assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=0"), proc.stdout + proc.stderr
     calls = (out / "calls.txt").read_text().splitlines()
     assert len(calls) == 2 and all("--recipe imagenet-resnet50-finetune" in c for c in calls), calls
