@@ -754,17 +754,18 @@ CLUSTER_TILES = {"256x16": 4096, "256x32": 8192, "512x16": 8192, "512x32": 16384
 
 def _expects_cluster(row_split, c):
     """Whether the row-split (thread-block cluster) kernel runs for rows of c classes: on sm_90 or later, above the
-    register-resident block's 4096 columns, within 16 CTAs of the chosen tile (the largest tile for "auto")."""
-    if torch.cuda.get_device_capability() < (9, 0) or row_split == "off" or c <= 4096:
+    register-resident block's 4096 columns, within 16 CTAs of the tile asked for; "auto" (the default) streams, as
+    "off" does."""
+    if torch.cuda.get_device_capability() < (9, 0) or row_split in ("off", "auto") or c <= 4096:
         return False
-    return -(-c // CLUSTER_TILES.get(row_split, 16384)) <= 16
+    return -(-c // CLUSTER_TILES[row_split]) <= 16
 
 
 @needs_gpu
 @pytest.mark.parametrize("row_split", ["off", "auto", *CLUSTER_TILES])
 def test_large_rows_against_reference(row_split, monkeypatch):
-    """C > 4096: the streaming path ("off") and the rows split across a thread-block cluster (sm_90; "auto" and each
-    tile shape): aligned and misaligned rows (a slice from column 1, with sentinels around it), ignored and -inf rows,
+    """C > 4096: the streaming path ("off", and "auto", the default) and the rows split across a thread-block cluster
+    (sm_90; each tile shape): aligned and misaligned rows (a slice from column 1, with sentinels around it), ignored and -inf rows,
     fp32 and bf16, in place. The kernel that ran is checked by name."""
     monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", row_split)
     n = 6
@@ -773,7 +774,7 @@ def test_large_rows_against_reference(row_split, monkeypatch):
         names = _kernel_names(*_streaming_rows(n, c, torch.float32, None)[1:])
         cluster = any("cluster_row_kernel" in name for name in names)
         expected = _expects_cluster(row_split, c)
-        if expected and not cluster and -(-c // CLUSTER_TILES.get(row_split, 16384)) > 8:
+        if expected and not cluster and -(-c // CLUSTER_TILES[row_split]) > 8:
             # more than the portable 8 CTAs: cudaOccupancyMaxActiveClusters may find no room (a GPC with too few
             # free multiprocessors), and the row streams
             warnings.warn(f"C={c}, {row_split}: a non-portable cluster could not be placed; the row streamed")

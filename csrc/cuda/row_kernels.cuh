@@ -1032,28 +1032,26 @@ int64_t cluster_ctas(int64_t C, const ClusterShape& shape) {
   return (C + tile - 1) / tile;
 }
 
-// The tile shape for rows of C classes, or -1 for the streaming path. By default the smallest tile whose cluster
-// stays within the portable 8 CTAs, else within 16. CALIBKERNELS_CUDA_ROW_CLUSTER (a tuning and testing hook, read on
-// every launch): "off" (or "0") streams every row; "<threads>x<values>" (256x16, 256x32, 512x16, 512x32) asks for
-// that shape wherever its cluster has at most 16 CTAs. Only the launches that reach this choice (hard targets,
-// float32 or 16-bit logits, C > 4096) read it, so a malformed value is reported there.
+// The tile shape for rows of C classes, or -1 for the streaming path. By default every row streams: on an H100 each
+// cluster tile took 1.3 to 2.7 times the streaming path's time at every C measured (10000 to 262144, bf16 and float32;
+// docs/performance.md, "Rows across a thread-block cluster"), so the cluster kernel runs only when asked for.
+// CALIBKERNELS_CUDA_ROW_CLUSTER (a tuning and testing hook, read on every launch): "auto", "off" or "0" (or unset)
+// streams every row; "<threads>x<values>" (256x16, 256x32, 512x16, 512x32) asks for that shape wherever its cluster
+// has at most 16 CTAs. Only the launches that reach this choice (hard targets, float32 or 16-bit logits, C > 4096)
+// read it, so a malformed value is reported there.
 int cluster_shape_for(int64_t C) {
   const char* flag = std::getenv("CALIBKERNELS_CUDA_ROW_CLUSTER");
-  if (flag != nullptr && flag[0] != '\0' && std::strcmp(flag, "auto") != 0) {
-    if (std::strcmp(flag, "off") == 0 || std::strcmp(flag, "0") == 0) return -1;
-    for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
-      if (std::strcmp(kClusterShapes[i].name, flag) == 0) {
-        return cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1;
-      }
-    }
-    TORCH_CHECK_VALUE(false, "CALIBKERNELS_CUDA_ROW_CLUSTER must be auto, off, 256x16, 256x32, 512x16 or 512x32, "
-                      "got '", flag, "'");
+  if (flag == nullptr || flag[0] == '\0' || std::strcmp(flag, "auto") == 0 || std::strcmp(flag, "off") == 0 ||
+      std::strcmp(flag, "0") == 0) {
+    return -1;
   }
-  for (const int limit : {kPortableClusterCtas, kMaxClusterCtas}) {
-    for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
-      if (cluster_ctas(C, kClusterShapes[i]) <= limit) return i;
+  for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
+    if (std::strcmp(kClusterShapes[i].name, flag) == 0) {
+      return cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1;
     }
   }
+  TORCH_CHECK_VALUE(false, "CALIBKERNELS_CUDA_ROW_CLUSTER must be auto, off, 256x16, 256x32, 512x16 or 512x32, "
+                    "got '", flag, "'");
   return -1;
 }
 
