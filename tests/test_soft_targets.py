@@ -379,6 +379,20 @@ def test_modules_take_soft_targets():
 
 
 # ---------------------------------------------------------------------------------------------- dense values on GPUs
+def _triton_device():
+    """Where the Triton kernels run here: CUDA tensors on a GPU machine, else CPU tensors under the interpreter
+    (conftest.py sets TRITON_INTERPRET=1 only without a GPU, and compiled kernels cannot take CPU tensors); ``None``
+    where neither."""
+    devices = (["cuda"] if torch.cuda.is_available() else []) + ["cpu"]
+    return next((dev for dev in devices if _backends.unavailable_reason("triton", torch.device(dev)) is None), None)
+
+
+TRITON_DEVICE = _triton_device()
+needs_triton = pytest.mark.skipif(
+    TRITON_DEVICE is None, reason=f"the Triton kernels cannot run here: "
+                                  f"{_backends.unavailable_reason('triton', torch.device('cpu'))}")
+
+
 def _bad_dense_targets(dense, tolerance=1e-4):
     """(name, target, first bad row) for each way a dense target can fail its value check (rows off 1 by 3 and 2
     times the `tolerance` of their sums)."""
@@ -440,11 +454,12 @@ def test_triton_dense_flag_folds_rows_past_one_block_on_the_gpu(reduction, targe
         assert flag(target) == V.dense_target_flag(target).tolist() == [1, min(rows)]
 
 
-@pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
+@needs_triton
 @pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "dense"])
 def test_triton_kernels_take_an_empty_batch_like_the_cpu_op(kind):
-    """The op called directly with no rows (the public API refuses an empty batch): the loss the CPU op gives (0 for
-    mean and sum, an empty vector for none), an empty (0, C) gradient, and a flag that says no target is bad."""
+    """The op called directly with no rows (the public API refuses an empty batch), on the device the Triton kernels
+    run on: the loss the CPU op gives (0 for mean and sum, an empty vector for none), an empty (0, C) gradient on that
+    device, and a flag that says no target is bad."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     z = torch.zeros(0, 6)
@@ -452,40 +467,44 @@ def test_triton_kernels_take_an_empty_batch_like_the_cpu_op(kind):
     soft = dict(label_smoothing=0.1) if kind == "smooth" else {}
     if kind == "mix":
         soft = dict(mix_target=torch.zeros(0, dtype=torch.int64), mix_lambda=0.5)
+    on_device = {k: v.to(TRITON_DEVICE) if isinstance(v, torch.Tensor) else v for k, v in soft.items()}
     cpu = torch.ops.calibkernels.uncertainty_weighted_ce.default if _backends.unavailable_reason(
         "cpu", torch.device("cpu")) is None else None
     for reduction in V.REDUCTION_CODES.values():
-        loss, grad, flag = T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,
-                                                             True, **soft)
+        loss, grad, flag = T.uncertainty_weighted_ce_forward(z.to(TRITON_DEVICE), target.to(TRITON_DEVICE), None, None,
+                                                             4, 1, 4.0, 2.0, -100, reduction, True, **on_device)
+        assert loss.device.type == grad.device.type == flag.device.type == TRITON_DEVICE
         assert grad.shape == (0, 6) and int(flag[0]) == 0
         assert loss.shape == ((0,) if reduction == V.REDUCTION_CODES["none"] else ())
         if reduction != V.REDUCTION_CODES["none"]:
             assert loss.item() == 0.0
-        if cpu is not None:
+        if cpu is not None:  # the CPU op on CPU copies of the same (empty) inputs
             mix = (soft["mix_target"], torch.tensor(0.5)) if kind == "mix" else (None, None)
             expected = cpu(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction, True, None, *mix,
                            soft.get("label_smoothing", 0.0))[0]
-            torch.testing.assert_close(loss, expected)
+            torch.testing.assert_close(loss.cpu(), expected)
 
 
-@pytest.mark.skipif("triton" not in ck.available_backends(), reason="triton not installed")
+@needs_triton
 @pytest.mark.parametrize("read", ["single read", "chunked", "past the check's width"])
 @pytest.mark.parametrize("target_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monkeypatch):
-    """The Triton kernel's own check of a dense target's values (what a GPU call reads instead of a host check; here
-    under the interpreter, on CPU tensors, whose calls keep the host check): the ``(any bad row, first bad row)`` flag
-    it returns, in one read of the row and in chunks, and the error that flag becomes; a half-precision target is
-    read in float32 and judged with its own dtype's tolerance. A float64 target's flag comes from float64 reductions
-    instead (its tolerance is below what the kernel's float32 sums can tell), and so does that of rows wider than
-    DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4)."""
+    """The Triton kernel's own check of a dense target's values, on the device the kernels run on: the ``(any bad
+    row, first bad row)`` flag it returns, in one read of the row and in chunks, and the error that flag becomes; a
+    half-precision target is read in float32 and judged with its own dtype's tolerance. A float64 target's flag comes
+    from float64 reductions instead (its tolerance is below what the kernel's float32 sums can tell), and so does that
+    of rows wider than DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4). Through the public API, a call on CUDA
+    tensors skips the host check and raises from that flag (read at the call here: the synchronous policy); a call
+    on CPU tensors (under the interpreter) keeps the host check, which refuses the target before any launch."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     if read == "chunked":
         monkeypatch.setattr(T, "MAX_BLOCK", 4)  # rows of 6 classes in chunks of 2
     if read == "past the check's width":
         monkeypatch.setattr(T, "DENSE_KERNEL_CHECK_MAX_CLASSES", 4)
+    monkeypatch.setattr(_target_checks, "POLICY", "sync")  # a CUDA flag raises at its call, as a CPU one does
     z, _, _, _, dense, _ = _inputs(n=8, c=6, ignore=False, seed=6)
-    z, dense = z.float(), dense.to(target_dtype)
+    z, dense = z.float().to(TRITON_DEVICE), dense.to(target_dtype).to(TRITON_DEVICE)
     assert T._launch_config(6, 4)[0] == (read != "chunked")
 
     reductions_used = []  # whether each flag came from the device reductions instead of the kernel's own check
@@ -496,21 +515,31 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
     def flag(target, reduction=1):  # weight brier, mode grad; the mean's and sum's reduction folds the row flags
         reductions_used.clear()
         result = T.uncertainty_weighted_ce_forward(z, target, None, None, 4, 1, 4.0, 2.0, -100, reduction,
-                                                   True)[2].tolist()
+                                                   True)[2]
+        assert result.device.type == TRITON_DEVICE
         assert bool(reductions_used) == fallback, (read, target_dtype)
-        return result
+        return result.tolist()
 
     for reduction in V.REDUCTION_CODES.values():
         assert flag(dense, reduction) == [0, 8]
     for reduction in ("mean", "sum", "none"):
+        reductions_used.clear()
         torch.testing.assert_close(ck.uncertainty_weighted_ce(z, dense, backend="triton", reduction=reduction),
                                    ck.uncertainty_weighted_ce(z, dense, backend="reference", reduction=reduction),
                                    rtol=1e-5, atol=1e-6)
+        assert bool(reductions_used) == fallback, (read, target_dtype, reduction)  # the public call's flag, alike
     for name, target, row in _bad_dense_targets(dense, V.dense_row_sum_tolerance(target_dtype)):
         assert [flag(target, reduction) for reduction in V.REDUCTION_CODES.values()] == [[1, row]] * 3, name
         with pytest.raises(ValueError, match=rf"dense target must be finite and >= 0 and sum to 1.*row {row} is not"):
             _target_checks.submit(T.uncertainty_weighted_ce_forward(
                 z, target, None, None, 4, 1, 4.0, 2.0, -100, 1, True)[2], 6, -100, target.dtype)
+        reductions_used.clear()
+        on_gpu = TRITON_DEVICE == "cuda"
+        # on CUDA the kernel's flag (or the reductions' where they decide) names the first bad row; on the CPU the
+        # host check refuses first (it names no row for a negative or non-finite entry)
+        with pytest.raises(ValueError, match=rf"row {row} is not" if on_gpu else "dense target must"):
+            ck.uncertainty_weighted_ce(z, target, backend="triton")
+        assert bool(reductions_used) == (fallback and on_gpu), name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous policy differs only on a GPU")
@@ -550,14 +579,19 @@ def _boundary_dense_rows():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_the_kernels_dense_checks_decide_the_boundary_rows_as_the_host_check(backend):
+def test_the_kernels_dense_checks_decide_the_boundary_rows_as_the_host_check(backend, monkeypatch):
     """The row sums behind every check are the same real sums (float32, float64 for a float64 target): rows at the
     edge of the tolerance are accepted or refused alike by the host check, the C++ kernel's (and its in-place
-    pre-check's) and Triton's."""
-    if backend not in ck.available_backends():
+    pre-check's) and Triton's. Triton runs where its kernels run: on CUDA tensors its flag decides (the host check
+    is skipped there; the synchronous policy reads the flag at the call), under the interpreter on CPU tensors the
+    host check comes first."""
+    device = "cpu" if backend == "cpu" else TRITON_DEVICE
+    if device is None or _backends.unavailable_reason(backend, torch.device(device)) is not None:
         pytest.skip(f"{backend} backend not available")
+    monkeypatch.setattr(_target_checks, "POLICY", "sync")
     for name, target, accepted in _boundary_dense_rows():
-        z = torch.zeros(target.shape, dtype=torch.float32)
+        target = target.to(device)
+        z = torch.zeros(target.shape, dtype=torch.float32, device=device)
         calls = [lambda: ck.uncertainty_weighted_ce(z, target, backend=backend)]
         if backend == "cpu":
             calls.append(lambda: ck.uncertainty_weighted_ce(z.clone().requires_grad_() * 1, target, backend=backend,
