@@ -19,8 +19,11 @@ Providers (each is skipped with the reason where it cannot run):
 
 Method (as ``bench/harness.py``, which this standalone script does not use): providers of a case are timed
 interleaved after warm-up repetitions; the median and the minimum are reported; CUDA times come from CUDA events
-around the step. Peak extra memory: the peak allocated above the level before the step (which holds ``hidden``,
-``W`` and the targets; the gradients count as extra), by ``torch.cuda.max_memory_allocated`` on CUDA and, on the
+around the step. The providers that compile (``COMPILED``: ``chunked_reference_compiled``, whose warm-up is an
+inductor compilation, minutes at the CUDA case's size) are warmed up and timed after every other provider of every
+case, interleaved among themselves: a run stopped during a compilation has measured the others already. Peak extra
+memory: the peak allocated above the level before the step (which holds ``hidden``, ``W`` and the targets; the
+gradients count as extra), by ``torch.cuda.max_memory_allocated`` on CUDA and, on the
 CPU, from the allocation records of ``torch.profiler.profile(profile_memory=True)`` (the running sum of every
 allocation and free during the step). It is also given in units of the ``N × C`` logits in the input dtype. Each
 provider's loss and ``hidden.grad`` are compared with ``calibkernels_fused_linear``'s (max relative difference).
@@ -32,7 +35,9 @@ Usage::
     python -m bench.bench_fused_linear --device cpu --n 1024 --reps 3 --providers calibkernels_fused_linear
 
 Results: ``bench/results/fused-linear-<device>-<date>.json`` and ``.md`` (``--out`` to change the stem); each JSON
-result also carries its row in the ``history.jsonl`` format of bench/README.md (``history_row``).
+result also carries its row in the ``history.jsonl`` format of bench/README.md (``history_row``). Both files are
+written (each replaced whole) after every case's providers are measured, so a run stopped part way (a wall-clock
+limit's SIGINT) leaves the rows measured so far; the JSON's ``"complete"`` is false until the last case.
 """
 
 from __future__ import annotations
@@ -147,6 +152,9 @@ PROVIDERS = {
     "liger_fused_linear_cross_entropy": _liger,
     "cut_cross_entropy": _cut_cross_entropy,
 }
+# the providers whose warm-up compiles (torch.compile): measured after all the others (module docstring)
+COMPILED = ("chunked_reference_compiled",)
+BASE = "calibkernels_fused_linear"  # the provider every other one's loss and hidden.grad are compared with
 
 
 # ---------------------------------------------------------------------------------------------------- measurement
@@ -206,7 +214,10 @@ def _relative_difference(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp(min=1e-30)).item()
 
 
-def run_case(case, providers, warmup, reps, max_time_s, memory):
+def run_case(case, providers, warmup, reps, max_time_s, memory, base=None):
+    """Measure ``providers`` on ``case``; ``(results by provider, base)``, where ``base`` is ``BASE``'s (loss,
+    hidden.grad) for the cross-check: measured here when ``BASE`` is among ``providers``, else the one given (from an
+    earlier call on the same case, whose inputs are the same)."""
     hidden, w, target = _inputs(case)
     device = case["device"]
     steps, results = {}, {}
@@ -226,7 +237,7 @@ def run_case(case, providers, warmup, reps, max_time_s, memory):
         except Exception as exc:  # a provider failing must not stop the others
             results[name] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
             del steps[name]
-    base = outputs.get("calibkernels_fused_linear")
+    base = outputs.get(BASE, base)
     for name, (loss, grad) in outputs.items():
         if base is not None:
             results[name]["loss_rel_diff"] = _relative_difference(loss, base[0])
@@ -252,7 +263,7 @@ def run_case(case, providers, warmup, reps, max_time_s, memory):
             results[name].update(peak_extra_mb=peak / 1e6, peak_extra_logits=peak / logits_bytes,
                                  peak_above_gradients_logits=(peak - gradient_bytes) / logits_bytes)
     hidden.grad = w.grad = None
-    return results
+    return results, base
 
 
 # ------------------------------------------------------------------------------------------------------ reporting
@@ -319,7 +330,8 @@ def _markdown(meta, rows):
              f"{' (dirty)' if meta['git_dirty'] else ''}; 1-min load average at start {meta['load_average_1min']}",
              "",
              "One training step of the output layer's mean loss (forward + backward to hidden.grad and W.grad). Time: "
-             "median (min) over repetitions, providers interleaved. Peak extra: peak allocation above hidden, W and "
+             "median (min) over repetitions, providers interleaved (those that compile among themselves, after the "
+             "others). Peak extra: peak allocation above hidden, W and "
              "the targets during the step (the gradients included), in MB and in units of the N × C logits, and "
              "without the gradients' bytes. Diff: "
              "max relative difference of the loss / hidden.grad from calibkernels_fused_linear.",
@@ -363,24 +375,37 @@ def main(argv=None):
     stem = args.out or str(Path(__file__).resolve().parent / "results" /
                            f"fused-linear-{args.device}-{meta['date'][:10]}")
     source_file = f"bench/results/{Path(stem).name}.json"
-    rows, results = [], []
+    cases = []
     for pair in args.weights:
         weight, mode = pair.split("/")
-        case = dict(n=n, h=h, c=c, dtype=dtype, weight=weight, mode=mode, device=args.device)
-        print(f"case {_case_id(case)}", file=sys.stderr, flush=True)
-        for provider, r in run_case(case, args.providers, args.warmup, reps, args.max_time,
-                                    not args.no_memory).items():
-            rows.append((case, provider, r))
-            results.append({"case": case, "case_id": _case_id(case), "provider": provider, **r,
-                            "history_row": _history_row(meta, case, provider, r, source_file)})
+        cases.append(dict(n=n, h=h, c=c, dtype=dtype, weight=weight, mode=mode, device=args.device))
+    groups = [[p for p in args.providers if p not in COMPILED], [p for p in args.providers if p in COMPILED]]
+    plan = [(group, i, case) for group in groups if group for i, case in enumerate(cases)]
+    measured, bases = [], {}  # (case index, provider index, case, provider, result); BASE's outputs by case
     Path(stem).parent.mkdir(parents=True, exist_ok=True)
-    with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "results": results}, f, indent=1)
-    markdown = _markdown(meta, rows)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown)
+    for step, (group, i, case) in enumerate(plan):
+        print(f"case {_case_id(case)}: {' '.join(group)}", file=sys.stderr, flush=True)
+        results, bases[i] = run_case(case, group, args.warmup, reps, args.max_time, not args.no_memory, bases.get(i))
+        measured += [(i, args.providers.index(p), case, p, r) for p, r in results.items()]
+        markdown = _write(stem, meta, sorted(measured, key=lambda m: m[:2]), source_file,
+                          complete=step == len(plan) - 1)
     print(markdown)
     print(f"wrote {stem}.json and .md", file=sys.stderr)
+
+
+def _write(stem, meta, measured, source_file, complete):
+    """Replace ``stem``.json and .md with the rows measured so far (each file written beside and renamed, so that a
+    run stopped while writing leaves the previous version); returns the Markdown."""
+    results = [{"case": case, "case_id": _case_id(case), "provider": provider, **r,
+                "history_row": _history_row(meta, case, provider, r, source_file)}
+               for _, _, case, provider, r in measured]
+    markdown = _markdown(meta, [(case, provider, r) for _, _, case, provider, r in measured])
+    for suffix, text in ((".json", json.dumps({"meta": meta, "complete": complete, "results": results}, indent=1)),
+                         (".md", markdown)):
+        partial = Path(stem + suffix + ".partial")
+        partial.write_text(text)
+        os.replace(partial, stem + suffix)
+    return markdown
 
 
 if __name__ == "__main__":

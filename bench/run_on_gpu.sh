@@ -4,12 +4,16 @@
 #   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [rowsplit] [raise]
 #   (stages run in the order given)
 #
-# PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote) and summary.txt.
+# PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote but training checkpoints, *.pt) and
+# summary.txt.
 # DEADLINE=<seconds> stops the stage still running then (SIGINT; SIGKILL 10 s later) and skips those after it, so that
 # a command with a wall-clock limit still prints its summary. `build` uses a carried build instead of compiling when
 # `python -m bench.prebuilt check` accepts it (bench/prebuilt.py: built on another machine for this Python, torch and
 # GPU, from these sources). `test` runs the tests that involve the GPU (`-k "cuda or triton or gpu"`; TEST_K= for all
-# of the listed files: their CPU cases are CI's job).
+# of the listed files: their CPU cases are CI's job); TEST_TIMEOUT stops pytest with SIGINT, so that its log still
+# ends with the failures so far (short tracebacks and the summary), and kills it TEST_GRACE (20) s later.
+# `fused` measures the fused providers and eager materialised logits; FUSED_ARGS, appended to its command line, can
+# name others (`--providers ... chunked_reference_compiled`: torch.compile, measured last).
 #
 # Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
 # The benches write <suite>-<gpu>-<date>.json/.md and $OUT/history.jsonl (rows naming bench/results/<file>): copy the
@@ -79,9 +83,15 @@ do_build() {
 do_test() {
   # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device); the whole suite is
   # CI's job on a CPU machine
-  local k=${TEST_K-cuda or triton or gpu} select=()
+  local k=${TEST_K-cuda or triton or gpu} select=() grace=${TEST_GRACE:-20} total
   [ -n "$k" ] && select=(-k "$k")
-  timeout "$(within_stage "${TEST_TIMEOUT:-540}")" $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider "${select[@]}" \
+  # SIGINT at the timeout: pytest stops and still writes its summary (the failures so far, their tracebacks), which a
+  # SIGTERM would lose; SIGKILL `grace` s later if it has not ended. Both within the stage's time, so pytest has
+  # ended by DEADLINE.
+  total=$(within_stage $((${TEST_TIMEOUT:-540} + grace)))
+  [ "$total" -lt $((2 * grace)) ] && grace=$((total / 2))
+  timeout --signal=INT --kill-after="$grace" "$((total - grace))" \
+    $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider --tb=short -rfE "${select[@]}" \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
     tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
@@ -90,6 +100,11 @@ do_test() {
     tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1
   local rc=$?
+  if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+    # the counts line of pytest's summary (the log may end with the KeyboardInterrupt's traceback)
+    echo "pytest stopped after $((total - grace)) s (rc=$rc: 124 ended on SIGINT, 137 killed ${grace} s later):" \
+      "$(grep -E "(passed|failed|error|no tests ran).* in [0-9.]+s" "$OUT/pytest.log" | tail -n 1)"
+  fi
   grep -E "^(FAILED|ERROR)" "$OUT/pytest.log" | head -n 30
   tail -n 3 "$OUT/pytest.log"
   return $rc
@@ -138,10 +153,14 @@ do_soft() {
   $PY -m bench.bench_uncertainty_weighted_ce --device cuda --only-suites cuda-soft-targets --results-dir "$OUT" \
     2>"$OUT/soft.err"
 }
-# fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy
+# fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy. Not
+# chunked_reference_compiled by default: its inductor compilation at this size took over two minutes, before any row
+# was measured (FUSED_ARGS='--providers ... chunked_reference_compiled' adds it; the script measures it last). The
+# script rewrites its results after each case, so a stage stopped at DEADLINE keeps the rows measured so far.
 do_fused() {
   $PY -m bench.bench_fused_linear --device cuda --out "$OUT/fused-linear-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")-$(date +%F)" \
-    2>"$OUT/fused.err"
+    --providers calibkernels_fused_linear liger_fused_linear_cross_entropy cut_cross_entropy materialized_calibkernels \
+    materialized_torch ${FUSED_ARGS:-} 2>"$OUT/fused.err"
 }
 
 # ResNet-50 training throughput on synthetic ImageNet-shaped data (training/README.md, "Synthetic data"): the loss
@@ -189,9 +208,11 @@ done
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
   # one archive in place of the many logs and result files, for a transfer that returns only a few files (tar's exit
-  # status 1: a file changed while it was read, e.g. a log a stopped stage's process still wrote)
+  # status 1: a file changed while it was read, e.g. a log a stopped stage's process still wrote). Without the
+  # training's checkpoints (*.pt, and their partial writes): about 100 MB each for ResNet-50, no result, and their
+  # gzip alone outlasted a call's time limit.
   archive=$(mktemp /tmp/gpu-run.XXXXXX)
-  tar -C "$OUT" -czf "$archive" --warning=no-file-changed .
+  tar -C "$OUT" -czf "$archive" --warning=no-file-changed --exclude='*.pt' --exclude='.*.pt.*.tmp' .
   if [ $? -le 1 ]; then
     find "$OUT" -mindepth 1 -delete
     mv "$archive" "$OUT/gpu-run.tgz" && printf '%s\n' "${summary[@]}" >"$OUT/summary.txt"

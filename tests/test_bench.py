@@ -624,3 +624,138 @@ def test_the_lease_scripts_training_stage_runs_the_runs_it_is_given(tmp_path):
     assert "--loss bsce_gra --backend triton" in calls[0] and "--loss cross_entropy --backend cuda" in calls[1]
     assert (out / "train-throughput.txt").read_text().splitlines() == [
         "bsce_gra / triton: epoch 2/2: 100 img/s", "cross_entropy / cuda: epoch 2/2: 100 img/s"]
+
+
+def _stand_in_python(path, body):
+    """An executable shell script at ``path`` standing in for the lease script's Python (``$PYTHON``)."""
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_lease_scripts_test_stage_stops_pytest_with_sigint_and_keeps_its_summary(tmp_path):
+    """The test stage's own timeout (TEST_TIMEOUT) sends SIGINT, on which pytest writes its summary (the failures so
+    far, short tracebacks): the log holds it and the stage prints its FAILED lines; a pytest that ignores SIGINT is
+    killed TEST_GRACE s later. The stand-in pytest answers SIGINT as pytest does, and notes the signal it got."""
+    summary = ("=== FAILURES ===; tests/test_a.py:3: in test_x; E   AssertionError: boom; "
+               "=== short test summary info ===; FAILED tests/test_a.py::test_x - AssertionError: boom; "
+               "=== 1 failed, 2 passed in 2.00s ===")
+    answers = _stand_in_python(tmp_path / "python", f"""echo "$@" > "$OUT/args.txt"
+trap 'echo INT > "$OUT/signal.txt"; printf "%s\\n" "{summary}" | tr ";" "\\n" | sed "s/^ //"; exit 2' INT
+trap 'echo TERM > "$OUT/signal.txt"; exit 143' TERM
+echo "tests/test_a.py::test_x FAILED"
+while :; do sleep 0.1; done
+""")
+    out = tmp_path / "out"
+    proc = _run_lease_script(["test"], dict(OUT=str(out), PYTHON=answers, TEST_TIMEOUT="2", TEST_GRACE="2"))
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("test: rc=124,") and int(last.split(", ")[1].removesuffix(" s")) < 4, proc.stdout
+    assert (out / "signal.txt").read_text() == "INT\n"
+    log = (out / "pytest.log").read_text()
+    assert "short test summary info" in log and "E   AssertionError: boom" in log, log
+    assert "FAILED tests/test_a.py::test_x - AssertionError: boom" in proc.stdout.splitlines(), proc.stdout
+    assert "pytest stopped after 2 s (rc=124" in proc.stdout and "1 failed, 2 passed in 2.00s" in proc.stdout
+    args = (out / "args.txt").read_text().split()
+    assert "--tb=short" in args and "-rfE" in args, args
+
+    deaf = _stand_in_python(tmp_path / "deaf-python", "trap '' INT\nwhile :; do sleep 0.1; done\n")
+    proc = _run_lease_script(["test"], dict(OUT=str(out), PYTHON=deaf, TEST_TIMEOUT="1", TEST_GRACE="2"))
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("test: rc=137,") and int(last.split(", ")[1].removesuffix(" s")) < 5, proc.stdout
+
+
+def test_the_lease_scripts_archive_leaves_out_checkpoints(tmp_path):
+    """PACK=1: the training's checkpoints (*.pt, and a partial write of one) stay out of gpu-run.tgz (their gzip
+    outlasted a call's limit), and are gone from the output folder with the rest; its logs go in."""
+    import tarfile
+
+    write = ('mkdir -p "$OUT/train/r50"; echo log > "$OUT/train/r50/log.csv"; echo w > "$OUT/train/r50/checkpoint.pt"'
+             '; echo w > "$OUT/train/r50/.checkpoint.pt.x1y2.tmp"')
+    proc = _run_lease_script(["train"], dict(OUT=str(tmp_path), PACK="1"), [("do_train", write)])
+    assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=0"), proc.stdout + proc.stderr
+    assert sorted(os.listdir(tmp_path)) == ["gpu-run.tgz", "summary.txt"]
+    with tarfile.open(tmp_path / "gpu-run.tgz") as archive:
+        names = archive.getnames()
+    assert "./train/r50/log.csv" in names and not [n for n in names if ".pt" in n], names
+
+
+def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_path):
+    """The fused stage names the fused providers and eager materialised logits, not the torch.compile provider (its
+    compilation took the stage's whole time); FUSED_ARGS comes last, so its --providers replaces the list."""
+    stand_in = _stand_in_python(tmp_path / "python", 'if [ "$1" = -c ]; then echo h100; exit 0; fi\n'
+                                                     'echo "$@" >> "$OUT/calls.txt"\n')
+    out = tmp_path / "out"
+    for fused_args in ("", "--providers calibkernels_fused_linear chunked_reference_compiled"):
+        (out / "calls.txt").unlink(missing_ok=True)
+        proc = _run_lease_script(["fused"], dict(OUT=str(out), PYTHON=stand_in, FUSED_ARGS=fused_args))
+        assert proc.stdout.strip().splitlines()[-1].startswith("fused: rc=0"), proc.stdout + proc.stderr
+        call = (out / "calls.txt").read_text().split()
+        assert call[:4] == ["-m", "bench.bench_fused_linear", "--device", "cuda"], call
+        last = len(call) - call[::-1].index("--providers")
+        providers = call[last:]
+        if fused_args:
+            assert providers == ["calibkernels_fused_linear", "chunked_reference_compiled"], call
+        else:
+            assert providers == ["calibkernels_fused_linear", "liger_fused_linear_cross_entropy", "cut_cross_entropy",
+                                 "materialized_calibkernels", "materialized_torch"], call
+
+
+def _fused_linear_main(tmp_path, monkeypatch, factories, providers):
+    """bench_fused_linear's main on a tiny CPU case with two weights, some providers' factories replaced; the
+    (provider, weight) of each factory call in order, and what it raised (None if nothing)."""
+    from bench import bench_fused_linear as B
+
+    for suffix in (".json", ".md"):  # each run's files are its own
+        (tmp_path / f"fl{suffix}").unlink(missing_ok=True)
+    calls = []
+    for name in list(B.PROVIDERS):
+        factory = factories.get(name, B.PROVIDERS[name])
+        monkeypatch.setitem(B.PROVIDERS, name, lambda case, name=name, factory=factory: (
+            calls.append((name, case["weight"])), factory(case))[1])
+    argv = ["--device", "cpu", "--n", "12", "--h", "8", "--c", "20", "--reps", "3", "--warmup", "1", "--no-memory",
+            "--weights", "brier/grad", "none/grad", "--out", str(tmp_path / "fl"), "--providers", *providers]
+    try:
+        B.main(argv)
+    except KeyboardInterrupt as exc:
+        return calls, exc
+    return calls, None
+
+
+def test_the_fused_linear_bench_measures_compiled_providers_last_and_writes_after_each_case(tmp_path, monkeypatch):
+    """bench_fused_linear: the providers that compile are warmed up and timed after every other provider of every
+    case (here a plain step stands in for the compiled one, still compared with the fused op's result); the results
+    are rewritten after each case, so a run stopped in the compilation, or in the second case, keeps what it
+    measured ("complete": false)."""
+    from bench import bench_fused_linear as B
+
+    providers = ["chunked_reference_compiled", "calibkernels_fused_linear", "materialized_torch"]
+
+    def read():
+        data = json.loads((tmp_path / "fl.json").read_text())
+        return data["complete"], [(r["provider"], r["case"]["weight"], r["status"][:7]) for r in data["results"]]
+
+    calls, stopped = _fused_linear_main(tmp_path, monkeypatch, {"chunked_reference_compiled": B._fused_linear},
+                                        providers)
+    assert stopped is None
+    assert calls == [("calibkernels_fused_linear", "brier"), ("materialized_torch", "brier"),
+                     ("calibkernels_fused_linear", "none"), ("materialized_torch", "none"),
+                     ("chunked_reference_compiled", "brier"), ("chunked_reference_compiled", "none")]
+    complete, rows = read()
+    assert complete and rows == [(p, w, "skipped" if (p, w) == ("materialized_torch", "brier") else "ok")
+                                 for w in ("brier", "none") for p in providers]
+    results = json.loads((tmp_path / "fl.json").read_text())["results"]
+    assert all(r["loss_rel_diff"] < 1e-5 for r in results if r["status"] == "ok")
+    assert (tmp_path / "fl.md").read_text().count("| chunked_reference_compiled |") == 2
+
+    def interrupt(case):
+        raise KeyboardInterrupt  # a wall-clock limit's SIGINT
+
+    _, stopped = _fused_linear_main(tmp_path, monkeypatch, {"chunked_reference_compiled": interrupt}, providers)
+    assert stopped is not None
+    assert read() == (False, [("calibkernels_fused_linear", "brier", "ok"), ("materialized_torch", "brier", "skipped"),
+                              ("calibkernels_fused_linear", "none", "ok"), ("materialized_torch", "none", "ok")])
+    _, stopped = _fused_linear_main(tmp_path, monkeypatch, {"materialized_torch": lambda case: interrupt(case) if case[
+        "weight"] == "none" else B._materialized_torch(case)}, providers[1:])
+    assert stopped is not None
+    assert read() == (False, [("calibkernels_fused_linear", "brier", "ok"), ("materialized_torch", "brier", "skipped")])
+    assert "| materialized_torch | skipped" in (tmp_path / "fl.md").read_text()
