@@ -1,4 +1,4 @@
-"""Bad targets on the GPU: how the kernels' device-side flag becomes a Python error.
+"""Bad targets and values on the GPU: how device-side flags become Python errors without a host synchronisation.
 
 The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
 are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, the largest bad value)``, made by
@@ -18,8 +18,22 @@ the environment variable ``CALIBKERNELS_VALIDATE`` (read at import; :data:`POLIC
 * ``sync``: read the flag back right after the kernel and raise at once (one host synchronisation per call).
 * ``0`` (or ``off``): never read the flag; bad rows stay NaN.
 
-While a CUDA graph is being captured, and under ``torch.compile``, no check is queued (the NaN rows stay). On CPU
-tensors (the Triton interpreter) the flag is read at once: there is no device to stall.
+The same queue carries the value checks that no kernel makes, of the optional tensors: on the GPU path
+(``check_values=False`` in :mod:`calibkernels._validation`) each is a few device ops to a flag ``(any bad, a value)``,
+handed to :func:`submit_check` with the function that writes the host check's message from the value:
+
+* ``sample_weight`` and a per-sample ``gamma``: finite and ``>= 0`` (the flag's value: the first bad row);
+* ``mix_target``: a class index on every row whose target is not ``ignore_index`` (the value: the first bad one);
+* a ``mix_lambda`` tensor: in [0, 1], NaN refused (the value: the first bad row). A number ``mix_lambda`` is checked
+  on the host, where it is.
+
+So a GPU call reads none of these values on the host, nor its class-index targets (the kernels flag those). Their
+errors come as a target's do (that call's loss is wrong or NaN: a bad mix row is NaN). The host checks
+(``check_values=True``: the reference, CPU tensors) raise at once instead.
+
+While a CUDA graph is being captured, under ``torch.compile`` and (for the value checks) under a dispatch mode such as
+FakeTensor, no check is queued (the NaN rows stay). On CPU tensors (the Triton interpreter) the flag is read at once:
+there is no device to stall.
 """
 
 from __future__ import annotations
@@ -32,13 +46,13 @@ import torch
 
 from ._validation import dense_target_message, out_of_range_message
 
-__all__ = ["POLICY", "submit", "poll", "synchronize_target_checks"]
+__all__ = ["POLICY", "submit", "submit_check", "checking", "poll", "synchronize_target_checks"]
 
 _POLICIES = {"async": "async", "1": "async", "sync": "sync", "0": "off", "off": "off"}
 POLICY = _POLICIES.get(os.environ.get("CALIBKERNELS_VALIDATE", "async").strip().lower(), "async")
 
-# (event, pinned host copy of the flag, device index, (number of classes, ignore_index, dense target dtype)), oldest
-# first
+# (event, pinned host copy of the flag, device index, what), oldest first; what: (number of classes, ignore_index,
+# dense target dtype) of a target's flag (submit), or the message function of a value check (submit_check)
 _pending: collections.deque = collections.deque()
 # device index -> [(event, pinned two-slot buffer)] of checks already read: submit reuses them, since a pinned
 # allocation and a new event cost host time on every training step
@@ -47,9 +61,11 @@ _spare: dict = {}
 _lock = threading.Lock()
 
 
-def _raise(flag, what: tuple, late: bool) -> None:
+def _raise(flag, what, late: bool) -> None:
     has_bad, bad_value = (int(v) for v in flag)
     if has_bad:
+        if callable(what):  # a value check's message function (submit_check)
+            raise ValueError(what(bad_value) + (" (in an earlier call)" if late else ""))
         num_classes, ignore_index, dense_dtype = what
         if dense_dtype is None:
             when = " (in an earlier call; that loss and its gradient rows are NaN)" if late else ""
@@ -58,12 +74,30 @@ def _raise(flag, what: tuple, late: bool) -> None:
         raise ValueError(dense_target_message(bad_value, dense_dtype) + when)
 
 
+def checking(tensor: torch.Tensor) -> bool:
+    """Whether a flag of ``tensor``'s values handed to :func:`submit_check` now would be read: the policy is not
+    ``off`` and nothing traces the call (``torch.compile``, a dispatch mode, a CUDA graph capture). Asked before the
+    flag is computed, so that no device op runs for a flag nobody reads."""
+    return (POLICY != "off" and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and type(tensor) is torch.Tensor and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def submit(error: torch.Tensor, num_classes: int, ignore_index: int, dense_dtype: torch.dtype | None = None) -> None:
     """Hand over a kernel's ``(any bad, bad value)`` device flag according to :data:`POLICY`; ``dense_dtype``: the
     flag is a dense target's ``(any bad row, a bad row)`` (:func:`calibkernels._validation.dense_target_flag`)."""
+    _submit(error, (num_classes, ignore_index, dense_dtype))
+
+
+def submit_check(flag: torch.Tensor, message) -> None:
+    """Hand over a value check's ``(2,)`` int64 device flag ``(any bad, a value)`` according to :data:`POLICY`;
+    ``message(value) -> str`` writes the ``ValueError``'s text (the host check's, so both raise the same error).
+    Flags are read in the order they were handed over, targets' and values' alike."""
+    _submit(flag, message)
+
+
+def _submit(error: torch.Tensor, what) -> None:
     if POLICY == "off" or torch.compiler.is_compiling():
         return
-    what = (num_classes, ignore_index, dense_dtype)
     if error.device.type != "cuda":
         _raise(error.tolist(), what, late=False)
         return
@@ -94,7 +128,7 @@ def _read_oldest() -> tuple:
 
 
 def poll() -> None:
-    """Raise for the first finished check that saw a bad target; never waits for the device."""
+    """Raise for the first finished check that saw a bad target or value; never waits for the device."""
     while True:
         with _lock:
             if not (_pending and _pending[0][0].query()):
@@ -104,7 +138,8 @@ def poll() -> None:
 
 
 def synchronize_target_checks() -> None:
-    """Wait for every pending target check of the GPU losses and raise ``ValueError`` if one saw a bad target."""
+    """Wait for every pending check of the GPU losses (targets, and the values of :func:`submit_check`) and raise
+    ``ValueError`` for the first that saw a bad one."""
     while True:
         with _lock:
             if not _pending:

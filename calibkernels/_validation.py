@@ -6,6 +6,7 @@ Logits of shape ``(..., C)`` are flattened to rows ``(N, C)`` (class dimension l
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +129,9 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
 
 def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
                         check_values: bool = True) -> torch.Tensor | None:
-    """``sample_weight`` is required by, and only allowed with, ``weight="external"``; returned flattened."""
+    """``sample_weight`` is required by, and only allowed with, ``weight="external"``; returned flattened. Its
+    values (finite, ``>= 0``) are read on the host, or with ``check_values=False`` flagged on the device and queued
+    (:func:`finite_nonnegative_flag`, :mod:`calibkernels._target_checks`)."""
     if weight != "external":
         if sample_weight is not None:
             raise ValueError(f"sample_weight is only used with weight='external', not weight={weight!r}")
@@ -145,14 +148,16 @@ def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
         )
     if sample_weight.device != device:
         raise ValueError(f"sample_weight is on {sample_weight.device} but logits are on {device}")
-    if check_values and not torch.compiler.is_compiling() and not bool(
-            ((sample_weight >= 0) & sample_weight.isfinite()).all()):
-        raise ValueError("sample_weight must be finite and >= 0 everywhere (it scales each row's loss and gradient)")
+    if not check_values:
+        _queue_value_check(sample_weight, finite_nonnegative_flag, _sample_weight_message)
+    elif not torch.compiler.is_compiling() and not bool(((sample_weight >= 0) & sample_weight.isfinite()).all()):
+        raise ValueError(_sample_weight_message())
     return sample_weight.reshape(-1)
 
 
 def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_values: bool = True):
-    """A tensor gamma (one exponent per row, e.g. from a γ-Net) is flattened; only the focal weight accepts it."""
+    """A tensor gamma (one exponent per row, e.g. from a γ-Net) is flattened; only the focal weight accepts it. Its
+    values (finite, ``>= 0``) are read on the host, or with ``check_values=False`` flagged on the device and queued."""
     if not isinstance(gamma, torch.Tensor):
         return float(gamma)
     if weight != "focal":
@@ -161,9 +166,72 @@ def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_va
         raise ValueError(f"per-sample gamma shape {tuple(gamma.shape)} does not match target shape {tuple(target_shape)}")
     if gamma.device != device:
         raise ValueError(f"per-sample gamma is on {gamma.device} but logits are on {device}")
-    if check_values and not torch.compiler.is_compiling() and not bool(((gamma >= 0) & gamma.isfinite()).all()):
-        raise ValueError("per-sample gamma must be finite and >= 0 everywhere")
+    if not check_values:
+        _queue_value_check(gamma, finite_nonnegative_flag, _gamma_message)
+    elif not torch.compiler.is_compiling() and not bool(((gamma >= 0) & gamma.isfinite()).all()):
+        raise ValueError(_gamma_message())
     return gamma.reshape(-1)
+
+
+# The value checks of the optional tensors on the GPU path (check_values=False): each a few device ops to a
+# (2,) int64 flag (any bad, a value) that calibkernels._target_checks reads without stalling the host, with the
+# host check's message.
+def _first_flagged(bad: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
+    """``(any entry of bad, the first bad index)`` as a device-side int64 pair, or ``values`` at that index in the
+    second slot (0 where none is bad: argmax of all zeros)."""
+    first = bad.view(torch.uint8).argmax()  # argmax returns the first of equal maxima
+    return torch.stack((bad.any(), first if values is None else values.take(first)))
+
+
+def finite_nonnegative_flag(values: torch.Tensor) -> torch.Tensor:
+    """``(any entry negative, infinite or NaN, the first such index)`` of a floating tensor, without a host
+    synchronisation: the device form of the ``sample_weight`` / per-sample ``gamma`` checks. (clamp keeps NaN, and
+    NaN != NaN.)"""
+    values = values.detach()
+    return _first_flagged(values.clamp(0, torch.finfo(values.dtype).max) != values)
+
+
+def mix_target_flag(mix1d: torch.Tensor, target1d: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
+    """``(any bad, the first bad value)`` of ``mix_target (N,)``: bad where the row's target is not ``ignore_index``
+    and the mix is not a class index in ``[0, num_classes)``; the device form of :func:`check_mix`'s check."""
+    bad = (mix1d.clamp(0, num_classes - 1) != mix1d) & (target1d != ignore_index)
+    return _first_flagged(bad, mix1d)
+
+
+def lambda_flag(mix_lambda: torch.Tensor) -> torch.Tensor:
+    """``(any entry outside [0, 1] or NaN, the first such index)`` of a ``mix_lambda`` tensor (0-dim or ``(N,)``),
+    the device form of :func:`check_mix`'s check."""
+    mix_lambda = mix_lambda.detach()
+    return _first_flagged(mix_lambda.clamp(0, 1) != mix_lambda)
+
+
+def _sample_weight_message(_index=None) -> str:
+    return "sample_weight must be finite and >= 0 everywhere (it scales each row's loss and gradient)"
+
+
+def _gamma_message(_index=None) -> str:
+    return "per-sample gamma must be finite and >= 0 everywhere"
+
+
+def _lambda_message(_index=None) -> str:
+    return "mix_lambda must be in [0, 1] everywhere (NaN is refused)"
+
+
+def mix_target_message(value: int, num_classes: int, ignore_index: int) -> str:
+    """The ``ValueError`` text for a ``mix_target`` value that is not a class index on a row whose target is not
+    ``ignore_index``, from the host check and the queued one alike."""
+    why = " (it is ignore_index, but the row's target is not ignored)" if value == ignore_index else ""
+    return (f"mix_target value {value} is out of range for {num_classes} classes "
+            f"(valid: 0..{num_classes - 1} on every row whose target is not ignore_index){why}")
+
+
+def _queue_value_check(tensor: torch.Tensor, flag_of, message, *args) -> None:
+    """Queue ``flag_of(tensor, *args)`` with ``message`` (:func:`calibkernels._target_checks.submit_check`) unless
+    nothing would read it (policy off, a trace, a capture): then not even the flag is computed."""
+    from . import _target_checks  # imported here: it imports this module's messages
+
+    if _target_checks.checking(tensor):
+        _target_checks.submit_check(flag_of(tensor, *args), message)
 
 
 # Row sums of a dense probability target must be 1 within this tolerance, per target dtype: a few roundings of each
@@ -316,9 +384,16 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
 
 
 def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignore_index, device, *,
-              check_values: bool = True):
+              check_values: bool = True, kernel_checks: bool = False):
     """``mix_target`` (int64, the target's shape, a class index on every non-ignored row) and ``mix_lambda`` (a
-    number, a 0-dim tensor or one value per row, finite, in [0, 1]); returned as ``((N,), float | (N,))``."""
+    number, a 0-dim tensor or one value per row, finite, in [0, 1]); returned as ``((N,), float | (N,))``.
+
+    The tensors' values are read on the host (``check_values``), or flagged on the device and queued
+    (``check_values=False``: :func:`mix_target_flag`, :func:`lambda_flag`, :mod:`calibkernels._target_checks`), or
+    left to the kernel (``kernel_checks``: the C++ CPU op checks both, with the same errors), which sees the mix only
+    where ``mix_lambda`` is a tensor or a number strictly between 0 and 1 (a number 0 or 1 drops it). A number
+    ``mix_lambda`` is always checked here.
+    """
     if not isinstance(mix_target, torch.Tensor):
         raise TypeError(f"mix_target must be a torch.Tensor, got {type(mix_target).__name__}")
     if mix_target.is_floating_point() or mix_target.is_complex() or mix_target.dtype == torch.bool:
@@ -328,30 +403,35 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
                          f"{tuple(target_shape)}")
     if mix_target.device != device:
         raise ValueError(f"mix_target is on {mix_target.device} but logits are on {device}")
+    lam_is_tensor = isinstance(mix_lambda, torch.Tensor)
+    lam = mix_lambda if lam_is_tensor else _check_lambda_number(mix_lambda)
+    checks = not (kernel_checks and (lam_is_tensor or 0.0 < lam < 1.0)) and not torch.compiler.is_compiling()
     mix1d = mix_target.reshape(-1).long()
-    if check_values and not torch.compiler.is_compiling():
+    if checks and not check_values:
+        _queue_value_check(mix1d, mix_target_flag, functools.partial(
+            mix_target_message, num_classes=num_classes, ignore_index=ignore_index), target1d, num_classes,
+            ignore_index)
+    elif checks:
         valid = target1d != ignore_index
         bad = valid & ((mix1d < 0) | (mix1d >= num_classes))
         if bool(bad.any()):
-            value = int(mix1d[bad][0])
-            why = " (it is ignore_index, but the row's target is not ignored)" if value == ignore_index else ""
-            raise ValueError(f"mix_target value {value} is out of range for {num_classes} classes "
-                             f"(valid: 0..{num_classes - 1} on every row whose target is not ignore_index){why}")
-    if isinstance(mix_lambda, torch.Tensor):
-        if not mix_lambda.is_floating_point():
-            raise TypeError(f"a mix_lambda tensor must be floating point, got {mix_lambda.dtype}")
-        if mix_lambda.dim() != 0 and tuple(mix_lambda.shape) != tuple(target_shape):
-            raise ValueError(f"mix_lambda must be a number, a 0-dim tensor or one value per row of shape "
-                             f"{tuple(target_shape)}, got shape {tuple(mix_lambda.shape)}")
-        if mix_lambda.device != device:
-            raise ValueError(f"mix_lambda is on {mix_lambda.device} but logits are on {device}")
-        if check_values and not torch.compiler.is_compiling() and not bool(
-                ((mix_lambda >= 0) & (mix_lambda <= 1)).all()):
-            raise ValueError("mix_lambda must be in [0, 1] everywhere (NaN is refused)")
-        lam = mix_lambda.detach()
-        lam = lam.expand(target_shape).reshape(-1) if lam.dim() == 0 else lam.reshape(-1)
+            raise ValueError(mix_target_message(int(mix1d[bad][0]), num_classes, ignore_index))
+    if not lam_is_tensor:
         return mix1d, lam
-    return mix1d, _check_lambda_number(mix_lambda)
+    if not mix_lambda.is_floating_point():
+        raise TypeError(f"a mix_lambda tensor must be floating point, got {mix_lambda.dtype}")
+    if mix_lambda.dim() != 0 and tuple(mix_lambda.shape) != tuple(target_shape):
+        raise ValueError(f"mix_lambda must be a number, a 0-dim tensor or one value per row of shape "
+                         f"{tuple(target_shape)}, got shape {tuple(mix_lambda.shape)}")
+    if mix_lambda.device != device:
+        raise ValueError(f"mix_lambda is on {mix_lambda.device} but logits are on {device}")
+    if checks and not check_values:
+        _queue_value_check(mix_lambda, lambda_flag, _lambda_message)
+    elif checks and not bool(((mix_lambda >= 0) & (mix_lambda <= 1)).all()):
+        raise ValueError(_lambda_message())
+    lam = mix_lambda.detach()
+    lam = lam.expand(target_shape).reshape(-1) if lam.dim() == 0 else lam.reshape(-1)
+    return mix1d, lam
 
 
 @dataclass(frozen=True)
@@ -401,10 +481,14 @@ def check_loss_inputs(
 ) -> LossInputs:
     """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
 
-    ``check_values=False`` skips the checks that read tensor values (a device synchronisation on GPU), for backends
-    whose kernels check the targets on the device. Soft-target values (a dense target, ``mix_target``,
-    ``mix_lambda``) are checked on the host, unless ``kernel_checks_mix`` / ``kernel_checks_dense`` (the C++ CPU
-    kernel checks the mix's values, and a dense target's in the sweep that reads it, itself, with the same errors).
+    ``check_values=True`` reads the tensors' values on the host and raises at once (the reference, CPU tensors).
+    ``check_values=False`` (the GPU backends) reads none, since on a GPU that is a device synchronisation: the kernels
+    flag class-index targets out of range on the device, and the values of ``sample_weight``, a per-sample
+    ``gamma``, ``mix_target`` and a ``mix_lambda`` tensor are flagged by a few device ops and queued
+    (:mod:`calibkernels._target_checks`), with the host checks' errors; a number ``mix_lambda`` is checked here.
+    ``kernel_checks_mix`` / ``kernel_checks_dense``: the kernel (the C++ CPU op) checks the mix's values, and a dense
+    target's in the sweep that reads it, itself, with the same errors (a dense target's values are otherwise read
+    on the host whatever ``check_values`` says).
 
     A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
     ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
@@ -436,18 +520,25 @@ def check_loss_inputs(
         gamma = check_per_sample_gamma(gamma, weight, batch_shape, logits.device, check_values=check_values)
         return LossInputs(logits2d, target2d, weight, mode, gamma, float(norm), sample_weight, reduction,
                           ignore_index, batch_shape, label_smoothing=smoothing, dense=True)
-    logits2d, target1d, batch_shape = check_logits_target(
-        logits, target, ignore_index=ignore_index, check_values=check_values or mix_target is not None
-    )
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
+                                                         check_values=check_values)
     sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device, check_values=check_values)
     gamma = check_per_sample_gamma(gamma, weight, target.shape, logits.device, check_values=check_values)
     mix1d = lam = None
     if mix_target is not None:
-        mix1d, lam = check_mix(mix_target, mix_lambda, target1d, target.shape, logits.shape[-1], ignore_index,
-                               logits.device, check_values=not kernel_checks_mix)
+        num_classes = logits.shape[-1]
+        mix1d, lam = check_mix(mix_target, mix_lambda, target1d, target.shape, num_classes, ignore_index,
+                               logits.device, check_values=check_values, kernel_checks=kernel_checks_mix)
         if not isinstance(lam, torch.Tensor) and lam == 1.0:
             mix1d = lam = None
         elif not isinstance(lam, torch.Tensor) and lam == 0.0:
+            if not check_values:
+                # The kernel sees only the replaced target, so the given one's range is flagged here (the host path
+                # checked it in check_logits_target). A bad mix value, already queued by check_mix, is then flagged
+                # by the kernel too, as a target value: a second, later error of the same call.
+                _queue_value_check(target1d, target_flag, functools.partial(
+                    out_of_range_message, num_classes=num_classes, ignore_index=ignore_index), num_classes,
+                    ignore_index)
             target1d = torch.where(target1d == ignore_index, target1d, mix1d)
             mix1d = lam = None
     return LossInputs(

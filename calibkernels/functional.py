@@ -72,7 +72,9 @@ def uncertainty_weighted_ce(
         name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
     else:
         name = _backends.resolve(backend, device)
-    # GPU kernels check target bounds on the device, which avoids a host synchronisation per call.
+    # On a GPU nothing is read on the host (a synchronisation per call): the kernels flag bad targets on the device,
+    # and the values of sample_weight, a per-sample gamma and a mix are flagged by device ops; both are read by
+    # calibkernels._target_checks. The reference and CPU tensors check on the host and raise at once.
     host_check = name == "reference" or logits.device.type == "cpu"
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
