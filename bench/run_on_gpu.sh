@@ -95,7 +95,7 @@ do_test() {
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
     tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
-    tests/test_soft_targets.py tests/test_fused_linear.py \
+    tests/test_soft_targets.py tests/test_target_checks.py tests/test_fused_linear.py \
     tests/test_calibration_posthoc.py tests/test_metrics_bootstrap.py tests/test_metrics_debiased.py \
     tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1

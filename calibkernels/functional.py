@@ -67,11 +67,15 @@ def uncertainty_weighted_ce(
             if loss is not None:
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    gamma_needs_grad = False
     if V.soft_target_request(target, label_smoothing, mix_target, mix_lambda):
         gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
-        name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
+        kind = "dense" if isinstance(target, torch.Tensor) and target.is_floating_point() else "compact"
     else:
-        name = _backends.resolve(backend, device)
+        kind = "hard"
+    # "auto" on CUDA tensors: the kernel measured faster for this row width and target kind (_backends)
+    num_classes = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
+    name = _backends.resolve_for_shape(backend, device, num_classes, kind, gamma_needs_grad)
     # On a GPU nothing is read on the host (a synchronisation per call): the kernels flag bad targets on the device,
     # and the values of sample_weight, a per-sample gamma and a mix are flagged by device ops; both are read by
     # calibkernels._target_checks. The reference and CPU tensors check on the host and raise at once.
@@ -122,7 +126,7 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     """The common eager call, straight into the compiled op and its C++ autograd: the per-call host time of the
     general path (argument normalisation, backend resolution, the Python target checks) is as large as the whole step
     of ``F.cross_entropy`` at small shapes. On CPU tensors with ``backend`` "auto" or "cpu"; on CUDA tensors with
-    "cuda", or "auto" where it resolves to the CUDA kernel. ``None`` when any argument needs the general path, which
+    "cuda", or "auto" where :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. ``None`` when any argument needs the general path, which
     also makes every error message. The CPU kernel checks the target values itself (the same ValueError as the
     general path), those of a mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA kernel
     flags them on the device for :mod:`calibkernels._target_checks`, as the general path does. ``inplace``: as the
@@ -134,9 +138,15 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     on_gpu = logits.is_cuda
     if type(backend) is not str or (on_gpu and torch._C._len_torch_dispatch_stack() != 0):
         return None  # the general path's error; a dispatch mode must not see the flag's host copy
-    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, backend))
+    # "auto" on CUDA tensors is the CUDA kernel where the measured table prefers it for this row width (_backends)
+    gpu_auto = on_gpu and backend == "auto"
+    kernel = "cuda" if gpu_auto else backend
+    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, kernel))
     if served is None:
-        served = _compiled_kernel(backend, logits.device)
+        served = _compiled_kernel(kernel, logits.device)
+    if served and gpu_auto and not _backends.auto_prefers_cuda(
+            logits.shape[1], "dense" if dense else "compact" if soft else "hard"):
+        return None
     if (not served or weight_code is None or mode_code is None or reduction_code is None or weight == "external"
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
             or not 0 < norm < _INF or type(ignore_index) is not int
@@ -165,7 +175,7 @@ _EAGER_LOSS = None  # calibkernels._C.eager_loss, once the extension is known to
 
 def _compiled_kernel(backend, device: torch.device) -> bool:
     """Whether :func:`_fast_call` may run ``backend`` on ``device``'s type: the compiled op's CPU kernel for "auto" and
-    "cpu" on the CPU, its CUDA kernel for "cuda" (and "auto" where that resolves to it) on CUDA tensors; cached."""
+    "cpu" on the CPU, its CUDA kernel for "cuda" on CUDA tensors (where "auto" asks for "cuda"); cached."""
     global _EAGER_LOSS
     key = (device.type == "cuda", device.type == "cpu", backend)
     known = _FAST_KERNELS.get(key)
@@ -173,7 +183,7 @@ def _compiled_kernel(backend, device: torch.device) -> bool:
         name = device.type if device.type in ("cpu", "cuda") else None
         known = False
         if name is not None and backend in ("auto", name) and _backends.unavailable_reason(name, device) is None:
-            # "auto" takes the compiled op only where it is the first choice (on CUDA, Triton comes first)
+            # "auto" asks here only on the CPU (_fast_call asks for "cuda" on CUDA tensors): the op where it comes first
             known = backend == name or _backends.resolve("auto", device) == name
             if known:
                 from . import _C  # loads: unavailable_reason has imported the backend's module, which imports it

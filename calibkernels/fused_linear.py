@@ -488,7 +488,9 @@ def fused_linear_uncertainty_weighted_ce(
     elif host_check and not torch.compiler.is_compiling():
         V.check_target_values(target1d, num_classes, ignore_index)
     if mix_target is not None:
-        mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device)
+        # on a GPU the mix's values are flagged on the device (no synchronisation); the kernel flags the targets
+        mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
+                                 check_values=host_check)
         lam = V.lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
     sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device, check_values=host_check)
     if sample_weight is not None:

@@ -439,6 +439,41 @@ def test_inputs_on_different_devices_raise():
         fused_linear(hidden, linear_weight, target.cuda())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+def test_a_mix_on_cuda_is_checked_on_the_device(backend):
+    """A fused-linear call with a mix on CUDA tensors reads nothing on the host (sync debug mode "error" around the
+    call); a mix_target out of range, or a mix_lambda outside [0, 1], raises at synchronize_target_checks()."""
+    if _backends.unavailable_reason(backend, torch.device("cuda")) is not None:
+        pytest.skip(f"{backend} backend not available")
+    hidden, linear_weight, bias, target = _problem(16, 8, 50, torch.float32, "cuda")
+    mix = target.flip(0).clamp(min=0)
+    lam = torch.rand(16, device="cuda")
+    ck.synchronize_target_checks()
+
+    def call(mix_target, mix_lambda):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return fused_linear(hidden, linear_weight, target, bias, backend=backend, mix_target=mix_target,
+                                mix_lambda=mix_lambda)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+    call(mix, lam)
+    ck.synchronize_target_checks()
+    bad_mix = mix.clone()
+    bad_mix[3] = 50
+    with pytest.raises(ValueError, match="mix_target value 50"):
+        call(bad_mix, lam)
+        ck.synchronize_target_checks()
+    bad_lam = lam.clone()
+    bad_lam[2] = 1.5
+    with pytest.raises(ValueError, match="mix_lambda"):
+        call(mix, bad_lam)
+        ck.synchronize_target_checks()
+
+
 # ---------------------------------------------------------------------------------------------------------- memory
 _MEMORY_SCRIPT = textwrap.dedent("""
     import gc, json, sys

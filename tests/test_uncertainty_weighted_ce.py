@@ -12,6 +12,7 @@ error the reference itself makes at the input's precision, plus a few ulps of th
 
 import functools
 import math
+import types
 import warnings
 
 import pytest
@@ -363,6 +364,42 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "falling back" in messages[0] and "pretend it is not built" in messages[0]
     torch.testing.assert_close(first, R.uncertainty_weighted_ce(z, y))
+
+
+@pytest.mark.parametrize(("num_classes", "kind", "expected"), [
+    (16, "hard", "cuda"), (1000, "hard", "cuda"), (10000, "hard", "cuda"), (10001, "hard", "triton"),
+    (128256, "hard", "triton"), (1000, "compact", "cuda"), (32000, "compact", "cuda"),
+    (32001, "compact", "triton"), (1000, "dense", "cuda"), (1001, "dense", "triton"),
+])
+def test_auto_on_a_gpu_picks_the_kernel_by_row_width_and_target_kind(monkeypatch, num_classes, kind, expected):
+    """backend="auto" on CUDA tensors (a device object only: both GPU backends made to look available): the CUDA
+    kernel up to AUTO_CUDA_MAX_CLASSES[kind], Triton past it; the other kernel where the first cannot run; a named
+    backend as named; on the CPU the CPU kernel."""
+    monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: None)
+    monkeypatch.setattr(_backends, "module", lambda name: types.SimpleNamespace(SOFT_TARGETS=True))
+    cuda = torch.device("cuda")
+    assert _backends.resolve_for_shape("auto", cuda, num_classes, kind) == expected
+    other = {"cuda": "triton", "triton": "cuda"}[expected]
+    monkeypatch.setattr(_backends, "unavailable_reason",
+                        lambda name, device: "pretend it is not built" if name == expected else None)
+    assert _backends.resolve_for_shape("auto", cuda, num_classes, kind) == other
+    assert _backends.resolve_for_shape(other, cuda, num_classes, kind) == other
+    monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: None)
+    assert _backends.resolve_for_shape("auto", torch.device("cpu"), num_classes, kind) == "cpu"
+
+
+def test_auto_on_a_gpu_keeps_soft_targets_off_a_kernel_without_them(monkeypatch):
+    """A soft-target call never goes to a kernel that cannot run soft targets, nor a per-sample gamma that requires
+    grad to a fused kernel: the table's first choice gives way as resolve_soft_targets decides."""
+    monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: None)
+    monkeypatch.setattr(_backends, "module",
+                        lambda name: types.SimpleNamespace(SOFT_TARGETS=name != "cuda"))
+    cuda = torch.device("cuda")
+    assert _backends.resolve_for_shape("auto", cuda, 1000, "compact") == "triton"
+    assert _backends.resolve_for_shape("auto", cuda, 1000, "hard") == "cuda"
+    monkeypatch.setattr(_backends, "module", lambda name: types.SimpleNamespace(SOFT_TARGETS=True))
+    monkeypatch.setattr(_backends, "_warned_soft_targets", True)
+    assert _backends.resolve_for_shape("auto", cuda, 1000, "compact", gamma_needs_grad=True) == "reference"
 
 
 def test_reference_compiles_with_fullgraph():

@@ -748,6 +748,46 @@ def _kernel_names(logits, target):
             and "calibkernels" in e.name and "_kernel" in e.name}
 
 
+@needs_gpu
+@pytest.mark.parametrize(("c", "target_kind"), [(1000, "hard"), (10001, "hard"), (32000, "smooth"), (32001, "smooth"),
+                                               (1000, "dense"), (1001, "dense")])
+def test_auto_on_cuda_runs_the_kernel_its_table_names(c, target_kind):
+    """backend="auto" on CUDA tensors, eager forward + backward: the CUDA C++ kernels where
+    _backends.auto_prefers_cuda says so for the row width and target kind, the Triton kernels otherwise (told apart by
+    the names of the device kernels that ran), with the loss of the backend named explicitly."""
+    from calibkernels import _backends
+    from torch.profiler import ProfilerActivity, profile
+
+    if _backends.unavailable_reason("triton", torch.device("cuda")) is not None:
+        pytest.skip("needs both GPU backends")
+    kind = {"hard": "hard", "smooth": "compact", "dense": "dense"}[target_kind]
+    expected = "cuda" if _backends.auto_prefers_cuda(c, kind) else "triton"
+    z = _logits(8, c, torch.bfloat16)
+    y = _targets(8, c, ignore=False)
+    kw = {}
+    if target_kind == "smooth":
+        kw = dict(label_smoothing=0.1)
+    elif target_kind == "dense":
+        y = torch.softmax(torch.randn(8, c, device="cuda"), 1)
+
+    def step(backend):
+        x = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(x, y, weight="brier", backend=backend, **kw)
+        loss.backward()
+        return loss.detach(), x.grad
+
+    step("auto")  # Triton compiles on first use, outside the profile
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        got = step("auto")
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    cuda_ran = any("calibkernels::" in name for name in names)
+    triton_ran = any(name.startswith(("_uncertainty_weighted_ce", "_soft_target_ce")) for name in names)
+    assert (cuda_ran, triton_ran) == (expected == "cuda", expected == "triton"), names
+    for actual, wanted in zip(got, step(expected)):
+        torch.testing.assert_close(actual, wanted)
+
+
 # CALIBKERNELS_CUDA_ROW_CLUSTER (the .cu's launch chooser): threads x values per thread of the cluster kernel's tile
 CLUSTER_TILES = {"256x16": 4096, "256x32": 8192, "512x16": 8192, "512x32": 16384}
 
