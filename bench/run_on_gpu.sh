@@ -154,8 +154,8 @@ do_soft() {
     2>"$OUT/soft.err"
 }
 # fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy. Not
-# chunked_reference_compiled by default: its inductor compilation at this size took over two minutes, before any row
-# was measured (FUSED_ARGS='--providers ... chunked_reference_compiled' adds it; the script measures it last). The
+# chunked_reference_compiled by default: inductor compiles it for minutes at this size, which a short lease cannot
+# spare (FUSED_ARGS='--providers ... chunked_reference_compiled' adds it; the script measures it last). The
 # script rewrites its results after each case, so a stage stopped at DEADLINE keeps the rows measured so far.
 do_fused() {
   $PY -m bench.bench_fused_linear --device cuda --out "$OUT/fused-linear-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")-$(date +%F)" \
@@ -209,8 +209,8 @@ printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
   # one archive in place of the many logs and result files, for a transfer that returns only a few files (tar's exit
   # status 1: a file changed while it was read, e.g. a log a stopped stage's process still wrote). Without the
-  # training's checkpoints (*.pt, and their partial writes): about 100 MB each for ResNet-50, no result, and their
-  # gzip alone outlasted a call's time limit.
+  # training's checkpoints (*.pt, and their partial writes): about 100 MB each for ResNet-50, no result, and slow
+  # to compress within a call's time limit.
   archive=$(mktemp /tmp/gpu-run.XXXXXX)
   tar -C "$OUT" -czf "$archive" --warning=no-file-changed --exclude='*.pt' --exclude='.*.pt.*.tmp' .
   if [ $? -le 1 ]; then

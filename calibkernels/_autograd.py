@@ -188,8 +188,6 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
         )
     on_gpu = logits.device.type == "cuda"
     eager = is_plain_eager(logits)
-    if on_gpu and eager:
-        _target_checks.poll()  # raise for a bad target that an earlier call flagged
     codes = (V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode], gamma_value, inputs.norm,
              inputs.ignore_index, V.REDUCTION_CODES[inputs.reduction])
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad

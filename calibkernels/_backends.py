@@ -31,15 +31,16 @@ _AUTO_ORDER = {"cuda": ("triton", "cuda"), "cpu": ("cpu",)}
 
 # backend="auto" on CUDA tensors, eager calls: the CUDA C++ kernel for rows of at most this many classes, Triton for
 # wider rows, per target kind ("hard": class indices; "compact": label smoothing and/or a mix of two class indices;
-# "dense": a probability row per sample). Measured on an NVIDIA H100 (forward + backward of the mean loss, N = 8192,
-# bf16; docs/performance.md, "backend='auto' on the GPU"): below these sizes a step is host-bound and the CUDA op's
-# C++ entry costs less host time than a Triton launch from Python (a 64 x 16 step: 0.22 ms against 0.73 ms), e.g.
-# 8192 x 1000 hard bf16 took 0.34 ms through the CUDA kernel and 0.90 ms through Triton; past them Triton's kernel is
-# the faster one (8192 x 32000 hard bf16: 0.53 ms against the CUDA kernel's 0.69 ms), except for compact soft targets,
-# where the CUDA kernel matched or beat it at 32000 classes (label smoothing 0.70 against 0.71 ms, a mix 1.15 against
-# 1.91 ms). Each bound is the largest class count measured on the CUDA kernel's side. Under torch.compile the choice
-# is a constant of the graph made without the shape, so _AUTO_ORDER decides there.
-AUTO_CUDA_MAX_CLASSES = {"hard": 10000, "compact": 32000, "dense": 1000}
+# "dense": a probability row per sample). From measurements on an NVIDIA H100 (N = 8192, bf16; docs/performance.md,
+# "backend='auto' on the GPU"). Small rows: the step is host-bound, and the CUDA op's C++ entry costs less host time
+# than a Triton launch from Python (a 64 x 16 step: 0.22 against 0.73 ms; 8192 x 1000 hard BSCE-GRA: 0.34 against
+# 0.90 ms). Up to 4096 classes both kernels hold the row on chip; past that Triton's kernel alone is faster (10000
+# classes: 0.16 against 0.30 ms; 32000: 0.51 against 0.69 ms), which decides once the host runs ahead of the GPU, as
+# in training. Compact soft targets: the CUDA kernel's whole step was as fast or faster at 32000 classes (label
+# smoothing 0.71 against 0.71 ms with the Brier weight, 0.69 against 1.20 without; a mix 1.15 against 1.91 and 1.14
+# against 1.78). A dense target: the CUDA step was faster at 1000 classes (0.38 against 0.96 ms), slower at 32000.
+# Under torch.compile the choice is a constant of the graph made without the shape, so _AUTO_ORDER decides there.
+AUTO_CUDA_MAX_CLASSES = {"hard": 4096, "compact": 32000, "dense": 1000}
 
 
 # A plain dict rather than functools.lru_cache: torch.compile traces through lru_cache wrappers (into

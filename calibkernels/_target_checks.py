@@ -131,7 +131,8 @@ def poll() -> None:
     """Raise for the first finished check that saw a bad target or value; never waits for the device."""
     while True:
         with _lock:
-            if not (_pending and _pending[0][0].query()):
+            # an event query is not allowed while the current stream is being captured into a CUDA graph
+            if not _pending or torch.cuda.is_current_stream_capturing() or not _pending[0][0].query():
                 return
             flag, what = _read_oldest()
         _raise(flag, what, late=True)

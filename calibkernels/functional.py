@@ -80,6 +80,9 @@ def uncertainty_weighted_ce(
     # and the values of sample_weight, a per-sample gamma and a mix are flagged by device ops; both are read by
     # calibkernels._target_checks. The reference and CPU tensors check on the host and raise at once.
     host_check = name == "reference" or logits.device.type == "cpu"
+    if not host_check and _autograd.is_plain_eager(logits):
+        # before this call queues flags of its own: what poll raises belongs to an earlier call
+        _target_checks.poll()
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
@@ -105,7 +108,7 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
                 or (target.requires_grad and torch.is_grad_enabled())):
             return None
     elif mix_target is None and mix_lambda is None:
-        if type(label_smoothing) is float and label_smoothing == 0.0:
+        if type(label_smoothing) in (float, int) and label_smoothing == 0:  # hard targets, as the general path sees
             return ()
     # (is_cpu and ndim rather than .device.type and dim(): a mixed call's checks cost several microseconds otherwise)
     elif not (target.is_cpu and type(mix_target) is torch.Tensor and mix_target.is_cpu
@@ -126,8 +129,8 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     """The common eager call, straight into the compiled op and its C++ autograd: the per-call host time of the
     general path (argument normalisation, backend resolution, the Python target checks) is as large as the whole step
     of ``F.cross_entropy`` at small shapes. On CPU tensors with ``backend`` "auto" or "cpu"; on CUDA tensors with
-    "cuda", or "auto" where :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. ``None`` when any argument needs the general path, which
-    also makes every error message. The CPU kernel checks the target values itself (the same ValueError as the
+    "cuda", or "auto" where :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. ``None`` when
+    any argument needs the general path, which also makes every error message. The CPU kernel checks the target values itself (the same ValueError as the
     general path), those of a mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA kernel
     flags them on the device for :mod:`calibkernels._target_checks`, as the general path does. ``inplace``: as the
     general path, which refuses logits that are a leaf requiring grad, or a view of one."""

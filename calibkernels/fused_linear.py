@@ -477,6 +477,9 @@ def fused_linear_uncertainty_weighted_ce(
     else:
         name = _backends.resolve(backend, device)
     host_check = name == "reference" or device.type == "cpu"
+    if not host_check and _autograd.is_plain_eager(hidden2d):
+        # before this call queues flags of its own: what poll raises belongs to an earlier call
+        _target_checks.poll()
     mix1d = lam = None
     if dense:
         if mix_target is not None:
@@ -502,7 +505,6 @@ def fused_linear_uncertainty_weighted_ce(
                                                           else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
-        _target_checks.poll()  # raise for a bad target that an earlier call flagged
         _submit_device_target_check(target1d, num_classes, ignore_index)
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():
         _probe_out_dtype_addmm(device, hidden.dtype)

@@ -140,11 +140,21 @@ def test_check_loss_inputs_queues_every_value_check_on_the_gpu_path():
 
 def test_no_flag_is_computed_when_nothing_reads_it(monkeypatch):
     bad = torch.tensor([1.0, NAN])
+    real = {name: getattr(V, name) for name in ("finite_nonnegative_flag", "mix_target_flag", "lambda_flag")}
+
+    def never(*args):
+        raise AssertionError("a flag was computed that nothing reads")
+
     monkeypatch.setattr(_target_checks, "POLICY", "off")
+    for name in real:
+        monkeypatch.setattr(V, name, never)
     assert not _target_checks.checking(bad)
     V.check_sample_weight(bad, "external", (2,), bad.device, check_values=False)
+    V.check_per_sample_gamma(bad, "focal", (2,), bad.device, check_values=False)
     _mix(torch.tensor([0, 7, 0, 1]), torch.tensor(NAN))
     monkeypatch.setattr(_target_checks, "POLICY", "async")
+    for name, function in real.items():
+        monkeypatch.setattr(V, name, function)
     assert _target_checks.checking(bad)
     with FakeTensorMode() as mode:  # a trace (here a dispatch mode): no host copy of a flag
         fake = mode.from_tensor(bad)

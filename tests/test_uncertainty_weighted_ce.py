@@ -367,7 +367,7 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
 
 
 @pytest.mark.parametrize(("num_classes", "kind", "expected"), [
-    (16, "hard", "cuda"), (1000, "hard", "cuda"), (10000, "hard", "cuda"), (10001, "hard", "triton"),
+    (16, "hard", "cuda"), (1000, "hard", "cuda"), (4096, "hard", "cuda"), (4097, "hard", "triton"),
     (128256, "hard", "triton"), (1000, "compact", "cuda"), (32000, "compact", "cuda"),
     (32001, "compact", "triton"), (1000, "dense", "cuda"), (1001, "dense", "triton"),
 ])
