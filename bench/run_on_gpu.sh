@@ -142,10 +142,11 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
-# the CUDA kernel's row splits past 4096 classes (CALIBKERNELS_CUDA_ROW_CLUSTER: streaming, each thread-block cluster
-# tile) beside a copy and the Triton kernel's default launch, without the Triton launch search
+# the CUDA kernel (and past 4096 classes each of its row splits, CALIBKERNELS_CUDA_ROW_CLUSTER: streaming, each
+# thread-block cluster tile) beside a copy and the Triton kernel's default launch, without the Triton launch search;
+# the classification widths (1000, 4096) give backend="auto"'s table the kernels' own times where the row fits on chip
 do_rowsplit() {
-  $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 10000 32000 128256 262144 --grid-weights \
+  $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 1000 4096 10000 32000 128256 262144 --grid-weights \
     2>"$OUT/rowsplit.err"
 }
 # soft targets beside hard ones (label smoothing, mixes, dense) on the fused GPU kernels, F.cross_entropy and Liger

@@ -5,15 +5,31 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <exception>
+
 #include "uncertainty_weighted_ce.h"
 
 // Importing calibkernels._C loads this library, which runs the registrations below (the pytorch/extension-cpp
-// pattern: no pybind11, ops reached through torch.ops.calibkernels); the module holds two plain functions.
+// pattern: no pybind11, ops reached through torch.ops.calibkernels); the module holds a few plain functions.
 namespace {
 // calibkernels._C.release_cpu_gradient_cache(): a module function rather than an op, since it takes no tensor.
 PyObject* release_cpu_gradient_cache(PyObject*, PyObject*) {
   return PyLong_FromLongLong(static_cast<long long>(calibkernels::release_cpu_gradient_cache()));
 }
+
+#ifdef CALIBKERNELS_WITH_CUDA
+// calibkernels._C.cuda_kernels_run_on(device_index) -> bool
+PyObject* cuda_kernels_run_on(PyObject*, PyObject* arg) {
+  const long device = PyLong_AsLong(arg);
+  if (device == -1 && PyErr_Occurred()) return nullptr;
+  try {  // a C++ exception must not cross into the interpreter (it would terminate the process)
+    return PyBool_FromLong(calibkernels::cuda_kernels_run_on(static_cast<int>(device)) ? 1 : 0);
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+}
+#endif
 
 PyMethodDef methods[] = {
     {"release_cpu_gradient_cache", release_cpu_gradient_cache, METH_NOARGS,
@@ -22,6 +38,10 @@ PyMethodDef methods[] = {
      "eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target, mix_lambda, "
      "label_smoothing, inplace]): the fused loss of an eager call without per-sample tensors, in the logits' dtype "
      "(csrc/uncertainty_weighted_ce_autograd.cpp)."},
+#ifdef CALIBKERNELS_WITH_CUDA
+    {"cuda_kernels_run_on", cuda_kernels_run_on, METH_O,
+     "cuda_kernels_run_on(device_index): whether this build holds code for that CUDA device's architecture."},
+#endif
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace
 

@@ -69,6 +69,12 @@ PyObject* eager_loss(PyObject* module, PyObject* args);
 // Frees the CPU op's kept gradient buffers (csrc/cpu/gradient_buffer_cache.h); returns the bytes freed.
 int64_t release_cpu_gradient_cache();
 
+#ifdef CALIBKERNELS_WITH_CUDA
+// Whether this build's CUDA kernels can run on CUDA device `device` (calibkernels._C.cuda_kernels_run_on; in
+// csrc/cuda/uncertainty_weighted_ce.cu): false on a GPU whose architecture the build compiled no code for.
+bool cuda_kernels_run_on(int device);
+#endif
+
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/
 // _codes.py DENSE_KERNEL_CHECK_MAX_CLASSES); wider rows are checked by device reductions with pairwise sums.
 constexpr int64_t kDenseKernelCheckMaxClasses = 262144;

@@ -84,6 +84,29 @@ def test_cuda_kernel_registered_exactly_when_built_with_cuda():
         assert with_cuda == 1, "CALIBKERNELS_EXPECT_CUDA=1 but the extension was built without the CUDA kernels"
 
 
+def test_a_build_without_code_for_the_gpu_is_not_available(monkeypatch):
+    """A CUDA build without machine code or PTX for the GPU's architecture: the 'cuda' backend reports itself
+    unavailable (naming the compute capability), so backend="auto" takes Triton instead of a kernel that cannot
+    launch. The GPU and the build are stood in for; the real probe is tested on a GPU below."""
+    from calibkernels import _backends
+    from calibkernels.cpp import uncertainty_weighted_ce as cpp_backend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (12, 0))
+    monkeypatch.setattr(cpp_backend, "_has_kernel", lambda key: True)
+    monkeypatch.setattr(cpp_backend, "_runs_on", lambda index: False)
+    reason = cpp_backend.is_available("cuda", torch.device("cuda"))
+    assert reason is not None and "no CUDA code for this GPU (compute capability 12.0)" in reason
+    monkeypatch.setattr(cpp_backend, "_runs_on", lambda index: True)
+    assert cpp_backend.is_available("cuda", torch.device("cuda")) is None
+    monkeypatch.setattr(cpp_backend, "_runs_on", lambda index: False)
+    real = _backends.unavailable_reason
+    monkeypatch.setattr(_backends, "unavailable_reason",
+                        lambda name, device: None if name == "triton" else real(name, device))
+    assert _backends.resolve_for_shape("auto", torch.device("cuda"), 1000, "hard") == "triton"
+
+
 def test_target_check_of_a_device_flag(monkeypatch):
     """A device flag of the form the CUDA op returns (the kernels only NaN-poison bad rows; here
     calibkernels._validation.target_flag's, which the fused linear loss uses) names the bad value through
@@ -111,6 +134,16 @@ needs_gpu = pytest.mark.skipif(
     not torch.cuda.is_available() or not _has_cuda_kernel(),
     reason="needs a CUDA device and an extension built with the CUDA kernels",
 )
+
+
+@needs_gpu
+def test_the_build_has_code_for_this_gpu():
+    """The probe behind the 'cuda' backend's availability (a kernel's attributes, which exist only where the build
+    holds code for the device) says yes on the GPU the tests run on."""
+    from calibkernels import _backends
+
+    assert _C.cuda_kernels_run_on(torch.cuda.current_device()) is True
+    assert _backends.unavailable_reason("cuda", torch.device("cuda")) is None
 
 
 def _op(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
@@ -632,8 +665,10 @@ def test_without_gradient_no_buffer_is_written():
 
 
 @needs_gpu
-@pytest.mark.parametrize("c", [1000, 32000])  # 32000: the streaming or the cluster path
-def test_no_host_synchronisation_and_cuda_graph_capture(c):
+# 32000: the streaming path (the default) and, on sm_90, the cluster path when asked for
+@pytest.mark.parametrize(("c", "row_split"), [(1000, "auto"), (32000, "auto"), (32000, "256x16")])
+def test_no_host_synchronisation_and_cuda_graph_capture(c, row_split, monkeypatch):
+    monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", row_split)
     n = 64
     z = _logits(n, c)
     y = _targets(n, c)
@@ -749,7 +784,7 @@ def _kernel_names(logits, target):
 
 
 @needs_gpu
-@pytest.mark.parametrize(("c", "target_kind"), [(1000, "hard"), (10001, "hard"), (32000, "smooth"), (32001, "smooth"),
+@pytest.mark.parametrize(("c", "target_kind"), [(1000, "hard"), (4097, "hard"), (32000, "smooth"), (32001, "smooth"),
                                                (1000, "dense"), (1001, "dense")])
 def test_auto_on_cuda_runs_the_kernel_its_table_names(c, target_kind):
     """backend="auto" on CUDA tensors, eager forward + backward: the CUDA C++ kernels where
@@ -805,8 +840,8 @@ def _expects_cluster(row_split, c):
 @pytest.mark.parametrize("row_split", ["off", "auto", *CLUSTER_TILES])
 def test_large_rows_against_reference(row_split, monkeypatch):
     """C > 4096: the streaming path ("off", and "auto", the default) and the rows split across a thread-block cluster
-    (sm_90; each tile shape): aligned and misaligned rows (a slice from column 1, with sentinels around it), ignored and -inf rows,
-    fp32 and bf16, in place. The kernel that ran is checked by name."""
+    (sm_90; each tile shape): aligned and misaligned rows (a slice from column 1, with sentinels around it), ignored
+    and -inf rows, fp32 and bf16, in place. The kernel that ran is checked by name."""
     monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", row_split)
     n = 6
     # one mostly-padding tile; several tiles; a ragged tail; exactly 8 tiles of 16384; 16 CTAs of 16384 (fp32 only)

@@ -109,6 +109,13 @@ def _has_kernel(dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, dispatch_key)
 
 
+@functools.lru_cache(maxsize=None)
+def _runs_on(index: int) -> bool:
+    # the build's architectures are fixed once it is loaded; backend="auto" must not pick a kernel that cannot launch
+    probe = getattr(_C, "cuda_kernels_run_on", None)
+    return probe is None or probe(index)
+
+
 def is_available(name: str, device: torch.device) -> str | None:
     """``None`` if backend ``name`` ("cpu" or "cuda") can run on ``device``, else why not."""
     if name == "cpu":
@@ -124,5 +131,10 @@ def is_available(name: str, device: torch.device) -> str | None:
             return "torch.cuda.is_available() is False"
         if not _has_kernel("CUDA"):
             return "calibkernels._C was built without the CUDA kernel (no CUDA toolkit at build time?)"
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if not _runs_on(index):
+            major, minor = torch.cuda.get_device_capability(index)
+            return (f"calibkernels._C holds no CUDA code for this GPU (compute capability {major}.{minor}); rebuild "
+                    f"with CALIBKERNELS_CUDA_ARCHS naming it")
         return None
     return f"{name!r} is not a compiled backend"

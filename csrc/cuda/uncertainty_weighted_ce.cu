@@ -352,6 +352,23 @@ void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor&
 }
 
 }  // namespace
+
+bool cuda_kernels_run_on(int device) {
+  // A kernel's attributes exist only where the library holds machine code for the device's architecture or PTX the
+  // driver can compile for it; otherwise every launch would fail with "no kernel image is available". Plain runtime
+  // calls rather than a device guard, which throws: any failure here means no, and clears its own error.
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess || (previous != device && cudaSetDevice(device) != cudaSuccess)) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  cudaFuncAttributes attributes;
+  const bool runs = cudaFuncGetAttributes(&attributes, check_targets_kernel) == cudaSuccess;
+  (void)cudaGetLastError();  // this query's own error, not one for the next launch to report
+  if (previous != device) (void)cudaSetDevice(previous);
+  return runs;
+}
+
 }  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, CUDA, m) {
