@@ -30,17 +30,19 @@ _BACKEND_MODULES = {
 _AUTO_ORDER = {"cuda": ("triton", "cuda"), "cpu": ("cpu",)}
 
 # backend="auto" on CUDA tensors, eager calls: the CUDA C++ kernel for rows of at most this many classes, Triton for
-# wider rows, per target kind ("hard": class indices; "compact": label smoothing and/or a mix of two class indices;
-# "dense": a probability row per sample). From measurements on an NVIDIA H100 (N = 8192, bf16; docs/performance.md,
-# "backend='auto' on the GPU"). Small rows: the step is host-bound, and the CUDA op's C++ entry costs less host time
-# than a Triton launch from Python (a 64 x 16 step: 0.22 against 0.73 ms; 8192 x 1000 hard BSCE-GRA: 0.34 against
-# 0.90 ms). Up to 4096 classes both kernels hold the row on chip; past that Triton's kernel alone is faster (10000
-# classes: 0.16 against 0.30 ms; 32000: 0.51 against 0.69 ms), which decides once the host runs ahead of the GPU, as
-# in training. Compact soft targets: the CUDA kernel's whole step was as fast or faster at 32000 classes (label
-# smoothing 0.71 against 0.71 ms with the Brier weight, 0.69 against 1.20 without; a mix 1.15 against 1.91 and 1.14
-# against 1.78). A dense target: the CUDA step was faster at 1000 classes (0.38 against 0.96 ms), slower at 32000.
-# Under torch.compile the choice is a constant of the graph made without the shape, so _AUTO_ORDER decides there.
-AUTO_CUDA_MAX_CLASSES = {"hard": 4096, "compact": 32000, "dense": 1000}
+# wider rows, per target kind ("hard": class indices; "smooth": class indices with label smoothing; "mix": a mix of two
+# class indices, smoothed or not; "dense": a probability row per sample). From measurements on an NVIDIA H100 (N = 8192,
+# bf16; docs/performance.md, "backend='auto' on the GPU"). Small rows: the step is host-bound, and the CUDA op's C++
+# entry costs less host time than a Triton launch from Python (a 64 x 16 step: 0.22 against 0.73 ms; 8192 x 1000 hard
+# BSCE-GRA: 0.34 against 0.90 ms). Up to 4096 classes both kernels hold the row on chip; past that Triton's kernel alone
+# is faster (10000 classes: 0.16 against 0.30 ms; 32000: 0.51 against 0.69 ms), which decides once the host runs ahead
+# of the GPU, as in training. A mix: the CUDA kernel's step was faster at 32000 classes in median and in its fastest
+# repetition alike (1.15 and 1.02 ms against Triton's 1.91 and 1.47 with the Brier weight, 1.14 and 1.03 against 1.78
+# and 1.15 without). Label smoothing is left with class indices: at 32000 classes the medians tied with the Brier weight
+# (0.71 ms) and Triton's fastest repetition without it was the faster (0.53 against 0.68 ms). A dense target: the CUDA
+# step was faster at 1000 classes (0.38 against 0.96 ms), slower at 32000. Under torch.compile the choice is a constant
+# of the graph made without the shape, so _AUTO_ORDER decides there.
+AUTO_CUDA_MAX_CLASSES = {"hard": 4096, "smooth": 4096, "mix": 32000, "dense": 1000}
 
 
 # A plain dict rather than functools.lru_cache: torch.compile traces through lru_cache wrappers (into
@@ -144,14 +146,14 @@ def resolve_soft_targets(backend: str, device: torch.device, gamma_needs_grad: b
 
 
 def auto_prefers_cuda(num_classes: int, kind: str) -> bool:
-    """Whether ``backend="auto"`` runs rows of ``num_classes`` classes with target kind ``kind`` ("hard", "compact"
-    or "dense") on the CUDA C++ kernel rather than Triton (:data:`AUTO_CUDA_MAX_CLASSES`)."""
+    """Whether ``backend="auto"`` runs rows of ``num_classes`` classes with target kind ``kind`` ("hard", "smooth",
+    "mix" or "dense") on the CUDA C++ kernel rather than Triton (:data:`AUTO_CUDA_MAX_CLASSES`)."""
     return num_classes <= AUTO_CUDA_MAX_CLASSES[kind]
 
 
 def resolve_for_shape(backend: str, device: torch.device, num_classes: int, kind: str,
                       gamma_needs_grad: bool = False) -> str:
-    """:func:`resolve` (hard targets) or :func:`resolve_soft_targets` (``kind`` "compact" or "dense"), except that an
+    """:func:`resolve` (hard targets) or :func:`resolve_soft_targets` (any other ``kind``), except that an
     eager ``backend="auto"`` call on CUDA tensors first takes the GPU kernel :func:`auto_prefers_cuda` names for rows
     of ``num_classes`` classes, where it can run them."""
     if backend == "auto" and device.type == "cuda" and not torch.compiler.is_compiling():

@@ -70,7 +70,8 @@ def uncertainty_weighted_ce(
     gamma_needs_grad = False
     if V.soft_target_request(target, label_smoothing, mix_target, mix_lambda):
         gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
-        kind = "dense" if isinstance(target, torch.Tensor) and target.is_floating_point() else "compact"
+        kind = "dense" if isinstance(target, torch.Tensor) and target.is_floating_point() else (
+            "smooth" if mix_target is None else "mix")
     else:
         kind = "hard"
     # "auto" on CUDA tensors: the kernel measured faster for this row width and target kind (_backends)
@@ -79,7 +80,7 @@ def uncertainty_weighted_ce(
     # On a GPU nothing is read on the host (a synchronisation per call): the kernels flag bad targets on the device,
     # and the values of sample_weight, a per-sample gamma and a mix are flagged by device ops; both are read by
     # calibkernels._target_checks. The reference and CPU tensors check on the host and raise at once.
-    host_check = name == "reference" or logits.device.type == "cpu"
+    host_check = name == "reference" or device.type == "cpu"
     if not host_check and _autograd.is_plain_eager(logits):
         # before this call queues flags of its own: what poll raises belongs to an earlier call
         _target_checks.poll()
@@ -130,8 +131,8 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     general path (argument normalisation, backend resolution, the Python target checks) is as large as the whole step
     of ``F.cross_entropy`` at small shapes. On CPU tensors with ``backend`` "auto" or "cpu"; on CUDA tensors with
     "cuda", or "auto" where :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. ``None`` when
-    any argument needs the general path, which also makes every error message. The CPU kernel checks the target values itself (the same ValueError as the
-    general path), those of a mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA kernel
+    any argument needs the general path, which also makes every error message. The CPU kernel checks the target
+    values itself (the same ValueError as the general path), those of a mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA kernel
     flags them on the device for :mod:`calibkernels._target_checks`, as the general path does. ``inplace``: as the
     general path, which refuses logits that are a leaf requiring grad, or a view of one."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
@@ -144,11 +145,11 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     # "auto" on CUDA tensors is the CUDA kernel where the measured table prefers it for this row width (_backends)
     gpu_auto = on_gpu and backend == "auto"
     kernel = "cuda" if gpu_auto else backend
-    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, kernel))
+    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, kernel, logits.get_device() if on_gpu else -1))
     if served is None:
         served = _compiled_kernel(kernel, logits.device)
     if served and gpu_auto and not _backends.auto_prefers_cuda(
-            logits.shape[1], "dense" if dense else "compact" if soft else "hard"):
+            logits.shape[1], "dense" if dense else "hard" if not soft else "smooth" if soft[0] is None else "mix"):
         return None
     if (not served or weight_code is None or mode_code is None or reduction_code is None or weight == "external"
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
@@ -171,16 +172,19 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
 
 _INF = float("inf")
 _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-# (on CUDA, on the CPU, backend) -> whether _fast_call serves that backend there; filled on first use
+# (on CUDA, on the CPU, backend, CUDA device index or -1) -> whether _fast_call serves that backend there (per GPU:
+# a build may hold no code for one of several); filled on first use
 _FAST_KERNELS: dict = {}
 _EAGER_LOSS = None  # calibkernels._C.eager_loss, once the extension is known to load
 
 
 def _compiled_kernel(backend, device: torch.device) -> bool:
-    """Whether :func:`_fast_call` may run ``backend`` on ``device``'s type: the compiled op's CPU kernel for "auto" and
+    """Whether :func:`_fast_call` may run ``backend`` on ``device``: the compiled op's CPU kernel for "auto" and
     "cpu" on the CPU, its CUDA kernel for "cuda" on CUDA tensors (where "auto" asks for "cuda"); cached."""
     global _EAGER_LOSS
-    key = (device.type == "cuda", device.type == "cpu", backend)
+    on_gpu = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else -1
+    key = (on_gpu, device.type == "cpu", backend, index)
     known = _FAST_KERNELS.get(key)
     if known is None:
         name = device.type if device.type in ("cpu", "cuda") else None

@@ -6,6 +6,8 @@
 #include <torch/library.h>
 
 #include <exception>
+#include <limits>
+#include <utility>
 
 #include "uncertainty_weighted_ce.h"
 
@@ -18,12 +20,17 @@ PyObject* release_cpu_gradient_cache(PyObject*, PyObject*) {
 }
 
 #ifdef CALIBKERNELS_WITH_CUDA
-// calibkernels._C.cuda_kernels_run_on(device_index) -> bool
-PyObject* cuda_kernels_run_on(PyObject*, PyObject* arg) {
+// calibkernels._C.cuda_kernels_probe(device_index) -> (CUDA status as an int, its name); 0 where the kernels run
+PyObject* cuda_kernels_probe(PyObject*, PyObject* arg) {
   const long device = PyLong_AsLong(arg);
   if (device == -1 && PyErr_Occurred()) return nullptr;
+  if (device < 0 || device > std::numeric_limits<int>::max()) {
+    PyErr_Format(PyExc_ValueError, "cuda_kernels_probe: no CUDA device %ld", device);
+    return nullptr;
+  }
   try {  // a C++ exception must not cross into the interpreter (it would terminate the process)
-    return PyBool_FromLong(calibkernels::cuda_kernels_run_on(static_cast<int>(device)) ? 1 : 0);
+    const auto [status, name] = calibkernels::cuda_kernels_probe(static_cast<int>(device));
+    return Py_BuildValue("(is)", status, name);
   } catch (const std::exception& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;
@@ -39,8 +46,9 @@ PyMethodDef methods[] = {
      "label_smoothing, inplace]): the fused loss of an eager call without per-sample tensors, in the logits' dtype "
      "(csrc/uncertainty_weighted_ce_autograd.cpp)."},
 #ifdef CALIBKERNELS_WITH_CUDA
-    {"cuda_kernels_run_on", cuda_kernels_run_on, METH_O,
-     "cuda_kernels_run_on(device_index): whether this build holds code for that CUDA device's architecture."},
+    {"cuda_kernels_probe", cuda_kernels_probe, METH_O,
+     "cuda_kernels_probe(device_index) -> (status, name): the CUDA status of querying one of this build's kernels "
+     "on that device (0, cudaSuccess, where they run)."},
 #endif
     {nullptr, nullptr, 0, nullptr}};
 }  // namespace

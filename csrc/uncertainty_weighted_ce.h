@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <optional>
 #include <tuple>
+#include <utility>
 
 typedef struct _object PyObject;  // CPython's, declared here so that the CUDA sources need no Python headers
 
@@ -70,9 +71,10 @@ PyObject* eager_loss(PyObject* module, PyObject* args);
 int64_t release_cpu_gradient_cache();
 
 #ifdef CALIBKERNELS_WITH_CUDA
-// Whether this build's CUDA kernels can run on CUDA device `device` (calibkernels._C.cuda_kernels_run_on; in
-// csrc/cuda/uncertainty_weighted_ce.cu): false on a GPU whose architecture the build compiled no code for.
-bool cuda_kernels_run_on(int device);
+// Whether this build's CUDA kernels can run on CUDA device `device` (calibkernels._C.cuda_kernels_probe; in
+// csrc/cuda/uncertainty_weighted_ce.cu): the CUDA status of querying one of its kernels there and the status's
+// name; cudaErrorNoKernelImageForDevice (or another image error) on a GPU the build compiled no code for.
+std::pair<int, const char*> cuda_kernels_probe(int device);
 #endif
 
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/

@@ -368,8 +368,8 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
 
 @pytest.mark.parametrize(("num_classes", "kind", "expected"), [
     (16, "hard", "cuda"), (1000, "hard", "cuda"), (4096, "hard", "cuda"), (4097, "hard", "triton"),
-    (128256, "hard", "triton"), (1000, "compact", "cuda"), (32000, "compact", "cuda"),
-    (32001, "compact", "triton"), (1000, "dense", "cuda"), (1001, "dense", "triton"),
+    (128256, "hard", "triton"), (4096, "smooth", "cuda"), (4097, "smooth", "triton"), (1000, "mix", "cuda"),
+    (32000, "mix", "cuda"), (32001, "mix", "triton"), (1000, "dense", "cuda"), (1001, "dense", "triton"),
 ])
 def test_auto_on_a_gpu_picks_the_kernel_by_row_width_and_target_kind(monkeypatch, num_classes, kind, expected):
     """backend="auto" on CUDA tensors (a device object only: both GPU backends made to look available): the CUDA
@@ -395,11 +395,11 @@ def test_auto_on_a_gpu_keeps_soft_targets_off_a_kernel_without_them(monkeypatch)
     monkeypatch.setattr(_backends, "module",
                         lambda name: types.SimpleNamespace(SOFT_TARGETS=name != "cuda"))
     cuda = torch.device("cuda")
-    assert _backends.resolve_for_shape("auto", cuda, 1000, "compact") == "triton"
+    assert _backends.resolve_for_shape("auto", cuda, 1000, "smooth") == "triton"
     assert _backends.resolve_for_shape("auto", cuda, 1000, "hard") == "cuda"
     monkeypatch.setattr(_backends, "module", lambda name: types.SimpleNamespace(SOFT_TARGETS=True))
     monkeypatch.setattr(_backends, "_warned_soft_targets", True)
-    assert _backends.resolve_for_shape("auto", cuda, 1000, "compact", gamma_needs_grad=True) == "reference"
+    assert _backends.resolve_for_shape("auto", cuda, 1000, "mix", gamma_needs_grad=True) == "reference"
 
 
 def test_reference_compiles_with_fullgraph():

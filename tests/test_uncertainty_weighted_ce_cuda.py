@@ -86,25 +86,49 @@ def test_cuda_kernel_registered_exactly_when_built_with_cuda():
 
 def test_a_build_without_code_for_the_gpu_is_not_available(monkeypatch):
     """A CUDA build without machine code or PTX for the GPU's architecture: the 'cuda' backend reports itself
-    unavailable (naming the compute capability), so backend="auto" takes Triton instead of a kernel that cannot
-    launch. The GPU and the build are stood in for; the real probe is tested on a GPU below."""
+    unavailable (naming the compute capability and the CUDA status), so backend="auto" takes Triton instead of a kernel
+    that cannot launch. Before CUDA is in use nothing is probed. The GPU and the build are stood in for; the real probe
+    is tested on a GPU below."""
     from calibkernels import _backends
     from calibkernels.cpp import uncertainty_weighted_ce as cpp_backend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (12, 0))
     monkeypatch.setattr(cpp_backend, "_has_kernel", lambda key: True)
-    monkeypatch.setattr(cpp_backend, "_runs_on", lambda index: False)
+    monkeypatch.setattr(cpp_backend, "_code_missing_on", lambda index: "cudaErrorNoKernelImageForDevice")
     reason = cpp_backend.is_available("cuda", torch.device("cuda"))
-    assert reason is not None and "no CUDA code for this GPU (compute capability 12.0)" in reason
-    monkeypatch.setattr(cpp_backend, "_runs_on", lambda index: True)
-    assert cpp_backend.is_available("cuda", torch.device("cuda")) is None
-    monkeypatch.setattr(cpp_backend, "_runs_on", lambda index: False)
+    assert reason is not None and "no CUDA code for this GPU (compute capability 12.0" in reason
+    assert "cudaErrorNoKernelImageForDevice" in reason
     real = _backends.unavailable_reason
     monkeypatch.setattr(_backends, "unavailable_reason",
                         lambda name, device: None if name == "triton" else real(name, device))
     assert _backends.resolve_for_shape("auto", torch.device("cuda"), 1000, "hard") == "triton"
+    monkeypatch.setattr(cpp_backend, "_code_missing_on", lambda index: None)
+    assert cpp_backend.is_available("cuda", torch.device("cuda")) is None
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setattr(cpp_backend, "_code_missing_on", lambda index: pytest.fail("probed before CUDA is in use"))
+    assert cpp_backend.is_available("cuda", torch.device("cuda")) is None
+
+
+def test_only_definite_probe_answers_are_kept(monkeypatch):
+    """The probe's status: success, or an image error (no code for the device), is kept per device; any other failure
+    (e.g. out of memory making the context) says nothing about the build and is asked again next time."""
+    import types
+
+    from calibkernels.cpp import uncertainty_weighted_ce as cpp_backend
+
+    answers = {0: (0, "cudaSuccess"), 1: (209, "cudaErrorNoKernelImageForDevice"), 2: (2, "cudaErrorMemoryAllocation")}
+    asked = []
+    monkeypatch.setattr(cpp_backend, "_C", types.SimpleNamespace(
+        cuda_kernels_probe=lambda index: asked.append(index) or answers[index]))
+    monkeypatch.setattr(cpp_backend, "_missing_code", {})
+    for _ in range(2):
+        assert cpp_backend._code_missing_on(0) is None
+        assert cpp_backend._code_missing_on(1) == "cudaErrorNoKernelImageForDevice"
+        assert cpp_backend._code_missing_on(2) is None
+    assert asked == [0, 1, 2, 2]
 
 
 def test_target_check_of_a_device_flag(monkeypatch):
@@ -142,7 +166,7 @@ def test_the_build_has_code_for_this_gpu():
     holds code for the device) says yes on the GPU the tests run on."""
     from calibkernels import _backends
 
-    assert _C.cuda_kernels_run_on(torch.cuda.current_device()) is True
+    assert _C.cuda_kernels_probe(torch.cuda.current_device()) == (0, "cudaSuccess")
     assert _backends.unavailable_reason("cuda", torch.device("cuda")) is None
 
 
@@ -672,6 +696,8 @@ def test_no_host_synchronisation_and_cuda_graph_capture(c, row_split, monkeypatc
     n = 64
     z = _logits(n, c)
     y = _targets(n, c)
+    if row_split != "auto" and torch.cuda.get_device_capability() >= (9, 0):  # the kernel the capture will hold
+        assert any("cluster_row_kernel" in name for name in _kernel_names(z, y))
     expected_loss, expected_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -784,8 +810,8 @@ def _kernel_names(logits, target):
 
 
 @needs_gpu
-@pytest.mark.parametrize(("c", "target_kind"), [(1000, "hard"), (4097, "hard"), (32000, "smooth"), (32001, "smooth"),
-                                               (1000, "dense"), (1001, "dense")])
+@pytest.mark.parametrize(("c", "target_kind"), [(1000, "hard"), (4097, "hard"), (4096, "smooth"), (4097, "smooth"),
+                                               (32000, "mix"), (32001, "mix"), (1000, "dense"), (1001, "dense")])
 def test_auto_on_cuda_runs_the_kernel_its_table_names(c, target_kind):
     """backend="auto" on CUDA tensors, eager forward + backward: the CUDA C++ kernels where
     _backends.auto_prefers_cuda says so for the row width and target kind, the Triton kernels otherwise (told apart by
@@ -795,13 +821,14 @@ def test_auto_on_cuda_runs_the_kernel_its_table_names(c, target_kind):
 
     if _backends.unavailable_reason("triton", torch.device("cuda")) is not None:
         pytest.skip("needs both GPU backends")
-    kind = {"hard": "hard", "smooth": "compact", "dense": "dense"}[target_kind]
-    expected = "cuda" if _backends.auto_prefers_cuda(c, kind) else "triton"
+    expected = "cuda" if _backends.auto_prefers_cuda(c, target_kind) else "triton"
     z = _logits(8, c, torch.bfloat16)
     y = _targets(8, c, ignore=False)
     kw = {}
     if target_kind == "smooth":
         kw = dict(label_smoothing=0.1)
+    elif target_kind == "mix":
+        kw = dict(mix_target=y.flip(0), mix_lambda=0.3)
     elif target_kind == "dense":
         y = torch.softmax(torch.randn(8, c, device="cuda"), 1)
 

@@ -109,11 +109,27 @@ def _has_kernel(dispatch_key: str) -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key(_QUALNAME, dispatch_key)
 
 
-@functools.lru_cache(maxsize=None)
-def _runs_on(index: int) -> bool:
-    # the build's architectures are fixed once it is loaded; backend="auto" must not pick a kernel that cannot launch
-    probe = getattr(_C, "cuda_kernels_run_on", None)
-    return probe is None or probe(index)
+# The CUDA statuses of a build without code for the device (no machine code for its architecture, no PTX it can
+# compile); any other failed probe says nothing about the build, and the op's own launch reports it.
+_NO_CODE = frozenset({"cudaErrorNoKernelImageForDevice", "cudaErrorInvalidDeviceFunction",
+                      "cudaErrorInvalidKernelImage", "cudaErrorUnsupportedPtxVersion"})
+# device index -> None (the kernels run there) or the probe's status name; definite answers only
+_missing_code: dict = {}
+
+
+def _code_missing_on(index: int) -> str | None:
+    """The CUDA status name if this build holds no code for CUDA device ``index``, else ``None``. backend="auto"
+    must not pick a kernel that cannot launch; the build's architectures are fixed once it is loaded."""
+    if index in _missing_code:
+        return _missing_code[index]
+    probe = getattr(_C, "cuda_kernels_probe", None)
+    if probe is None:
+        return None
+    status, name = probe(index)
+    if status == 0 or name in _NO_CODE:
+        _missing_code[index] = None if status == 0 else name
+        return _missing_code[index]
+    return None
 
 
 def is_available(name: str, device: torch.device) -> str | None:
@@ -131,10 +147,14 @@ def is_available(name: str, device: torch.device) -> str | None:
             return "torch.cuda.is_available() is False"
         if not _has_kernel("CUDA"):
             return "calibkernels._C was built without the CUDA kernel (no CUDA toolkit at build time?)"
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        if not _runs_on(index):
-            major, minor = torch.cuda.get_device_capability(index)
-            return (f"calibkernels._C holds no CUDA code for this GPU (compute capability {major}.{minor}); rebuild "
-                    f"with CALIBKERNELS_CUDA_ARCHS naming it")
+        # only once CUDA is in use: asking initialises it and makes a context on the device (available_backends(),
+        # say, must not); a CUDA tensor's call finds it initialised
+        if torch.cuda.is_initialized():
+            index = device.index if device.index is not None else torch.cuda.current_device()
+            missing = _code_missing_on(index)
+            if missing is not None:
+                major, minor = torch.cuda.get_device_capability(index)
+                return (f"calibkernels._C holds no CUDA code for this GPU (compute capability {major}.{minor}: "
+                        f"{missing}); rebuild with CALIBKERNELS_CUDA_ARCHS naming it")
         return None
     return f"{name!r} is not a compiled backend"

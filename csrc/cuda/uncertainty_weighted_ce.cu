@@ -16,6 +16,7 @@
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
@@ -353,20 +354,26 @@ void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor&
 
 }  // namespace
 
-bool cuda_kernels_run_on(int device) {
+std::pair<int, const char*> cuda_kernels_probe(int device) {
   // A kernel's attributes exist only where the library holds machine code for the device's architecture or PTX the
   // driver can compile for it; otherwise every launch would fail with "no kernel image is available". Plain runtime
-  // calls rather than a device guard, which throws: any failure here means no, and clears its own error.
+  // calls rather than a device guard, which throws.
+  cudaError_t status = cudaPeekAtLastError();
+  if (status != cudaSuccess) return {static_cast<int>(status), cudaGetErrorName(status)};  // someone else's error
   int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess || (previous != device && cudaSetDevice(device) != cudaSuccess)) {
-    (void)cudaGetLastError();
-    return false;
+  status = cudaGetDevice(&previous);
+  if (status == cudaSuccess && previous != device) status = cudaSetDevice(device);
+  if (status == cudaSuccess) {
+    cudaFuncAttributes attributes;
+    status = cudaFuncGetAttributes(&attributes, check_targets_kernel);
   }
-  cudaFuncAttributes attributes;
-  const bool runs = cudaFuncGetAttributes(&attributes, check_targets_kernel) == cudaSuccess;
-  (void)cudaGetLastError();  // this query's own error, not one for the next launch to report
-  if (previous != device) (void)cudaSetDevice(previous);
-  return runs;
+  (void)cudaGetLastError();  // this probe's own error (none was pending before it), not one for the next launch
+  if (previous != device) {
+    // back to the caller's device without creating a context there (as PyTorch's own guards do)
+    (void)c10::cuda::MaybeSetDevice(static_cast<c10::DeviceIndex>(previous));
+    (void)cudaGetLastError();
+  }
+  return {static_cast<int>(status), cudaGetErrorName(status)};
 }
 
 }  // namespace calibkernels
