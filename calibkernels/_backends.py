@@ -145,6 +145,12 @@ def resolve_soft_targets(backend: str, device: torch.device, gamma_needs_grad: b
     return "reference"
 
 
+def target_kind(soft: bool, dense: bool, mix: bool) -> str:
+    """The row of :data:`AUTO_CUDA_MAX_CLASSES` for a call: class indices ("hard") unless it asks for soft targets,
+    then a dense target, a mix (smoothed or not) or label smoothing alone."""
+    return "hard" if not soft else "dense" if dense else "mix" if mix else "smooth"
+
+
 def auto_prefers_cuda(num_classes: int, kind: str) -> bool:
     """Whether ``backend="auto"`` runs rows of ``num_classes`` classes with target kind ``kind`` ("hard", "smooth",
     "mix" or "dense") on the CUDA C++ kernel rather than Triton (:data:`AUTO_CUDA_MAX_CLASSES`)."""

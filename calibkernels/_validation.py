@@ -148,10 +148,7 @@ def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
         )
     if sample_weight.device != device:
         raise ValueError(f"sample_weight is on {sample_weight.device} but logits are on {device}")
-    if not check_values:
-        _queue_value_check(sample_weight, finite_nonnegative_flag, _sample_weight_message)
-    elif not torch.compiler.is_compiling() and not bool(((sample_weight >= 0) & sample_weight.isfinite()).all()):
-        raise ValueError(_sample_weight_message())
+    _check_values(sample_weight, check_values, finite_nonnegative_flag, _sample_weight_message)
     return sample_weight.reshape(-1)
 
 
@@ -166,16 +163,13 @@ def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_va
         raise ValueError(f"per-sample gamma shape {tuple(gamma.shape)} does not match target shape {tuple(target_shape)}")
     if gamma.device != device:
         raise ValueError(f"per-sample gamma is on {gamma.device} but logits are on {device}")
-    if not check_values:
-        _queue_value_check(gamma, finite_nonnegative_flag, _gamma_message)
-    elif not torch.compiler.is_compiling() and not bool(((gamma >= 0) & gamma.isfinite()).all()):
-        raise ValueError(_gamma_message())
+    _check_values(gamma, check_values, finite_nonnegative_flag, _gamma_message)
     return gamma.reshape(-1)
 
 
-# The value checks of the optional tensors on the GPU path (check_values=False): each a few device ops to a
-# (2,) int64 flag (any bad, a value) that calibkernels._target_checks reads without stalling the host, with the
-# host check's message.
+# The value checks of the optional tensors: each a few ops to a (2,) int64 flag (any bad, a value), read on the host
+# at once (check_values=True) or, on the GPU path, queued for calibkernels._target_checks, which reads it without
+# stalling the host (_check_values); the same message either way.
 def _first_flagged(bad: torch.Tensor, values: torch.Tensor | None = None) -> torch.Tensor:
     """``(any entry of bad, the first bad index)`` as a device-side int64 pair, or ``values`` at that index in the
     second slot (0 where none is bad: argmax of all zeros)."""
@@ -232,6 +226,17 @@ def _queue_value_check(tensor: torch.Tensor, flag_of, message, *args) -> None:
 
     if _target_checks.checking(tensor):
         _target_checks.submit_check(flag_of(tensor, *args), message)
+
+
+def _check_values(tensor: torch.Tensor, check_values: bool, flag_of, message, *args) -> None:
+    """The one check of ``tensor``'s values, ``flag_of(tensor, *args)``: read on the host at once and raised as
+    ``ValueError(message(value))`` (``check_values``; not while tracing), or queued (:func:`_queue_value_check`)."""
+    if not check_values:
+        _queue_value_check(tensor, flag_of, message, *args)
+    elif not torch.compiler.is_compiling():
+        has_bad, value = flag_of(tensor, *args).tolist()
+        if has_bad:
+            raise ValueError(message(value))
 
 
 # Row sums of a dense probability target must be 1 within this tolerance, per target dtype: a few roundings of each
@@ -405,17 +410,12 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
         raise ValueError(f"mix_target is on {mix_target.device} but logits are on {device}")
     lam_is_tensor = isinstance(mix_lambda, torch.Tensor)
     lam = mix_lambda if lam_is_tensor else _check_lambda_number(mix_lambda)
-    checks = not (kernel_checks and (lam_is_tensor or 0.0 < lam < 1.0)) and not torch.compiler.is_compiling()
+    checks = not (kernel_checks and (lam_is_tensor or 0.0 < lam < 1.0))
     mix1d = mix_target.reshape(-1).long()
-    if checks and not check_values:
-        _queue_value_check(mix1d, mix_target_flag, functools.partial(
+    if checks:
+        _check_values(mix1d, check_values, mix_target_flag, functools.partial(
             mix_target_message, num_classes=num_classes, ignore_index=ignore_index), target1d, num_classes,
             ignore_index)
-    elif checks:
-        valid = target1d != ignore_index
-        bad = valid & ((mix1d < 0) | (mix1d >= num_classes))
-        if bool(bad.any()):
-            raise ValueError(mix_target_message(int(mix1d[bad][0]), num_classes, ignore_index))
     if not lam_is_tensor:
         return mix1d, lam
     if not mix_lambda.is_floating_point():
@@ -425,10 +425,8 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
                          f"{tuple(target_shape)}, got shape {tuple(mix_lambda.shape)}")
     if mix_lambda.device != device:
         raise ValueError(f"mix_lambda is on {mix_lambda.device} but logits are on {device}")
-    if checks and not check_values:
-        _queue_value_check(mix_lambda, lambda_flag, _lambda_message)
-    elif checks and not bool(((mix_lambda >= 0) & (mix_lambda <= 1)).all()):
-        raise ValueError(_lambda_message())
+    if checks:
+        _check_values(mix_lambda, check_values, lambda_flag, _lambda_message)
     lam = mix_lambda.detach()
     lam = lam.expand(target_shape).reshape(-1) if lam.dim() == 0 else lam.reshape(-1)
     return mix1d, lam

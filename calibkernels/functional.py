@@ -67,13 +67,10 @@ def uncertainty_weighted_ce(
             if loss is not None:
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
-    gamma_needs_grad = False
-    if V.soft_target_request(target, label_smoothing, mix_target, mix_lambda):
-        gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
-        kind = "dense" if isinstance(target, torch.Tensor) and target.is_floating_point() else (
-            "smooth" if mix_target is None else "mix")
-    else:
-        kind = "hard"
+    soft = V.soft_target_request(target, label_smoothing, mix_target, mix_lambda)
+    gamma_needs_grad = soft and isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
+    kind = _backends.target_kind(soft, isinstance(target, torch.Tensor) and target.is_floating_point(),
+                                 mix_target is not None)
     # "auto" on CUDA tensors: the kernel measured faster for this row width and target kind (_backends)
     num_classes = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
     name = _backends.resolve_for_shape(backend, device, num_classes, kind, gamma_needs_grad)
@@ -132,8 +129,9 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     of ``F.cross_entropy`` at small shapes. On CPU tensors with ``backend`` "auto" or "cpu"; on CUDA tensors with
     "cuda", or "auto" where :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. ``None`` when
     any argument needs the general path, which also makes every error message. The CPU kernel checks the target
-    values itself (the same ValueError as the general path), those of a mix and of a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA kernel
-    flags them on the device for :mod:`calibkernels._target_checks`, as the general path does. ``inplace``: as the
+    values itself (the same ValueError as the general path), those of a mix and of a dense target (``soft``: see
+    :func:`_fast_soft_arguments`); the CUDA kernel flags them on the device for :mod:`calibkernels._target_checks`,
+    as the general path does. ``inplace``: as the
     general path, which refuses logits that are a leaf requiring grad, or a view of one."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
@@ -149,7 +147,7 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     if served is None:
         served = _compiled_kernel(kernel, logits.device)
     if served and gpu_auto and not _backends.auto_prefers_cuda(
-            logits.shape[1], "dense" if dense else "hard" if not soft else "smooth" if soft[0] is None else "mix"):
+            logits.shape[1], _backends.target_kind(bool(soft), dense, bool(soft) and soft[0] is not None)):
         return None
     if (not served or weight_code is None or mode_code is None or reduction_code is None or weight == "external"
             or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
