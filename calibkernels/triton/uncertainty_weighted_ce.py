@@ -80,7 +80,9 @@ Kernel design (docs/performance.md):
   the two-read path, beside the logits) and the sums ``Σ t (m - z)``, ``Σ e (1 - t)``, ``Σ e t``, ``Σ t`` (and
   ``Σ e²``, ``Σ t²`` for q = 2). In registers every S is summed term by term; on the two-read path the Brier weight
   with q ≠ 2 and smoothing or a dense target, whose ``|p_k - t_k|`` needs ``d``, reads the row once more before the
-  gradient pass.
+  gradient pass. The gradient of a compact row is a function of ``p`` alone (the target and mix columns' values are
+  row scalars), and float32 soft rows are held in registers only up to ``MAX_BLOCK_SOFT`` / ``MAX_BLOCK_DENSE``
+  classes, so that no launch spills (bench/triton_registers.py).
 * No host synchronisation on the hot path, and few launches: a one-program kernel counts the non-ignored rows (read
   by the loss kernel for the mean's scale) and flags bad targets, the loss kernel, a one-program reduction that
   writes the loss in the logits' dtype; backward is one persistent-grid scaling launch (a no-op for ``grad_output``
@@ -138,6 +140,14 @@ MAX_BLOCK_16BIT = 4096
 # * fp32 two-read chunks: 16384 classes by 16 warps (faster than 4096 by 8 at C = 128256).
 # * 16-bit two-read chunks: 2048 classes by 4 warps (half of MAX_BLOCK_16BIT; the H200 sweep measured this shape).
 TWO_READ_CHUNK = {2: (2048, 4), 4: (16384, 16)}  # element size -> (chunk, num_warps)
+# * Soft targets hold more per column than class indices (a dense row also holds its target entries), so their
+#   float32 rows stay in registers only up to MAX_BLOCK_SOFT classes (compact) or MAX_BLOCK_DENSE (dense) and stream
+#   past that: compiled for sm_90, the soft kernel's 32768-class block spilled up to 490 stores' worth of registers
+#   to local memory with compact targets (more than the row's own traffic) and 960 with dense ones, its 16384-class
+#   dense block up to 300; at these caps at most 9 spill stores remain (docs/performance.md, "Registers";
+#   bench/triton_registers.py).
+MAX_BLOCK_SOFT = 16384
+MAX_BLOCK_DENSE = 8192
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -601,6 +611,26 @@ def _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, bri
 
 
 @triton.jit
+def _soft_block_gradient(p, offs, raw, DENSE: tl.constexpr, one_minus_a, c, a_minus_c, t_sum, P, one_minus_P,
+                         safe_target, safe_mix, grad_target, grad_mix, Q, u, coef_focal, coef_brier, brier_h_sum,
+                         norm, FORMULA: tl.constexpr, MODE: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+    """The gradient of a block of columns (grad_output = 1, before the reduction's scale) from ``p`` and, dense, the
+    entries ``raw`` alone. Compact: the other columns from ``p - c`` and ``t - P = -Q``, the target and mix columns
+    the row's ``grad_target`` / ``grad_mix`` (the target's where ``m = y``)."""
+    if DENSE:
+        delta, ce_delta, t_minus_P = _soft_columns(p, offs, raw, DENSE, one_minus_a, c, a_minus_c, t_sum, P,
+                                                   one_minus_P, safe_target, safe_mix, P, P, P, P, Q)
+        grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
+                              FORMULA, MODE, NORM_IS_TWO)
+    else:
+        rest = p - c
+        grad = _soft_gradient(p, rest, rest, -Q, u, coef_focal, coef_brier, brier_h_sum, norm, FORMULA, MODE,
+                              NORM_IS_TWO)
+        grad = tl.where(offs == safe_target, grad_target, tl.where(offs == safe_mix, grad_mix, grad))
+    return grad
+
+
+@triton.jit
 def _store_gradient(ptrs, grad, col_mask, scale, is_valid, is_bad, EVICTION: tl.constexpr):
     grad = tl.where(is_valid, grad * scale, 0.0)
     grad = tl.where(is_bad, float("nan"), grad)
@@ -762,6 +792,10 @@ def _soft_target_ce_fwd_kernel(
         t_minus_P_target = zero
         t_minus_P_mix = zero
         Q = zero
+        p_y = zero
+        p_m = zero
+        grad_target = zero
+        grad_mix = zero
     else:
         d_rest = sum_e
         e_target = tl.exp2((z_target - m_safe) * LOG2E)
@@ -793,17 +827,18 @@ def _soft_target_ce_fwd_kernel(
         p_band = (w_target * tl.exp(z_target - lse) + w_mix * tl.exp(z_mix - lse)) + c
         sum_t = zero + 1.0  # placeholder: Σ_k t_k = 1
 
-    if SINGLE_READ:
-        p = e * inv_d
-        delta, ce_delta, t_minus_P = _soft_columns(
-            p, cols, raw, DENSE, one_minus_a, c, a_minus_c, sum_t, P, one_minus_P, safe_target, safe_mix,
-            delta_target, delta_mix, t_minus_P_target, t_minus_P_mix, Q)
-
     # ---- the Brier weight's S = Σ |p - t|^q and H = Σ h_k p_k -------------------------------------------------------
+    # In registers a row vector that stays live across the weight's scalar chain is 32-64 registers per thread at the
+    # largest blocks, so the columns are formed where they are used, from p (and a dense row's entries) alone: a
+    # δ, Σt p - t or t - P vector formed before the chain and kept to the gradient made the float32 rows of 16384 and
+    # 32768 classes spill (docs/performance.md, "Registers").
     brier_s = zero
     brier_h_sum = zero
+    if SINGLE_READ:
+        p = e * inv_d
     if IS_BRIER:
-        if SINGLE_READ:
+        if SINGLE_READ and DENSE:
+            delta = p - (raw * one_minus_a + c)
             brier_s = tl.sum(tl.where(col_mask, _brier_power(delta, norm, NORM_IS_TWO), 0.0), 0)
             if MODE == _LOSS_MODE:
                 brier_h_sum = tl.sum(tl.where(col_mask, _brier_h(delta, norm, NORM_IS_TWO) * p, 0.0), 0)
@@ -812,7 +847,7 @@ def _soft_target_ce_fwd_kernel(
             p_sq = sum_q * inv_d * inv_d
             brier_s = tl.maximum(p_sq - 2.0 * P + sum_t_sq, 0.0)
             brier_h_sum = 2.0 * (p_sq - P)
-        elif DENSE or SMOOTH:
+        elif DENSE or (SMOOTH and not SINGLE_READ and not NORM_IS_TWO):
             # q ≠ 2 with |p_k - t_k| depending on d: one more read of the row once d is known
             for start in range(0, num_classes, BLOCK):
                 col_mask, p, delta, ce_delta, t_minus_P = _load_soft_chunk(
@@ -823,8 +858,14 @@ def _soft_target_ce_fwd_kernel(
                 if MODE == _LOSS_MODE:
                     brier_h_sum += tl.sum(tl.where(col_mask, _brier_h(delta, norm, NORM_IS_TWO) * p, 0.0), 0)
         else:
-            # compact: the other columns' terms from the statistics pass, the target and mix columns' added
-            if NORM_IS_TWO:
+            # compact: the other columns' terms (t = c), then the target and mix columns' own
+            if SINGLE_READ:
+                # term by term in registers (no cancellation in Σ (p - c)²)
+                rest = col_mask & (cols != safe_target) & (cols != safe_mix)
+                brier_s = tl.sum(tl.where(rest, _brier_power(p - c, norm, NORM_IS_TWO), 0.0), 0)
+                if MODE == _LOSS_MODE:
+                    brier_h_sum = tl.sum(tl.where(rest, _brier_h(p - c, norm, NORM_IS_TWO) * p, 0.0), 0)
+            elif NORM_IS_TWO:
                 # Σ_rest (p - c)² = Σ_rest p² - 2c p_rest + n_rest c²,  Σ_rest h p = 2 (Σ_rest p² - c p_rest)
                 p_sq = sum_q * inv_d * inv_d
                 p_rest = d_rest * inv_d
@@ -849,21 +890,32 @@ def _soft_target_ce_fwd_kernel(
     if COMPUTE_GRAD:
         scale = _gradient_scale(valid_count_ptr, num_rows, REDUCTION, not DENSE)
         grad_row = grad_ptr + row * grad_row_stride
+        if not DENSE:
+            # the target and mix columns' gradients, once per row (the other columns have t = c, t - P = -Q)
+            grad_target = _soft_gradient(p_y, delta_target, delta_target, t_minus_P_target, u, coef_focal, coef_brier,
+                                         brier_h_sum, norm, FORMULA, MODE, NORM_IS_TWO)
+            grad_mix = _soft_gradient(p_m, delta_mix, delta_mix, t_minus_P_mix, u, coef_focal, coef_brier,
+                                      brier_h_sum, norm, FORMULA, MODE, NORM_IS_TWO)
         if SINGLE_READ:
-            grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
-                                  FORMULA, MODE, NORM_IS_TWO)
+            grad = _soft_block_gradient(p, cols, raw, DENSE, one_minus_a, c, a_minus_c, sum_t, P, one_minus_P,
+                                        safe_target, safe_mix, grad_target, grad_mix, Q, u, coef_focal, coef_brier,
+                                        brier_h_sum, norm, FORMULA, MODE, NORM_IS_TWO)
             _store_gradient(grad_row + cols, grad, col_mask, scale, is_valid, is_bad, "")
         else:
             # last chunk first: the chunks read most recently are the likeliest still in L2
             num_chunks = tl.cdiv(num_classes, BLOCK)
             for chunk in range(0, num_chunks):
                 offs = (num_chunks - 1 - chunk) * BLOCK + cols
-                col_mask, p, delta, ce_delta, t_minus_P = _load_soft_chunk(
-                    logits_row, target_row, offs, num_classes, m_safe, log2_d, DENSE, "evict_first",
-                    one_minus_a, c, a_minus_c, sum_t, P, one_minus_P, safe_target, safe_mix, delta_target, delta_mix,
-                    t_minus_P_target, t_minus_P_mix, Q)
-                grad = _soft_gradient(p, delta, ce_delta, t_minus_P, u, coef_focal, coef_brier, brier_h_sum, norm,
-                                      FORMULA, MODE, NORM_IS_TWO)
+                col_mask = offs < num_classes
+                z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_first")
+                p = tl.exp2((z.to(tl.float32) - m_safe) * LOG2E - log2_d)
+                raw = p
+                if DENSE:
+                    raw = tl.load(target_row + offs, mask=col_mask, other=0.0, eviction_policy="evict_first")
+                    raw = raw.to(tl.float32)
+                grad = _soft_block_gradient(p, offs, raw, DENSE, one_minus_a, c, a_minus_c, sum_t, P, one_minus_P,
+                                            safe_target, safe_mix, grad_target, grad_mix, Q, u, coef_focal,
+                                            coef_brier, brier_h_sum, norm, FORMULA, MODE, NORM_IS_TWO)
                 _store_gradient(grad_row + offs, grad, col_mask, scale, is_valid, is_bad, "evict_first")
 
 
@@ -975,18 +1027,26 @@ def _num_warps(block: int) -> int:
     return max(4, min(32, block // 1024))
 
 
-def _launch_config(num_classes: int, element_size: int) -> tuple[bool, int, int]:
-    """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` (see the launch-shape notes at the top)."""
-    cap = MAX_BLOCK
+def _launch_config(num_classes: int, element_size: int, target: str = "hard") -> tuple[bool, int, int]:
+    """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` with ``target`` ``"hard"`` (class indices),
+    ``"compact"`` (smoothing or a mix) or ``"dense"`` (see the launch-shape notes at the top)."""
+    base_cap = MAX_BLOCK
     if element_size <= 2:
-        cap = min(cap, MAX_BLOCK_16BIT)
+        base_cap = min(base_cap, MAX_BLOCK_16BIT)
+    cap = base_cap
+    if target == "compact":
+        cap = min(cap, MAX_BLOCK_SOFT)
+    elif target == "dense":
+        cap = min(cap, MAX_BLOCK_DENSE)
     if num_classes <= cap:
         block = triton.next_power_of_2(num_classes)
         # 16-bit rows: 8 values per thread (a 16-byte load) at C = 1000 was fastest; fp32: 4; up to 16 warps
         per_thread = 256 if element_size <= 2 else 128
         return True, block, max(1, min(16, block // per_thread)) if block >= 128 else 1
     chunk, warps = TWO_READ_CHUNK.get(element_size, (4096, 8))
-    chunk = min(chunk, max(1, triton.next_power_of_2(cap) // 2))  # tests force tiny chunks through a small MAX_BLOCK
+    # tests force tiny chunks through a small MAX_BLOCK; soft rows stream in the tuned chunks of class indices, or in
+    # chunks no longer than the rows their kind holds in registers (a dense chunk holds the target's entries too)
+    chunk = min(chunk, cap, max(1, triton.next_power_of_2(base_cap) // 2))
     return False, chunk, max(1, min(warps, chunk // 128))
 
 
@@ -1075,7 +1135,8 @@ def uncertainty_weighted_ce_forward(
     dense = target.is_floating_point()
     num_rows, num_classes = logits.shape
     device = logits.device
-    single_read, block, num_warps = _launch_config(num_classes, logits.element_size())
+    single_read, block, num_warps = _launch_config(
+        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"))
 
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
     empty = torch.empty((0,), dtype=logits.dtype, device=device)
