@@ -27,9 +27,9 @@ WEIGHTS = {"none": 0, "focal": 1, "flsd": 2, "brier": 4}
 MODES = {"loss": 0, "grad": 1}
 TARGETS = ("hard", "compact", "dense")
 
-_COMMON = {"logits_row_stride": "i64", "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-           "grad_row_stride": "i64", "valid_count_ptr": "*i64", "num_rows": "i32", "num_classes": "i32",
-           "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
+_COMMON = {"logits_row_stride": "i32", "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
+           "grad_row_stride": "i32", "valid_count_ptr": "*i64", "num_rows": "i32", "num_classes": "i32",
+           "gamma": "fp32", "norm": "fp32", "ignore_index": "i32"}
 
 
 def _cuobjdump() -> str:
@@ -59,10 +59,25 @@ def cubin_resources(cubin: bytes) -> dict:
             "spill_loads": len(re.findall(r"\bLDL(?:\.\w+)*\s", sass))}
 
 
-def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode: str, arch: int = 90) -> dict:
-    """Compile the forward kernel that the launcher would run for rows of ``num_classes`` (``dtype`` ``bf16`` /
-    ``fp16`` / ``fp32``; ``target`` one of :data:`TARGETS`; compact rows with a mix and smoothing) and return its
-    launch shape and :func:`cubin_resources`."""
+def _specialisation(arg_names, signature, values) -> dict:
+    """The attributes Triton's JIT would attach at a launch: 16-byte divisibility for every pointer (torch's
+    allocations are aligned) and for each integer argument whose value is a multiple of 16. Without them the compiler
+    cannot prove a row's alignment and loads one element per instruction, so the registers and spills it reports
+    would not be the launch's."""
+    attrs = {}
+    for index, name in enumerate(arg_names):
+        kind = signature[name]
+        if kind.startswith("*") or (kind[0] == "i" and name in values and values[name] % 16 == 0):
+            attrs[(index,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode: str, arch: int = 90,
+                    num_rows: int = 8192) -> dict:
+    """Compile the forward kernel that the launcher would run for ``num_rows`` contiguous rows of ``num_classes``
+    (``dtype`` ``bf16`` / ``fp16`` / ``fp32``; ``target`` one of :data:`TARGETS`; compact rows with a mix and
+    smoothing), specialised as the JIT would specialise that launch, and return its launch shape and
+    :func:`cubin_resources`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -70,7 +85,8 @@ def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     element_size = 4 if dtype == "fp32" else 2
-    single_read, block, num_warps = T._launch_config(num_classes, element_size, target)
+    single_read, block, num_warps = T._launch_config(num_classes, element_size, target, WEIGHTS[weight],
+                                                     MODES[mode])
     constexprs = dict(WEIGHT=WEIGHTS[weight], MODE=MODES[mode], REDUCTION=1, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=False, BLOCK=block, SINGLE_READ=single_read,
                       NORM_IS_TWO=weight == "brier")
@@ -80,12 +96,17 @@ def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode
     else:
         kernel = T._soft_target_ce_fwd_kernel
         dense = target == "dense"
-        signature.update(target_ptr="*fp32" if dense else "*i64", target_row_stride="i64", mix_ptr="*i64",
-                         lambda_ptr="*fp32", lambda_stride="i64", dense_bad_ptr="*i8", smoothing="fp32",
+        signature.update(target_ptr="*fp32" if dense else "*i64", target_row_stride="i32", mix_ptr="*i64",
+                         lambda_ptr="*fp32", lambda_stride="i32", dense_bad_ptr="*i8", smoothing="fp32",
                          dense_tolerance="fp32")
         constexprs.update(DENSE=dense, HAS_MIX=not dense, SMOOTH=True, DENSE_FLAGS=dense)
+    # the integer arguments' values in a launch on contiguous (num_rows, C) logits, for the JIT's specialisation
+    values = dict(logits_row_stride=num_classes, grad_row_stride=num_classes, num_classes=num_classes,
+                  num_rows=num_rows, ignore_index=-100, lambda_stride=0,
+                  target_row_stride=num_classes if target == "dense" else 0)
     signature = {name: ("constexpr" if name in constexprs else signature[name]) for name in kernel.arg_names}
-    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs),
+    compiled = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs,
+                                        attrs=_specialisation(kernel.arg_names, signature, values)),
                               target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps})
     return {"single_read": single_read, "block": block, "num_warps": num_warps,
             **cubin_resources(compiled.asm["cubin"])}

@@ -37,26 +37,28 @@ def launch_shape(module, path: str, block: int, num_warps: int, num_classes: int
     ``path="two-read"``: chunks of ``block`` classes (``block < C``). ``num_warps`` replaces the launcher's choice.
     Yields the effective ``(single_read, BLOCK, num_warps)`` that ``_launch_config`` now returns (callers check it:
     the two-read chunk is clamped below ``C``). The constants and ``_launch_config`` are restored on exit."""
-    saved = {name: getattr(module, name) for name in ("MAX_BLOCK", "MAX_BLOCK_16BIT", "MAX_BLOCK_SOFT",
-                                                      "MAX_BLOCK_DENSE", "TWO_READ_CHUNK", "_launch_config")}
+    saved = {name: getattr(module, name) for name in ("MAX_BLOCK", "MAX_BLOCK_16BIT", "MAX_BLOCK_DENSE",
+                                                      "SOFT_BLOCK_CAPS", "TWO_READ_CHUNK", "_launch_config")}
     original = saved["_launch_config"]
     try:
         if path == "single":
             cap = 1 << max(0, (num_classes - 1).bit_length())  # next power of two >= C: the row fits one block
-            module.MAX_BLOCK = module.MAX_BLOCK_16BIT = module.MAX_BLOCK_SOFT = module.MAX_BLOCK_DENSE = max(cap, 1)
+            module.MAX_BLOCK = module.MAX_BLOCK_16BIT = module.MAX_BLOCK_DENSE = max(cap, 1)
+            module.SOFT_BLOCK_CAPS = {}
         elif path == "two-read":
             if block >= num_classes:
                 raise ValueError(f"a two-read chunk must be smaller than the row: chunk {block}, C = {num_classes}")
             # rows longer than the cap take the two-read path; the launcher clamps the chunk to
             # next_power_of_2(cap) // 2, which a cap of C - 1 keeps at or above every power of two below C - 1
             module.MAX_BLOCK = module.MAX_BLOCK_16BIT = num_classes - 1
-            module.MAX_BLOCK_SOFT = module.MAX_BLOCK_DENSE = max(block, num_classes - 1)
+            module.MAX_BLOCK_DENSE = max(block, num_classes - 1)
+            module.SOFT_BLOCK_CAPS = {}
             module.TWO_READ_CHUNK = {element_size: (block, num_warps)}
         else:
             raise ValueError(f"unknown path {path!r}; expected 'single' or 'two-read'")
 
-        def config(classes, size, target="hard"):
-            single_read, chunk, _ = original(classes, size, target)
+        def config(classes, size, *args):
+            single_read, chunk, _ = original(classes, size, *args)
             return single_read, chunk, num_warps
 
         module._launch_config = config

@@ -81,8 +81,8 @@ Kernel design (docs/performance.md):
   ``Σ e²``, ``Σ t²`` for q = 2). In registers every S is summed term by term; on the two-read path the Brier weight
   with q ≠ 2 and smoothing or a dense target, whose ``|p_k - t_k|`` needs ``d``, reads the row once more before the
   gradient pass. The gradient of a compact row is a function of ``p`` alone (the target and mix columns' values are
-  row scalars), and float32 soft rows are held in registers only up to ``MAX_BLOCK_SOFT`` / ``MAX_BLOCK_DENSE``
-  classes, so that no launch spills (bench/triton_registers.py).
+  row scalars), and float32 soft rows are held in registers only up to ``MAX_BLOCK_DENSE`` (dense) and
+  ``SOFT_BLOCK_CAPS`` classes, so that no launch spills (bench/triton_registers.py).
 * No host synchronisation on the hot path, and few launches: a one-program kernel counts the non-ignored rows (read
   by the loss kernel for the mean's scale) and flags bad targets, the loss kernel, a one-program reduction that
   writes the loss in the logits' dtype; backward is one persistent-grid scaling launch (a no-op for ``grad_output``
@@ -140,14 +140,15 @@ MAX_BLOCK_16BIT = 4096
 # * fp32 two-read chunks: 16384 classes by 16 warps (faster than 4096 by 8 at C = 128256).
 # * 16-bit two-read chunks: 2048 classes by 4 warps (half of MAX_BLOCK_16BIT; the H200 sweep measured this shape).
 TWO_READ_CHUNK = {2: (2048, 4), 4: (16384, 16)}  # element size -> (chunk, num_warps)
-# * Soft targets hold more per column than class indices (a dense row also holds its target entries), so their
-#   float32 rows stay in registers only up to MAX_BLOCK_SOFT classes (compact) or MAX_BLOCK_DENSE (dense) and stream
-#   past that: compiled for sm_90, the soft kernel's 32768-class block spilled up to 490 stores' worth of registers
-#   to local memory with compact targets (more than the row's own traffic) and 960 with dense ones, its 16384-class
-#   dense block up to 300; at these caps at most 9 spill stores remain (docs/performance.md, "Registers";
-#   bench/triton_registers.py).
-MAX_BLOCK_SOFT = 16384
-MAX_BLOCK_DENSE = 8192
+# * Soft targets hold more per column than class indices. Their float32 rows stay in registers only where the
+#   block, compiled for sm_90, does not spill (bench/triton_registers.py; docs/performance.md, "Registers"): dense
+#   rows (which also hold the target's entries) up to MAX_BLOCK_DENSE classes, and the variants in SOFT_BLOCK_CAPS
+#   (target kind, weight formula, mode) only up to their cap; longer rows stream, in chunks no longer than the cap.
+#   The 32768-class blocks had spilled 80-1100 stores' worth of registers to local memory (more traffic than the
+#   row's own) in every dense variant, and 161-168 in the compact loss-mode ones with the FLSD and Brier weights.
+MAX_BLOCK_DENSE = 16384
+SOFT_BLOCK_CAPS = {("compact", "brier", "loss"): 16384, ("dense", "focal", "loss"): 8192,
+                   ("dense", "focal", "grad"): 8192}
 # Whether the kernels below were defined under the Triton interpreter (decided when triton.jit runs, i.e. now).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -1027,17 +1028,21 @@ def _num_warps(block: int) -> int:
     return max(4, min(32, block // 1024))
 
 
-def _launch_config(num_classes: int, element_size: int, target: str = "hard") -> tuple[bool, int, int]:
+def _launch_config(num_classes: int, element_size: int, target: str = "hard", weight: Optional[int] = None,
+                   mode: Optional[int] = None) -> tuple[bool, int, int]:
     """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` with ``target`` ``"hard"`` (class indices),
-    ``"compact"`` (smoothing or a mix) or ``"dense"`` (see the launch-shape notes at the top)."""
+    ``"compact"`` (smoothing or a mix) or ``"dense"``, and the weight and mode codes (see the launch-shape notes at
+    the top)."""
     base_cap = MAX_BLOCK
     if element_size <= 2:
         base_cap = min(base_cap, MAX_BLOCK_16BIT)
     cap = base_cap
-    if target == "compact":
-        cap = min(cap, MAX_BLOCK_SOFT)
-    elif target == "dense":
+    if target == "dense":
         cap = min(cap, MAX_BLOCK_DENSE)
+    if target != "hard":
+        formula = {WEIGHT_FLSD: "focal", WEIGHT_FOCAL: "focal", WEIGHT_BRIER: "brier", WEIGHT_BRIER_FLSD: "brier"}
+        mode_name = "loss" if mode == MODE_LOSS else "grad"
+        cap = min(cap, SOFT_BLOCK_CAPS.get((target, formula.get(weight), mode_name), cap))
     if num_classes <= cap:
         block = triton.next_power_of_2(num_classes)
         # 16-bit rows: 8 values per thread (a 16-byte load) at C = 1000 was fastest; fp32: 4; up to 16 warps
@@ -1136,7 +1141,7 @@ def uncertainty_weighted_ce_forward(
     num_rows, num_classes = logits.shape
     device = logits.device
     single_read, block, num_warps = _launch_config(
-        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"))
+        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode)
 
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
     empty = torch.empty((0,), dtype=logits.dtype, device=device)
