@@ -23,8 +23,11 @@ import subprocess
 import sys
 import tempfile
 
-WEIGHTS = {"none": 0, "focal": 1, "flsd": 2, "brier": 4}
-MODES = {"loss": 0, "grad": 1}
+from calibkernels._codes import MODE_CODES as MODES
+from calibkernels._codes import WEIGHT_CODES
+
+# the weights whose kernel code differs: none, the focal formula with and without FLSD's bands, the Brier score
+WEIGHTS = {name: WEIGHT_CODES[name] for name in ("none", "focal", "flsd", "brier")}
 TARGETS = ("hard", "compact", "dense")
 
 _COMMON = {"logits_row_stride": "i32", "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",

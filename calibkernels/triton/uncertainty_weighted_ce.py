@@ -163,6 +163,8 @@ WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_
     V.WEIGHT_CODES[k] for k in ("none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd")
 )
 MODE_LOSS, MODE_GRAD = V.MODE_CODES["loss"], V.MODE_CODES["grad"]
+# the weight formula of SOFT_BLOCK_CAPS' keys (FLSD's rows are focal rows, Brier-FLSD's Brier rows)
+_FORMULA_NAMES = {WEIGHT_FOCAL: "focal", WEIGHT_FLSD: "focal", WEIGHT_BRIER: "brier", WEIGHT_BRIER_FLSD: "brier"}
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = V.REDUCTION_CODES["none"], V.REDUCTION_CODES["mean"], V.REDUCTION_CODES["sum"]
 
 # The same codes as Triton compile-time constants, so the kernel's branches read by name.
@@ -1040,9 +1042,8 @@ def _launch_config(num_classes: int, element_size: int, target: str = "hard", we
     if target == "dense":
         cap = min(cap, MAX_BLOCK_DENSE)
     if target != "hard":
-        formula = {WEIGHT_FLSD: "focal", WEIGHT_FOCAL: "focal", WEIGHT_BRIER: "brier", WEIGHT_BRIER_FLSD: "brier"}
         mode_name = "loss" if mode == MODE_LOSS else "grad"
-        cap = min(cap, SOFT_BLOCK_CAPS.get((target, formula.get(weight), mode_name), cap))
+        cap = min(cap, SOFT_BLOCK_CAPS.get((target, _FORMULA_NAMES.get(weight), mode_name), cap))
     if num_classes <= cap:
         block = triton.next_power_of_2(num_classes)
         # 16-bit rows: 8 values per thread (a 16-byte load) at C = 1000 was fastest; fp32: 4; up to 16 warps
