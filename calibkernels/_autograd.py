@@ -2,10 +2,12 @@
 
 Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight, mode,
 gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
-label_smoothing=0.0) -> (loss, grad, target_flag)`` (the soft-target arguments only where the backend's module sets
-``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
+label_smoothing=0.0, *, loss_dtype=None) -> (loss, grad, target_flag)`` (the soft-target arguments only where the
+backend's module sets ``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
 
-* ``loss``: float32 (float64 for float64 logits), 0-dim for mean/sum, ``(N,)`` for none;
+* ``loss``: float32 (float64 for float64 logits), or ``loss_dtype`` where the backend's reduction writes that dtype
+  itself (the Triton kernels' eager calls: a 16-bit loss then costs no cast launch, and its backward no cast of
+  ``grad_output``); the caller casts what it gets. 0-dim for mean/sum, ``(N,)`` for none;
 * the gradient of the reduced loss for ``grad_output = 1`` ("gradient in the forward"), written into ``grad_out`` when
   given (the logits themselves for ``inplace=True``; ``grad`` is then empty) or returned as ``grad``;
 * ``target_flag``: ``None``, or a two-slot int64 device tensor ``(any bad target, a bad value)`` that
@@ -38,7 +40,7 @@ import torch
 from . import _target_checks
 from . import _validation as V
 
-__all__ = ["UncertaintyWeightedCE", "run", "scale_saved_gradient", "is_plain_eager"]
+__all__ = ["UncertaintyWeightedCE", "run", "run_rows", "scale_saved_gradient", "is_plain_eager"]
 
 
 def is_plain_eager(*tensors: torch.Tensor) -> bool:
@@ -58,19 +60,22 @@ def scale_saved_gradient(grad: torch.Tensor, grad_output, scale_inplace=None) ->
     """
     if grad_output is None:  # the loss was not used (set_materialize_grads(False) passes None)
         return None
-    factor = grad_output[:, None] if grad_output.dim() == 1 else grad_output
-    if factor.dtype != grad.dtype:
-        factor = factor.to(grad.dtype)
     if not is_plain_eager(grad, grad_output) or torch._C._autograd._get_current_graph_task_keep_graph():
-        return grad * factor
+        return grad * _factor(grad, grad_output)
     if grad_output.device.type == "cpu":
         if grad_output.numel() == 1 and grad_output.item() == 1.0:
             return grad
-        return grad.mul_(factor)
-    if scale_inplace is not None:
+        return grad.mul_(_factor(grad, grad_output))
+    if scale_inplace is not None:  # reads grad_output as it is, on the device: no cast launch first
         scale_inplace(grad, grad_output)
         return grad
-    return grad.mul_(factor)
+    return grad.mul_(_factor(grad, grad_output))
+
+
+def _factor(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
+    """``grad_output`` shaped and typed to multiply ``grad``: a column for a per-row ``(N,)`` one."""
+    factor = grad_output[:, None] if grad_output.dim() == 1 else grad_output
+    return factor if factor.dtype == grad.dtype else factor.to(grad.dtype)
 
 
 def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) -> torch.Tensor:
@@ -96,7 +101,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                reduction, inplace, backend, mix_target=None, mix_lambda=None, label_smoothing=0.0):
+                reduction, inplace, backend, mix_target=None, mix_lambda=None, label_smoothing=0.0, loss_dtype=None):
         from . import _backends  # a cycle at import time; resolved once the package is loaded
 
         module = _backends.module(backend)
@@ -106,7 +111,8 @@ class UncertaintyWeightedCE(torch.autograd.Function):
             gamma_factor = _gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
         loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
                                           ignore_index, reduction, True, logits if inplace else None,
-                                          *_soft_arguments(mix_target, mix_lambda, label_smoothing))
+                                          *_soft_arguments(mix_target, mix_lambda, label_smoothing),
+                                          loss_dtype=loss_dtype)
         if flag is not None:
             _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
         if inplace:
@@ -135,7 +141,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
             # create_graph=True: the gradients are usable as values, and differentiating them raises (a gradient
             # penalty through them must not silently contribute nothing)
             d_logits, d_gamma = (_raise_if_differentiated(t) for t in (d_logits, d_gamma))
-        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None
+        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 _DOUBLE_BACKWARD_MESSAGE = (
@@ -172,12 +178,29 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
 
 def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     """The loss of validated ``inputs`` through compiled backend ``backend``, in the logits' dtype and batch shape."""
+    soft = ()
+    if inputs.soft:
+        lam = inputs.mix_lambda
+        if lam is not None:
+            lam = V.lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
+        soft = (inputs.mix_target, lam, inputs.label_smoothing)
+    return run_rows(backend, inputs.logits, inputs.target, inputs.sample_weight, inputs.gamma,
+                    V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
+                    V.REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
+
+
+def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, weight: int, mode: int,
+             norm: float, ignore_index: int, reduction: int, soft: tuple = (), inplace: bool = False,
+             batch_shape: tuple | None = None) -> torch.Tensor:
+    """:func:`run` on arguments already checked and flattened: ``logits (N, C)``, the target as the backends take it,
+    the weight, mode and reduction as codes, ``gamma`` a number or a per-sample tensor, ``soft`` the backend's
+    soft-target arguments ``(mix_target, mix_lambda tensor, label_smoothing)`` or ``()``; a ``reduction="none"``
+    loss reshaped to ``batch_shape``. :func:`calibkernels.functional.uncertainty_weighted_ce` calls it directly for
+    the common eager Triton call, whose arguments it has checked itself."""
     from . import _backends
 
-    logits = inputs.logits
     grad_enabled = torch.is_grad_enabled()
     compute_grad = grad_enabled and logits.requires_grad
-    gamma = inputs.gamma
     gamma_per_sample = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_per_sample is not None else float(gamma)
     if inplace and compute_grad and _is_leaf_or_view_of_leaf(logits):
@@ -186,33 +209,26 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
             "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
             "use inplace=False"
         )
-    on_gpu = logits.device.type == "cuda"
-    eager = is_plain_eager(logits)
-    codes = (V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode], gamma_value, inputs.norm,
-             inputs.ignore_index, V.REDUCTION_CODES[inputs.reduction])
+    codes = (weight, mode, gamma_value, norm, ignore_index, reduction)
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
     module = _backends.module(backend)
-    soft = ()
-    if inputs.soft:
-        lam = inputs.mix_lambda
-        if lam is not None:
-            lam = V.lambda_tensor(lam, logits.dtype, logits.device)
-        soft = (inputs.mix_target, lam, inputs.label_smoothing)
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
-    if eager and hasattr(module, "forward_with_autograd"):
+    if is_plain_eager(logits) and hasattr(module, "forward_with_autograd"):
         # the compiled op's own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp): the same contract as
         # UncertaintyWeightedCE without a Python autograd.Function's host time
-        loss, flag = module.forward_with_autograd(logits, inputs.target, inputs.sample_weight, gamma_per_sample,
-                                                  *codes, compute_grad, inplace and compute_grad, *soft)
+        loss, flag = module.forward_with_autograd(logits, target, sample_weight, gamma_per_sample, *codes,
+                                                  compute_grad, inplace and compute_grad, *soft)
     elif compute_grad or gamma_needs_grad:
-        loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
-                                           bool(inplace and compute_grad), backend, *soft)
+        # autograd.Function.apply takes positional arguments only: the soft-target defaults spelled out
+        loss = UncertaintyWeightedCE.apply(logits, target, sample_weight, gamma_per_sample, *codes,
+                                           bool(inplace and compute_grad), backend, *(soft or (None, None, 0.0)),
+                                           logits.dtype)
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
-        loss, _, flag = module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, False,
-                                       None, *soft)
+        loss, _, flag = module.forward(logits, target, sample_weight, gamma_per_sample, *codes, False, None, *soft,
+                                       loss_dtype=logits.dtype)
     if flag is not None:
-        _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index, _dense_dtype(inputs.target))
-    if inputs.reduction == "none" and loss.shape != inputs.batch_shape:
-        loss = loss.reshape(inputs.batch_shape)
+        _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
+    if batch_shape is not None and reduction == V.REDUCTION_CODES["none"] and loss.shape != batch_shape:
+        loss = loss.reshape(batch_shape)
     return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

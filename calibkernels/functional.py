@@ -124,15 +124,18 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
 
 
 def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=(), inplace=False):
-    """The common eager call, straight into the compiled op and its C++ autograd: the per-call host time of the
-    general path (argument normalisation, backend resolution, the Python target checks) is as large as the whole step
-    of ``F.cross_entropy`` at small shapes. On CPU tensors with ``backend`` "auto" or "cpu"; on CUDA tensors with
-    "cuda", or "auto" where :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. ``None`` when
-    any argument needs the general path, which also makes every error message. The CPU kernel checks the target
-    values itself (the same ValueError as the general path), those of a mix and of a dense target (``soft``: see
-    :func:`_fast_soft_arguments`); the CUDA kernel flags them on the device for :mod:`calibkernels._target_checks`,
-    as the general path does. ``inplace``: as the
-    general path, which refuses logits that are a leaf requiring grad, or a view of one."""
+    """The common eager call, straight into the compiled op and its C++ autograd, or into the Triton kernels: the
+    per-call host time of the general path (argument normalisation, backend resolution, the Python target checks) is
+    as large as the whole step of ``F.cross_entropy`` at small shapes. The compiled op: on CPU tensors with
+    ``backend`` "auto" or "cpu"; on CUDA tensors with "cuda", or "auto" where
+    :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. The Triton kernels
+    (:func:`calibkernels._autograd.run_rows`): on CUDA tensors with "triton", or "auto" where the compiled op does
+    not serve the call; on CPU tensors with "triton" under the interpreter; class indices, label smoothing and dense
+    targets, not a mix. ``None`` when any argument needs the general path, which also makes every error message.
+    The CPU kernel checks the target values itself (the same ValueError as the general path), those of a mix and of
+    a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA and Triton kernels flag them on the device
+    for :mod:`calibkernels._target_checks`, as the general path does on a GPU. ``inplace``: as the general path,
+    which refuses logits that are a leaf requiring grad, or a view of one."""
     weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
     mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
     reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
@@ -140,27 +143,41 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     on_gpu = logits.is_cuda
     if type(backend) is not str or (on_gpu and torch._C._len_torch_dispatch_stack() != 0):
         return None  # the general path's error; a dispatch mode must not see the flag's host copy
-    # "auto" on CUDA tensors is the CUDA kernel where the measured table prefers it for this row width (_backends)
+    # "auto" on CUDA tensors is the CUDA kernel where the measured table prefers it for this row width (_backends),
+    # else Triton
     gpu_auto = on_gpu and backend == "auto"
     kernel = "cuda" if gpu_auto else backend
-    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, kernel, logits.get_device() if on_gpu else -1))
+    device_index = logits.get_device() if on_gpu else -1
+    served = _FAST_KERNELS.get((on_gpu, logits.is_cpu, kernel, device_index))
     if served is None:
         served = _compiled_kernel(kernel, logits.device)
     if served and gpu_auto and not _backends.auto_prefers_cuda(
             logits.shape[1], _backends.target_kind(bool(soft), dense, bool(soft) and soft[0] is not None)):
-        return None
-    if (not served or weight_code is None or mode_code is None or reduction_code is None or weight == "external"
-            or type(gamma) not in (float, int) or not 0 <= gamma < _INF or type(norm) not in (float, int)
-            or not 0 < norm < _INF or type(ignore_index) is not int
+        served = False
+    triton = False
+    if not served and (gpu_auto or backend == "triton"):
+        # the Triton kernels, launched from here without the general path's argument normalisation; not for a mix,
+        # whose values only the general path checks, nor for dtypes they do not take (the general path's error)
+        triton = _FAST_TRITON.get((on_gpu, logits.is_cpu, device_index))
+        if triton is None:
+            triton = _triton_kernels(logits.device)
+        triton = (triton and logits.dtype in _TRITON_DTYPES and not (soft and soft[0] is not None)
+                  and torch._C._len_torch_dispatch_stack() == 0)
+    if ((not served and not triton) or weight_code is None or mode_code is None or reduction_code is None
+            or weight == "external" or type(gamma) not in (float, int) or not 0 <= gamma < _INF
+            or type(norm) not in (float, int) or not 0 < norm < _INF or type(ignore_index) is not int
             or target.shape != (logits.shape if dense else logits.shape[:1])
             or not (ignore_index == -100 if dense else target.dtype == torch.int64)
             or logits.shape[0] == 0 or logits.shape[1] == 0 or not logits.is_floating_point()
-            or (soft and not getattr(_backends.module("cuda" if on_gpu else "cpu"), "SOFT_TARGETS", False))):
+            or (soft and served and not getattr(_backends.module("cuda" if on_gpu else "cpu"), "SOFT_TARGETS", False))):
         return None
     if inplace and logits.requires_grad and torch.is_grad_enabled() and _autograd._is_leaf_or_view_of_leaf(logits):
         return None
     if on_gpu:
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
+    if triton:
+        return _autograd.run_rows("triton", logits, target, None, gamma, weight_code, mode_code, float(norm),
+                                  ignore_index, reduction_code, soft, inplace)
     loss, flag = _EAGER_LOSS(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index,
                              reduction_code, *(soft or (None, None, 0.0)), inplace)
     if on_gpu:
@@ -174,6 +191,10 @@ _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # a build may hold no code for one of several); filled on first use
 _FAST_KERNELS: dict = {}
 _EAGER_LOSS = None  # calibkernels._C.eager_loss, once the extension is known to load
+# (on CUDA, on the CPU, CUDA device index or -1) -> whether _fast_call may launch the Triton kernels there; filled on
+# first use
+_FAST_TRITON: dict = {}
+_TRITON_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _compiled_kernel(backend, device: torch.device) -> bool:
@@ -195,6 +216,16 @@ def _compiled_kernel(backend, device: torch.device) -> bool:
 
                 _EAGER_LOSS = _C.eager_loss
         _FAST_KERNELS[key] = known
+    return known
+
+
+def _triton_kernels(device: torch.device) -> bool:
+    """Whether :func:`_fast_call` may launch the Triton kernels on ``device``: CUDA tensors where Triton can run, and
+    CPU tensors under the Triton interpreter (so that the tests run this path); cached."""
+    on_gpu = device.type == "cuda"
+    index = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else -1
+    known = device.type in ("cpu", "cuda") and _backends.unavailable_reason("triton", device) is None
+    _FAST_TRITON[(on_gpu, device.type == "cpu", index)] = known
     return known
 
 

@@ -493,9 +493,9 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
     row, first bad row)`` flag it returns, in one read of the row and in chunks, and the error that flag becomes; a
     half-precision target is read in float32 and judged with its own dtype's tolerance. A float64 target's flag comes
     from float64 reductions instead (its tolerance is below what the kernel's float32 sums can tell), and so does that
-    of rows wider than DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4). Through the public API, a call on CUDA
-    tensors skips the host check and raises from that flag (read at the call here: the synchronous policy); a call
-    on CPU tensors (under the interpreter) keeps the host check, which refuses the target before any launch."""
+    of rows wider than DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4). Through the public API the call skips the
+    host check and raises from that flag (read at the call here: the synchronous policy), on CUDA tensors and on CPU
+    tensors under the interpreter alike (the eager Triton call of calibkernels.functional._fast_call)."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     if read == "chunked":
@@ -534,12 +534,10 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
             _target_checks.submit(T.uncertainty_weighted_ce_forward(
                 z, target, None, None, 4, 1, 4.0, 2.0, -100, 1, True)[2], 6, -100, target.dtype)
         reductions_used.clear()
-        on_gpu = TRITON_DEVICE == "cuda"
-        # on CUDA the kernel's flag (or the reductions' where they decide) names the first bad row; on the CPU the
-        # host check refuses first (it names no row for a negative or non-finite entry)
-        with pytest.raises(ValueError, match=rf"row {row} is not" if on_gpu else "dense target must"):
+        # the kernel's flag (or the reductions' where they decide) names the first bad row
+        with pytest.raises(ValueError, match=rf"row {row} is not"):
             ck.uncertainty_weighted_ce(z, target, backend="triton")
-        assert bool(reductions_used) == (fallback and on_gpu), name
+        assert bool(reductions_used) == fallback, name
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the asynchronous policy differs only on a GPU")

@@ -17,6 +17,7 @@ import torch
 from _flsd_band import band_choices, flsd_gamma, gamma_picked
 from _tolerance import assert_within_reference_error
 
+import calibkernels as ck
 from calibkernels import _autograd, _backends, _target_checks
 from calibkernels import _validation as V
 from calibkernels import reference as R
@@ -309,6 +310,61 @@ def test_backward_with_broadcast_and_unit_grad_output(device):
     _run(_inputs(x, y, reduction="none"), False).sum().backward()
     _close(x.grad, _reference_loss_and_grad(z, y, torch.ones(7, device=device), reduction="none")[1],
            torch.float32, "gradient of .sum()")
+
+
+class _CountedLaunches:
+    """Stands in for a Triton kernel of the module: counts its launches by name, then launches it."""
+
+    def __init__(self, kernel, name, counts):
+        self.kernel, self.name, self.counts = kernel, name, counts
+
+    def __getitem__(self, grid):
+        self.counts[self.name] = self.counts.get(self.name, 0) + 1
+        return self.kernel[grid]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("target", ["hard", "smooth", "dense"])
+def test_an_eager_step_runs_its_kernels_and_no_casts(monkeypatch, device, dtype, target):
+    """What a plain eager step (the public call, then the backward of its mean loss) costs the host: three launches in
+    the forward (the target count and check, the loss, the reduction; two with a dense target, which has no count),
+    the loss written in the logits' dtype by the reduction (no cast in the forward, hence none of ``grad_output`` in
+    the backward), and in the backward the scaling launch on a GPU, which reads ``grad_output`` there, or nothing on
+    the CPU, which reads it on the host and finds 1. Values as the reference's."""
+    counts = {}
+    for name in dir(T):
+        if name.startswith("_") and name.endswith("_kernel"):
+            monkeypatch.setattr(T, name, _CountedLaunches(getattr(T, name), name.strip("_"), counts))
+    z = torch.randn(6, 37, device=device).to(dtype)
+    y = _targets(6, 37, device, ignored=1 if target != "dense" else 0)
+    kwargs = {"label_smoothing": 0.1} if target == "smooth" else {}
+    if target == "dense":
+        y = torch.softmax(torch.randn(6, 37, device=device), dim=1)
+    leaf = z.clone().requires_grad_()
+    logits = leaf * 1  # not a leaf, so that the gradient below stops at the loss's own node
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as forward_profile:
+        loss = ck.bsce_gra_loss(logits, y, backend="triton", **kwargs)
+    forward = dict(counts)
+    counts.clear()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as backward_profile:
+        (grad,) = torch.autograd.grad(loss, logits)
+    ops = [e.name for p in (forward_profile, backward_profile) for e in p.events()]
+    assert loss.dtype == dtype
+    expected = {"uncertainty_weighted_ce_targets_kernel": 1} if target != "dense" else {}
+    expected["soft_target_ce_fwd_kernel" if target != "hard" else "uncertainty_weighted_ce_fwd_kernel"] = 1
+    expected["uncertainty_weighted_ce_reduce_kernel"] = 1
+    assert forward == expected
+    assert counts == ({"uncertainty_weighted_ce_scale_grad_kernel": 1} if device == "cuda" else {})
+    assert not [op for op in ops if op in ("aten::to", "aten::_to_copy")], ops
+    reference = z.double().requires_grad_()
+    exact = R.uncertainty_weighted_ce(reference, y.double() if target == "dense" else y, **kwargs)
+    (exact_grad,) = torch.autograd.grad(exact, reference)
+    torch.testing.assert_close(loss.double(), exact.detach(), rtol=_TOL[dtype], atol=_TOL[dtype])
+    torch.testing.assert_close(grad.double(), exact_grad, rtol=_TOL[dtype], atol=_TOL[dtype])
+
+
+_TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -70,8 +70,9 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
-    """``(loss, grad, target_flag)`` of the compiled op (the backend forward of :mod:`calibkernels._autograd`)."""
+            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
+    """``(loss, grad, target_flag)`` of the compiled op (the backend forward of :mod:`calibkernels._autograd`); the
+    loss in the op's float32 (float64) whatever ``loss_dtype`` asks: the caller casts."""
     eager = is_plain_eager(logits)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()

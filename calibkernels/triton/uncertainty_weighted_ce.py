@@ -1025,6 +1025,12 @@ def _uncertainty_weighted_ce_scale_grad_kernel(
 # ---------------------------------------------------------------------------------------------------------------------
 # Launchers
 # ---------------------------------------------------------------------------------------------------------------------
+def _next_power_of_2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``): ``triton.next_power_of_2`` in a few bit operations, for
+    the launchers' per-call host path (Triton's own took about 5 µs per call on the development VM)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
 def _num_warps(block: int) -> int:
     # about 32 fp32 values per thread for big rows, at least one warp group for small ones
     return max(4, min(32, block // 1024))
@@ -1045,14 +1051,14 @@ def _launch_config(num_classes: int, element_size: int, target: str = "hard", we
         mode_name = "loss" if mode == MODE_LOSS else "grad"
         cap = min(cap, SOFT_BLOCK_CAPS.get((target, _FORMULA_NAMES.get(weight), mode_name), cap))
     if num_classes <= cap:
-        block = triton.next_power_of_2(num_classes)
+        block = _next_power_of_2(num_classes)
         # 16-bit rows: 8 values per thread (a 16-byte load) at C = 1000 was fastest; fp32: 4; up to 16 warps
         per_thread = 256 if element_size <= 2 else 128
         return True, block, max(1, min(16, block // per_thread)) if block >= 128 else 1
     chunk, warps = TWO_READ_CHUNK.get(element_size, (4096, 8))
     # tests force tiny chunks through a small MAX_BLOCK; soft rows stream in the tuned chunks of class indices, or in
     # chunks no longer than the rows their kind holds in registers (a dense chunk holds the target's entries too)
-    chunk = min(chunk, cap, max(1, triton.next_power_of_2(base_cap) // 2))
+    chunk = min(chunk, cap, max(1, _next_power_of_2(base_cap) // 2))
     return False, chunk, max(1, min(warps, chunk // 128))
 
 
@@ -1145,18 +1151,15 @@ def uncertainty_weighted_ce_forward(
         num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode)
 
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
-    empty = torch.empty((0,), dtype=logits.dtype, device=device)
-    if not compute_grad:
-        dest, grad = None, empty
-    elif grad_out is None:
+    if compute_grad and grad_out is None:
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
-    else:
-        dest, grad = grad_out, empty
+    else:  # no gradient, or written into grad_out: an empty placeholder
+        dest, grad = grad_out if compute_grad else None, torch.empty((0,), dtype=logits.dtype, device=device)
     # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows, and past
     # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by device
     # reductions (pairwise sums) instead of the kernel's flags
     dense_flags = dense and target.dtype != torch.float64 and num_classes <= DENSE_KERNEL_CHECK_MAX_CLASSES
-    reduce_block = min(4096, triton.next_power_of_2(max(num_rows, 1)))  # an empty batch still folds (to "none bad")
+    reduce_block = min(4096, _next_power_of_2(num_rows))  # an empty batch still folds (to "none bad")
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         valid_count = row_loss  # placeholder: without a count the kernels divide by num_rows
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
@@ -1227,7 +1230,7 @@ def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
     """In place ``grad *= grad_output`` (0-dim, or ``(N,)`` per row) without reading ``grad_output`` on the host."""
     num_rows, num_classes = grad.shape
     per_row = grad_output.dim() == 1
-    block = min(triton.next_power_of_2(num_classes), _SCALE_BLOCK)
+    block = min(_next_power_of_2(num_classes), _SCALE_BLOCK)
     _uncertainty_weighted_ce_scale_grad_kernel[(_persistent_programs(grad.device, num_rows),)](
         grad, grad.stride(0), grad_output, grad_output.stride(0) if per_row else 0, num_rows, num_classes,
         PER_ROW=per_row, BLOCK=block, num_warps=4 if block <= 1024 else 8,
@@ -1262,11 +1265,13 @@ def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
+            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
     """``(loss, grad, target_flag)``: the backend forward of :mod:`calibkernels._autograd`. Eager calls launch the
     kernels directly (a ``custom_op`` call pays dispatcher and mutation bookkeeping in Python, more host time than the
     launches); traced calls go through the registered op. Soft targets: ``mix_target``/``mix_lambda`` (a number or
-    a tensor), ``label_smoothing``, or a floating ``(N, C)`` ``target`` (refused with the dual-focal weight)."""
+    a tensor), ``label_smoothing``, or a floating ``(N, C)`` ``target`` (refused with the dual-focal weight).
+    ``loss_dtype``: an eager call's reduction writes the loss in this dtype (the logits' own, for the caller: no cast
+    launch in the forward and none in the backward); traced calls return float32 as the op does."""
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
                         "(use backend='reference' for float64)")
@@ -1295,7 +1300,7 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
         flag = None
     else:
         # _target_checks ignores the flag during a capture
-        loss, grad, flag = uncertainty_weighted_ce_forward(*args, torch.float32, *soft_args)
+        loss, grad, flag = uncertainty_weighted_ce_forward(*args, loss_dtype or torch.float32, *soft_args)
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
