@@ -92,6 +92,18 @@ def _cuda_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
     return tuple(Case(GPU_N, c, dtype, weight, mode, "cuda") for c in GPU_CLASSES for dtype in GPU_DTYPES)
 
 
+# Host cost on the GPU (issue #22): the eager training step (forward + backward of the mean, one reused leaf) of
+# the default call and of each fused backend against F.cross_entropy's, back to back with a synchronisation per
+# repetition, so a step's time is the larger of its host time and its GPU time: 64 x 16 (host time alone), the
+# ImageNet widths at batch 256 and 8192 (host-bound), 65536 (whose bytes take about 0.06 ms to move).
+CUDA_HOST_STEP = Suite(
+    "cuda-host-step",
+    (Case(64, 16, "fp32", "brier", "grad", "cuda"), Case(256, 1000, "bf16", "brier", "grad", "cuda"),
+     Case(GPU_N, 1000, "bf16", "brier", "grad", "cuda"), Case(65536, 1000, "bf16", "brier", "grad", "cuda")),
+    ("calibkernels", "calibkernels_triton", "calibkernels_cuda", "torch_cross_entropy", "liger_cross_entropy"),
+    measure="host_step", threads=(None,), baseline="torch_cross_entropy", reps=40,
+)
+
 CUDA_SUITES = [
     Suite("cuda-bsce-gra", _cuda_cases("brier"), tuple(CUDA_FUSED)),
     Suite("cuda-ce", _cuda_cases("none"), tuple(CUDA_CE)),
@@ -100,10 +112,12 @@ CUDA_SUITES = [
           (Case(65536, 1000, "bf16", "brier", "grad", "cuda"), Case(65536, 1000, "bf16", "none", "grad", "cuda")),
           tuple(CUDA_KERNELS_ONLY)),
     Suite("cuda-soft-targets", _soft_target_cases([(GPU_N, 1000), (GPU_N, 32000)], "bf16", "cuda"), tuple(CUDA_SOFT)),
+    CUDA_HOST_STEP,
 ]
 CUDA_QUICK_SUITES = [
     Suite("cuda-bsce-gra-quick", (HEADLINE_CUDA,), tuple(CUDA_FUSED)),
     Suite("cuda-ce-quick", (Case(GPU_N, 32000, "bf16", "none", "grad", "cuda"),), tuple(CUDA_CE)),
+    CUDA_HOST_STEP,
 ]
 
 SUITES = {"cpu": CPU_SUITES, "cuda": CUDA_SUITES}
