@@ -21,6 +21,7 @@ prediction for the ECE objective; for the NLL objective it makes the NLL infinit
 from __future__ import annotations
 
 import math
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -46,17 +47,26 @@ DEFAULT_CHUNK_ELEMENTS = 2**24
 
 def temperature_grid(start: float = DEFAULT_GRID_START, stop: float = DEFAULT_GRID_STOP,
                      step: float = DEFAULT_GRID_STEP) -> torch.Tensor:
-    """``start, start + step, …, stop`` (inclusive) as float64, each value the nearest double to ``k · step``.
+    """``start, start + step, …`` up to ``stop`` (inclusive, to within a rounding of the division) as float64, every
+    value in ``[start, stop]``.
 
-    Built as ``round(start/step) … round(stop/step)`` integers times ``step`` so 0.07 is 0.07, not 0.07000000000000001.
+    Where ``start`` is a multiple ``k · step`` of the step, each value is the nearest double to ``j · step``, built as
+    integers ``k, k + 1, …`` times ``step`` (divided by ``1 / step`` where that is an integer), so 0.07 is 0.07, not
+    0.07000000000000001; otherwise ``start + j · step``.
     """
     if not (step > 0 and start > 0 and stop >= start):
         raise ValueError(f"temperature grid needs 0 < start <= stop and step > 0, got {start}, {stop}, {step}")
-    first, last = round(start / step), round(stop / step)
-    steps = torch.arange(first, last + 1, dtype=torch.float64)
+    slack = 1e-9  # relative to the step: stop/step = 999.9999999999999 still reaches stop
+    ratio = start / step
+    if abs(ratio - round(ratio)) >= slack:
+        count = math.floor((stop - start) / step + slack) + 1
+        return (start + step * torch.arange(count, dtype=torch.float64)).clamp(max=stop)
+    first = round(ratio)
+    steps = torch.arange(first, math.floor(stop / step + slack) + 1, dtype=torch.float64)
     # Dividing by 1/step keeps decimal steps exact (7 / 100 == 0.07, whereas 7 * 0.01 == 0.07000000000000001).
     inverse = 1.0 / step
-    return steps / inverse if abs(inverse - round(inverse)) < 1e-9 else steps * step
+    grid = steps / inverse if abs(inverse - round(inverse)) < 1e-9 else steps * step
+    return grid.clamp(max=stop)
 
 
 def _check_logits_labels(logits, labels):
@@ -156,7 +166,31 @@ def _fit_nll_temperature(z: torch.Tensor, y: torch.Tensor, max_iter: int = 100) 
     temperature = math.exp(float(log_temperature.detach()))
     if not math.isfinite(temperature) or temperature <= 0:
         raise RuntimeError(f"NLL temperature fit diverged (T = {temperature}); are the logits finite?")
+    why = _unbounded_nll_temperature(z64, y, masked)
+    if why is not None:
+        warnings.warn(f"the NLL of softmax(z / T) has no minimum at a finite T > 0 on this calibration split: {why}; "
+                      f"T = {temperature:.3g} is where L-BFGS stopped, not an optimum (use objective='ece', or a "
+                      "larger calibration split)", RuntimeWarning, stacklevel=3)
     return temperature
+
+
+def _unbounded_nll_temperature(z64: torch.Tensor, y: torch.Tensor, masked: torch.Tensor) -> str | None:
+    """Why the mean NLL of ``softmax(z / T)`` has no minimiser at a finite ``T > 0``, or ``None``.
+
+    In ``β = 1/T`` the NLL is convex, with derivative ``mean_i (E_{p_β}[z_i] - z_{i,y_i})``. As ``β → ∞`` that tends
+    to ``mean_i (max_k z_ik - z_{i,y_i}) >= 0``, which is 0 exactly when every label holds its row's largest logit:
+    the NLL then falls all the way to ``T → 0``. At ``β = 0`` it is ``mean_i (mean_k z_ik - z_{i,y_i})`` (the mean
+    over the unmasked classes); where that is ``>= 0`` the NLL only rises from ``T = ∞``. ``z64`` has its masked
+    entries (``masked``) set to 0.
+    """
+    z_label = z64.gather(1, y[:, None]).squeeze(1)
+    if bool((z_label >= z64.masked_fill(masked, -math.inf).amax(dim=1)).all()):
+        return "every label is its row's largest logit (the NLL falls all the way to T -> 0)"
+    row_means = z64.sum(dim=1) / (~masked).sum(dim=1)
+    if float((row_means - z_label).mean()) >= 0:
+        return ("the labels' logits are at or below their rows' mean logit on average (the NLL falls all the way "
+                "to T -> infinity)")
+    return None
 
 
 def fit_temperature(logits, labels, objective: str = "ece", grid=None, n_bins: int = 15, *,
@@ -229,7 +263,9 @@ def evaluate_temperature_scaling(calibration_logits, calibration_labels, test_lo
     return {
         "temperature": temperature,
         "pre": calibration_metrics(test_logits, test_labels, n_bins, inputs_are="logits"),
-        "post": calibration_metrics(test_logits / temperature, test_labels, n_bins, inputs_are="logits"),
+        # scaled in the metrics' compute dtype: a 16-bit z / T would round the scaled logits first
+        "post": calibration_metrics(test_logits.to(compute_dtype(test_logits.dtype)) / temperature, test_labels,
+                                    n_bins, inputs_are="logits"),
     }
 
 

@@ -64,6 +64,9 @@ LOG_EPS = math.log(torch.finfo(torch.float64).eps)
 BINNINGS = ("equal_width", "equal_mass")
 # A scaling fit that used all its L-BFGS iterations warns when an entry of its gradient is still above this.
 UNCONVERGED_GRADIENT = 1e-5
+# A fitted scaling map whose mean NLL on its calibration split is below this puts all but 1e-6 of every label's
+# probability on it: the split is (nearly) separable, and the unpenalised optimum is at infinite weights.
+SEPARABLE_NLL = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------- input checks
@@ -264,6 +267,17 @@ def _fit_affine(x, y, masked, structure: str, bias: bool, reg_lambda: float, reg
         warnings.warn(f"L-BFGS ran out of its max_iter={max_iter} iterations with a gradient of {gradient:.2g} "
                       f"(largest entry), so the calibration map is not at its optimum: raise max_iter, or the ODIR "
                       "penalties if the calibration split is (nearly) separable", RuntimeWarning, stacklevel=4)
+    else:
+        # L-BFGS also stops on a flat NLL: on a separable split that is the map sending every label's probability to
+        # 1 with weights still growing, an optimum nowhere
+        with torch.no_grad():
+            out = _affine(x, weight, shift, structure)
+            nll = float(F.cross_entropy(out.masked_fill(masked, -math.inf) if any_masked else out, y))
+        if nll < SEPARABLE_NLL:
+            warnings.warn(f"the fitted calibration map gives every label of the calibration split a probability "
+                          f"above 1 - {SEPARABLE_NLL:g} (mean NLL {nll:.2g}): the split is (nearly) separable, and "
+                          "the map's weights would grow without bound; use the ODIR penalties (reg_lambda, reg_mu), "
+                          "a larger calibration split, or temperature scaling", RuntimeWarning, stacklevel=4)
     return weight.detach(), shift.detach()
 
 

@@ -4,6 +4,7 @@ known temperature on synthetic data (ECE grid and NLL/L-BFGS), and TemperatureSc
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -33,6 +34,51 @@ def test_default_grid_is_001_to_10_step_001():
     assert [float(t) for t in grid[:8]] == [0.01, 0.02, 0.03, 0.04, 0.05, 0.06, 0.07, 0.08]
     assert float(grid[699]) == 7.0
     assert torch.all(grid.diff() > 0)
+
+
+@pytest.mark.parametrize("start, stop, step, expected", [
+    (0.05, 1.0, 0.1, [0.05 + 0.1 * k for k in range(10)]),  # start not a multiple of the step
+    (1.0, 2.0, 0.3, [1.0, 1.3, 1.6, 1.9]),                 # neither end a multiple
+    (0.5, 3.0, 0.25, [0.25 * k for k in range(2, 13)]),     # both multiples: j * step
+    (0.5, 0.5, 0.1, [0.5]),
+])
+def test_a_grid_stays_within_its_ends(start, stop, step, expected):
+    """Every value in [start, stop], from start in steps of step: a start or stop that is not a multiple of the step
+    is not rounded to one (which had put T = 0 into temperature_grid(0.05, 1.0, 0.1), and 0.9 and 2.1 into
+    temperature_grid(1, 2, 0.3))."""
+    grid = temperature_grid(start, stop, step)
+    torch.testing.assert_close(grid, torch.tensor(expected, dtype=torch.float64), rtol=0, atol=1e-12)
+    assert float(grid.min()) >= start and float(grid.max()) <= stop
+    long = temperature_grid(0.01, 10.0, 0.03)  # 9.99 / 0.03 rounds below 333 in float64: stop is still reached
+    assert long.numel() == 334 and float(long[-1]) == 10.0 and float(long[0]) == 0.01
+
+
+def test_an_nll_fit_without_a_finite_optimum_warns():
+    """On a split where every label is its row's largest logit the NLL falls all the way to T -> 0; where the
+    labels' logits lie below their rows' mean it falls to T -> infinity: the T returned is where L-BFGS stopped, and
+    the fit says so. A split with a finite optimum fits without a warning."""
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(200, 5, generator=generator)
+    with pytest.warns(RuntimeWarning, match="every label is its row's largest logit"):
+        assert fit_temperature(logits, logits.argmax(1), objective="nll") < 0.01
+    with pytest.warns(RuntimeWarning, match="below their rows' mean logit"):
+        assert fit_temperature(logits, logits.argmin(1), objective="nll") > 100
+    labels = logits.argmax(1)
+    labels[:60] = torch.randint(0, 5, (60,), generator=generator)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert 0.5 < fit_temperature(logits, labels, objective="nll") < 5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_post_scaling_metrics_of_16_bit_logits_are_those_of_their_float32_values(dtype):
+    """The "post" metrics are of z / T computed in float32, as every metric of 16-bit logits computes: a 16-bit
+    division would round the scaled logits first."""
+    logits, labels = _synthetic_with_known_temperature(2000, 20, 0.6)
+    logits = logits.to(dtype)
+    report = evaluate_temperature_scaling(logits[:1000], labels[:1000], logits[1000:], labels[1000:])
+    expected = metrics.calibration_metrics(logits[1000:].float() / report["temperature"], labels[1000:])
+    assert report["post"] == expected
 
 
 def test_grid_ece_matches_a_loop_over_the_grid():

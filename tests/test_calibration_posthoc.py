@@ -250,6 +250,18 @@ def test_a_scaling_fit_that_runs_out_of_iterations_warns():
         MatrixScaling(reg_lambda=0.0, reg_mu=0.0, max_iter=2).fit(logits, labels)
 
 
+@pytest.mark.parametrize("make", [VectorScaling, lambda: MatrixScaling(reg_lambda=0.0, reg_mu=0.0),
+                                  lambda: DirichletCalibration(reg_lambda=0.0, reg_mu=0.0)],
+                         ids=["vector", "matrix", "dirichlet"])
+def test_a_scaling_fit_on_a_separable_split_warns(make):
+    """Labels that are the rows' arg-max make a separable split: the unpenalised NLL falls towards 0 as the weights
+    grow, and L-BFGS stops on the flat NLL before its max_iter. The fit says the map is not an optimum."""
+    generator = torch.Generator().manual_seed(0)
+    logits = 3 * torch.randn(200, 5, generator=generator, dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="nearly\\) separable"):
+        make().fit(logits, logits.argmax(1))
+
+
 @pytest.mark.parametrize("cls", [MatrixScaling, DirichletCalibration])
 def test_unregularised_matrix_and_dirichlet_match_multinomial_logistic_regression(cls):
     """Without penalty both are maximum-likelihood multinomial logistic regressions (on z, resp. ln p), which

@@ -380,6 +380,22 @@ def test_auto_warns_when_values_in_0_1_do_not_sum_to_1():
         metrics.ece(torch.softmax(inputs, 1), labels)  # plainly probabilities
 
 
+def test_auto_warns_when_rows_summing_to_1_have_an_entry_a_rounding_below_0():
+    """Probabilities made as one minus the others can round below 0: "auto" reads them as logits, as its rule says,
+    and warns, since the rows sum to 1; an explicit inputs_are does not warn."""
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.softmax(3 * torch.randn(100, 10, generator=generator), 1)
+    labels = torch.randint(0, 10, (100,), generator=generator)
+    probs[0, 1] += probs[0, 0] + 1e-7  # the row still sums to 1
+    probs[0, 0] = -1e-7
+    with pytest.warns(UserWarning, match="smallest is -1e-07"):
+        got = metrics.ece(probs, labels)
+    assert got == metrics.ece(probs, labels, inputs_are="logits")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        metrics.ece(probs.clamp(min=0), labels, inputs_are="probs")
+
+
 @pytest.mark.parametrize(
     "probs, message",
     [

@@ -13,7 +13,8 @@ Rows whose label equals ``ignore_index`` are dropped before anything else is che
 * ``"auto"`` (default): probabilities when every entry is >= 0 and every row sums to 1 within ``tol``, else logits.
   When every entry lies in [0, 1] but some row misses the tolerance the inputs could be either (logits of a model
   that outputs values in [0, 1], or broken probabilities): they are treated as logits **with a UserWarning** that
-  says how to choose explicitly.
+  says how to choose explicitly. So are rows that sum to 1 within ``tol`` with an entry a little below 0 (at least
+  ``-tol``: probabilities made as one minus the others can round below 0).
 
 ``tol`` follows the dtype the inputs arrive in, because probabilities rounded to bf16 legitimately miss a fixed
 ``1e-3``: see :func:`probability_sum_tolerance` and docs/metrics.md, 'Inputs: logits or probabilities'.
@@ -132,6 +133,16 @@ def resolve_inputs_kind(x: torch.Tensor, inputs_are: str, dtype: torch.dtype,
                 f"(the tolerance for {dtype} probabilities over {num_classes} classes), so the inputs are treated as "
                 "logits and passed through softmax. Pass inputs_are='logits' to confirm, or inputs_are='probs' if "
                 "they are probabilities (renormalise them first: p / p.sum(-1, keepdim=True)).",
+                UserWarning,
+                stacklevel=4,
+            )
+        elif -tolerance <= lowest < 0 and highest <= 1 + tolerance and worst <= tolerance:
+            # probabilities made as 1 - (sum of the others) can come out a rounding below 0
+            warnings.warn(
+                f"inputs_are='auto': every row sums to 1 within {tolerance:.3g} and every entry is in "
+                f"[{-tolerance:.3g}, 1], but the smallest is {lowest:.3g} (below 0), so the inputs are treated as "
+                "logits and passed through softmax. Pass inputs_are='logits' to confirm, or, if they are "
+                "probabilities, clamp them (p.clamp(min=0)) and pass inputs_are='probs'.",
                 UserWarning,
                 stacklevel=4,
             )
