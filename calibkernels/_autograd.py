@@ -24,8 +24,10 @@ Contracts (docs/losses.md, "Contracts"):
 
 * ``inplace=True`` needs logits that are an intermediate result: a leaf that requires grad (or a view of one) is
   refused with ``ValueError`` on every backend; other autograd nodes that saved the logits raise at backward.
-* Double backward raises: with ``create_graph=True`` the gradient comes back usable as a value, but differentiating
-  it (a gradient penalty, a look-ahead step) raises ``RuntimeError`` naming the reference backend, which supports it.
+* Double backward raises: the backward with ``create_graph=True`` raises ``RuntimeError`` naming the reference
+  backend, which supports it. (A gradient returned as a value whose differentiation raises would not do: autograd
+  runs only the nodes on a path to the inputs asked for, so ``torch.autograd.grad(penalty, params)`` would skip the
+  raising node and leave the second-order term out without a word.)
 * A per-sample ``gamma`` tensor that requires grad (focal, ``mode="loss"``) gets its gradient
   ``dL_i/dγ_i = L_i · log(1 - p_{i,y})``; in ``mode="grad"`` the weight is detached, so γ gets none (as in the
   reference). ``sample_weight`` is always used detached.
@@ -40,7 +42,8 @@ import torch
 from . import _target_checks
 from . import _validation as V
 
-__all__ = ["UncertaintyWeightedCE", "run", "run_rows", "scale_saved_gradient", "is_plain_eager"]
+__all__ = ["UncertaintyWeightedCE", "run", "run_rows", "scale_saved_gradient", "is_plain_eager",
+           "raise_if_create_graph"]
 
 
 def is_plain_eager(*tensors: torch.Tensor) -> bool:
@@ -133,21 +136,27 @@ class UncertaintyWeightedCE(torch.autograd.Function):
         if ctx.on_gpu and not torch.compiler.is_compiling():
             _target_checks.poll()  # raise for a bad target that this or an earlier call flagged
         grad, gamma_factor = ctx.saved_tensors
+        raise_if_create_graph(grad)
         d_logits = scale_saved_gradient(grad, grad_loss, ctx.scale_inplace)
         d_gamma = None
         if gamma_factor is not None and grad_loss is not None:
             d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
-        if torch.is_grad_enabled() and is_plain_eager(grad):
-            # create_graph=True: the gradients are usable as values, and differentiating them raises (a gradient
-            # penalty through them must not silently contribute nothing)
-            d_logits, d_gamma = (_raise_if_differentiated(t) for t in (d_logits, d_gamma))
         return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None, None
 
 
-_DOUBLE_BACKWARD_MESSAGE = (
-    b"calibkernels: the fused kernels do not support double backward (differentiating a gradient of the loss, e.g. "
-    b"a gradient penalty or a look-ahead step); use backend='reference' for that loss"
+DOUBLE_BACKWARD_MESSAGE = (
+    "calibkernels: the fused kernels do not support double backward (create_graph=True: differentiating a gradient "
+    "of the loss, e.g. a gradient penalty or a look-ahead step); use backend='reference' for that loss"
 )
+
+
+def raise_if_create_graph(saved: torch.Tensor, message: str = DOUBLE_BACKWARD_MESSAGE) -> None:
+    """Raise ``RuntimeError(message)`` in a plain eager backward run with ``create_graph=True`` (grad mode on), since
+    the gradient has no graph to differentiate. Not a value whose differentiation raises: autograd runs only the
+    nodes on a path to the inputs a ``torch.autograd.grad`` call asks for, and a raising node hanging off a detached
+    alias is on no such path, so the second-order term would be left out silently."""
+    if torch.is_grad_enabled() and is_plain_eager(saved):
+        raise RuntimeError(message)
 
 
 def _dense_dtype(target: torch.Tensor) -> torch.dtype | None:
@@ -160,13 +169,6 @@ def _soft_arguments(mix_target=None, mix_lambda=None, label_smoothing=0.0) -> tu
     if mix_target is None and mix_lambda is None and label_smoothing == 0.0:
         return ()
     return mix_target, mix_lambda, label_smoothing
-
-
-def _raise_if_differentiated(tensor):
-    if tensor is None:
-        return None
-    alias = tensor.detach().requires_grad_(True)
-    return torch._C._functions.DelayedError(_DOUBLE_BACKWARD_MESSAGE, 1)(alias)
 
 
 def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:

@@ -425,6 +425,9 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
                          f"{tuple(target_shape)}, got shape {tuple(mix_lambda.shape)}")
     if mix_lambda.device != device:
         raise ValueError(f"mix_lambda is on {mix_lambda.device} but logits are on {device}")
+    if mix_lambda.requires_grad and torch.is_grad_enabled():
+        raise ValueError("the mix_lambda tensor requires grad, but the mix is a constant target here (no gradient "
+                         "flows to it): pass mix_lambda.detach()")
     if checks:
         _check_values(mix_lambda, check_values, lambda_flag, _lambda_message)
     lam = mix_lambda.detach()

@@ -22,8 +22,9 @@ ties (dual focal)     ``#{k : z_k = z_j}``                                      
 From them, on every rank: ``lse = m + log d``, ``CE = lse − z_y``, ``p_y = e^{z_y − lse}``, ``1 − p_y = d_¬y / d``
 (no cancellation), ``p_j = e^{z_j − lse}``, ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of docs/losses.md.
 The non-ignored row count comes from the (replicated) targets, without communication. Before that, one
-``all_gather`` of ``(C_r, N, hash of the targets)`` gives every rank the block sizes (hence its offset ``o_r`` and
-``C = Σ C_r``) and checks that all ranks hold the same rows and targets.
+``all_gather`` of ``(C_r, N)`` gives every rank the block sizes (hence its offset ``o_r`` and ``C = Σ C_r``) and
+checks that all ranks hold the same number of rows, and one all-reduce (MAX) of each row's target and its negation
+that they hold the same targets.
 
 Each rank's gradient is its slice of the unsharded gradient, computed locally from the combined statistics (for
 ``grad_output = 1`` in the forward; the backward scales it, the contract of :mod:`calibkernels._autograd`)::
@@ -49,20 +50,14 @@ import torch
 from . import _autograd
 from . import _validation as V
 from ._codes import FLSD_LOW_GAMMA, FLSD_MID_GAMMA
-from .fused_linear import _raise_if_differentiated
 from .reference import _FLSD_LOW_THRESHOLD_F32, _FLSD_MID_THRESHOLD_F32, _power_of_log
 
 __all__ = ["vocab_parallel_uncertainty_weighted_ce"]
 
 _DOUBLE_BACKWARD_MESSAGE = (
-    b"calibkernels: vocab_parallel_uncertainty_weighted_ce does not support double backward (its gradient is computed "
-    b"in the forward, without a graph)"
+    "calibkernels: vocab_parallel_uncertainty_weighted_ce does not support double backward (create_graph=True; its "
+    "gradient is computed in the forward, without a graph)"
 )
-
-# Row weights of the targets' consistency hash (int64 sums stay far from overflow for up to 2^22 rows; a wrap-around
-# would be the same on every rank anyway).
-_HASH_MULTIPLIER = 2654435761
-_HASH_MODULUS = 1 << 20
 
 
 def _dist():
@@ -76,30 +71,28 @@ def _dist():
     return dist
 
 
-def _target_hash(target1d: torch.Tensor) -> torch.Tensor:
-    rows = torch.arange(target1d.shape[0], device=target1d.device, dtype=torch.int64)
-    weights = (rows * _HASH_MULTIPLIER + 1) % _HASH_MODULUS
-    return ((target1d + 1) * weights).sum()
-
-
 def _block_layout(num_local: int, target1d: torch.Tensor, group, device):
-    """``(offset of this rank's block, total classes)`` from one all_gather of ``(C_r, N, target hash)``; raises the
-    same ``ValueError`` on every rank if the ranks' rows or targets differ."""
+    """``(offset of this rank's block, total classes)`` from one all_gather of ``(C_r, N)``; raises the same
+    ``ValueError`` on every rank if the ranks' row counts differ, or then (one all-reduce of ``(2, N)``: the
+    targets' largest and negated smallest value per row) if their targets differ on any row (exactly: a hash of the
+    targets can be matched by different ones)."""
     dist = _dist()
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    mine = torch.stack((torch.tensor(num_local, device=device, dtype=torch.int64),
-                        torch.tensor(target1d.shape[0], device=device, dtype=torch.int64),
-                        _target_hash(target1d)))
+    mine = torch.tensor([num_local, target1d.shape[0]], device=device, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered).cpu().tolist()
     if any(row[1] != table[0][1] for row in table):
         raise ValueError(f"vocab-parallel loss: the ranks hold different numbers of rows {[r[1] for r in table]}; "
                          "every rank must hold all rows of its class block")
-    if any(row[2] != table[0][2] for row in table):
-        raise ValueError("vocab-parallel loss: the targets differ between ranks; every rank must pass the same "
-                         "(global) targets")
+    if world > 1:
+        extremes = torch.stack((target1d, -target1d)).to(device=device, dtype=torch.int64)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        if bool((extremes[0] != -extremes[1]).any()):  # the same answer on every rank: all raise, none waits
+            row = int((extremes[0] != -extremes[1]).nonzero()[0, 0])
+            raise ValueError(f"vocab-parallel loss: the targets differ between ranks (first at row {row}); every rank "
+                             "must pass the same (global) targets")
     sizes = [row[0] for row in table]
     return sum(sizes[:rank]), sum(sizes)
 
@@ -247,12 +240,11 @@ class _VocabParallelUWCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad, gamma_factor = ctx.saved_tensors
+        _autograd.raise_if_create_graph(grad, _DOUBLE_BACKWARD_MESSAGE)
         d_logits = _autograd.scale_saved_gradient(grad, grad_loss)
         d_gamma = None
         if gamma_factor is not None and grad_loss is not None:
             d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
-        if torch.is_grad_enabled():
-            d_logits, d_gamma = (_raise_if_differentiated(t, _DOUBLE_BACKWARD_MESSAGE) for t in (d_logits, d_gamma))
         return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None
 
 

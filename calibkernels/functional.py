@@ -116,7 +116,7 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
         if not 0.0 < mix_lambda < 1.0:
             return None
     elif not (type(mix_lambda) is torch.Tensor and mix_lambda.is_cpu and mix_lambda.is_floating_point()
-              and (mix_lambda.ndim == 0 or mix_lambda.shape == target.shape)):
+              and (mix_lambda.ndim == 0 or mix_lambda.shape == target.shape) and not mix_lambda.requires_grad):
         return None
     if type(label_smoothing) not in (float, int) or not 0 <= label_smoothing <= 1 or weight == "dual_focal":
         return None

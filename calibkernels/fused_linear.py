@@ -324,19 +324,10 @@ def _to(tensor, dtype):
 
 
 _DOUBLE_BACKWARD_MESSAGE = (
-    b"calibkernels: fused_linear_uncertainty_weighted_ce does not support double backward (its gradients are computed "
-    b"chunk by chunk without a graph); materialise the logits (hidden @ W.T + b) and use "
-    b"ck.uncertainty_weighted_ce(..., backend='reference') for that loss"
+    "calibkernels: fused_linear_uncertainty_weighted_ce does not support double backward (create_graph=True; its "
+    "gradients are computed chunk by chunk without a graph); materialise the logits (hidden @ W.T + b) and use "
+    "ck.uncertainty_weighted_ce(..., backend='reference') for that loss"
 )
-
-
-def _raise_if_differentiated(tensor, message: bytes = _DOUBLE_BACKWARD_MESSAGE):
-    """``tensor`` as a value whose differentiation raises ``RuntimeError(message)`` (``create_graph=True``: a
-    gradient penalty through it must not silently contribute nothing)."""
-    if tensor is None:
-        return None
-    alias = tensor.detach().requires_grad_(True)
-    return torch._C._functions.DelayedError(message, 1)(alias)
 
 
 class FusedLinearUWCE(torch.autograd.Function):
@@ -379,6 +370,7 @@ class FusedLinearUWCE(torch.autograd.Function):
     def backward(ctx, grad_loss):
         if grad_loss is None:  # the loss was not used
             return (None,) * 17
+        _autograd.raise_if_create_graph(grad_loss, _DOUBLE_BACKWARD_MESSAGE)
         if ctx.reduction == "none":
             (hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
              mix_lambda) = ctx.saved_tensors
@@ -394,10 +386,6 @@ class FusedLinearUWCE(torch.autograd.Function):
         else:
             d_hidden, d_weight, d_bias, d_gamma = (
                 None if t is None else _autograd.scale_saved_gradient(t, grad_loss) for t in ctx.saved_tensors)
-        grads = [d_hidden, d_weight, d_bias, d_gamma]
-        if torch.is_grad_enabled() and _autograd.is_plain_eager(grad_loss):
-            grads = [_raise_if_differentiated(t) for t in grads]
-        d_hidden, d_weight, d_bias, d_gamma = grads
         return (d_hidden, d_weight, d_bias, None, None, d_gamma) + (None,) * 11
 
 

@@ -13,14 +13,14 @@
 //   - backward in place on the saved gradient, except with the graph retained (a fresh tensor) or under a tracer;
 //     on the CPU it skips the multiply when grad_output is the scalar 1; on CUDA the scaling op reads grad_output on
 //     the device;
-//   - create_graph=True: the gradients come back usable as values, and differentiating them raises.
+//   - create_graph=True raises: the gradient has no graph to differentiate.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/functions/basic_ops.h>
 #include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/Exceptions.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
@@ -120,24 +120,19 @@ Tensor scale_saved_gradient(Tensor grad, const Tensor& grad_output) {
   return grad.mul_(factor());
 }
 
+// Raised by a backward run with create_graph=True, rather than returning a gradient whose differentiation raises:
+// autograd runs only the nodes on a path to the inputs that torch.autograd.grad asks for, and a raising node hanging
+// off a detached alias is on no such path, so a second-order term would be left out without a word.
 constexpr const char* kDoubleBackwardMessage =
-    "calibkernels: the fused kernels do not support double backward (differentiating a gradient of the loss, e.g. a "
-    "gradient penalty or a look-ahead step); use backend='reference' for that loss";
-
-Tensor raise_if_differentiated(const Tensor& t) {
-  if (!t.defined()) return t;
-  auto alias = t.detach();
-  alias.set_requires_grad(true);
-  auto error = std::make_shared<torch::autograd::DelayedError>(kDoubleBackwardMessage, 1);
-  return (*error)({alias})[0];
-}
+    "calibkernels: the fused kernels do not support double backward (create_graph=True: differentiating a gradient of "
+    "the loss, e.g. a gradient penalty or a look-ahead step); use backend='reference' for that loss";
 
 struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target,
                                const Tensor& sample_weight, const Tensor& gamma_per_sample, int64_t weight,
                                int64_t mode, double gamma, double norm, int64_t ignore_index, int64_t reduction,
                                bool inplace, const Tensor& mix_target, const Tensor& mix_lambda,
-                               double label_smoothing) {
+                               double label_smoothing, bool loss_in_logits_dtype) {
     const bool logits_grad = ctx->needs_input_grad(0);
     Tensor gamma_factor;
     if (!gamma_per_sample.is_same(absent()) && ctx->needs_input_grad(3) && static_cast<Mode>(mode) == Mode::Loss) {
@@ -165,29 +160,32 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({logits_grad ? saved : Tensor(), gamma_factor});
     ctx->mark_non_differentiable({grad, target_flag});
+    // cast here, where autograd records nothing: outside, the cast's ToCopyBackward would cast grad_output back
+    // (one more node and launch per backward), though the scaling reads grad_output in the gradient's dtype too
+    if (loss_in_logits_dtype && loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
     return {loss, grad, target_flag};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const Tensor& grad_loss = grad_outputs[0];
-    variable_list grads(14);
+    variable_list grads(15);
     if (!grad_loss.defined()) return grads;
+    TORCH_CHECK(!at::GradMode::is_enabled(), kDoubleBackwardMessage);
     if (saved[0].defined()) grads[0] = scale_saved_gradient(saved[0], grad_loss);
     if (saved[1].defined()) grads[3] = saved[1] * grad_loss.to(saved[1].scalar_type());
-    if (at::GradMode::is_enabled()) {
-      grads[0] = raise_if_differentiated(grads[0]);
-      grads[3] = raise_if_differentiated(grads[3]);
-    }
     return grads;
   }
 };
 
-std::tuple<Tensor, Tensor, Tensor> uncertainty_weighted_ce_autograd(
+// The op's autograd; loss_in_logits_dtype: the loss in the logits' dtype, cast inside the autograd function (the
+// op itself returns float32, float64 for float64 logits; eager_loss asks for the cast, the registered kernel not).
+std::tuple<Tensor, Tensor, Tensor> autograd_call(
     const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
     const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
-    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing) {
+    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing,
+    bool loss_in_logits_dtype) {
   const bool grad_mode = at::GradMode::is_enabled();
   const bool logits_grad = grad_mode && compute_grad && logits.requires_grad();
   const bool gamma_grad = grad_mode && gamma_per_sample.has_value() && gamma_per_sample->requires_grad();
@@ -203,8 +201,18 @@ std::tuple<Tensor, Tensor, Tensor> uncertainty_weighted_ce_autograd(
   auto outputs = FusedLoss::apply(logits, target, sample_weight.has_value() ? *sample_weight : absent(),
                                   gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm, ignore_index,
                                   reduction, inplace, mix_target.has_value() ? *mix_target : absent(),
-                                  mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing);
+                                  mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing,
+                                  loss_in_logits_dtype);
   return {outputs[0], outputs[1], outputs[2]};
+}
+
+std::tuple<Tensor, Tensor, Tensor> uncertainty_weighted_ce_autograd(
+    const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
+    const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
+    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
+    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing) {
+  return autograd_call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                       reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, false);
 }
 
 }  // namespace
@@ -254,10 +262,18 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
   Tensor loss, target_flag;
   {
     const pybind11::gil_scoped_release no_gil;
-    std::tie(loss, std::ignore, target_flag) =
-        fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index, reduction,
-                        compute_grad, inplace && compute_grad ? std::optional<Tensor>(logits) : std::nullopt,
-                        mix_target, mix_lambda, label_smoothing);
+    const std::optional<Tensor> grad_out = inplace && compute_grad ? std::optional<Tensor>(logits) : std::nullopt;
+    if (torch::jit::tracer::isTracing()) {
+      // the tracer records the op where the dispatcher passes its Tracer key, above the Autograd key
+      std::tie(loss, std::ignore, target_flag) =
+          fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index,
+                          reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing);
+    } else {
+      // the op's autograd directly (what the dispatcher would call for plain tensors), with the loss cast inside it
+      std::tie(loss, std::ignore, target_flag) =
+          autograd_call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index,
+                        reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
+    }
     if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
   PyObject* loss_obj = THPVariable_Wrap(std::move(loss));

@@ -310,6 +310,13 @@ def test_bad_soft_target_inputs_raise_clear_errors():
         call(z, dense, weight="none", mix_target=mix, mix_lambda=0.5)
     with pytest.raises(ValueError, match="targets are constants"):
         call(z, dense.clone().requires_grad_(), weight="none")
+    # a learnable (or scheduled) lambda would get no gradient: refused, as a dense target that requires grad is
+    for backend in ["reference"] + [b for b in ("cpu", "triton") if b in ck.available_backends()]:
+        for lam_grad in (lam.clone().requires_grad_(), torch.tensor(0.3, dtype=lam.dtype, requires_grad=True)):
+            with pytest.raises(ValueError, match="mix_lambda tensor requires grad"):
+                call(z, y, weight="none", mix_target=mix, mix_lambda=lam_grad, backend=backend)
+        with torch.no_grad():  # nothing to differentiate: accepted
+            call(z, y, weight="none", mix_target=mix, mix_lambda=lam_grad, backend="reference")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         ck.losses.build("bsce_gra", label_smoothing=-0.1)
 

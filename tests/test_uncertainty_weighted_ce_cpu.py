@@ -97,6 +97,31 @@ def test_opcheck(dtype, weight, mode, reduction):
     torch.library.opcheck(op, (buffer, *args, True, buffer))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("soft", [{}, {"label_smoothing": 0.1}], ids=["hard", "smooth"])
+def test_a_16_bit_eager_step_casts_its_loss_once_and_nothing_in_the_backward(dtype, soft):
+    """The eager call (calibkernels._C.eager_loss) casts the float32 loss to the logits' dtype inside the op's
+    autograd function, where autograd records nothing: the backward has no ToCopyBackward to cast grad_output back
+    (one node and, on a GPU, one launch per step); the scaling reads grad_output in the gradient's dtype. Values and
+    gradient as the reference's."""
+    z = torch.randn(6, 11).to(dtype)
+    y = _targets(6, 11)
+    leaf = z.clone().requires_grad_()
+    logits = leaf * 1
+    loss = ck.bsce_gra_loss(logits, y, **soft)
+    assert loss.dtype == dtype and loss.grad_fn is not None and "ToCopy" not in type(loss.grad_fn).__name__
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        (grad,) = torch.autograd.grad(loss, logits)
+    casts = [e.name for e in profile.events() if e.name in ("aten::to", "aten::_to_copy")]
+    assert not casts, casts
+    reference = z.double().requires_grad_()
+    exact = R.uncertainty_weighted_ce(reference, y, **soft)
+    (exact_grad,) = torch.autograd.grad(exact, reference)
+    tolerance = 2e-2 if dtype == torch.bfloat16 else 2e-3
+    torch.testing.assert_close(loss.double(), exact.detach(), rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(grad.double(), exact_grad, rtol=tolerance, atol=tolerance)
+
+
 def test_opcheck_per_sample_gamma():
     ops = _op()
     z = torch.randn(6, 5, requires_grad=True)
