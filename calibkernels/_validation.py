@@ -35,6 +35,11 @@ def check_backend(backend: str) -> None:
     _check_choice("backend", backend, BACKENDS)
 
 
+def check_ignore_index(ignore_index) -> None:
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+
+
 def check_gamma(gamma) -> None:
     if isinstance(gamma, torch.Tensor):
         if not gamma.is_floating_point():
@@ -107,8 +112,7 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
         )
     if target.device != logits.device:
         raise ValueError(f"target is on {target.device} but logits are on {logits.device}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index)
     num_classes = logits.shape[-1]
     if num_classes < 1:
         raise ValueError("logits have zero classes")

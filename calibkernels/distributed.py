@@ -323,8 +323,7 @@ def vocab_parallel_uncertainty_weighted_ce(
                          f"{tuple(local_logits.shape)}: expected {tuple(local_logits.shape[:-1])}")
     if target.device != local_logits.device:
         raise ValueError(f"target is on {target.device} but local_logits are on {local_logits.device}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    V.check_ignore_index(ignore_index)
     batch_shape = tuple(target.shape)
     num_local = local_logits.shape[-1]
     logits2d = local_logits.reshape(math.prod(batch_shape), num_local)  # -1 is ambiguous for an empty block

@@ -448,8 +448,7 @@ def fused_linear_uncertainty_weighted_ce(
     V.check_norm(norm)
     V.check_backend(backend)
     _check_chunk_size(chunk_size)
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    V.check_ignore_index(ignore_index)
     smoothing = V.check_label_smoothing(label_smoothing)
     soft = V.soft_target_request(target, smoothing, mix_target, mix_lambda)
     hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
@@ -541,6 +540,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
         V.check_norm(norm)
         V.check_reduction(reduction)
         V.check_backend(backend)
+        V.check_ignore_index(ignore_index)
         _check_chunk_size(chunk_size)
         self.label_smoothing = V.check_label_smoothing(label_smoothing)
         self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)

@@ -59,6 +59,7 @@ class UncertaintyWeightedCE(nn.Module):
         _check_gamma_and_norm(gamma, norm)
         V.check_reduction(reduction)
         V.check_backend(backend)
+        V.check_ignore_index(ignore_index)
         _reference.check_gra_detach(gra_detach, weight=weight, mode=mode)
         if gra_detach == "p_j" and backend not in ("auto", "reference"):
             raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) has no fused kernel: use "

@@ -133,6 +133,15 @@ def test_modules_reject_a_norm_that_is_not_finite_and_positive(norm):
         ck.losses.build("bsce_gra", norm=norm)
 
 
+@pytest.mark.parametrize("ignore_index", [1.5, "-100", True])
+def test_modules_reject_an_ignore_index_that_is_not_an_int_when_built(ignore_index):
+    """At construction, as the functional call does at its call: not at the first forward."""
+    for make in (ck.losses.UncertaintyWeightedCE, ck.losses.SoftTargetUncertaintyWeightedCE,
+                 ck.losses.FusedLinearUncertaintyWeightedCE, lambda **kw: ck.losses.build("bsce_gra", **kw)):
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            make(ignore_index=ignore_index)
+
+
 # ------------------------------------------------------------------------------------------------------------------
 # The calls the READMEs document
 # ------------------------------------------------------------------------------------------------------------------
