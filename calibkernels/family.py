@@ -72,11 +72,23 @@ def _check_finite(name, value, *, minimum=None, positive=False):
     return float(value)
 
 
-def _check_reduction(reduction, backend, *, batch_level=False, name="this loss"):
+def _check_reduction(reduction, backend, ignore_index, *, batch_level=False, name="this loss"):
     V.check_reduction(reduction)
     V.check_backend(backend)
+    V.check_ignore_index(ignore_index)
     if batch_level and reduction == "none":
         raise ValueError(f"{name} has a batch-level term: reduction='none' is not supported (use 'mean' or 'sum')")
+
+
+def common_repr(reduction, ignore_index, backend=None) -> str:
+    """The loss modules' shared ``extra_repr`` tail: the reduction, ``ignore_index`` where it is not -100, the
+    backend where given."""
+    parts = [f"reduction={reduction!r}"]
+    if ignore_index != -100:
+        parts.append(f"ignore_index={ignore_index}")
+    if backend is not None:
+        parts.append(f"backend={backend!r}")
+    return ", ".join(parts)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -207,7 +219,7 @@ class AdaFocalLoss(nn.Module):
         if not self.gamma_min <= self.gamma_initial <= self.gamma_max:
             raise ValueError(f"need gamma_min <= gamma_initial <= gamma_max, got {gamma_min}, {gamma_initial}, "
                              f"{gamma_max}")
-        _check_reduction(reduction, backend)
+        _check_reduction(reduction, backend, ignore_index)
         self.reduction, self.ignore_index, self.backend = reduction, ignore_index, backend
         self.gamma = torch.full((self.n_bins,), self.gamma_initial, dtype=torch.float64)
         self.edges = torch.arange(self.n_bins + 1, dtype=torch.float64) * (1.0 / self.n_bins)  # b · (1/B)
@@ -266,7 +278,7 @@ class AdaFocalLoss(nn.Module):
     def extra_repr(self):
         return (f"n_bins={self.n_bins}, lam={self.lam}, gamma_initial={self.gamma_initial}, "
                 f"gamma_min={self.gamma_min}, gamma_max={self.gamma_max}, switch_point={self.switch_point}, "
-                f"updates={self.updates}, reduction={self.reduction!r}, backend={self.backend!r}")
+                f"updates={self.updates}, {common_repr(self.reduction, self.ignore_index, self.backend)}")
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -298,7 +310,7 @@ def _with_batch_term(base_value, term, m, scale, reduction, dtype):
 def mdca_loss(logits, target, *, beta=1.0, reduction="mean", ignore_index=-100):
     """Reference of ``mdca`` with its default base: ``CE + β · MDCA`` (``"sum"``: ``Σ CE + β · m · MDCA``)."""
     beta = _check_finite("beta", beta, minimum=0.0)
-    _check_reduction(reduction, "reference", batch_level=True, name="mdca")
+    _check_reduction(reduction, "reference", ignore_index, batch_level=True, name="mdca")
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     ce = R._reduce(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
     term, m = _mdca_of_rows(z, safe, valid)
@@ -315,7 +327,7 @@ class MDCALoss(nn.Module):
     def __init__(self, beta=1.0, base=None, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         self.beta = _check_finite("beta", beta, minimum=0.0)
-        _check_reduction(reduction, backend, batch_level=True, name="mdca")
+        _check_reduction(reduction, backend, ignore_index, batch_level=True, name="mdca")
         if base is not None and not isinstance(base, nn.Module):
             raise TypeError(f"base must be an nn.Module (a loss), got {type(base).__name__}")
         self.reduction, self.ignore_index, self.backend = reduction, ignore_index, backend
@@ -332,7 +344,7 @@ class MDCALoss(nn.Module):
         return _with_batch_term(base_value, term, m, self.beta, self.reduction, logits.dtype)
 
     def extra_repr(self):
-        return f"beta={self.beta}, reduction={self.reduction!r}, backend={self.backend!r}"
+        return f"beta={self.beta}, {common_repr(self.reduction, self.ignore_index, self.backend)}"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -364,7 +376,7 @@ class MbLSLoss(nn.Module):
     def __init__(self, margin=10.0, lam=0.1, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         self.margin, self.lam = _check_mbls(margin, lam)
-        _check_reduction(reduction, backend)
+        _check_reduction(reduction, backend, ignore_index)
         self.reduction, self.ignore_index, self.backend = reduction, ignore_index, backend
 
     def forward(self, logits, target):
@@ -378,4 +390,4 @@ class MbLSLoss(nn.Module):
         return (ce.to(penalty.dtype) + self.lam * penalty).to(logits.dtype)
 
     def extra_repr(self):
-        return f"margin={self.margin}, lam={self.lam}, reduction={self.reduction!r}, backend={self.backend!r}"
+        return f"margin={self.margin}, lam={self.lam}, {common_repr(self.reduction, self.ignore_index, self.backend)}"

@@ -60,6 +60,8 @@ class UncertaintyWeightedCE(nn.Module):
         V.check_reduction(reduction)
         V.check_backend(backend)
         V.check_ignore_index(ignore_index)
+        if not isinstance(inplace, bool):
+            raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
         _reference.check_gra_detach(gra_detach, weight=weight, mode=mode)
         if gra_detach == "p_j" and backend not in ("auto", "reference"):
             raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) has no fused kernel: use "
@@ -162,6 +164,7 @@ class BrierLoss(nn.Module):
     def __init__(self, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         V.check_reduction(reduction)
+        V.check_ignore_index(ignore_index)
         self.reduction, self.ignore_index = reduction, ignore_index
         self.backend = _check_reference_only_backend("brier_loss", backend)
 
@@ -169,7 +172,7 @@ class BrierLoss(nn.Module):
         return _reference.brier_loss(logits, target, reduction=self.reduction, ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return f"reduction={self.reduction!r}"
+        return _family.common_repr(self.reduction, self.ignore_index)
 
 
 class LabelSmoothingCE(nn.Module):
@@ -179,7 +182,10 @@ class LabelSmoothingCE(nn.Module):
         super().__init__()
         self.backend = _check_reference_only_backend("label_smoothing", backend)
         V.check_reduction(reduction)
-        if not 0.0 <= alpha <= 1.0:
+        V.check_ignore_index(ignore_index)
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+            raise TypeError(f"label smoothing alpha must be a number in [0, 1], got {type(alpha).__name__}")
+        if not 0.0 <= alpha <= 1.0:  # also refuses NaN
             raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")
         self.alpha, self.reduction, self.ignore_index = float(alpha), reduction, ignore_index
 
@@ -188,7 +194,7 @@ class LabelSmoothingCE(nn.Module):
                                                ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return f"alpha={self.alpha}, reduction={self.reduction!r}"
+        return f"alpha={self.alpha}, {_family.common_repr(self.reduction, self.ignore_index)}"
 
 
 class MMCELoss(nn.Module):
@@ -206,6 +212,7 @@ class MMCELoss(nn.Module):
         V.check_reduction(reduction)
         if reduction == "none":
             raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
+        V.check_ignore_index(ignore_index)
         _reference.check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
         self.lam, self.weighted, self.bandwidth = float(lam), bool(weighted), float(bandwidth)
         self.reduction, self.ignore_index = reduction, ignore_index
@@ -218,7 +225,7 @@ class MMCELoss(nn.Module):
     def extra_repr(self):
         form = f", form={self.form!r}" if self.form != "kumar" else ""
         return (f"lam={self.lam}, weighted={self.weighted}, bandwidth={self.bandwidth}{form}, "
-                f"reduction={self.reduction!r}")
+                f"{_family.common_repr(self.reduction, self.ignore_index)}")
 
 
 class _Factory:

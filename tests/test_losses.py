@@ -133,13 +133,27 @@ def test_modules_reject_a_norm_that_is_not_finite_and_positive(norm):
         ck.losses.build("bsce_gra", norm=norm)
 
 
-@pytest.mark.parametrize("ignore_index", [1.5, "-100", True])
+@pytest.mark.parametrize("ignore_index", [1.5, "-100", True, None])
 def test_modules_reject_an_ignore_index_that_is_not_an_int_when_built(ignore_index):
     """At construction, as the functional call does at its call: not at the first forward."""
     for make in (ck.losses.UncertaintyWeightedCE, ck.losses.SoftTargetUncertaintyWeightedCE,
-                 ck.losses.FusedLinearUncertaintyWeightedCE, lambda **kw: ck.losses.build("bsce_gra", **kw)):
+                 ck.losses.FusedLinearUncertaintyWeightedCE):
         with pytest.raises(TypeError, match="ignore_index must be an int"):
             make(ignore_index=ignore_index)
+    for name in ck.losses.names():
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            ck.losses.build(name, ignore_index=ignore_index)
+
+
+def test_modules_reject_bad_types_when_built_and_show_a_non_default_ignore_index():
+    with pytest.raises(TypeError, match="inplace must be a bool"):
+        ck.losses.build("bsce_gra", inplace="no")
+    for alpha in (True, "0.1"):
+        with pytest.raises(TypeError, match="alpha must be a number"):
+            ck.losses.build("label_smoothing", alpha=alpha)
+    for name in ck.losses.names():
+        assert "ignore_index=3" in repr(ck.losses.build(name, ignore_index=3)), name
+        assert "ignore_index" not in repr(ck.losses.build(name)), name
 
 
 # ------------------------------------------------------------------------------------------------------------------
