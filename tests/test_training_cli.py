@@ -105,26 +105,69 @@ def test_unreadable_checkpoint_is_one_error_line(tmp_path, capsys, content):
 
 
 # ---------------------------------------------------------------------------------------- errors, one line, no folder
-@pytest.mark.parametrize("case", ["output-dir-is-a-file", "threads-0", "loss-typo", "missing-data", "n-bins-0",
-                                  "log-every-0", "workers-negative"])
+# The case, its arguments and a text its error line must hold.
+BAD_ARGUMENTS = {
+    "output-dir-is-a-file": (["--output-dir", "{tmp}/a-file"], "a-file"),
+    "threads-0": (["--threads", "0"], "--threads"),
+    "loss-typo": (["--loss", "focal_loss:gama=2"], "gama"),
+    "missing-data": (["--recipe", "cifar10-resnet110", "--data-root", "{tmp}/nowhere"], "cifar-10-batches-py"),
+    "n-bins-0": (["--n-bins", "0"], "--n-bins"),
+    "log-every-0": (["--log-every", "0"], "--log-every"),
+    "workers-negative": (["--workers", "-1"], "--workers"),
+    "backend-cuda-on-cpu": (["--backend", "cuda", "--device", "cpu"], "--backend cuda cannot run on --device cpu"),
+    "device-typo": (["--device", "nope"], "--device 'nope'"),
+    "pretrained-for-small-cnn": (["--pretrained", "{tmp}/nowhere.pth"], "'small_cnn' takes no pretrained"),
+    "loss-bool-as-text": (["--loss", "bsce_gra:inplace=no"], "inplace"),
+    "loss-float-index": (["--loss", "bsce_gra:ignore_index=1.5"], "ignore_index"),
+    "loss-backend": (["--loss", "bsce_gra:backend=reference"], "--backend reference"),
+    "loss-reduction": (["--loss", "bsce_gra:reduction=none"], "the recipe sets the reduction"),
+    "lr-inf": (["--lr", "inf"], "--lr must be finite"),
+    "lr-nan": (["--lr", "nan"], "--lr must be finite"),
+    "meta-lr-inf": (["--method", "meta-sece", "--meta-lr", "inf"], "--meta-lr must be finite"),
+    "image-size-digits": (["--image-size", "16"], "--image-size"),
+    "compare-twice": (["--compare", "bsce_gra, bsce_gra", "--seeds", "1"], "'bsce_gra' twice"),
+    "compare-resume": (["--compare", "bsce_gra,cross_entropy", "--resume", "{tmp}/a-file"],
+                       "resume a --compare member"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_ARGUMENTS))
 def test_bad_arguments_are_one_error_line_and_leave_no_run_folder(tmp_path, capsys, case):
     out = tmp_path / "runs" / "x"
-    argv = {
-        "output-dir-is-a-file": ["--output-dir", str(tmp_path / "a-file")],
-        "threads-0": ["--threads", "0"],
-        "loss-typo": ["--loss", "focal_loss:gama=2"],
-        "missing-data": ["--recipe", "cifar10-resnet110", "--data-root", str(tmp_path / "nowhere")],
-        "n-bins-0": ["--n-bins", "0"],
-        "log-every-0": ["--log-every", "0"],
-        "workers-negative": ["--workers", "-1"],
-    }[case]
+    argv, expected = BAD_ARGUMENTS[case]
+    argv = [arg.format(tmp=tmp_path) for arg in argv]
     (tmp_path / "a-file").write_text("not a folder")
-    expected = {"output-dir-is-a-file": "a-file", "threads-0": "--threads", "loss-typo": "gama",
-                "missing-data": "cifar-10-batches-py", "n-bins-0": "--n-bins", "log-every-0": "--log-every",
-                "workers-negative": "--workers"}[case]
     rc = train.cli(["--epochs", "1", "--max-steps-per-epoch", "1", "--no-progress", "--output-dir", str(out)] + argv)
     assert rc == 2 and expected in _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "runs").exists()
+
+
+def test_cuda_device_without_a_gpu_is_one_error_line(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    rc = train.cli(["--device", "cuda", "--output-dir", str(tmp_path / "run")] + FAST)
+    assert rc == 2 and "CUDA is not available" in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("content", ["random", "empty"])
+def test_unreadable_pretrained_weights_are_one_error_line(tmp_path, capsys, content):
+    weights = tmp_path / "resnet50.pth"
+    weights.write_bytes(os.urandom(2048) if content == "random" else b"")
+    rc = train.cli(["--recipe", "imagenet-resnet50-finetune", "--synthetic", "--synthetic-size", "4", "--batch-size",
+                    "2", "--image-size", "32", "--pretrained", str(weights), "--output-dir", str(tmp_path / "run")]
+                   + FAST)
+    line = _one_error_line(capsys.readouterr().err)
+    assert rc == 2 and str(weights) in line and "not a readable" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_new_run_in_an_old_folder_starts_new_logs(tmp_path):
+    run = ["--epochs", "1", "--max-steps-per-epoch", "1", "--output-dir", str(tmp_path / "run")] + FAST
+    assert train.cli(run + ["--model-ema"]) == 0
+    assert train.cli(run) == 0  # other options, other columns
+    rows = _log_rows(tmp_path / "run")
+    assert [row["epoch"] for row in rows] == ["1"] and not any(key.startswith("val_ema") for key in rows[0])
+    assert len((tmp_path / "run" / "log.jsonl").read_text().splitlines()) == 1
 
 
 def test_argument_parser_errors_are_one_line(capsys):
@@ -148,6 +191,17 @@ def test_missing_train_extra_names_the_install_command(tmp_path):
     assert result.returncode == 2, result.stderr
     line = _one_error_line(result.stderr)
     assert 'pip install "calibkernels[train]"' in line and "tqdm" in line
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_backend_that_cannot_run_on_the_device_is_one_error_line(tmp_path):
+    # In a process of its own, without the Triton interpreter that tests/conftest.py turns on for CPU-only machines.
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-m", "training.train", "--backend", "triton", "--device", "cpu",
+                             "--output-dir", str(tmp_path / "run")] + FAST, cwd=ROOT, env=env, timeout=600,
+                            capture_output=True, text=True)
+    assert result.returncode == 2, result.stderr
+    assert "--backend triton cannot run on --device cpu" in _one_error_line(result.stderr)
     assert not (tmp_path / "run").exists()
 
 

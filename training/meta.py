@@ -184,8 +184,8 @@ class MetaRegularizer:
         self.dece_t_b = float(_option(args, "meta_dece_t_b"))
         self.lookahead_lr = getattr(args, "meta_lookahead_lr", None) if args is not None else None
         meta_lr = float(_option(args, "meta_lr"))
-        if not meta_lr > 0:
-            raise ValueError(f"--meta-lr must be > 0, got {meta_lr}")
+        if not (meta_lr > 0 and math.isfinite(meta_lr)):
+            raise ValueError(f"--meta-lr must be finite and > 0, got {meta_lr}")
         self.gamma_net = GammaNet(
             classifier.in_features,
             num_prototypes=int(_option(args, "meta_k")),

@@ -49,7 +49,7 @@ from . import soft_targets
 from .loss_schedules import GAMMA_SCHEDULES, LossSchedule, parse_epochs, switch_epochs
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
 from .data import DataError, build_datasets
-from .models import ARCHITECTURES, build_model
+from .models import ARCHITECTURES, PRETRAINED_ARCHITECTURES, build_model
 from .recipes import RECIPES, describe_recipes, get_recipe
 from .report import (aggregate_reports, calibration_report, collect_logits, format_aggregate, format_report,
                      save_comparison, save_report)
@@ -207,6 +207,12 @@ def build_criterion(spec: str, reduction: str, backend: str, label_smoothing: fl
     ``label_smoothing`` (> 0) needs a loss of the uncertainty-weighted CE family; ``mmce_form`` (the recipe's) is the
     MMCE form of ``mmce`` / ``mmce_weighted`` unless ``spec`` gives ``form=``."""
     name, hyperparameters = parse_loss_spec(spec)
+    # The run decides these two: the recipe the reduction (the training loop scales the loss for it) and --backend the
+    # kernel; a value in the spec would clash with or silently lose to them.
+    if "reduction" in hyperparameters:
+        raise ValueError("reduction= cannot be set in a loss spec: the recipe sets the reduction (--list-recipes)")
+    if "backend" in hyperparameters:
+        raise ValueError(f"backend= cannot be set in a loss spec: pass --backend {hyperparameters['backend']}")
     if label_smoothing:
         if "label_smoothing" in hyperparameters:
             raise ValueError(f"label smoothing given twice: --label-smoothing and in the loss {spec!r}")
@@ -243,6 +249,16 @@ def resolve_run_config(args) -> argparse.Namespace:
         raise ValueError(f"--image-size must be >= 1, got {args.image_size}")
     synthetic = bool(getattr(args, "synthetic", False))
     args.synthetic = synthetic
+    if args.image_size is not None and recipe.dataset == "digits" and not synthetic:
+        raise ValueError(f"--image-size applies to the CIFAR, Tiny-ImageNet and ImageNet transforms; recipe "
+                         f"{recipe.name!r} trains on 8x8 digits as they are")
+    if args.pretrained is not None and args.arch not in PRETRAINED_ARCHITECTURES:
+        raise ValueError(f"--pretrained: architecture {args.arch!r} takes no pretrained weights (only "
+                         f"{', '.join(PRETRAINED_ARCHITECTURES)} do)")
+    if args.backend != "auto":
+        reason = ck._backends.unavailable_reason(args.backend, torch.device(args.device))
+        if reason is not None:
+            raise ValueError(f"--backend {args.backend} cannot run on --device {args.device}: {reason}")
     if getattr(args, "synthetic_size", None) is not None and not synthetic:
         raise ValueError("--synthetic-size needs --synthetic")
     if synthetic and args.download:
@@ -280,8 +296,8 @@ def resolve_run_config(args) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0, got {args.workers}")
-    if not args.lr > 0:
-        raise ValueError(f"--lr must be > 0, got {args.lr}")
+    if not (args.lr > 0 and math.isfinite(args.lr)):
+        raise ValueError(f"--lr must be finite and > 0, got {args.lr}")
     if args.max_steps_per_epoch is not None and args.max_steps_per_epoch < 1:
         raise ValueError("--max-steps-per-epoch must be >= 1")
     if args.stop_after is not None and args.stop_after < 1:
@@ -658,8 +674,11 @@ def _infinite(loader):
 class _EpochLog:
     """Rank-0 per-epoch log: ``log.csv`` (one row per epoch), ``log.jsonl`` and optionally TensorBoard."""
 
-    def __init__(self, output_dir: Path, tensorboard: bool):
+    def __init__(self, output_dir: Path, tensorboard: bool, append: bool):
         self.csv_path, self.jsonl_path = output_dir / "log.csv", output_dir / "log.jsonl"
+        if not append:  # a new run in an old folder: its rows (and CSV columns) are not this run's
+            for path in (self.csv_path, self.jsonl_path):
+                path.unlink(missing_ok=True)
         self.writer = None
         if tensorboard:
             try:
@@ -846,7 +865,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
 
     if main_process:
         output_dir.mkdir(parents=True, exist_ok=True)
-    log = _EpochLog(output_dir, args.tensorboard) if main_process else None
+    log = _EpochLog(output_dir, args.tensorboard, append=bool(args.resume)) if main_process else None
     log_every = args.log_every or max(1, math.ceil(args.epochs / 15))
     checkpoint_path = output_dir / "checkpoint.pt"
     if main_process:
@@ -1004,10 +1023,13 @@ def main(args) -> dict | None:
     if args.list_recipes:
         print(describe_recipes())
         return None
+    check_device(args.device)
     dist_utils.init_distributed(torch.device(args.device).type)
     if dist_utils.is_distributed() and torch.device(args.device).type == "cuda":
         args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
     try:
+        if args.compare and args.resume:  # before the seed count, which --compare's default of 3 seeds would trip
+            raise ValueError("--resume resumes one run; resume a --compare member with --loss and its --output-dir")
         seeds = _seed_list(args)
         if not args.compare:
             if len(seeds) > 1:
@@ -1020,9 +1042,14 @@ def main(args) -> dict | None:
         specs = [s.strip() for s in args.compare.split(",") if s.strip()]
         if len(specs) < 2:
             raise ValueError(f"--compare needs at least two losses, got {args.compare!r}")
+        tags = {}
+        for spec in specs:  # a loss's folder is its tag, so two specs of one tag would train into one folder
+            if loss_tag(spec) in tags:
+                raise ValueError(f"--compare lists the loss {spec!r} twice" if tags[loss_tag(spec)] == spec else
+                                 f"--compare losses {tags[loss_tag(spec)]!r} and {spec!r} would share the folder "
+                                 f"{loss_tag(spec)}")
+            tags[loss_tag(spec)] = spec
         base = Path(args.output_dir or default_output_dir(args, "compare"))
-        if args.resume:
-            raise ValueError("--resume resumes one run; resume a --compare member with --loss and its --output-dir")
         # Every member is checked before the first one trains.
         members = {spec: [resolve_run_config(argparse.Namespace(**{
             **vars(args), "loss": spec, "compare": None, "seed": seed,
@@ -1056,6 +1083,19 @@ def main(args) -> dict | None:
         return None
     finally:
         dist_utils.cleanup()
+
+
+def check_device(device: str) -> None:
+    """Raise a ValueError unless ``device`` names a device this machine has (checked before anything runs)."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"--device {device!r} is not a device ({str(exc).strip().splitlines()[0]})") from exc
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 
 
 def _seed_list(args) -> list[int]:

@@ -23,7 +23,7 @@ from .small_cnn import SmallCNN
 from .torchvision_wrappers import TorchvisionResNet50, TorchvisionViTB16
 from .wide_resnet import wide_resnet26_10
 
-__all__ = ["build_model", "ARCHITECTURES"]
+__all__ = ["build_model", "ARCHITECTURES", "PRETRAINED_ARCHITECTURES"]
 
 ARCHITECTURES = {
     "small_cnn": SmallCNN,
@@ -34,6 +34,8 @@ ARCHITECTURES = {
     "tv_resnet50": TorchvisionResNet50,
     "tv_vit_b_16": TorchvisionViTB16,
 }
+# The architectures that load local pretrained weights (``pretrained=PATH``); the others have no such argument.
+PRETRAINED_ARCHITECTURES = ("tv_resnet50", "tv_vit_b_16")
 
 
 def build_model(arch: str, num_classes: int, **kw) -> nn.Module:

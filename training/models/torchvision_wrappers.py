@@ -25,7 +25,12 @@ def _load_backbone_weights(model: nn.Module, path: str | os.PathLike) -> None:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"pretrained checkpoint {str(path)!r} does not exist (expected a local torchvision "
                                 "state dict .pth file; this project never downloads weights)")
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a truncated, empty or foreign file raises many kinds of error (pickle's, torch's, zip's)
+        reason = str(exc).strip().splitlines()[0].split(". ")[0] if str(exc).strip() else ""
+        raise ValueError(f"pretrained checkpoint {str(path)!r} is not a readable torchvision state dict "
+                         f"({type(exc).__name__}" + (f": {reason})" if reason else ")")) from exc
     for key in ("model", "state_dict"):
         if isinstance(state, dict) and key in state and isinstance(state[key], dict):
             state = state[key]
