@@ -89,8 +89,9 @@ def _block_layout(num_local: int, target1d: torch.Tensor, group, device):
     if world > 1:
         extremes = torch.stack((target1d, -target1d)).to(device=device, dtype=torch.int64)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-        if bool((extremes[0] != -extremes[1]).any()):  # the same answer on every rank: all raise, none waits
-            row = int((extremes[0] != -extremes[1]).nonzero()[0, 0])
+        differ = extremes[0] != -extremes[1]
+        if bool(differ.any()):  # the same answer on every rank: all raise, none waits
+            row = int(differ.nonzero()[0, 0])
             raise ValueError(f"vocab-parallel loss: the targets differ between ranks (first at row {row}); every rank "
                              "must pass the same (global) targets")
     sizes = [row[0] for row in table]

@@ -39,6 +39,7 @@ from torch import nn
 
 from . import _autograd, _backends, _target_checks
 from . import _validation as V
+from .family import common_repr
 from .reference import _DUAL_FOCAL_SOFT, _check_number
 from .reference import _uncertainty_weighted_ce as _reference_loss
 
@@ -556,10 +557,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
 
     def extra_repr(self):
         parts = [f"weight={self.weight!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
-                 f"reduction={self.reduction!r}"]
-        if self.ignore_index != -100:
-            parts.append(f"ignore_index={self.ignore_index}")
-        parts.append(f"backend={self.backend!r}")
+                 common_repr(self.reduction, self.ignore_index, self.backend)]
         if self.chunk_size is not None:
             parts.append(f"chunk_size={self.chunk_size}")
         if self.label_smoothing:

@@ -106,10 +106,7 @@ class UncertaintyWeightedCE(nn.Module):
             parts.append(f"gra_detach={self.gra_detach!r}")
         if self.label_smoothing:
             parts.append(f"label_smoothing={self.label_smoothing}")
-        parts.append(f"reduction={self.reduction!r}")
-        if self.ignore_index != -100:
-            parts.append(f"ignore_index={self.ignore_index}")
-        parts.append(f"backend={self.backend!r}")
+        parts.append(_family.common_repr(self.reduction, self.ignore_index, self.backend))
         if self.inplace:
             parts.append("inplace=True")
         return ", ".join(parts)

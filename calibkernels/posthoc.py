@@ -243,11 +243,13 @@ def _fit_affine(x, y, masked, structure: str, bias: bool, reg_lambda: float, reg
     max_eval = 2 * max_iter
     optimizer = torch.optim.LBFGS(params, lr=1.0, max_iter=max_iter, max_eval=max_eval, line_search_fn="strong_wolfe",
                                   tolerance_grad=1e-10, tolerance_change=1e-15, history_size=50)
+    nll = [None]  # the unpenalised mean NLL at the last parameters evaluated (a tensor: no host read per call)
 
     def closure():
         optimizer.zero_grad()
         out = _affine(x, weight, shift, structure)
         loss = F.cross_entropy(out.masked_fill(masked, -math.inf) if any_masked else out, y)
+        nll[0] = loss.detach()
         if reg_lambda and structure == "full":
             loss = loss + reg_lambda / (num_classes * (num_classes - 1)) * weight[off_diagonal].square().sum()
         if reg_mu and bias:
@@ -267,17 +269,13 @@ def _fit_affine(x, y, masked, structure: str, bias: bool, reg_lambda: float, reg
         warnings.warn(f"L-BFGS ran out of its max_iter={max_iter} iterations with a gradient of {gradient:.2g} "
                       f"(largest entry), so the calibration map is not at its optimum: raise max_iter, or the ODIR "
                       "penalties if the calibration split is (nearly) separable", RuntimeWarning, stacklevel=4)
-    else:
+    elif float(nll[0]) < SEPARABLE_NLL:
         # L-BFGS also stops on a flat NLL: on a separable split that is the map sending every label's probability to
-        # 1 with weights still growing, an optimum nowhere
-        with torch.no_grad():
-            out = _affine(x, weight, shift, structure)
-            nll = float(F.cross_entropy(out.masked_fill(masked, -math.inf) if any_masked else out, y))
-        if nll < SEPARABLE_NLL:
-            warnings.warn(f"the fitted calibration map gives every label of the calibration split a probability "
-                          f"above 1 - {SEPARABLE_NLL:g} (mean NLL {nll:.2g}): the split is (nearly) separable, and "
-                          "the map's weights would grow without bound; use the ODIR penalties (reg_lambda, reg_mu), "
-                          "a larger calibration split, or temperature scaling", RuntimeWarning, stacklevel=4)
+        # 1 with weights still growing, an optimum nowhere (nll: from the closure's call at the parameters returned)
+        warnings.warn(f"the fitted calibration map gives every label of the calibration split a probability "
+                      f"above 1 - {SEPARABLE_NLL:g} (mean NLL {float(nll[0]):.2g}): the split is (nearly) separable, "
+                      "and the map's weights would grow without bound; use the ODIR penalties (reg_lambda, reg_mu), "
+                      "a larger calibration split, or temperature scaling", RuntimeWarning, stacklevel=4)
     return weight.detach(), shift.detach()
 
 

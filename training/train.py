@@ -1044,11 +1044,11 @@ def main(args) -> dict | None:
             raise ValueError(f"--compare needs at least two losses, got {args.compare!r}")
         tags = {}
         for spec in specs:  # a loss's folder is its tag, so two specs of one tag would train into one folder
-            if loss_tag(spec) in tags:
-                raise ValueError(f"--compare lists the loss {spec!r} twice" if tags[loss_tag(spec)] == spec else
-                                 f"--compare losses {tags[loss_tag(spec)]!r} and {spec!r} would share the folder "
-                                 f"{loss_tag(spec)}")
-            tags[loss_tag(spec)] = spec
+            tag = loss_tag(spec)
+            if tag in tags:
+                raise ValueError(f"--compare lists the loss {spec!r} twice" if tags[tag] == spec else
+                                 f"--compare losses {tags[tag]!r} and {spec!r} would share the folder {tag}")
+            tags[tag] = spec
         base = Path(args.output_dir or default_output_dir(args, "compare"))
         # Every member is checked before the first one trains.
         members = {spec: [resolve_run_config(argparse.Namespace(**{
