@@ -31,8 +31,9 @@ WEIGHTS = {name: WEIGHT_CODES[name] for name in ("none", "focal", "flsd", "brier
 TARGETS = ("hard", "compact", "dense")
 
 _COMMON = {"logits_row_stride": "i32", "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-           "grad_row_stride": "i32", "valid_count_ptr": "*i64", "num_rows": "i32", "num_classes": "i32",
-           "gamma": "fp32", "norm": "fp32", "ignore_index": "i32"}
+           "grad_row_stride": "i32", "valid_count_ptr": "*i64", "loss_ptr": "*fp32", "error_ptr": "*i64",
+           "counter_ptr": "*i32", "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
+           "ignore_index": "i32"}
 
 
 def _cuobjdump() -> str:
@@ -90,9 +91,14 @@ def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode
     element_size = 4 if dtype == "fp32" else 2
     single_read, block, num_warps = T._launch_config(num_classes, element_size, target, WEIGHTS[weight],
                                                      MODES[mode])
+    # the mean's divisor as the launcher takes it: every row for a dense target, else counted in each program for
+    # a small batch or loaded from the targets kernel's count
+    count = (T.COUNT_ROWS if target == "dense" else
+             T.COUNT_INLINE if num_rows <= T.INLINE_COUNT_MAX_ROWS else T.COUNT_LOADED)
     constexprs = dict(WEIGHT=WEIGHTS[weight], MODE=MODES[mode], REDUCTION=1, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=False, BLOCK=block, SINGLE_READ=single_read,
-                      NORM_IS_TWO=weight == "brier")
+                      NORM_IS_TWO=weight == "brier", COUNT=count, CHECK_TARGETS=count == T.COUNT_INLINE,
+                      FINISH_BLOCK=T._finish_block(num_rows, num_warps))
     signature = dict(_COMMON, logits_ptr=f"*{dtype}", grad_ptr=f"*{dtype}", target_ptr="*i64")
     if target == "hard":
         kernel = T._uncertainty_weighted_ce_fwd_kernel

@@ -326,16 +326,19 @@ class _CountedLaunches:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("target", ["hard", "smooth", "dense"])
-def test_an_eager_step_runs_its_kernels_and_no_casts(monkeypatch, device, dtype, target):
-    """What a plain eager step (the public call, then the backward of its mean loss) costs the host: three launches in
-    the forward (the target count and check, the loss, the reduction; two with a dense target, which has no count),
-    the loss written in the logits' dtype by the reduction (no cast in the forward, hence none of ``grad_output`` in
-    the backward), and in the backward the scaling launch on a GPU, which reads ``grad_output`` there, or nothing on
-    the CPU, which reads it on the host and finds 1. Values as the reference's."""
+@pytest.mark.parametrize("batch", ["small", "large"])
+def test_an_eager_step_runs_its_kernels_and_no_casts(monkeypatch, device, dtype, target, batch):
+    """What a plain eager step (the public call, then the backward of its mean loss) costs the host: one launch in the
+    forward, whose last program writes the loss in the logits' dtype (no cast in the forward, hence none of
+    ``grad_output`` in the backward), two for a batch of class indices larger than ``INLINE_COUNT_MAX_ROWS`` (the
+    targets' count first), and in the backward the scaling launch on a GPU, which reads ``grad_output`` there, or
+    nothing on the CPU, which reads it on the host and finds 1. Values as the reference's."""
     counts = {}
     for name in dir(T):
         if name.startswith("_") and name.endswith("_kernel"):
             monkeypatch.setattr(T, name, _CountedLaunches(getattr(T, name), name.strip("_"), counts))
+    if batch == "large":
+        monkeypatch.setattr(T, "INLINE_COUNT_MAX_ROWS", 5)
     z = torch.randn(6, 37, device=device).to(dtype)
     y = _targets(6, 37, device, ignored=1 if target != "dense" else 0)
     kwargs = {"label_smoothing": 0.1} if target == "smooth" else {}
@@ -351,9 +354,8 @@ def test_an_eager_step_runs_its_kernels_and_no_casts(monkeypatch, device, dtype,
         (grad,) = torch.autograd.grad(loss, logits)
     ops = [e.name for p in (forward_profile, backward_profile) for e in p.events()]
     assert loss.dtype == dtype
-    expected = {"uncertainty_weighted_ce_targets_kernel": 1} if target != "dense" else {}
+    expected = {"uncertainty_weighted_ce_targets_kernel": 1} if target != "dense" and batch == "large" else {}
     expected["soft_target_ce_fwd_kernel" if target != "hard" else "uncertainty_weighted_ce_fwd_kernel"] = 1
-    expected["uncertainty_weighted_ce_reduce_kernel"] = 1
     assert forward == expected
     assert counts == ({"uncertainty_weighted_ce_scale_grad_kernel": 1} if device == "cuda" else {})
     assert not [op for op in ops if op in ("aten::to", "aten::_to_copy")], ops
@@ -365,6 +367,49 @@ def test_an_eager_step_runs_its_kernels_and_no_casts(monkeypatch, device, dtype,
 
 
 _TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("count", ["inline", "loaded"])
+@pytest.mark.parametrize("target", ["hard", "mix", "dense"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_the_last_program_folds_the_batch(monkeypatch, device, count, target, reduction):
+    """The loss launch's last program sums the rows, divides by the mean's divisor and makes the target flag: batches
+    from 1 row to several widths of its pass (narrowed to 4 rows here), with ignored rows (all but one, and all) and
+    one bad target, through both divisors: every program counting the targets itself ("inline") and the targets kernel
+    counting them first ("loaded", a batch over INLINE_COUNT_MAX_ROWS). Loss and gradient as the reference's; the
+    ticket counter back at 0 after every launch."""
+    if count == "loaded":
+        monkeypatch.setattr(T, "INLINE_COUNT_MAX_ROWS", 0)
+    monkeypatch.setattr(T, "_finish_block", lambda num_rows, num_warps: min(T._next_power_of_2(num_rows), 4))
+    monkeypatch.setattr(_target_checks, "POLICY", "sync")
+    c = 11
+    for n, ignored in ((1, 0), (2, 1), (4, 0), (5, 2), (9, 8), (9, 9), (33, 5)):
+        z = torch.randn(n, c, device=device) * 3
+        y = _targets(n, c, device, ignored=0 if target == "dense" else ignored)
+        kwargs = {}
+        if target == "mix":
+            kwargs = dict(mix_target=torch.randint(0, c, (n,), device=device), mix_lambda=torch.rand(n, device=device))
+        if target == "dense":
+            y = torch.softmax(torch.randn(n, c, device=device), dim=1)
+        x = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(x, y, reduction=reduction, backend="triton", **kwargs)
+        loss.sum().backward()
+        exact_x = z.double().requires_grad_()
+        exact_kwargs = {k: (v.double() if v.is_floating_point() else v) for k, v in kwargs.items()}
+        exact = R.uncertainty_weighted_ce(exact_x, y.double() if target == "dense" else y, reduction=reduction,
+                                          **exact_kwargs)
+        exact.sum().backward()
+        where = f"{n} rows, {ignored} ignored"
+        _close(loss, exact.detach(), torch.float32, f"loss ({where})")
+        _close(x.grad, exact_x.grad, torch.float32, f"gradient ({where})")
+        assert all(int(counter) == 0 for counter in T._counters.values()), where
+        if target != "dense" and n > 1:
+            bad = y.clone()
+            bad[n // 2] = c + 3
+            with pytest.raises(ValueError, match=f"target value {c + 3} is out of range"):
+                ck.uncertainty_weighted_ce(z, bad, reduction=reduction, backend="triton", **kwargs)
+            assert all(int(counter) == 0 for counter in T._counters.values()), where
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -974,10 +1019,14 @@ def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, ar
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
+                 "loss_ptr": f"*{dtype}", "error_ptr": "*i64", "counter_ptr": "*i32",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
+    # the mean's divisor counted in every program (a small batch) or loaded; the last program's fold of the batch
+    count = T.COUNT_INLINE if reduction != T.REDUCTION_MEAN or block <= 1024 else T.COUNT_LOADED
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block, SINGLE_READ=single_read,
-                      NORM_IS_TWO=weight in (T.WEIGHT_BRIER, T.WEIGHT_BRIER_FLSD))
+                      NORM_IS_TWO=weight in (T.WEIGHT_BRIER, T.WEIGHT_BRIER_FLSD), COUNT=count,
+                      CHECK_TARGETS=count == T.COUNT_INLINE, FINISH_BLOCK=min(4096, 256 * (num_warps or 4)))
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps or T._num_warps(block)})
@@ -994,20 +1043,6 @@ def small_kernels(dtype, arch):
                "valid_count_ptr": "*i64", "error_ptr": "*i64", "BLOCK": "constexpr"}
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_targets_kernel, signature=targets,
                              constexprs={"BLOCK": 4096}), target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    reduce = {"row_loss_ptr": "*fp32", "num_rows": "i32", "valid_count_ptr": "*i64", "loss_ptr": f"*{dtype}",
-              "row_flags_ptr": "*i8", "flag_ptr": "*i64", "MEAN": "constexpr", "COUNTED": "constexpr",
-              "FLAGS": "constexpr", "BLOCK": "constexpr"}
-    for counted in (True, False):  # class indices; a dense target, whose flags the reduction folds
-        triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=reduce,
-                                 constexprs={"MEAN": True, "COUNTED": counted, "FLAGS": not counted, "BLOCK": 4096}),
-                       target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    # one row: Triton passes an integer argument equal to 1 as a constant, which has no .to()
-    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_reduce_kernel, signature=dict(reduce, num_rows="constexpr"),
-                             constexprs={"num_rows": 1, "MEAN": True, "COUNTED": False, "FLAGS": True, "BLOCK": 1}),
-                   target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
-    fold = {"row_flags_ptr": "*i8", "num_rows": "i32", "flag_ptr": "*i64", "BLOCK": "constexpr"}
-    triton.compile(ASTSource(fn=T._fold_row_flags_kernel, signature=fold, constexprs={"BLOCK": 4096}),
-                   target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 for weight, mode in itertools.product(sorted(WEIGHT_CODES.values()), range(2)):  # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)
@@ -1025,11 +1060,14 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
                  "target_row_stride": "i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
-                 "dense_bad_ptr": "*i8", "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
+                 "dense_bad_ptr": "*i8", "loss_ptr": "*fp32", "error_ptr": "*i64", "counter_ptr": "*i32",
+                 "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
                  "ignore_index": "i64", "smoothing": "fp32", "dense_tolerance": "fp32"}
+    count = T.COUNT_ROWS if dense else (T.COUNT_LOADED if has_mix else T.COUNT_INLINE)
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=1, COMPUTE_GRAD=True, PER_SAMPLE_GAMMA=False, BLOCK=block,
                       SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth,
-                      DENSE_FLAGS=dense and target_dtype != "fp64")
+                      DENSE_FLAGS=dense and target_dtype != "fp64", COUNT=count,
+                      CHECK_TARGETS=count == T.COUNT_INLINE, FINISH_BLOCK=min(4096, 256 * num_warps))
     if num_rows is not None:  # an integer argument equal to 1 arrives as a constant
         constexprs["num_rows"] = num_rows
     signature.update({name: "constexpr" for name in constexprs})

@@ -83,15 +83,18 @@ Kernel design (docs/performance.md):
   gradient pass. The gradient of a compact row is a function of ``p`` alone (the target and mix columns' values are
   row scalars), and float32 soft rows are held in registers only up to ``MAX_BLOCK_DENSE`` (dense) and
   ``SOFT_BLOCK_CAPS`` classes, so that no launch spills (bench/triton_registers.py).
-* No host synchronisation on the hot path, and few launches: a one-program kernel counts the non-ignored rows (read
-  by the loss kernel for the mean's scale) and flags bad targets, the loss kernel, a one-program reduction that
-  writes the loss in the logits' dtype; backward is one persistent-grid scaling launch (a no-op for ``grad_output``
-  exactly 1).
+* No host synchronisation on the hot path, and one launch in the forward: the last program of the loss launch to
+  finish (a ticket from an atomic counter, :func:`_finish`) sums the rows' losses in a fixed order, divides by the
+  mean's divisor, writes the loss in the logits' dtype and makes the target flag. The mean's gradient needs its
+  divisor before any row is written: each program counts the non-ignored targets itself in batches of up to
+  ``INLINE_COUNT_MAX_ROWS`` rows; larger batches count them in a one-program launch first (every program re-reading
+  N targets would cost N² reads). The backward is one persistent-grid scaling launch (a no-op for ``grad_output``
+  exactly 1, read on the device: no launch at all would need the host to read it).
 
 Target-check policy: an out-of-range target (not in ``[0, C)`` and not ``ignore_index``) never makes the kernel read
 or write out of bounds: the kernel reads class 0 instead and writes NaN to that row's loss and gradient (so a wrong
-label can never produce a plausible-looking loss); a one-program kernel that also counts the mean's divisor raises a
-device-side flag, which :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host
+label can never produce a plausible-looking loss); the loss launch's last program (or the targets kernel, where
+it counts the mean's divisor) raises a device-side flag, which :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host
 (``CALIBKERNELS_VALIDATE=async``, the default; ``sync`` raises at once at the cost of one synchronisation per call;
 ``0`` never reads the flag).
 
@@ -109,6 +112,7 @@ Naming ladder: ``_uncertainty_weighted_ce_fwd_kernel`` / ``_uncertainty_weighted
 from __future__ import annotations
 
 import os
+import threading
 from typing import Optional
 
 import torch
@@ -156,6 +160,14 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # backends whose module says so.
 SOFT_TARGETS = True
 
+# Where a launch's mean divisor comes from (the kernels' COUNT): every row counts (a dense target has no ignored
+# rows); each program counts the non-ignored class-index targets itself, for batches of up to INLINE_COUNT_MAX_ROWS
+# rows (no launch before the loss launch: the forward is one launch); or the targets kernel counted them in a launch
+# of its own first (larger batches, where every program re-reading all N targets from L2 would cost more than the
+# launch it saves: N² · 8 bytes).
+COUNT_ROWS, COUNT_INLINE, COUNT_LOADED = 0, 1, 2
+INLINE_COUNT_MAX_ROWS = 1024
+
 _SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _SCALE_BLOCK = 4096
 
@@ -172,6 +184,8 @@ _NONE, _FOCAL, _FLSD, _DUAL_FOCAL, _BRIER, _EXTERNAL, _BRIER_FLSD = (tl.constexp
     WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL, WEIGHT_BRIER_FLSD))
 _LOSS_MODE = tl.constexpr(MODE_LOSS)
 _MEAN = tl.constexpr(REDUCTION_MEAN)
+_REDUCTION_NONE = tl.constexpr(REDUCTION_NONE)
+_COUNT_ROWS, _COUNT_INLINE, _COUNT_LOADED = (tl.constexpr(code) for code in (COUNT_ROWS, COUNT_INLINE, COUNT_LOADED))
 # FLSD-53 (Mukhoti et al.): the bands of calibkernels._codes, as in csrc/uncertainty_weighted_ce.h
 _FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA, _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA = (tl.constexpr(v) for v in (
     FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA, FLSD_MID_THRESHOLD, FLSD_MID_GAMMA))
@@ -196,17 +210,98 @@ def _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad):
 
 
 @triton.jit
-def _gradient_scale(valid_count_ptr, num_rows, REDUCTION: tl.constexpr, COUNTED: tl.constexpr = True):
-    """The reduction's factor of every gradient entry: 1 / (non-ignored rows) for the mean, else 1. Without a count
-    (COUNTED false: a dense target, whose rows all count) the mean's divisor is ``num_rows``."""
+def _count_valid(target_ptr, num_rows, ignore_index, BLOCK: tl.constexpr):
+    """The number of rows whose class-index target is not ``ignore_index`` (the mean's divisor)."""
+    offs = tl.arange(0, BLOCK)
+    count = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, num_rows, BLOCK):
+        rows = start + offs
+        t = tl.load(target_ptr + rows, mask=rows < num_rows, other=ignore_index)
+        count += (t != ignore_index).to(tl.int32)
+    return tl.sum(count, 0)
+
+
+@triton.jit
+def _gradient_scale(valid_count_ptr, target_ptr, num_rows, ignore_index, REDUCTION: tl.constexpr,
+                    COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr):
+    """The reduction's factor of every gradient entry: 1 / (the mean's divisor) for the mean, else 1. The divisor
+    (COUNT): ``num_rows`` (a dense target, whose rows all count), the non-ignored targets counted by this program
+    (a small batch: no launch before this one), or the count the targets kernel stored in ``valid_count``."""
     if REDUCTION == _MEAN:
-        if COUNTED:
-            scale = 1.0 / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
+        if COUNT == _COUNT_LOADED:
+            count = tl.load(valid_count_ptr).to(tl.float32)
+        elif COUNT == _COUNT_INLINE:
+            count = _count_valid(target_ptr, num_rows, ignore_index, COUNT_BLOCK).to(tl.float32)
         else:
-            scale = 1.0 / tl.maximum(tl.cast(num_rows, tl.float32), 1.0)
+            count = tl.cast(num_rows, tl.float32)
+        scale = 1.0 / tl.maximum(count, 1.0)
     else:
         scale = tl.full((), 1.0, tl.float32)
     return scale
+
+
+@triton.jit
+def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
+            num_rows, num_classes, ignore_index,
+            REDUCTION: tl.constexpr, COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FOLD_FLAGS: tl.constexpr,
+            BLOCK: tl.constexpr):
+    """The end of every program of a loss launch: the last program to finish its row (a ticket drawn from
+    ``counter``) folds the batch, so that the loss launch is the forward's only one:
+
+    * REDUCTION mean/sum: ``Σ_i L_i`` over ``row_loss`` in a fixed order (the loss is bitwise reproducible), ÷ the
+      mean's divisor (COUNT: ``num_rows``, the non-ignored targets counted here, or ``valid_count``), stored in the
+      loss's dtype (all rows ignored: 0, never NaN);
+    * CHECK_TARGETS: the flag of class-index targets, ``(any out of range, the largest such value)``, into ``error``;
+    * FOLD_FLAGS: a dense target's per-row flags into ``error``, ``(any row flagged, the first flagged row)``
+      (``num_rows`` when none is), as :func:`calibkernels._validation.first_flagged_row` makes it.
+
+    It then resets ``counter`` to 0 for the next launch on the stream. Each program's threads meet at a barrier before
+    its ticket, whose atomic is acquire-release at GPU scope, so the last program sees every row's stores; it reads
+    them past L1 (``.cg``)."""
+    MIN_INT64: tl.constexpr = -9223372036854775807
+    tl.debug_barrier()
+    ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
+    if ticket == tl.num_programs(0) - 1:
+        offs = tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), tl.float32)
+        count = tl.zeros((BLOCK,), tl.int32)
+        bad_any = tl.zeros((BLOCK,), tl.int32)
+        bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
+        first = tl.full((BLOCK,), num_rows, tl.int64)
+        for start in range(0, num_rows, BLOCK):
+            rows = start + offs
+            in_batch = rows < num_rows
+            if REDUCTION != _REDUCTION_NONE:
+                acc += tl.load(row_loss_ptr + rows, mask=in_batch, other=0.0, cache_modifier=".cg")
+            if CHECK_TARGETS:
+                t = tl.load(target_ptr + rows, mask=in_batch, other=ignore_index).to(tl.int64)
+                valid = t != ignore_index
+                bad = valid & ((t < 0) | (t >= num_classes))
+                count += valid.to(tl.int32)
+                bad_any = bad_any | bad.to(tl.int32)
+                bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
+            if FOLD_FLAGS:
+                flagged = tl.load(row_flags_ptr + rows, mask=in_batch, other=0, cache_modifier=".cg") != 0
+                first = tl.minimum(first, tl.where(flagged, rows.to(tl.int64), num_rows))
+        if REDUCTION != _REDUCTION_NONE:
+            total = tl.sum(acc, 0)
+            if REDUCTION == _MEAN:
+                if COUNT == _COUNT_LOADED:
+                    divisor = tl.load(valid_count_ptr).to(tl.float32)
+                elif COUNT == _COUNT_INLINE:
+                    divisor = tl.sum(count, 0).to(tl.float32)
+                else:
+                    divisor = tl.cast(num_rows, tl.float32)
+                total = total / tl.maximum(divisor, 1.0)
+            tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
+        if CHECK_TARGETS:
+            tl.store(error_ptr, tl.max(bad_any, 0).to(tl.int64))
+            tl.store(error_ptr + 1, tl.max(bad_value, 0))
+        if FOLD_FLAGS:
+            first_row = tl.min(first, 0)
+            tl.store(error_ptr, (first_row < num_rows).to(tl.int64))
+            tl.store(error_ptr + 1, first_row)
+        tl.store(counter_ptr, 0)
 
 
 @triton.jit
@@ -245,12 +340,14 @@ def _uncertainty_weighted_ce_row(
     target_ptr, sample_weight_ptr, gamma_ptr,
     row_loss_ptr, grad_ptr, grad_row_stride,
     valid_count_ptr,
-    num_classes, gamma, norm, ignore_index,
+    num_rows, num_classes, gamma, norm, ignore_index,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
+    COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr,
 ):
-    """Row loss ``u_i CE_i`` (fp32) of row ``row`` (int64) and, if COMPUTE_GRAD, its gradient of the reduced loss."""
+    """Row loss ``u_i CE_i`` of row ``row`` (int64; stored in ``row_loss``'s dtype) and, if COMPUTE_GRAD, its
+    gradient of the reduced loss (the mean's divisor from COUNT, :func:`_gradient_scale`)."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     LN2: tl.constexpr = 0.6931471805599453
@@ -395,7 +492,7 @@ def _uncertainty_weighted_ce_row(
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        scale = _gradient_scale(valid_count_ptr, 0, REDUCTION)
+        scale = _gradient_scale(valid_count_ptr, target_ptr, num_rows, ignore_index, REDUCTION, COUNT, COUNT_BLOCK)
         grad_target = (-coef_p * one_minus_p + extra_y) * scale
         grad_row = grad_ptr + row * grad_row_stride
         inv_d = 1.0 / d
@@ -442,17 +539,21 @@ def _uncertainty_weighted_ce_fwd_kernel(
     logits_ptr, logits_row_stride,
     target_ptr, sample_weight_ptr, gamma_ptr,
     row_loss_ptr, grad_ptr, grad_row_stride,
-    valid_count_ptr,
+    valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
     num_rows, num_classes, gamma, norm, ignore_index,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
+    COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FINISH_BLOCK: tl.constexpr,
 ):
-    """Row losses and gradient rows, one program per row."""
+    """Row losses and gradient rows, one program per row; then the batch's loss and target flag (:func:`_finish`)."""
     _uncertainty_weighted_ce_row(
         tl.program_id(0).to(tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
-        row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_classes, gamma, norm, ignore_index,
-        WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO)
+        row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_rows, num_classes, gamma, norm, ignore_index,
+        WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO, COUNT, FINISH_BLOCK)
+    if REDUCTION != _REDUCTION_NONE or CHECK_TARGETS:
+        _finish(row_loss_ptr, target_ptr, row_loss_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
+                num_rows, num_classes, ignore_index, REDUCTION, COUNT, CHECK_TARGETS, False, FINISH_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -646,12 +747,13 @@ def _soft_target_ce_fwd_kernel(
     target_ptr, target_row_stride, mix_ptr, lambda_ptr, lambda_stride,
     sample_weight_ptr, gamma_ptr,
     row_loss_ptr, grad_ptr, grad_row_stride,
-    valid_count_ptr, dense_bad_ptr,
+    valid_count_ptr, dense_bad_ptr, loss_ptr, error_ptr, counter_ptr,
     num_rows, num_classes, gamma, norm, ignore_index, smoothing, dense_tolerance,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
     DENSE: tl.constexpr, HAS_MIX: tl.constexpr, SMOOTH: tl.constexpr, DENSE_FLAGS: tl.constexpr,
+    COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FINISH_BLOCK: tl.constexpr,
 ):
     """Row losses and gradient rows for soft targets, one program per row: a dense ``target (N, C)`` (DENSE) or
     class indices with an optional mix (HAS_MIX: ``mix_target (N,)``, λ at ``lambda_ptr + row * lambda_stride``),
@@ -891,7 +993,7 @@ def _soft_target_ce_fwd_kernel(
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        scale = _gradient_scale(valid_count_ptr, num_rows, REDUCTION, not DENSE)
+        scale = _gradient_scale(valid_count_ptr, target_ptr, num_rows, ignore_index, REDUCTION, COUNT, FINISH_BLOCK)
         grad_row = grad_ptr + row * grad_row_stride
         if not DENSE:
             # the target and mix columns' gradients, once per row (the other columns have t = c, t - P = -Q)
@@ -920,14 +1022,18 @@ def _soft_target_ce_fwd_kernel(
                                             safe_target, safe_mix, grad_target, grad_mix, Q, u, coef_focal,
                                             coef_brier, brier_h_sum, norm, FORMULA, MODE, NORM_IS_TWO)
                 _store_gradient(grad_row + offs, grad, col_mask, scale, is_valid, is_bad, "evict_first")
+    if REDUCTION != _REDUCTION_NONE or CHECK_TARGETS or DENSE_FLAGS:
+        _finish(row_loss_ptr, target_ptr, dense_bad_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
+                num_rows, num_classes, ignore_index, REDUCTION, COUNT, CHECK_TARGETS, DENSE_FLAGS, FINISH_BLOCK)
 
 
 @triton.jit
 def _uncertainty_weighted_ce_targets_kernel(
     target_ptr, num_rows, num_classes, ignore_index, valid_count_ptr, error_ptr, BLOCK: tl.constexpr,
 ):
-    """One program, before the loss kernel: the mean's divisor (non-ignored rows) into ``valid_count``, and the
-    out-of-range flag ``error = (any bad, largest bad value)``. One launch instead of three small torch ops."""
+    """One program, before the loss kernel of a batch too large to count its targets in every program (COUNT
+    ``COUNT_LOADED``): the mean's divisor (non-ignored rows) into ``valid_count``, and the out-of-range flag ``error =
+    (any bad, largest bad value)``."""
     MIN_INT64: tl.constexpr = -9223372036854775807
     offs = tl.arange(0, BLOCK)
     count = tl.zeros((BLOCK,), tl.int64)
@@ -944,52 +1050,6 @@ def _uncertainty_weighted_ce_targets_kernel(
     tl.store(valid_count_ptr, tl.sum(count, 0))
     tl.store(error_ptr, tl.max(bad_any, 0).to(tl.int64))
     tl.store(error_ptr + 1, tl.max(bad_value, 0))
-
-
-@triton.jit
-def _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK: tl.constexpr):
-    """A dense target's per-row flags (the soft kernel's ``dense_bad``) into the op's target flag ``(any row
-    flagged, the first flagged row)``, ``num_rows`` when none is, as :func:`calibkernels._validation.first_flagged_row`
-    makes it."""
-    offs = tl.arange(0, BLOCK)
-    first = tl.full((BLOCK,), num_rows, tl.int64)
-    for start in range(0, num_rows, BLOCK):
-        rows = start + offs
-        flagged = tl.load(row_flags_ptr + rows, mask=rows < num_rows, other=0) != 0
-        first = tl.minimum(first, tl.where(flagged, rows.to(tl.int64), num_rows))
-    first_row = tl.min(first, 0)
-    tl.store(flag_ptr, (first_row < num_rows).to(tl.int64))
-    tl.store(flag_ptr + 1, first_row)
-
-
-@triton.jit
-def _uncertainty_weighted_ce_reduce_kernel(row_loss_ptr, num_rows, valid_count_ptr, loss_ptr, row_flags_ptr, flag_ptr,
-                                           MEAN: tl.constexpr, COUNTED: tl.constexpr, FLAGS: tl.constexpr,
-                                           BLOCK: tl.constexpr):
-    """One program, after the loss kernel: ``Σ_i L_i`` (÷ non-ignored count for the mean; ÷ ``num_rows`` without a
-    count, COUNTED false), stored in the loss's dtype. A fixed summation order, so the loss is bitwise reproducible;
-    one launch instead of four torch ops. With FLAGS, also :func:`_fold_row_flags` (a dense target's flag, at no
-    launch of its own)."""
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros((BLOCK,), tl.float32)
-    for start in range(0, num_rows, BLOCK):
-        rows = start + offs
-        acc += tl.load(row_loss_ptr + rows, mask=rows < num_rows, other=0.0)
-    total = tl.sum(acc, 0)
-    if MEAN:
-        if COUNTED:
-            total = total / tl.maximum(tl.load(valid_count_ptr).to(tl.float32), 1.0)
-        else:
-            total = total / tl.maximum(tl.cast(num_rows, tl.float32), 1.0)
-    tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
-    if FLAGS:
-        _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK)
-
-
-@triton.jit
-def _fold_row_flags_kernel(row_flags_ptr, num_rows, flag_ptr, BLOCK: tl.constexpr):
-    """:func:`_fold_row_flags` where no reduction runs (``reduction="none"``)."""
-    _fold_row_flags(row_flags_ptr, num_rows, flag_ptr, BLOCK)
 
 
 @triton.jit
@@ -1123,7 +1183,9 @@ def uncertainty_weighted_ce_forward(
     label_smoothing: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the kernels; return ``(loss, grad, target_flag)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in
-    ``loss_dtype``). Three launches: the target count/check, the fused loss + gradient, the reduction (mean/sum).
+    ``loss_dtype``). One launch: the rows' loss and gradient, then the batch's loss and target flag in its last
+    program (:func:`_finish`); a mean with a gradient over more than ``INLINE_COUNT_MAX_ROWS`` rows of class indices
+    counts its divisor in a launch before it.
 
     ``logits (N, C)`` with unit column stride and any row stride; ``target (N,)`` int64. ``loss`` is 0-dim for
     mean/sum, ``(N,)`` for none. The gradient is written into ``grad_out`` when given (``(N, C)``, unit column stride,
@@ -1131,7 +1193,7 @@ def uncertainty_weighted_ce_forward(
     ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
     Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
     ``label_smoothing``, or a floating ``target (N, C)`` (dense: the mean divides by N, and ``target_flag`` is
-    ``(any bad row, the first bad row)`` of the kernel's value check, folded by the reduction's launch; of float64
+    ``(any bad row, the first bad row)`` of the kernel's value check, folded by the launch's last program; of float64
     reductions for a float64 target, :func:`calibkernels._validation.dense_target_flag`).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
@@ -1150,65 +1212,99 @@ def uncertainty_weighted_ce_forward(
     single_read, block, num_warps = _launch_config(
         num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode)
 
-    row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
     if compute_grad and grad_out is None:
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:  # no gradient, or written into grad_out: an empty placeholder
         dest, grad = grad_out if compute_grad else None, torch.empty((0,), dtype=logits.dtype, device=device)
     # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows, and past
-    # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by device
-    # reductions (pairwise sums) instead of the kernel's flags
+    # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by
+    # device reductions (pairwise sums) instead of the kernel's flags
     dense_flags = dense and target.dtype != torch.float64 and num_classes <= DENSE_KERNEL_CHECK_MAX_CLASSES
-    reduce_block = min(4096, _next_power_of_2(num_rows))  # an empty batch still folds (to "none bad")
+    reduced = reduction != REDUCTION_NONE
+    # reduction "none": the rows' losses are the result, written in its dtype (no cast launch)
+    row_loss = torch.empty(num_rows, dtype=torch.float32 if reduced else loss_dtype, device=device)
+    loss = torch.empty((), dtype=loss_dtype, device=device) if reduced else row_loss
+    if num_rows == 0:  # nothing to launch: a mean or sum of no rows is 0, and no target is bad
+        if reduced:
+            loss.zero_()
+        error = V.dense_target_flag(target) if dense and not dense_flags else torch.zeros(2, dtype=torch.int64,
+                                                                                           device=device)
+        return loss, grad, error
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
-        valid_count = row_loss  # placeholder: without a count the kernels divide by num_rows
+        count, valid_count = COUNT_ROWS, row_loss  # placeholder
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
         error = torch.empty(2, dtype=torch.int64, device=device) if dense_flags else V.dense_target_flag(target)
-    else:
+    elif reduction == REDUCTION_MEAN and compute_grad and num_rows > INLINE_COUNT_MAX_ROWS:
+        # the gradient's scale needs the count before any row is written: a launch of its own for a large batch.
         # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)
+        count = COUNT_LOADED
         counts = torch.empty(3, dtype=torch.int64, device=device)
         error, valid_count = counts[:2], counts[2:]
         _uncertainty_weighted_ce_targets_kernel[(1,)](
-            target, num_rows, num_classes, int(ignore_index), valid_count, error, BLOCK=reduce_block, num_warps=4)
+            target, num_rows, num_classes, int(ignore_index), valid_count, error,
+            BLOCK=min(4096, _next_power_of_2(num_rows)), num_warps=4)
+    else:  # the loss launch counts and checks the targets itself
+        count = COUNT_INLINE
+        error = torch.empty(2, dtype=torch.int64, device=device)
+        valid_count = row_loss  # placeholder
     per_sample_gamma = gamma_per_sample is not None
     # placeholders (here and for the flags of rows without DENSE_FLAGS) are never read
     weight_args = (sample_weight if sample_weight is not None else row_loss,
                    gamma_per_sample if per_sample_gamma else row_loss)
     output_args = (row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
                    valid_count)
+    finish_args = (loss, error, _counter(device))
     meta = dict(WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
                 COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block,
                 SINGLE_READ=single_read, NORM_IS_TWO=weight in (WEIGHT_BRIER, WEIGHT_BRIER_FLSD) and float(norm) == 2.0,
+                COUNT=count, CHECK_TARGETS=count == COUNT_INLINE, FINISH_BLOCK=_finish_block(num_rows, num_warps),
                 num_warps=num_warps)
-    if num_rows == 0:
-        pass  # no row to launch: the reduction's launch below still writes the loss (0) and folds the flag
-    elif soft:
+    if soft:
         has_mix = mix_target is not None
         _soft_target_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0),
             target, target.stride(0) if dense else 0,
             mix_target if has_mix else target, mix_lambda if has_mix else row_loss,
             mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0,
-            *weight_args, *output_args, dense_bad if dense_flags else valid_count,
+            *weight_args, *output_args, dense_bad if dense_flags else row_loss, *finish_args,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
             V.dense_row_sum_tolerance(target.dtype),
             DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, DENSE_FLAGS=dense_flags, **meta,
         )
     else:
         _uncertainty_weighted_ce_fwd_kernel[(num_rows,)](
-            logits, logits.stride(0), target, *weight_args, *output_args,
+            logits, logits.stride(0), target, *weight_args, *output_args, *finish_args,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
         )
-    flag_args = (dense_bad, error) if dense_flags else (row_loss, row_loss)  # placeholders without FLAGS
-    if reduction == REDUCTION_NONE:
-        if dense_flags:
-            _fold_row_flags_kernel[(1,)](dense_bad, num_rows, error, BLOCK=reduce_block, num_warps=4)
-        return (row_loss if loss_dtype == torch.float32 else row_loss.to(loss_dtype)), grad, error
-    loss = torch.empty((), dtype=loss_dtype, device=device)
-    _uncertainty_weighted_ce_reduce_kernel[(1,)](
-        row_loss, num_rows, valid_count, loss, *flag_args, MEAN=reduction == REDUCTION_MEAN, COUNTED=not dense,
-        FLAGS=dense_flags, BLOCK=reduce_block, num_warps=4)
     return loss, grad, error
+
+
+def _finish_block(num_rows: int, num_warps: int) -> int:
+    """The vector width of :func:`_finish`'s (and an inline count's) pass over the batch: up to 8 rows per thread of
+    the launch's warps, at most 4096, no wider than the batch."""
+    return min(_next_power_of_2(num_rows), 256 * num_warps, 4096)
+
+
+# device (and, on a GPU, stream) -> the int32 ticket counter of _finish: zero between launches (the last program of
+# each launch resets it), so a cached one costs no memset launch per call. One per stream, since launches on
+# different streams may run at once; one per thread on the CPU, where the interpreter runs a launch in its caller.
+_counters: dict = {}
+
+
+def _counter(device: torch.device) -> torch.Tensor:
+    """The zeroed ticket counter of a loss launch on ``device``'s current stream. While a CUDA graph is captured, a
+    fresh one (its memset is captured with the launch), so that no graph holds a buffer eager launches share."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        if torch.cuda.is_current_stream_capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = (index, torch._C._cuda_getCurrentRawStream(index))
+    else:
+        key = (device.type, threading.get_ident())
+    counter = _counters.get(key)
+    if counter is None:
+        counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+    return counter
 
 
 _PROGRAMS_PER_SM = 4
