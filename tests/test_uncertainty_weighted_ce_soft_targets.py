@@ -151,6 +151,30 @@ def test_extreme_and_infinite_logits(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
+@pytest.mark.parametrize("lam", ["number", "tensor"])
+def test_a_masked_column_without_target_mass_gets_no_gradient(backend, device, lam):
+    """λ = 0 gives the target class y no mass: with z_y = -inf there, p_y = t_y = 0 and its gradient is exactly 0 on
+    every backend, in either mode (the CPU kernel had formed p_y - t_y as (1 - t_y) - (1 - p_y), whose 1 - p_y =
+    Σ_{k≠y} e_k · (1 / d) can round one ulp off 1, leaving 2^-24 there); likewise the mix class m with λ = 1."""
+    n, c = 256, 9  # enough rows that some have a sum Σ_{k≠y} e_k whose product with its reciprocal rounds off 1
+    z = (3 * torch.randn(n, c, generator=torch.Generator().manual_seed(5))).to(device)
+    y = torch.randint(0, c, (n,), generator=torch.Generator().manual_seed(6)).to(device)
+    m = (y + 1) % c
+    rows = torch.arange(n, device=device)
+    for value, masked in ((0.0, y), (1.0, m)):
+        masked_z = z.clone()
+        masked_z[rows, masked] = -float("inf")
+        mix_lambda = value if lam == "number" else torch.full((n,), value, device=device)
+        for weight, mode in (("none", "grad"), ("brier", "grad"), ("focal", "loss"), ("brier", "loss")):
+            x = masked_z.clone().requires_grad_()
+            loss = ck.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, mix_target=m, mix_lambda=mix_lambda,
+                                              reduction="sum", backend=backend)
+            loss.backward()
+            assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), (value, weight, mode)
+            assert (x.grad[rows, masked] == 0).all(), (value, weight, mode, x.grad[rows, masked].tolist())
+
+
+@pytest.mark.parametrize("backend,device", BACKENDS)
 def test_weight_none_matches_f_cross_entropy(backend, device):
     z, _, _ = _case("smooth", 24, 50, device, seed=11)
     y = torch.randint(0, 50, (24,), device=device)

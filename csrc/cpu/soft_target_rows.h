@@ -162,7 +162,9 @@ inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<
   r.t_y = tg.c + tg.w_y + (mixed ? T(0) : tg.w_m);
   r.t_m = mixed ? tg.c + tg.w_m : r.t_y;
   const T one_minus_t_y = (mixed ? tg.w_m : T(0)) + cm1;
-  r.d_y = one_minus_t_y - r.one_minus_p_y;  // p_y - t_y without cancellation as p_y → 1
+  // p_y - t_y; as p_y → 1 from the small quantities (no cancellation), else directly: Σ_{k≠y} e_k · (1 / d) can
+  // round 1 ulp off 1 where p_y = 0, which would leave a gradient on a column the row gives no mass
+  r.d_y = r.p_y > T(0.5) ? one_minus_t_y - r.one_minus_p_y : r.p_y - r.t_y;
   // p_m - t_m; as p_m → 1 from the small quantities, as for column y
   r.d_m = !mixed ? r.d_y : (r.p_m <= T(0.5) ? r.p_m - r.t_m : (tg.w_y + cm1) - one_minus_p_m);
   return r;
