@@ -38,7 +38,10 @@ class GammaNet(nn.Module):
             ``E|x̃ W| / τ = init_gamma`` when the attention is uniform (``‖x̃‖ ≈ 1/√k``; half-normal mean
             ``s·‖x̃‖·sqrt(2/π)``); a sample whose attention is one-hot starts at up to ``√k·init_gamma``. Default 1.0:
             training starts close to a mild focal loss (γ spread over about [0, 4] for k = 16) rather than at plain
-            CE (γ = 0) or everywhere at a heavy γ = 5.
+            CE (γ = 0) or everywhere at a heavy γ = 5. Must be > 0: ``init_gamma = 0`` would make ``W = 0``, where
+            ``γ = |x̃ W| / τ`` is 0 for every sample and has zero gradient in both ``W`` (``x̃ W = 0`` and
+            ``d|u|/du = 0`` at ``u = 0``) and ``A`` (it reaches γ only through ``W``): φ could never move, and
+            meta-training would silently be plain cross-entropy. Start from a small positive value for a γ near 0.
 
     ``A`` is drawn ``N(0, 1/d)`` so the attention scores ``x A`` are O(1) for features whose entries are O(1),
     i.e. the softmax starts neither uniform nor one-hot.
@@ -59,8 +62,10 @@ class GammaNet(nn.Module):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if not (isinstance(tau, (int, float)) and not isinstance(tau, bool)) or not tau > 0:
             raise ValueError(f"tau must be a number > 0, got {tau!r}")
-        if not (isinstance(init_gamma, (int, float)) and not isinstance(init_gamma, bool)) or not init_gamma >= 0:
-            raise ValueError(f"init_gamma must be a number >= 0, got {init_gamma!r}")
+        if (not (isinstance(init_gamma, (int, float)) and not isinstance(init_gamma, bool)) or not init_gamma > 0
+                or not math.isfinite(init_gamma)):
+            raise ValueError(f"init_gamma must be a finite number > 0 (γ = |x̃W|/τ with W = 0 has no gradient, so γ "
+                             f"would stay 0), got {init_gamma!r}")
         self.in_features = in_features
         self.num_prototypes = num_prototypes
         self.tau = float(tau)

@@ -269,3 +269,69 @@ def test_digits_recipe_end_to_end_with_meta_regularisation(tmp_path, method):
     changed = [not torch.equal(a, b) for a, b in zip(first["meta"]["gamma_net"].values(),
                                                      final["meta"]["gamma_net"].values())]
     assert changed and any(changed), "the γ-Net did not move in the resumed epoch"
+
+
+META_RUN = ["--method", "meta-sece", "--no-progress", "--workers", "0", "--threads", "1"]
+
+
+def test_meta_steps_update_the_model_ema(tmp_path):
+    from training import train
+
+    out = tmp_path / "ema"
+    train.main(train.parse_args(META_RUN + ["--model-ema", "--model-ema-steps", "1", "--epochs", "1",
+                                            "--max-steps-per-epoch", "3", "--output-dir", str(out)]))
+    saved = torch.load(out / "checkpoint.pt", map_location="cpu", weights_only=False)
+    assert int(saved["model_ema"]["n_averaged"]) == 3
+    ema_weights = {k[len("module."):]: v for k, v in saved["model_ema"].items() if k.startswith("module.")}
+    assert not torch.equal(ema_weights["classifier.weight"], saved["model"]["classifier.weight"])  # an average
+
+
+def test_meta_run_stopped_and_resumed_matches_the_uninterrupted_run(tmp_path):
+    """Meta batches of 3 from a 20-image meta split: the stop after epoch 1 (4 steps) falls in the middle of a pass
+    over it, so the resumed run must carry on at that pass's 13th image, and begin the next pass as the
+    uninterrupted run does."""
+    from training import train
+
+    common = META_RUN + ["--meta-batch-size", "3", "--epochs", "3", "--eval-every", "3"]
+    train.main(train.parse_args(common + ["--output-dir", str(tmp_path / "full")]))
+    train.main(train.parse_args(common + ["--output-dir", str(tmp_path / "split"), "--stop-after", "1"]))
+    train.main(train.parse_args(["--resume", str(tmp_path / "split" / "checkpoint.pt")] + META_RUN))
+    full, split = (torch.load(tmp_path / name / "checkpoint.pt", map_location="cpu", weights_only=False)
+                   for name in ("full", "split"))
+    assert full["meta_batches"] == split["meta_batches"] == {"passes": 2, "taken": 15}  # 12 steps x 3 = 20 + 16
+    for part, key in [("model", None), ("meta", "gamma_net")]:
+        a, b = (full[part], split[part]) if key is None else (full[part][key], split[part][key])
+        for name in a:
+            torch.testing.assert_close(a[name], b[name], rtol=0, atol=1e-6, msg=f"{part} {name}")
+
+
+def test_compile_runs_the_meta_step_through_the_compiled_model(tmp_path, monkeypatch):
+    """With --compile the θ step's forward is the compiled model's (a stand-in for torch.compile records it)."""
+    from training import train
+
+    calls = []
+
+    class Compiled(nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self._orig_mod = module
+
+        def forward(self, *args, **kwargs):
+            calls.append(self._orig_mod.training)
+            return self._orig_mod(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "compile", lambda model=None, **kw: Compiled(model) if isinstance(model, nn.Module)
+                        else model)
+    train.main(train.parse_args(META_RUN + ["--compile", "--epochs", "1", "--max-steps-per-epoch", "2",
+                                            "--output-dir", str(tmp_path / "compiled")]))
+    assert calls.count(True) == 2  # the two training steps (evaluation runs it in eval mode)
+
+
+def test_gamma_net_refuses_an_initial_gamma_of_zero():
+    """W = 0 would give γ = 0 with no gradient to φ: the γ-Net could never move."""
+    for bad in (0.0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="init_gamma"):
+            GammaNet(4, init_gamma=bad)
+    net = GammaNet(4, num_prototypes=3, init_gamma=1e-3)
+    net(torch.randn(5, 4)).sum().backward()
+    assert net.projection.grad.abs().sum() > 0 and net.prototypes.grad.abs().sum() > 0

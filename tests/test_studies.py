@@ -171,3 +171,30 @@ def test_explained_variance_is_one_for_a_function_of_the_bin_and_small_for_noise
     bin_index = (brier / 2 * 40).floor()
     assert gvu.explained_variance(torch.sin(bin_index), brier) == pytest.approx(1.0, abs=1e-9)
     assert gvu.explained_variance(torch.randn(4000, dtype=torch.float64), brier) < 0.05
+
+
+def test_gradient_study_rebuilds_the_split_the_run_used():
+    """The run's --image-size, --synthetic images and (meta methods) meta split, as training.evaluate rebuilds them."""
+    args = {"recipe": "cifar10-resnet50", "seed": 3, "image_size": 16, "synthetic": True, "synthetic_size": 40,
+            "method": "meta-sece", "meta_fraction": 0.25}
+    test = gvu.load_split({"args": args}, "test", None, None)
+    train = gvu.load_split({"args": args}, "train", None, None)
+    assert test[0][0].shape == (3, 16, 16) and len(train) == 30  # 40 less the meta split's quarter
+
+
+@pytest.mark.parametrize("study, argv, expected", [
+    ("gradient", ["--checkpoint", "{tmp}/missing.pt"], "does not exist"),
+    ("gradient", ["--checkpoint", "{tmp}/missing.pt", "--device", "cpu:7x"], "not a device"),
+    ("toy", ["--gammas", "-1"], "--gammas"),
+    ("toy", ["--epochs", "two"], "--epochs"),
+])
+def test_study_command_line_errors_are_one_line(tmp_path, capsys, study, argv, expected):
+    cli = gvu.cli if study == "gradient" else toy.cli
+    argv = [arg.format(tmp=tmp_path) for arg in argv] + ["--output-dir", str(tmp_path / "out")]
+    try:
+        rc = cli(argv)
+    except SystemExit as exc:  # an argparse usage error
+        rc = exc.code
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: ") and expected in lines[0], lines
+    assert not (tmp_path / "out").exists()

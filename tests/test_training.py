@@ -203,6 +203,28 @@ def test_tinyimagenet_validation_is_held_out_train_and_test_is_official_val(tmp_
     assert sorted(test_labels) == [0, 0, 1, 1, 2, 2]
 
 
+@pytest.mark.parametrize("image_size", [32, 64, 128])
+def test_tinyimagenet_trains_and_evaluates_at_one_scale_at_any_image_size(image_size):
+    """A 32-px object in a 64-px image: training crops and evaluation see it at the same scale (scaled by
+    image_size / 64), and a size above the images' 64 px is upsampled instead of failing to crop."""
+    from PIL import Image
+
+    from training.data import _imagenet_style_transforms
+
+    pixels = np.zeros((64, 64, 3), np.uint8)
+    pixels[16:48, 16:48] = 255
+    train_tf, test_tf = _imagenet_style_transforms("tinyimagenet", image_size)
+    object_pixels = lambda x: int((x[0] > 0).sum())  # noqa: E731
+    expected = (32 * image_size // 64) ** 2
+    evaluated = test_tf(Image.fromarray(pixels))
+    assert evaluated.shape == (3, image_size, image_size)
+    assert object_pixels(evaluated) == pytest.approx(expected, rel=0.1)
+    for _ in range(5):
+        trained = train_tf(Image.fromarray(pixels))
+        assert trained.shape == (3, image_size, image_size)
+        assert object_pixels(trained) <= 1.1 * expected  # a crop never shows it larger than evaluation does
+
+
 def test_digits_split_sizes_and_meta_split():
     splits = build_datasets("digits", None, seed=0)
     assert (len(splits.train), len(splits.val), len(splits.test)) == (200, 500, 1097)

@@ -69,6 +69,46 @@ def test_resume_keeps_the_checkpoint_settings_not_given_again(tmp_path, capsys, 
     assert (saved["epoch"], saved["args"]["seed"], saved["args"]["max_steps_per_epoch"]) == (2, 3, 1)
 
 
+def test_resume_with_a_new_lr_during_the_warmup_scales_every_phase(tmp_path):
+    checkpoint = _stopped_run(tmp_path / "run", "--epochs", "3", "--warmup-epochs", "2")
+    assert train.cli(["--resume", str(checkpoint), "--lr", "0.01"] + FAST) == 0
+    # the warm-up's ramp (0.01, 0.505, then 1 × the base) with base 0.05, then 0.01 from the resumed epoch on
+    assert [float(row["lr"]) for row in _log_rows(tmp_path / "run")] == pytest.approx([0.0005, 0.00505, 0.01])
+
+
+def test_resume_with_more_epochs_re_times_the_cosine_after_the_warmup(tmp_path):
+    run = ["--recipe", "imagenet-resnet50-finetune-tvnew", "--synthetic", "--arch", "small_cnn", "--image-size", "8",
+           "--synthetic-size", "64", "--batch-size", "32", "--max-steps-per-epoch", "1", "--warmup-epochs", "1",
+           "--output-dir", str(tmp_path / "run")] + FAST
+    assert train.cli(run + ["--epochs", "4", "--stop-after", "2"]) == 0
+    assert train.cli(["--resume", str(tmp_path / "run" / "checkpoint.pt"), "--epochs", "8"] + FAST) == 0
+    lrs = [float(row["lr"]) for row in _log_rows(tmp_path / "run")]
+    assert len(lrs) == 8 and lrs[1] == pytest.approx(0.5)  # warm-up epoch 1, then the cosine from the base lr
+    # from the lr it had reached, the cosine now falls to 0 at the new last epoch instead of climbing back up
+    assert all(later < earlier for earlier, later in zip(lrs[1:], lrs[2:])) and 0 < lrs[-1] < 0.05, lrs
+
+
+def test_resume_refuses_to_change_the_warmup_in_one_clear_line(tmp_path, capsys):
+    checkpoint = _stopped_run(tmp_path / "run")
+    capsys.readouterr()
+    assert train.cli(["--resume", str(checkpoint), "--warmup-epochs", "1"] + FAST) == 2
+    line = _one_error_line(capsys.readouterr().err)
+    assert "warm-up" in line and "_schedulers" not in line
+
+
+def test_resume_that_adds_columns_rewrites_the_log_under_one_header(tmp_path):
+    checkpoint = _stopped_run(tmp_path / "run", "--epochs", "3")
+    assert train.cli(["--resume", str(checkpoint), "--model-ema", "--model-ema-steps", "1", "--stop-after", "1"]
+                     + FAST) == 0
+    assert train.cli(["--resume", str(checkpoint), "--no-model-ema"] + FAST) == 0
+    with (tmp_path / "run" / "log.csv").open() as handle:
+        header, *rows = list(csv.reader(handle))
+    assert "val_ema_ece" in header and [len(row) for row in rows] == [len(header)] * 3
+    by_epoch = _log_rows(tmp_path / "run")
+    assert [row["val_ema_ece"] == "" for row in by_epoch] == [True, False, True]  # blank where it has no value
+    assert all(None not in row for row in by_epoch)  # no value beyond the header
+
+
 def test_resume_refuses_a_different_seed(tmp_path, capsys):
     checkpoint = _stopped_run(tmp_path / "run")
     capsys.readouterr()
@@ -124,6 +164,14 @@ BAD_ARGUMENTS = {
     "lr-inf": (["--lr", "inf"], "--lr must be finite"),
     "lr-nan": (["--lr", "nan"], "--lr must be finite"),
     "meta-lr-inf": (["--method", "meta-sece", "--meta-lr", "inf"], "--meta-lr must be finite"),
+    "meta-init-gamma-0": (["--method", "meta-sece", "--meta-init-gamma", "0"], "--meta-init-gamma"),
+    "meta-bandwidth-0": (["--method", "meta-sece", "--meta-bandwidth", "0"], "--meta-bandwidth"),
+    "meta-dece-bins-0": (["--method", "meta-dece", "--meta-dece-bins", "0"], "--meta-dece-bins"),
+    "meta-lookahead-lr-nan": (["--method", "meta-sece", "--meta-lookahead-lr", "nan"], "--meta-lookahead-lr"),
+    "meta-batch-size-0": (["--method", "meta-sece", "--meta-batch-size", "0"], "--meta-batch-size"),
+    "meta-fraction-0": (["--method", "meta-sece", "--meta-fraction", "0"], "--meta-fraction"),
+    "vit-image-size": (["--recipe", "cifar10-vit-b16-finetune", "--synthetic", "--image-size", "40"],
+                       "multiple of 16"),
     "image-size-digits": (["--image-size", "16"], "--image-size"),
     "compare-twice": (["--compare", "bsce_gra, bsce_gra", "--seeds", "1"], "'bsce_gra' twice"),
     "compare-resume": (["--compare", "bsce_gra,cross_entropy", "--resume", "{tmp}/a-file"],
@@ -147,6 +195,18 @@ def test_cuda_device_without_a_gpu_is_one_error_line(tmp_path, capsys, monkeypat
     rc = train.cli(["--device", "cuda", "--output-dir", str(tmp_path / "run")] + FAST)
     assert rc == 2 and "CUDA is not available" in _one_error_line(capsys.readouterr().err)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("device, expected", [("cuda", "CUDA is not available"), ("cpu:7x", "not a device")])
+def test_evaluate_with_a_bad_device_is_one_error_line(tmp_path, capsys, monkeypatch, device, expected):
+    from training import evaluate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    checkpoint = _stopped_run(tmp_path / "run")
+    capsys.readouterr()
+    assert evaluate.cli(["--checkpoint", str(checkpoint), "--device", device]) == 2
+    assert expected in _one_error_line(capsys.readouterr().err)
+    assert not (tmp_path / "run" / "report.json").exists()
 
 
 @pytest.mark.parametrize("content", ["random", "empty"])

@@ -85,6 +85,15 @@ def test_training_runs_the_schedule_epoch_by_epoch(tmp_path):
     assert rows[0]["loss_gamma"] == "nan" and [float(r["loss_gamma"]) for r in rows[1:]] == [5.0, 3.0, 1.0]
 
 
+def test_resume_with_more_epochs_keeps_the_switch_epochs_it_started_with(tmp_path):
+    out = tmp_path / "flsc"
+    run_main(["--loss", "focal_loss", "--gamma-schedule", "flsc-531", "--epochs", "4", "--stop-after", "2",
+              "--output-dir", str(out)] + FAST)  # 4 epochs: switches at 1 and 3 (CIFAR's 100, 250 of 350)
+    assert ckpt_utils.load_checkpoint(out / "checkpoint.pt")["args"]["gamma_schedule_epochs"] == "1,3"
+    run_main(["--resume", str(out / "checkpoint.pt"), "--epochs", "6"] + FAST)  # 6 epochs alone would switch at 2, 4
+    assert [float(row["loss_gamma"]) for row in _log(out)] == [5.0, 3.0, 3.0, 1.0, 1.0, 1.0]
+
+
 # ------------------------------------------------------------------------------------------------- AdaFocal
 def test_adafocal_updates_every_epoch_and_resumes_its_table(tmp_path):
     common = ["--loss", "adafocal", "--epochs", "2", "--seed", "2"] + FAST

@@ -7,6 +7,7 @@ flags are one ``error:`` line with exit code 2. Runs are one optimiser step on t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -129,6 +130,20 @@ def test_splits_are_distinct_pools_of_the_recipe_shape(monkeypatch):
     assert sorted(big.targets.tolist()) == list(range(10))  # balanced: here 10 of the 200 classes, once each
     with pytest.raises(IndexError):
         big[100]
+
+
+def test_run_says_how_many_classes_a_small_pool_holds(tmp_path, capsys, monkeypatch):
+    """A pool smaller than the number of classes (ImageNet's 1000 at 224 px: 111 images) holds only that many of
+    them; the run's first line says so instead of claiming images of every class."""
+    monkeypatch.setattr(data, "SYNTHETIC_POOL_BYTES", 30 * 4 * 3 * 4 * 4)  # 30 images of 3 x 4 x 4
+    assert train.cli(["--recipe", "cifar100-resnet110", "--arch", "small_cnn", "--synthetic", "--image-size", "4",
+                      "--synthetic-size", "40", "--batch-size", "20", "--output-dir", str(tmp_path / "run")]
+                     + FAST) == 0
+    assert "(3x4x4, 100 classes, images of 30 of them" in capsys.readouterr().out
+    recipe = dataclasses.replace(get_recipe("cifar100-resnet110"), image_size=4)
+    for pool in (build_datasets(recipe, None, 0, synthetic_size=400).train, build_datasets(recipe, None, 1,
+                                                                                          synthetic_size=400).test):
+        assert sorted(pool.targets.tolist()) == list(range(30))  # classes 0 … 29, in every split and seed
 
 
 def test_resume_keeps_synthetic_data(tmp_path, capsys):

@@ -235,8 +235,13 @@ def _imagenet_style_transforms(dataset: str, image_size: int):
 
     mean, std = _MEAN_STD[dataset]
     if dataset == "tinyimagenet":
-        train = T.Compose([T.RandomCrop(image_size, padding=4), T.RandomHorizontalFlip(), T.ToTensor(),
-                           T.Normalize(mean, std)])
+        # Train and evaluation see the image at the same scale: both resize it to image_size first (a no-op for the
+        # 64-px images at the recipe's 64), then training takes a padded random crop (4 px at 64, scaled with the
+        # size) where evaluation takes the centre. Cropping a 64-px image to a smaller size without resizing would
+        # train on objects larger than those evaluated, and a larger size could not be cropped at all.
+        padding = max(1, round(4 * image_size / 64))
+        train = T.Compose([T.Resize(image_size), T.RandomCrop(image_size, padding=padding), T.RandomHorizontalFlip(),
+                           T.ToTensor(), T.Normalize(mean, std)])
         test = T.Compose([T.Resize(image_size), T.CenterCrop(image_size), T.ToTensor(), T.Normalize(mean, std)])
     else:
         train = T.Compose([T.RandomResizedCrop(image_size), T.RandomHorizontalFlip(), T.ToTensor(),
@@ -341,6 +346,10 @@ def synthetic_datasets(recipe: Recipe, size: int, seed: int, meta_fraction: floa
     Gaussian noise plus its class's fixed random 4 x 4 pattern per channel (upsampled, amplitude
     ``SYNTHETIC_SIGNAL``), with the classes balanced within each pool: a model can learn them, so training, the
     temperature fit and the calibration report see non-degenerate logits (their numbers say nothing about real data).
+    Pool image ``i`` has class ``i mod C`` (then shuffled), so a pool smaller than the number of classes C holds
+    only classes ``0 … P-1``, the same in every split: ImageNet-shaped pools at 224 px have 111 of the 1000 classes
+    (the model still has all C outputs). Covering all 1000 would take 1000 distinct images, 602 MB per split, about
+    10 x the pool budget that keeps ``--workers 0`` pools on the device.
     Everything is drawn from one generator seeded with ``seed``: the same arguments give the same tensors."""
     if size < 1:
         raise ValueError(f"the synthetic data set needs at least 1 training image, got {size}")

@@ -42,8 +42,10 @@ def posthoc_names(text: str) -> tuple:
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .train import _ArgumentParser  # usage errors are one ``error:`` line, as training.train's
+
+    parser = _ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help,
+                             formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint.pt written by training.train")
     parser.add_argument("--data-root", default=None, help="dataset folder (default: the one the run used)")
     parser.add_argument("--output-dir", default=None, help="default: the checkpoint's folder")
@@ -57,18 +59,31 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def rebuild_splits(saved: dict, data_root=None, seed: int | None = None):
+    """The splits a run trained and was evaluated on, from its checkpoint's ``args`` (``saved``): its recipe at its
+    ``--image-size``, its seed (unless ``seed`` is given), its meta split (which the meta methods carve out of train)
+    and its synthetic images, from ``data_root`` or else the run's ``--data-root``."""
+    if "recipe" not in saved:
+        raise ValueError("the checkpoint's args have no 'recipe'; was it written by python -m training.train?")
+    recipe = get_recipe(saved["recipe"])
+    if saved.get("image_size"):
+        recipe = dataclasses.replace(recipe, image_size=int(saved["image_size"]))
+    data_root = data_root if data_root is not None else saved.get("data_root")
+    meta_fraction = float(saved.get("meta_fraction") or 0.0) if saved.get("method", "standard") != "standard" else 0.0
+    seed = int(saved.get("seed", 0)) if seed is None else int(seed)
+    return build_datasets(recipe, data_root, seed, meta_fraction=meta_fraction,
+                          synthetic_size=saved.get("synthetic_size") if saved.get("synthetic") else None)
+
+
 def main(args) -> dict:
+    from .train import check_device
+
+    check_device(args.device)
     device = torch.device(args.device)
     model, checkpoint = load_model_from_checkpoint(args.checkpoint, map_location="cpu")
     model.to(device)
     saved = checkpoint["args"]
-    recipe = get_recipe(saved["recipe"])
-    if saved.get("image_size"):
-        recipe = dataclasses.replace(recipe, image_size=int(saved["image_size"]))
-    data_root = args.data_root if args.data_root is not None else saved.get("data_root")
-    meta_fraction = float(saved.get("meta_fraction") or 0.0) if saved.get("method", "standard") != "standard" else 0.0
-    splits = build_datasets(recipe, data_root, int(saved["seed"]), meta_fraction=meta_fraction,
-                            synthetic_size=saved.get("synthetic_size") if saved.get("synthetic") else None)
+    splits = rebuild_splits(saved, args.data_root)
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[saved.get("amp")]
     loaders = [DataLoader(split, batch_size=args.batch_size, shuffle=False, num_workers=args.workers)
                for split in (splits.val, splits.test)]
@@ -90,11 +105,14 @@ def main(args) -> dict:
 
 
 def cli(argv=None) -> int:
+    """Exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument, device, data path or checkpoint."""
+    from .train import _error
+
+    args = get_args_parser().parse_args(argv)
     try:
-        main(get_args_parser().parse_args(argv))
+        main(args)
     except (DataError, ValueError, OSError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return _error(exc)
     return 0
 
 

@@ -47,7 +47,8 @@ from calibkernels.metrics.smooth import (
     sece,
 )
 
-__all__ = ["META_METHODS", "META_DEFAULTS", "add_meta_args", "focal_loss_with_gamma_grad", "MetaRegularizer"]
+__all__ = ["META_METHODS", "META_DEFAULTS", "add_meta_args", "check_meta_args", "focal_loss_with_gamma_grad",
+           "MetaRegularizer"]
 
 META_METHODS = {"meta-sece": "sece", "meta-dece": "dece"}
 
@@ -81,7 +82,7 @@ def add_meta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--meta-tau", type=float, default=d["meta_tau"],
                        help="γ-Net temperature τ in γ = |x̃W|/τ (default: %(default)s)")
     group.add_argument("--meta-init-gamma", type=float, default=d["meta_init_gamma"],
-                       help="typical γ at initialisation (default: %(default)s)")
+                       help="typical γ at initialisation, > 0 (default: %(default)s)")
     group.add_argument("--meta-bandwidth", type=float, default=d["meta_bandwidth"],
                        help="SECE Gaussian kernel bandwidth on confidences (default: %(default)s)")
     group.add_argument("--meta-lr", type=float, default=d["meta_lr"],
@@ -100,6 +101,28 @@ def add_meta_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--meta-dece-t-b", type=float, default=d["meta_dece_t_b"],
                        help="DECE soft-binning temperature t_b (default: %(default)s)")
     return parser
+
+
+def check_meta_args(args) -> None:
+    """Raise a ValueError naming the flag for a ``--meta-*`` option that cannot train, before anything runs (a bad
+    bandwidth or bin count would otherwise fail at the first step, once the run folder exists)."""
+    def positive(name, value, integer=False):
+        if value is None:
+            return
+        if integer:
+            if value < 1:
+                raise ValueError(f"--{name} must be >= 1, got {value}")
+        elif not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"--{name} must be finite and > 0, got {value}")
+
+    for name in ("meta_k", "meta_dece_bins", "meta_batch_size"):
+        positive(name.replace("_", "-"), getattr(args, name, None), integer=True)
+    for name in ("meta_tau", "meta_init_gamma", "meta_bandwidth", "meta_lr", "meta_lookahead_lr", "meta_dece_t_a",
+                 "meta_dece_t_b"):
+        positive(name.replace("_", "-"), getattr(args, name, None))
+    fraction = getattr(args, "meta_fraction", None)
+    if fraction is not None and not 0 < fraction < 1:
+        raise ValueError(f"--meta-fraction must be in (0, 1): the meta methods need a meta split, got {fraction}")
 
 
 def focal_loss_with_gamma_grad(logits, targets, gamma, *, reduction="mean", ignore_index=-100):
@@ -145,8 +168,10 @@ def _average_gradients_across_ranks(module) -> None:
 
 
 def _unwrap(model):
-    """The module exposing ``.features`` / ``.classifier`` (through a DataParallel/DDP wrapper if any)."""
-    inner = getattr(model, "module", model)
+    """The module exposing ``.features`` / ``.classifier`` (through torch.compile's and a DataParallel/DDP wrapper if
+    any)."""
+    inner = getattr(model, "_orig_mod", model)
+    inner = getattr(inner, "module", inner)
     for name in ("features", "classifier"):
         if not hasattr(inner, name):
             raise TypeError(f"meta-regularisation needs a model with .features and .classifier (the training/models "
@@ -160,7 +185,10 @@ class MetaRegularizer:
     """γ-Net + SECE/DECE meta-regularisation around a model and its optimizer (module docstring: the algorithm).
 
     Args:
-        model: a training/models model (``.features``: input → ``(N, d)``, ``.classifier``: ``nn.Linear(d, C)``).
+        model: a training/models model (``.features``: input → ``(N, d)``, ``.classifier``: ``nn.Linear(d, C)``),
+            possibly wrapped by DDP and/or ``torch.compile``: the θ step's forward goes through ``model`` as given,
+            so a compiled model trains compiled (the features reach the γ-Net through a forward hook on the
+            classifier, registered once, which Dynamo traces into the graph).
         num_classes: C (checked against the classifier).
         objective: ``"sece"`` or ``"dece"``, the meta-validation calibration error.
         args: an argparse namespace with the ``--meta-*`` options (:func:`add_meta_args`); missing ones take
@@ -197,6 +225,14 @@ class MetaRegularizer:
                 torch.distributed.broadcast(parameter.data, src=0)
         self.meta_optimizer = torch.optim.Adam(self.gamma_net.parameters(), lr=meta_lr)
         self._epoch_gammas: list[torch.Tensor] = []
+        # One hook for the regulariser's lifetime, storing only during the θ step's forward: a hook added and removed
+        # every step would change what a compiled model's graph guards on, and recompile it at every step.
+        self._capturing, self._captured = False, []
+        self._hook = classifier.register_forward_hook(self._capture_features)
+
+    def _capture_features(self, module, inputs, output):
+        if self._capturing:
+            self._captured.append(inputs[0])
 
     # -- pieces of the step, public so they can be tested and reused ---------------------------------------------
 
@@ -260,14 +296,16 @@ class MetaRegularizer:
 
         # Forward through the (possibly DDP-wrapped) model so DDP synchronises the θ gradients; the penultimate
         # features are the classifier's input, captured by a hook.
-        captured = []
-        hook = classifier.register_forward_hook(lambda module, inputs, output: captured.append(inputs[0]))
+        self._captured.clear()
+        self._capturing = True
         try:
             with torch.autocast(images.device.type, dtype=options["amp_dtype"],
                                 enabled=options["amp_dtype"] is not None):
                 logits = self.model(images)
         finally:
-            hook.remove()
+            self._capturing = False
+        captured = list(self._captured)
+        self._captured.clear()
         if len(captured) != 1:
             raise RuntimeError(f"model.classifier ran {len(captured)} times in one forward; meta-regularisation needs "
                                "forward(x) == classifier(features(x))")

@@ -127,7 +127,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--compile", action="store_true",
                         help="torch.compile the training step's model and loss as one graph (fullgraph in a single "
-                             "process), and the evaluation model")
+                             "process; with --method meta-*, the model the meta step's forward runs through), and the "
+                             "evaluation model")
     parser.add_argument("--amp", default=None, choices=["bf16", "fp16"],
                         help="autocast dtype (fp16 uses a GradScaler)")
     parser.add_argument("--channels-last", action="store_true", help="channels-last memory format")
@@ -252,6 +253,9 @@ def resolve_run_config(args) -> argparse.Namespace:
     if args.image_size is not None and recipe.dataset == "digits" and not synthetic:
         raise ValueError(f"--image-size applies to the CIFAR, Tiny-ImageNet and ImageNet transforms; recipe "
                          f"{recipe.name!r} trains on 8x8 digits as they are")
+    if args.arch == "tv_vit_b_16" and (args.image_size or recipe.image_size) % 16:
+        raise ValueError(f"--image-size {args.image_size or recipe.image_size}: tv_vit_b_16 cuts images into 16x16 "
+                         "patches, so the size must be a multiple of 16")
     if args.pretrained is not None and args.arch not in PRETRAINED_ARCHITECTURES:
         raise ValueError(f"--pretrained: architecture {args.arch!r} takes no pretrained weights (only "
                          f"{', '.join(PRETRAINED_ARCHITECTURES)} do)")
@@ -291,6 +295,10 @@ def resolve_run_config(args) -> argparse.Namespace:
     mixing = args.mixup_alpha > 0 or args.cutmix_alpha > 0
     if (mixing or args.label_smoothing) and args.method != "standard":
         raise ValueError("--label-smoothing, --mixup-alpha and --cutmix-alpha need --method standard")
+    if args.method != "standard":
+        from . import meta as meta_module
+
+        meta_module.check_meta_args(args)
     for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every", "synthetic_size"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -312,7 +320,11 @@ def resolve_run_config(args) -> argparse.Namespace:
     if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
         raise ValueError("--tensorboard needs the tensorboard package (pip install tensorboard)")
     check_loss_spec(args.loss, args.label_smoothing, mixing, getattr(args, "mix_dense", False))
-    loss_schedule(args, build_criterion(args.loss, "mean", "auto", args.label_smoothing), recipe)  # checks it
+    schedule = loss_schedule(args, build_criterion(args.loss, "mean", "auto", args.label_smoothing), recipe)
+    if schedule.switch is not None:
+        # Recorded with the run's settings: a resumed run with more --epochs keeps the switch epochs it started
+        # with instead of scaling them to the new length (which would move γ back up in the middle of the run).
+        args.gamma_schedule_epochs = ",".join(str(epoch) for epoch in schedule.switch)
     return args
 
 
@@ -389,9 +401,20 @@ def args_from_checkpoint(args, checkpoint: dict) -> argparse.Namespace:
         if key in explicit and key in saved and saved[key] != getattr(args, key):
             raise ValueError(f"--resume {args.resume}: checkpoint has {key}={saved[key]!r} but this run has "
                              f"{getattr(args, key)!r} (it fixes the model or the data splits)")
+    if "warmup_epochs" in explicit and int(saved.get("warmup_epochs") or 0) != (args.warmup_epochs or 0):
+        raise ValueError(f"--resume {args.resume}: the checkpoint's lr schedule has "
+                         f"{int(saved.get('warmup_epochs') or 0)} warm-up epoch(s) and --warmup-epochs "
+                         f"{args.warmup_epochs} would change it; a warm-up can be added, removed or changed only when "
+                         "a run starts")
     for key, value in saved.items():
         if key not in explicit and key not in _PER_INVOCATION and key not in _DERIVED:
             setattr(args, key, value)
+    if (saved.get("gamma_schedule") or "none") != "none" and not saved.get("gamma_schedule_epochs") \
+            and "gamma_schedule_epochs" not in explicit and saved.get("epochs"):
+        # a checkpoint that did not record its switch epochs: those its own length gave
+        recipe = get_recipe(saved["recipe"])
+        args.gamma_schedule_epochs = ",".join(str(epoch) for epoch in switch_epochs(
+            int(saved["epochs"]), recipe.gamma_schedule_epochs, recipe.epochs))
     if "output_dir" not in explicit:
         args.output_dir = str(Path(args.resume).parent)
     done, batches_done = int(checkpoint["epoch"]), int(checkpoint.get("batches_done", 0))
@@ -496,18 +519,21 @@ def compiled_forward_and_loss(fullgraph: bool):
 
 def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: _StopRequest,
                     first_step: int = 0, meta=None, meta_iterator=None, ema=None,
-                    step_forward=forward_and_loss) -> dict:
+                    step_forward=forward_and_loss, global_step: int = 0) -> dict:
     """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
 
     With ``args.mixup_alpha`` / ``args.cutmix_alpha`` each batch is mixed with its reversal: compact form
     (``criterion(logits, target, mix_target=target.flip(0), mix_lambda=λ)``, :func:`training.soft_targets.mix_batch`)
     or, with ``args.mix_dense``, torchvision's ``MixUp``/``CutMix`` and dense targets. ``ema`` (an ``AveragedModel``)
-    is updated every ``args.model_ema_steps`` steps; during the warm-up epochs it keeps copying the weights
-    (torchvision's reference does the same). ``step_forward``: the step's forward and loss
+    is updated after every ``args.model_ema_steps``-th optimiser step of the run, standard or meta step alike:
+    ``global_step`` (the steps of the epochs before) keeps the count across epochs, so an epoch shorter than
+    ``model_ema_steps`` still updates it and no epoch's last steps are skipped; during the warm-up epochs it keeps
+    copying the weights (torchvision's reference does the same). ``step_forward``: the step's forward and loss
     (:func:`forward_and_loss`, or with ``--compile`` :func:`compiled_forward_and_loss`).
 
-    Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted"}`` where ``loss`` is the
-    mean per-sample training loss, merged over DDP ranks."""
+    Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted", "lr", "global_step"}``
+    where ``loss`` is the mean per-sample training loss, merged over DDP ranks, ``lr`` the learning rate this epoch
+    trained at and ``global_step`` the run's optimiser steps so far."""
     model.train()
     amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}[args.amp]
     # Sum reduction under DDP: DDP averages gradients over ranks, so scale by K to get the global batch's sum.
@@ -561,12 +587,14 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad_norm)
             scaler.step(optimizer)
             scaler.update()
-            if ema is not None and (step + 1) % args.model_ema_steps == 0:
-                ema.update_parameters(model.module if isinstance(model, nn.parallel.DistributedDataParallel)
-                                      else getattr(model, "_orig_mod", model))
-                if epoch < args.warmup_epochs:
-                    ema.n_averaged.fill_(0)  # the next update copies the weights again
             batch_loss = loss.detach().double() / (images.shape[0] if args.reduction == "sum" else 1)
+        global_step += 1
+        if ema is not None and global_step % args.model_ema_steps == 0:
+            network = getattr(model, "_orig_mod", model)  # through torch.compile's and DDP's wrappers
+            ema.update_parameters(network.module if isinstance(network, nn.parallel.DistributedDataParallel)
+                                  else network)
+            if epoch < args.warmup_epochs:
+                ema.n_averaged.fill_(0)  # the next update copies the weights again
         loss_sum += batch_loss * images.shape[0]
         if logits is not None:
             correct += (logits.detach().argmax(dim=1) == targets).sum()
@@ -589,7 +617,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     n = max(totals[2].item(), 1.0)
     stats = {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n, "samples": int(totals[2].item()),
              "images_per_s": totals[2].item() / max(elapsed, 1e-9), "steps_done": step,
-             "interrupted": bool(stop) and step < total_steps}
+             "interrupted": bool(stop) and step < total_steps, "lr": lr, "global_step": global_step}
     progress.close(f"{step - first_step} steps  loss {stats['loss']:.4f}  lr {lr:.3g}  "
                    f"{stats['images_per_s']:.0f} img/s  {elapsed:.1f} s")
     return stats
@@ -648,14 +676,32 @@ def _make_optimizer(recipe, model, lr):
     raise ValueError(f"unknown optimizer {recipe.optimizer!r}")
 
 
+def _phases(scheduler) -> list:
+    """The schedulers that set the lr: a warm-up's ``SequentialLR`` holds them (``LinearLR``, then the main one)."""
+    return list(getattr(scheduler, "_schedulers", None) or [scheduler])
+
+
 def _override_lr(optimizer, scheduler, lr: float) -> None:
     """Make ``lr`` the base learning rate of a resumed run: each group keeps the schedule's current factor (the
-    MultiStep decays or the cosine already applied) times the new base, and the scheduler continues from it."""
-    for group, base in zip(optimizer.param_groups, scheduler.base_lrs):
+    warm-up's ramp, the MultiStep decays or the cosine already applied) times the new base, and every phase of the
+    schedule continues from it (a phase that starts later starts from the new base)."""
+    phases = _phases(scheduler)
+    for group, base in zip(optimizer.param_groups, phases[0].base_lrs):
         group["lr"] = lr * (group["lr"] / base)
         group["initial_lr"] = lr
-    scheduler.base_lrs = [lr] * len(optimizer.param_groups)
-    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]
+    last = [group["lr"] for group in optimizer.param_groups]
+    for phase in phases:
+        phase.base_lrs = [lr] * len(optimizer.param_groups)
+    for each in {id(s): s for s in (scheduler, *phases)}.values():
+        each._last_lr = list(last)
+
+
+def _retime_cosine(scheduler, epochs: int, warmup_epochs: int) -> None:
+    """A resumed run with another ``--epochs``: its cosine (bare, or after the warm-up inside ``SequentialLR``) now
+    reaches 0 at the new last epoch, continuing from the current lr; other schedules keep their milestones."""
+    main = _phases(scheduler)[-1]
+    if isinstance(main, torch.optim.lr_scheduler.CosineAnnealingLR):
+        main.T_max = epochs - (warmup_epochs if main is not scheduler else 0)
 
 
 def _sync_buffers(model: nn.Module) -> None:
@@ -666,9 +712,56 @@ def _sync_buffers(model: nn.Module) -> None:
             torch.distributed.broadcast(buffer, src=0)
 
 
-def _infinite(loader):
-    while True:
-        yield from loader
+class MetaBatches:
+    """The meta methods' endless meta-validation batches: the meta split reshuffled every pass by a seeded generator
+    of its own (``seed``; each rank its own).
+
+    Its position (:meth:`state_dict`: the passes begun and the samples taken from the current one) is saved with the
+    checkpoint. :meth:`load_state_dict` re-draws the permutations of those passes and carries on at that sample, so
+    a resumed run meets the very batches the uninterrupted one would, and no skipped image is loaded. Every rank
+    takes one batch per step from a split of the same size, so rank 0's position is every rank's."""
+
+    def __init__(self, dataset, batch_size: int, seed: int, **loader_kwargs):
+        self.size, self.seed = len(dataset), int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.passes, self.taken, self._iterator = 0, 0, None
+        self._order: list[int] = []  # the DataLoader's sampler, refilled in place at each pass
+        # the loader's own generator only seeds its workers (no draw from the global RNG, which the training owns)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self._order, drop_last=False,
+                                 generator=torch.Generator().manual_seed(self.seed), **loader_kwargs)
+
+    def _begin_pass(self, skip: int = 0) -> None:
+        order = torch.randperm(self.size, generator=self.generator).tolist()
+        self._order[:] = order[skip:]
+        self.passes, self.taken = self.passes + 1, skip
+        self._iterator = iter(self.loader)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self._iterator is None:
+            self._begin_pass()
+        try:
+            images, targets = next(self._iterator)
+        except StopIteration:
+            self._begin_pass()
+            images, targets = next(self._iterator)
+        self.taken += len(targets)
+        return images, targets
+
+    def state_dict(self) -> dict:
+        return {"passes": self.passes, "taken": self.taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        passes, taken = int(state["passes"]), int(state["taken"])
+        self.generator.manual_seed(self.seed)
+        self.passes, self.taken, self._iterator = 0, 0, None
+        for _ in range(passes - 1):  # the permutations of the passes already over
+            torch.randperm(self.size, generator=self.generator)
+            self.passes += 1
+        if passes:
+            self._begin_pass(skip=min(taken, self.size))
 
 
 class _EpochLog:
@@ -689,18 +782,31 @@ class _EpochLog:
 
     def write(self, row: dict) -> None:
         flat = {k: v for k, v in row.items() if not isinstance(v, (dict, list))}
-        exists = self.csv_path.is_file()
-        with self.csv_path.open("a", newline="") as handle:
-            writer = csv.DictWriter(handle, fieldnames=list(flat))
-            if not exists:
-                writer.writeheader()
-            writer.writerow(flat)
+        header = []
+        if self.csv_path.is_file():
+            with self.csv_path.open(newline="") as handle:
+                header = next(csv.reader(handle), [])
+        columns = header + [key for key in flat if key not in header]
+        if header and columns != header:
+            # A resumed run with other options (--model-ema added, …) has other columns: the file is rewritten
+            # under the union of both, earlier rows blank where they have no value, so every row keeps its header.
+            with self.csv_path.open(newline="") as handle:
+                rows = list(csv.DictReader(handle))
+            self._write_csv(columns, rows, "w")
+        self._write_csv(columns, [flat], "a" if header else "w", header=not header)
         with self.jsonl_path.open("a") as handle:
             handle.write(json.dumps(row) + "\n")
         if self.writer is not None:
             for key, value in flat.items():
                 if key != "epoch" and isinstance(value, (int, float)):
                     self.writer.add_scalar(key, value, row["epoch"])
+
+    def _write_csv(self, columns: list, rows: list, mode: str, header: bool = True) -> None:
+        with self.csv_path.open(mode, newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=columns, restval="")
+            if header:
+                writer.writeheader()
+            writer.writerows(rows)
 
     def close(self):
         if self.writer is not None:
@@ -796,14 +902,13 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         if splits.meta is None:
             raise ValueError(f"--method {args.method} needs a meta split: pass --meta-fraction > 0")
         meta_batch = (getattr(args, "meta_batch_size", None) or args.batch_size) // world
-        meta_loader = DataLoader(splits.meta, batch_size=max(1, meta_batch), shuffle=True, drop_last=False,
-                                 generator=torch.Generator().manual_seed(args.seed + 17 + rank), **loader_kwargs)
-        meta_iterator = _infinite(meta_loader)
+        meta_iterator = MetaBatches(splits.meta, max(1, meta_batch), args.seed + 17 + rank, **loader_kwargs)
 
     if distributed:
         model = nn.parallel.DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
     # --compile: the standard step compiles model and loss together (compiled_forward_and_loss); the meta methods'
-    # steps call the model themselves, so there the model alone is compiled
+    # steps call the model themselves, so there the model alone is compiled, and their step runs through it (the
+    # γ-Net's look-ahead is a functional call of the classifier layer, outside the compiled model)
     step_forward = forward_and_loss
     if args.compile and args.method == "standard":
         train_model = model
@@ -817,9 +922,9 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
     eval_model = train_model if args.compile and not distributed and step_forward is forward_and_loss else (
         torch.compile(model_without_ddp) if args.compile else model_without_ddp)
     if args.method != "standard":
-        meta = meta_module.MetaRegularizer(model, num_classes, args.method.split("-", 1)[1], args, device)
+        meta = meta_module.MetaRegularizer(train_model, num_classes, args.method.split("-", 1)[1], args, device)
 
-    start_epoch, first_step = 0, 0
+    start_epoch, first_step, global_step = 0, 0, 0
     if args.resume:
         if checkpoint is None:
             checkpoint = load_checkpoint(args.resume, map_location="cpu")
@@ -828,6 +933,11 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             if saved.get(key) != getattr(args, key):
                 raise ValueError(f"--resume {args.resume}: checkpoint has {key}={saved.get(key)!r} but this run has "
                                  f"{getattr(args, key)!r}")
+        saved_warmup = "_schedulers" in (checkpoint.get("scheduler") or {})  # a warm-up's SequentialLR
+        if saved_warmup != isinstance(scheduler, torch.optim.lr_scheduler.SequentialLR):
+            raise ValueError(f"--resume {args.resume}: the checkpoint's lr schedule has {'a' if saved_warmup else 'no'}"
+                             f" warm-up and this run's has {'none' if saved_warmup else 'one'}; a warm-up can be "
+                             "added, removed or changed only when a run starts")
         try:
             model_without_ddp.load_state_dict(checkpoint["model"])
             optimizer.load_state_dict(checkpoint["optimizer"])
@@ -842,25 +952,31 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         explicit = explicit_options(args)
         if "lr" in explicit:
             _override_lr(optimizer, scheduler, args.lr)
-        if "epochs" in explicit and isinstance(scheduler, torch.optim.lr_scheduler.CosineAnnealingLR):
-            scheduler.T_max = args.epochs  # from the current lr, the cosine now reaches 0 at the new last epoch
+        if "epochs" in explicit:
+            _retime_cosine(scheduler, args.epochs, getattr(args, "warmup_epochs", 0) or 0)
         if meta is not None and checkpoint.get("meta") is not None:
             meta.load_state_dict(checkpoint["meta"])
+        if meta_iterator is not None and checkpoint.get("meta_batches") is not None:
+            meta_iterator.load_state_dict(checkpoint["meta_batches"])
         if checkpoint.get("loss_state"):  # a loss with state of its own (AdaFocal's γ table)
             criterion.load_state_dict(checkpoint["loss_state"])
         start_epoch, first_step = int(checkpoint["epoch"]), int(checkpoint.get("batches_done", 0))
+        steps_per_epoch = min(len(train_loader), args.max_steps_per_epoch or len(train_loader))
+        # a checkpoint that did not count its optimiser steps: those of the epochs and batches it trained
+        global_step = int(checkpoint.get("optimizer_steps", start_epoch * steps_per_epoch + first_step))
         if main_process:
             _truncate_log(output_dir, start_epoch)
             print(f"resumed from {args.resume}: epoch {start_epoch}" + (f", batch {first_step}" if first_step else ""))
 
-    def make_checkpoint(epoch: int, batches_done: int = 0) -> dict:
+    def make_checkpoint(epoch: int, batches_done: int, optimizer_steps: int) -> dict:
         return {
             "model": model_without_ddp.state_dict(), "optimizer": optimizer.state_dict(),
             "scheduler": scheduler.state_dict(), "scaler": scaler.state_dict(), "epoch": epoch,
             "batches_done": batches_done, "args": {k: v for k, v in vars(args).items()},
             "recipe": recipe.to_dict(), "rng": rng_state(), "meta": meta.state_dict() if meta is not None else None,
+            "meta_batches": meta_iterator.state_dict() if meta_iterator is not None else None,
             "world_size": world, "model_ema": ema.state_dict() if ema is not None else None,
-            "loss_state": criterion.state_dict(),
+            "loss_state": criterion.state_dict(), "optimizer_steps": optimizer_steps,
         }
 
     if main_process:
@@ -879,8 +995,10 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         data_text = recipe.dataset
         if synthetic:
             where = ", kept on the device" if synthetic_on_device else ""
+            covered = min(len(splits.train.targets), num_classes)  # a pool of P images has P classes at most
+            classes = f"{num_classes} classes" + (f", images of {covered} of them" if covered < num_classes else "")
             data_text = (f"synthetic {recipe.dataset}-shaped images ({recipe.in_channels}x{recipe.image_size}x"
-                         f"{recipe.image_size}, {num_classes} classes{where})")
+                         f"{recipe.image_size}, {classes}{where})")
         print(f"{recipe.name}: {args.arch} on {data_text} ({len(splits.train)} train / {len(splits.val)} val / "
               f"{len(splits.test)} test), {loss_text} ({args.reduction} reduction), {args.epochs} epochs, "
               f"batch {args.batch_size}, lr {args.lr}, {world} process(es) on {device}")
@@ -896,12 +1014,12 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
             epoch_criterion = schedule.criterion_for(epoch)
             stats = train_one_epoch(train_model, epoch_criterion, optimizer, train_loader, device, epoch, args, scaler,
                                     stop, first_step=first_step, meta=meta, meta_iterator=meta_iterator, ema=ema,
-                                    step_forward=step_forward)
-            first_step = 0
+                                    step_forward=step_forward, global_step=global_step)
+            first_step, global_step = 0, stats["global_step"]
             train_sampler.skip = 0
             if stats["interrupted"]:
                 if main_process:
-                    save_checkpoint(make_checkpoint(epoch, stats["steps_done"]), checkpoint_path)
+                    save_checkpoint(make_checkpoint(epoch, stats["steps_done"], global_step), checkpoint_path)
                     print(f"{stop.signal_name}: saved {checkpoint_path} at epoch {epoch + 1}, batch "
                           f"{stats['steps_done']}; continue with --resume {checkpoint_path}", flush=True)
                 raise TrainingInterrupted(stop.signal_name, stop.signum)
@@ -919,7 +1037,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
                     val_ema = evaluate(ema.module, val_loader, device, args, n_bins=args.n_bins)
             epochs_this_run += 1
             if main_process:
-                row = {"epoch": epoch + 1, "lr": optimizer.param_groups[0]["lr"], "train_loss": stats["loss"],
+                row = {"epoch": epoch + 1, "lr": stats["lr"], "train_loss": stats["loss"],  # the lr it trained at
                        "train_accuracy": stats["accuracy"], "images_per_s": stats["images_per_s"],
                        **{f"val_{k}": val.get(k, math.nan) for k in ck.metrics.METRIC_KEYS}}
                 if ema is not None:
@@ -933,7 +1051,7 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
                 if isinstance(criterion, ck.losses.AdaFocalLoss):
                     row["adafocal_gamma"] = criterion.gamma.tolist()  # log.jsonl only (a list)
                 log.write(row)
-                save_checkpoint(make_checkpoint(epoch + 1), checkpoint_path)
+                save_checkpoint(make_checkpoint(epoch + 1, 0, global_step), checkpoint_path)
                 if (epoch + 1) % log_every == 0 or last or epoch == start_epoch:
                     summary = (f"epoch {epoch + 1:4d}/{args.epochs}  loss {stats['loss']:.4f}  "
                                f"train acc {100 * stats['accuracy']:.2f}%  {stats['images_per_s']:.0f} img/s")

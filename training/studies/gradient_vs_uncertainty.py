@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from pathlib import Path
 
 import torch
@@ -257,7 +258,9 @@ def format_table(result) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from ..train import _ArgumentParser  # usage errors are one ``error:`` line, as training.train's
+
+    parser = _ArgumentParser(
         prog="python -m training.studies.gradient_vs_uncertainty",
         description="Per-sample last-layer gradient norm against Brier score for CE, FL, DFL and BSCE-GRA on trained "
                     "checkpoints (BSCE-GRA paper Fig. 4), and focal loss's gradient weight g(p, γ) (Fig. 1).",
@@ -286,21 +289,28 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def load_split(checkpoint: dict, split: str, data_root, seed):
-    """The ``split`` dataset of the checkpoint's recipe, with its training run's seed unless ``seed`` is given."""
-    from ..data import build_datasets
+    """The ``split`` dataset of the checkpoint's run, rebuilt as ``training.evaluate`` does (the run's recipe at its
+    ``--image-size``, its meta split, its synthetic images), with the run's seed unless ``seed`` is given."""
+    from ..evaluate import rebuild_splits
 
-    args = checkpoint["args"]
-    if "recipe" not in args:
-        raise ValueError("the checkpoint's args have no 'recipe'; was it written by python -m training.train?")
-    seed = int(args.get("seed", 0)) if seed is None else seed
-    data_root = data_root if data_root is not None else args.get("data_root")
-    return getattr(build_datasets(args["recipe"], data_root, seed), split)
+    return getattr(rebuild_splits(checkpoint["args"], data_root, seed), split)
 
 
 def main(argv=None) -> dict:
     args = build_parser().parse_args(argv)
     if args.max_samples is not None and args.max_samples < 1:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    from ..checkpoint import load_model_from_checkpoint
+    from ..train import check_device
+
+    check_device(args.device)
+    # Every checkpoint and its data are loaded before anything is written: a bad one stops the study up front.
+    runs = []
+    for path in args.checkpoint:
+        model, checkpoint = load_model_from_checkpoint(path, map_location=args.device)
+        runs.append((path, model, checkpoint, load_split(checkpoint, args.split, args.data_root, args.seed)))
     args.output_dir.mkdir(parents=True, exist_ok=True)
     figure1 = args.output_dir / f"{args.prefix}focal_gradient_weight.png"
     plot_focal_gradient_weight(figure1, args.figure1_gammas)
@@ -311,13 +321,9 @@ def main(argv=None) -> dict:
     if not args.checkpoint:
         return result
 
-    from ..checkpoint import load_model_from_checkpoint
-
     specs = loss_specs(args.focal_gamma, args.dual_focal_gamma, args.bsce_gamma, args.bsce_norm)
     analyses, labels = [], []
-    for path in tqdm(args.checkpoint, desc="checkpoints", disable=None):  # a bar on a terminal only
-        model, checkpoint = load_model_from_checkpoint(path, map_location=args.device)
-        dataset = load_split(checkpoint, args.split, args.data_root, args.seed)
+    for path, model, checkpoint, dataset in tqdm(runs, desc="checkpoints", disable=None):  # a bar on a terminal only
         loader = torch.utils.data.DataLoader(dataset, batch_size=args.batch_size, shuffle=False)
         features, logits, target = collect_features_and_logits(model, loader, args.device, args.max_samples)
         analysis = analyse(features, logits, target, specs, include_bias=not args.no_bias)
@@ -343,5 +349,18 @@ def main(argv=None) -> dict:
     return result
 
 
+def cli(argv=None) -> int:
+    """Command-line entry point: exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument,
+    checkpoint or data path."""
+    from ..data import DataError
+    from ..train import _error
+
+    try:
+        main(argv)
+    except (DataError, ValueError, OSError) as exc:
+        return _error(exc)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())

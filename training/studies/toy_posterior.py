@@ -298,7 +298,9 @@ def save_scatter(path, arrays, summary, seed, error_norm):
 # CLI
 # --------------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    from ..train import _ArgumentParser  # usage errors are one ``error:`` line, as training.train's
+
+    parser = _ArgumentParser(
         prog="python -m training.studies.toy_posterior",
         description="BSCE-GRA paper §4.3 toy study: Pearson correlation between the true per-sample calibration "
                     "error ‖p* - p‖ (known posterior of 2-D Gaussian classes) and the focal, dual-focal and "
@@ -342,7 +344,8 @@ def validate_args(args) -> None:
         raise ValueError(f"--means needs an even number (>= 4) of values x1 y1 x2 y2 ..., got {len(args.means)}")
     if args.means is None and args.num_classes < 2:
         raise ValueError(f"--num-classes must be >= 2, got {args.num_classes}")
-    for name in ("train_per_class", "test_per_class", "selection_per_class", "hidden", "epochs", "batch_size"):
+    for name in ("train_per_class", "test_per_class", "selection_per_class", "hidden", "epochs", "batch_size",
+                 "threads"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if any(g < 0 for g in args.gammas) or any(q <= 0 for q in args.norms):
@@ -393,5 +396,16 @@ def _run_study(args, argv) -> dict:
     return result
 
 
+def cli(argv=None) -> int:
+    """Command-line entry point: exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument."""
+    from ..train import _error
+
+    try:
+        main(argv)
+    except (ValueError, OSError) as exc:
+        return _error(exc)
+    return 0
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(cli())
