@@ -974,6 +974,31 @@ def test_large_vocabularies_on_gpu(c):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.parametrize("n", [1000, 5000], ids=["divisor counted in every program", "divisor from the targets kernel"])
+def test_the_last_program_sees_every_row_on_the_gpu(n):
+    """Thousands of programs finish in an order the GPU picks; the one that draws the last ticket must see every other
+    row's loss (the acquire-release ticket after each program's barrier, the reads past L1) and leave the counter at 0
+    for the next launch. Back-to-back calls: each mean and sum equal to the float64 sum of the same rows' losses
+    (``reduction="none"``), and the mean's gradient as the reference's."""
+    torch.manual_seed(0)
+    for c in (16, 1000):
+        for _ in range(20):
+            z = torch.randn(n, c, device="cuda")
+            y = _targets(n, c, "cuda", ignored=n // 10)
+            rows = ck.uncertainty_weighted_ce(z, y, reduction="none", backend="triton").double()
+            total = ck.uncertainty_weighted_ce(z, y, reduction="sum", backend="triton")
+            mean = ck.uncertainty_weighted_ce(z, y, backend="triton")
+            torch.testing.assert_close(total.double(), rows.sum(), rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(mean.double(), rows.sum() / (y != -100).sum(), rtol=1e-5, atol=1e-6)
+        x = z.clone().requires_grad_()
+        ck.uncertainty_weighted_ce(x, y, backend="triton").backward()
+        _close(x.grad, _reference_loss_and_grad(z, y, torch.tensor(1.0, device="cuda"))[1], torch.float32,
+               f"gradient ({n} x {c})")
+    assert all(int(counter) == 0 for counter in T._counters.values())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 def test_cuda_graph_capture_and_replay():
     """No host synchronisation on the hot path: forward and backward capture into a CUDA graph and replay right."""
     z = torch.randn(32, 1000, device="cuda")
