@@ -31,6 +31,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .._validation import check_ignore_index
+
 INPUT_KINDS = ("auto", "logits", "probs")
 # The smallest row-sum tolerance of any dtype. Probabilities normalised in float32 (and perhaps stored as float64)
 # are off by far less, so float32/float64 inputs keep this fixed value; logits essentially never satisfy it.
@@ -185,8 +187,7 @@ def prepare(inputs, labels, inputs_are: str = "auto", ignore_index: int = -100, 
         raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
     if not isinstance(inputs_are, str) or inputs_are not in INPUT_KINDS:
         raise ValueError(f"inputs_are must be one of {INPUT_KINDS}, got {inputs_are!r}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index)
     if inputs.dim() < 2:
         raise ValueError(f"inputs must have shape (..., C) with the class dimension last, got {tuple(inputs.shape)}")
     if tuple(labels.shape) != tuple(inputs.shape[:-1]):

@@ -36,6 +36,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
+from .._validation import check_ignore_index
 from ._inputs import check_n_bins, prepare
 from .binned import (
     accuracy,
@@ -105,8 +106,7 @@ def _rows(inputs, labels, ignore_index):
     if not isinstance(inputs, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError(f"inputs and labels must be torch.Tensors, got {type(inputs).__name__} and "
                         f"{type(labels).__name__}")
-    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-        raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    check_ignore_index(ignore_index)
     if labels.device != inputs.device:
         raise ValueError(f"labels are on {labels.device} but inputs are on {inputs.device}")
     if inputs.dim() == 1 and labels.shape == inputs.shape:
