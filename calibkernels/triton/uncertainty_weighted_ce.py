@@ -94,9 +94,9 @@ Kernel design (docs/performance.md):
 Target-check policy: an out-of-range target (not in ``[0, C)`` and not ``ignore_index``) never makes the kernel read
 or write out of bounds: the kernel reads class 0 instead and writes NaN to that row's loss and gradient (so a wrong
 label can never produce a plausible-looking loss); the loss launch's last program (or the targets kernel, where
-it counts the mean's divisor) raises a device-side flag, which :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host
-(``CALIBKERNELS_VALIDATE=async``, the default; ``sync`` raises at once at the cost of one synchronisation per call;
-``0`` never reads the flag).
+it counts the mean's divisor) raises a device-side flag, which :mod:`calibkernels._target_checks` turns into a
+``ValueError`` without stalling the host (``CALIBKERNELS_VALIDATE=async``, the default; ``sync`` raises at once at the
+cost of one synchronisation per call; ``0`` never reads the flag).
 
 Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` with ``torch.library.custom_op`` (the same
 schema as the compiled op: in place is its mutable ``grad_out`` argument) and ``register_fake``, so
@@ -203,7 +203,8 @@ def _pow(base, exponent):
 
 @triton.jit
 def _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad):
-    """``L_i = u_i · CE_i`` into ``row_loss`` (fp32): 0 on an ignored row, NaN on a row with a bad target."""
+    """``L_i = u_i · CE_i`` into ``row_loss`` (float32, or the loss's dtype for ``reduction="none"``): 0 on an ignored
+    row, NaN on a row with a bad target."""
     row_loss = tl.where(is_valid, u * cross_entropy, 0.0)
     row_loss = tl.where(is_bad, float("nan"), row_loss)
     tl.store(row_loss_ptr + row, row_loss)
