@@ -7,6 +7,7 @@ Logits of shape ``(..., C)`` are flattened to rows ``(N, C)`` (class dimension l
 from __future__ import annotations
 
 import functools
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ def check_backend(backend: str) -> None:
     _check_choice("backend", backend, BACKENDS)
 
 
+def is_number(value) -> bool:
+    """Whether ``value`` is a real number for a hyper-parameter: a Python or NumPy integer or float (any
+    ``numbers.Real``), not a bool, not a tensor."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def check_ignore_index(ignore_index) -> None:
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
@@ -45,14 +52,14 @@ def check_gamma(gamma) -> None:
         if not gamma.is_floating_point():
             raise TypeError(f"a per-sample gamma tensor must be floating point, got {gamma.dtype}")
         return  # values are checked once the rows are known (check_per_sample_gamma)
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)):
+    if not is_number(gamma):
         raise TypeError(f"gamma must be a number or a per-sample tensor, got {type(gamma).__name__}")
     if not 0 <= gamma < float("inf"):  # also rejects NaN
         raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
 
 
 def check_norm(norm) -> None:
-    if isinstance(norm, bool) or not isinstance(norm, (int, float)):
+    if not is_number(norm):
         raise TypeError(f"norm must be a number, got {type(norm).__name__}")
     if not 0 < norm < float("inf"):
         raise ValueError(f"norm (the q of the generalised Brier score) must be finite and > 0, got {norm}")
@@ -296,7 +303,7 @@ def dense_target_message(row: int, dtype: torch.dtype) -> str:
 
 def check_label_smoothing(label_smoothing) -> float:
     """``label_smoothing`` (α of ``t <- (1 - α) t + α / C``): a real number in [0, 1]."""
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+    if not is_number(label_smoothing):
         raise TypeError(f"label_smoothing must be a number in [0, 1], got {type(label_smoothing).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:  # also rejects NaN
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing}")
@@ -328,7 +335,7 @@ def soft_target_request(target, label_smoothing, mix_target, mix_lambda) -> bool
 
 
 def _check_lambda_number(mix_lambda) -> float:
-    if isinstance(mix_lambda, bool) or not isinstance(mix_lambda, (int, float)):
+    if not is_number(mix_lambda):
         raise TypeError(f"mix_lambda must be a number or a floating tensor, got {type(mix_lambda).__name__}")
     if not 0.0 <= mix_lambda <= 1.0:  # also rejects NaN
         raise ValueError(f"mix_lambda must be in [0, 1], got {mix_lambda}")

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import _validation as V
 from .metrics._inputs import check_logits, check_n_bins, compute_dtype
 from .metrics.binned import bin_sums, calibration_error_from_sums, equal_width_edges
 
@@ -226,7 +227,7 @@ class TemperatureScaler(nn.Module):
 
     def __init__(self, temperature: float = 1.0):
         super().__init__()
-        if not (isinstance(temperature, (int, float)) and not isinstance(temperature, bool)):
+        if not V.is_number(temperature):
             raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
         if not (temperature > 0 and math.isfinite(temperature)):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")

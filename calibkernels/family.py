@@ -64,7 +64,7 @@ def _cross_entropy_rows(z, safe):
 
 
 def _check_finite(name, value, *, minimum=None, positive=False):
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not V.is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or (positive and value <= 0) or (minimum is not None and value < minimum):
         bound = "> 0" if positive else (f">= {minimum}" if minimum is not None else "finite")
@@ -330,6 +330,12 @@ class MDCALoss(nn.Module):
         _check_reduction(reduction, backend, ignore_index, batch_level=True, name="mdca")
         if base is not None and not isinstance(base, nn.Module):
             raise TypeError(f"base must be an nn.Module (a loss), got {type(base).__name__}")
+        for name, value in (("reduction", reduction), ("ignore_index", ignore_index)):
+            # the base and the MDCA term must reduce the same rows the same way, or their sum mixes two losses
+            if base is not None and hasattr(base, name) and getattr(base, name) != value:
+                raise ValueError(f"MDCALoss: the base loss has {name}={getattr(base, name)!r} and MDCA "
+                                 f"{name}={value!r}; build the base with the same {name} (or use "
+                                 f"ck.losses.build('mdca', base=..., {name}=...))")
         self.reduction, self.ignore_index, self.backend = reduction, ignore_index, backend
         self.base = base
 

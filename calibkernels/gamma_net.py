@@ -23,6 +23,8 @@ import math
 import torch
 from torch import nn
 
+from ._validation import is_number
+
 __all__ = ["GammaNet"]
 
 
@@ -60,9 +62,9 @@ class GammaNet(nn.Module):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not (isinstance(tau, (int, float)) and not isinstance(tau, bool)) or not tau > 0:
+        if not is_number(tau) or not tau > 0:
             raise ValueError(f"tau must be a number > 0, got {tau!r}")
-        if (not (isinstance(init_gamma, (int, float)) and not isinstance(init_gamma, bool)) or not init_gamma > 0
+        if (not is_number(init_gamma) or not init_gamma > 0
                 or not math.isfinite(init_gamma)):
             raise ValueError(f"init_gamma must be a finite number > 0 (γ = |x̃W|/τ with W = 0 has no gradient, so γ "
                              f"would stay 0), got {init_gamma!r}")

@@ -180,7 +180,7 @@ class LabelSmoothingCE(nn.Module):
         self.backend = _check_reference_only_backend("label_smoothing", backend)
         V.check_reduction(reduction)
         V.check_ignore_index(ignore_index)
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        if not V.is_number(alpha):
             raise TypeError(f"label smoothing alpha must be a number in [0, 1], got {type(alpha).__name__}")
         if not 0.0 <= alpha <= 1.0:  # also refuses NaN
             raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")

@@ -43,6 +43,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
+from . import _validation as V
 from . import calibration as _calibration
 from .metrics._inputs import check_logits, check_n_bins, compute_dtype
 
@@ -109,7 +110,7 @@ def _as_fit_inputs(logits, labels) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _check_number(name: str, value, *, positive: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not V.is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or value < 0 or (positive and value == 0):
         raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'} and finite, got {value}")

@@ -566,7 +566,8 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100, fo
       ``sqrt(Σ a a' k / (n₁² (n₁² + 1e-5)) + Σ b b' k / (n₀² (n₀² + 1e-5)) - 2 Σ a b' k / (n₁n₀ (n₁n₀ + 1e-5)))``,
       i.e. about ``n₁⁴``, ``n₀⁴`` and ``(n₁n₀)²`` where Kumar's form has ``n₁²``, ``n₀²``, ``n₁n₀``.
 
-    Both weighted forms are 0 when either group is empty (as the code's ``cond_k · cond_k_p``), and their radicand is
+    Both weighted forms are 0 when either group is empty (as the code's ``cond_k · cond_k_p``), every form is 0 when
+    every row is ignored, and the weighted forms' radicand is
     clamped at 0 (a negative rounding residue would make the code's ``sqrt`` NaN). A ``1e-10`` inside every square root
     keeps its gradient finite at 0 (as in the code). Ignored rows take no part. ``logits (..., C)``, ``target (...)``;
     returns a 0-dim tensor. Formulas and conventions: ``docs/losses.md`` ("MMCE").
@@ -582,11 +583,13 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100, fo
     kernel = torch.exp(-(confidence[:, None] - confidence[None, :]).abs() / bandwidth)
     if not weighted:
         residual = (correct - confidence) * mask
-        m = mask.sum().clamp_min(1)
+        m_valid = mask.sum()
+        m = m_valid.clamp_min(1)
         quadratic = (residual[:, None] * residual[None, :] * kernel).sum() / (m * m)
         if form == "papers_code":
             return quadratic
-        return torch.sqrt(quadratic + 1e-10)
+        # 0 for a batch with no row to compare (the 1e-10 alone would give 1e-5)
+        return (m_valid > 0).to(p.dtype) * torch.sqrt(quadratic + 1e-10)
     is_correct = correct * mask
     is_wrong = (1.0 - correct) * mask
     n_correct, n_wrong = is_correct.sum(), is_wrong.sum()

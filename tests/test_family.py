@@ -388,3 +388,18 @@ def test_bad_targets_raise_the_fused_ops_error(name):
     for backend in ("cpu", "reference"):
         with pytest.raises(ValueError, match="out of range"):
             ck.losses.build(name, backend=backend)(torch.randn(3, 4), torch.tensor([0, 5, 1]))
+
+
+def test_mdca_refuses_a_base_that_reduces_other_rows_or_otherwise():
+    """A base module with another reduction or ignore_index than MDCA's would add a mean loss to a summed MDCA term,
+    or drop rows the MDCA term counts: refused, naming the attribute; the registry builds them consistently."""
+    from calibkernels.family import MDCALoss
+
+    with pytest.raises(ValueError, match="reduction='mean' and MDCA reduction='sum'"):
+        MDCALoss(base=ck.losses.build("focal_loss", gamma=1.0), reduction="sum")
+    with pytest.raises(ValueError, match="ignore_index=0 and MDCA ignore_index=-100"):
+        MDCALoss(base=ck.losses.build("cross_entropy", ignore_index=0))
+    z, y = torch.randn(6, 5), torch.randint(0, 5, (6,))
+    consistent = MDCALoss(base=ck.losses.build("focal_loss", gamma=1.0, reduction="sum"), reduction="sum")
+    torch.testing.assert_close(consistent(z, y), ck.losses.build("mdca", base="focal_loss", gamma=1.0,
+                                                                 reduction="sum")(z, y))

@@ -203,3 +203,35 @@ def test_documented_build_calls_work(name, hyperparameters):
         loss = module(x, y)
         loss.backward()
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize("form", ["kumar", "papers_code"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_mmce_of_a_batch_with_every_row_ignored_is_zero(weighted, form, reduction):
+    """No row to compare: the loss and its gradient are 0 in every form (the unweighted Kumar form had returned
+    λ·sqrt(1e-10) = 2e-5, from the 1e-10 that keeps the square root's gradient finite)."""
+    z = torch.randn(4, 5, requires_grad=True)
+    loss = ck.losses.build("mmce_weighted" if weighted else "mmce", form=form, reduction=reduction)(
+        z, torch.full((4,), -100))
+    loss.backward()
+    assert loss.item() == 0.0 and (z.grad == 0).all()
+
+
+@pytest.mark.parametrize("name,kwargs", [
+    ("focal_loss", {"gamma": 2.0}), ("bsce_gra", {"gamma": 4.0, "norm": 2}), ("label_smoothing", {"alpha": 0.25}),
+    ("mmce", {"lam": 2.0}), ("mbls", {"margin": 5.0}), ("mdca", {"beta": 1.0}), ("adafocal", {"lam": 1.0}),
+])
+def test_numpy_scalar_hyperparameters_build_the_same_loss(name, kwargs):
+    """A NumPy float or integer (e.g. from a config parsed with numpy) is a number like a Python one: the same module,
+    the same repr and loss (they had been refused with 'must be a number, got float32'); a bool is still refused.
+    (Values a float32 holds exactly, so that both spellings are the same number.)"""
+    np = pytest.importorskip("numpy")
+    z, y = torch.randn(8, 5), torch.randint(0, 5, (8,))
+    as_numpy = {k: (np.float32(v) if isinstance(v, float) else np.int64(v)) for k, v in kwargs.items()}
+    built, reference = ck.losses.build(name, **as_numpy), ck.losses.build(name, **kwargs)
+    assert repr(built) == repr(reference)
+    torch.testing.assert_close(built(z, y), reference(z, y))
+    key = next(iter(kwargs))
+    with pytest.raises(TypeError, match=key):
+        ck.losses.build(name, **{key: np.bool_(True)})

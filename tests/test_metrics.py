@@ -588,6 +588,16 @@ def test_reliability_bins_match_brute_force():
     assert stats["ece"] == pytest.approx(brute_ece(probs, labels, 8), abs=1e-6)
 
 
+def test_reliability_diagram_saves_in_the_format_of_the_suffix(tmp_path):
+    """A ``.pdf`` or ``.svg`` path gets that format (it had been written as PNG bytes whatever the suffix)."""
+    pytest.importorskip("matplotlib")
+    logits, labels = _overconfident_logits(100, 4)
+    for suffix, magic in ((".pdf", b"%PDF"), (".svg", b"<?xml"), (".png", b"\x89PNG")):
+        path = tmp_path / f"reliability{suffix}"
+        metrics.reliability_diagram(logits, labels, path=path)
+        assert path.read_bytes().startswith(magic), suffix
+
+
 def test_reliability_diagram_without_matplotlib_says_how_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)

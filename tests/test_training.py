@@ -529,3 +529,17 @@ def test_two_process_gloo_ddp_run_reports_exactly_what_one_process_evaluates(tmp
     for tag in ("pre_T", "post_T"):
         for key, value in report[tag].items():
             assert single[tag][key] == pytest.approx(value, rel=1e-4, abs=1e-6), (tag, key)
+
+
+def test_save_comparison_refuses_outputs_that_do_not_match_the_report_runs(tmp_path):
+    """One (logits, labels) per run of an aggregated report, in its order: fewer would pool fewer seeds than the
+    title says, more would fail inside the metrics with a shape error that does not name the cause."""
+    pytest.importorskip("matplotlib")
+    from training.report import save_comparison
+
+    logits, labels = torch.randn(40, 3), torch.randint(0, 3, (40,))
+    report = {"runs": [{"temperature": 1.5}, {"temperature": 2.0}, {"temperature": 1.0}],
+              "pre_T": {"ece": 0.1}, "post_T": {"ece": 0.05}}
+    for given in (2, 4):
+        with pytest.raises(ValueError, match=f"'bsce_gra' has test outputs of {given} seed"):
+            save_comparison({"bsce_gra": report}, {"bsce_gra": [(logits, labels)] * given}, tmp_path)

@@ -256,6 +256,10 @@ def save_comparison(reports: dict[str, dict], test_outputs: dict[str, tuple], ou
             per_seed = list(outputs) if isinstance(outputs, list) else [outputs]
             temperatures = ([run["temperature"] for run in report["runs"]] if "runs" in report
                             else [report["temperature"]])
+            if len(per_seed) != len(temperatures):
+                raise ValueError(f"save_comparison: {loss!r} has test outputs of {len(per_seed)} seed(s) but its "
+                                 f"report has {len(temperatures)} run(s); give one (logits, labels) per run, in the "
+                                 "report's order")
             scaled = [logits / (t if tag == "post_T" else 1.0) for (logits, _), t in zip(per_seed, temperatures)]
             labels = torch.cat([labels for _, labels in per_seed])
             conf, acc = _reliability_curve(torch.cat(scaled), labels, n_bins)

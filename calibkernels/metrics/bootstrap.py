@@ -36,7 +36,7 @@ import numbers
 import torch
 import torch.nn.functional as F
 
-from .._validation import check_ignore_index
+from .._validation import check_ignore_index, is_number
 from ._inputs import check_n_bins, prepare
 from .binned import (
     accuracy,
@@ -94,7 +94,7 @@ def _check_int(name, value, minimum):
 
 
 def _check_confidence(confidence) -> float:
-    if isinstance(confidence, bool) or not isinstance(confidence, (int, float)):
+    if not is_number(confidence):
         raise TypeError(f"confidence must be a number in (0, 1), got {type(confidence).__name__}")
     if not 0 < confidence < 1:
         raise ValueError(f"confidence must lie in (0, 1) (0.95 for a 95% interval), got {confidence!r}")

@@ -56,7 +56,8 @@ def reliability_bins(inputs, labels, n_bins: int = 15, *, inputs_are: str = "aut
 def reliability_diagram(inputs, labels, path=None, n_bins: int = 15, title: str | None = None, ax=None, *,
                         inputs_are: str = "auto", ignore_index: int = -100, dpi: int = 150, smooth: bool = False,
                         band: bool = False, n_resamples: int = 200, band_confidence: float = 0.95, seed: int = 0):
-    """Draw a reliability diagram and return the matplotlib ``Figure`` (saved as PNG to ``path`` when given).
+    """Draw a reliability diagram and return the matplotlib ``Figure`` (saved to ``path`` when given, in the format
+    its suffix names: ``.png``, ``.pdf``, ``.svg``, …; PNG without a suffix).
 
     Top panel: bars of bin accuracy over equal-width confidence bins, the gap to the bin's mean confidence (red,
     hatched; above the bar = over-confident), and the diagonal of perfect calibration. Bottom panel: the share of
@@ -142,5 +143,5 @@ def reliability_diagram(inputs, labels, path=None, n_bins: int = 15, title: str 
         reliability_ax.set_xlabel("Confidence")
 
     if path is not None:
-        figure.savefig(path, dpi=dpi, format="png")
+        figure.savefig(path, dpi=dpi)  # the format from the suffix: a .pdf path must not hold PNG bytes
     return figure

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from .._validation import is_number
 from ._inputs import resolve_inputs_kind
 
 __all__ = ["sece", "dece", "SECE_DEFAULT_BANDWIDTH", "DECE_DEFAULT_BINS", "DECE_DEFAULT_T_A", "DECE_DEFAULT_T_B"]
@@ -114,7 +115,7 @@ def sece(
     Returns:
         a 0-dim tensor in float32 (float64 for float64 inputs); 0 when every row is ignored.
     """
-    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)) or not bandwidth > 0:
+    if not is_number(bandwidth) or not bandwidth > 0:
         raise ValueError(f"bandwidth must be a number > 0, got {bandwidth!r}")
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 1:
         confidence, correct = _check_confidences(inputs, labels)
@@ -164,7 +165,7 @@ def dece(
     if isinstance(n_bins, bool) or not isinstance(n_bins, int) or n_bins < 1:
         raise ValueError(f"n_bins must be an int >= 1, got {n_bins!r}")
     for name, value in (("t_a", t_a), ("t_b", t_b)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if not is_number(value) or not value > 0:
             raise ValueError(f"{name} must be a number > 0, got {value!r}")
     if isinstance(inputs, torch.Tensor) and inputs.dim() == 1:
         confidence, soft_accuracy = _check_confidences(inputs, labels)  # no probabilities to rank: hard accuracy

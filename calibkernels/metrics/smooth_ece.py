@@ -42,6 +42,7 @@ import math
 
 import torch
 
+from .._validation import is_number
 from ._inputs import prepare
 from .binned import confidence_and_correct
 
@@ -193,7 +194,7 @@ def curve_from_grid(grid: torch.Tensor, sigma: float, value: float, num_samples:
 def check_bandwidth(bandwidth) -> float | None:
     if bandwidth is None:
         return None
-    if isinstance(bandwidth, bool) or not isinstance(bandwidth, (int, float)):
+    if not is_number(bandwidth):
         raise TypeError(f"bandwidth must be None (automatic) or a number, got {type(bandwidth).__name__}")
     if not (math.isfinite(bandwidth) and bandwidth >= MIN_BANDWIDTH):
         raise ValueError(f"bandwidth must be finite and >= {MIN_BANDWIDTH} (the kernel grid has about 10/bandwidth "

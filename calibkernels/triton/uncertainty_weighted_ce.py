@@ -1129,7 +1129,7 @@ def _soft_target_arguments(logits, target, weight, mix_target, mix_lambda, label
     float32 tensor on the logits' device, and ``soft`` whether the row targets are anything but class indices."""
     if mix_target is None and mix_lambda is None and label_smoothing == 0.0 and not target.is_floating_point():
         return target, None, None, 0.0, False  # hard targets: the common case, checked first
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+    if not V.is_number(label_smoothing):
         raise TypeError(f"label_smoothing must be a number in [0, 1], got {type(label_smoothing).__name__}")
     label_smoothing = float(label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
