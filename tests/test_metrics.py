@@ -492,6 +492,44 @@ def test_meter_over_batches_equals_functional_metrics():
         meter.update(torch.randn(3, 4), torch.zeros(3, dtype=torch.long))  # class count changed
 
 
+@pytest.mark.parametrize("track_adaptive", [True, False])
+def test_meter_state_saves_restores_and_merges(tmp_path, track_adaptive):
+    """state_dict / load_state_dict round-trip through torch.save (weights only) part-way through a stream, and
+    merge_state of two meters over two shards (one of them also given a meter that saw nothing) computes what one
+    meter over the whole stream does; meters with other settings or classes are refused."""
+    logits, labels = _overconfident_logits(300, 6)
+    whole = CalibrationMeter(n_bins=12, track_adaptive=track_adaptive)
+    whole.update(logits, labels)
+    expected = whole.compute()
+
+    first = CalibrationMeter(n_bins=12, track_adaptive=track_adaptive)
+    first.update(logits[:100], labels[:100])
+    torch.save(first.state_dict(), tmp_path / "meter.pt")
+    resumed = CalibrationMeter(n_bins=12, track_adaptive=track_adaptive)
+    resumed.load_state_dict(torch.load(tmp_path / "meter.pt", weights_only=True))
+    resumed.update(logits[100:], labels[100:])
+    assert resumed.compute() == pytest.approx(expected, rel=1e-6, abs=1e-9, nan_ok=True)
+
+    second = CalibrationMeter(n_bins=12, track_adaptive=track_adaptive)
+    second.update(logits[100:], labels[100:])
+    first.merge_state(second)
+    first.merge_state(CalibrationMeter(n_bins=12, track_adaptive=track_adaptive))
+    assert first.num_samples == 300
+    assert first.compute() == pytest.approx(expected, rel=1e-6, abs=1e-9, nan_ok=True)
+    empty = CalibrationMeter(n_bins=12, track_adaptive=track_adaptive)
+    empty.merge_state(second.state_dict())
+    assert empty.num_samples == 200
+
+    with pytest.raises(ValueError, match="n_bins=15, this one n_bins=12"):
+        first.merge_state(CalibrationMeter(track_adaptive=track_adaptive))
+    other_classes = CalibrationMeter(n_bins=12, track_adaptive=track_adaptive)
+    other_classes.update(torch.randn(4, 3), torch.zeros(4, dtype=torch.long))
+    with pytest.raises(ValueError, match="3 classes, this one 6"):
+        first.merge_state(other_classes)
+    with pytest.raises(TypeError, match="CalibrationMeter or its state_dict"):
+        first.merge_state({"bins": 1})
+
+
 def test_meter_without_adaptive_tracking_keeps_constant_state():
     logits, labels = _overconfident_logits(200, 4)
     meter = CalibrationMeter(track_adaptive=False)

@@ -103,7 +103,8 @@ class CalibrationMeter:
         track_adaptive: keep per-sample confidences for AdaECE (O(N) memory); ``False`` makes the memory constant.
 
     ``update(inputs, labels)`` takes ``(..., C)`` logits or probabilities and ``(...)`` labels; ``compute()`` returns a
-    dict of Python floats with keys :data:`METRIC_KEYS` (fractions, not percentages); ``reset()`` clears the state.
+    dict of Python floats with keys :data:`METRIC_KEYS` (fractions, not percentages); ``reset()`` clears the state;
+    ``state_dict()`` / ``load_state_dict()`` save and restore it, ``merge_state(other)`` adds another meter's samples.
     """
 
     def __init__(self, n_bins: int = 15, *, inputs_are: str = "auto", ignore_index: int = -100,
@@ -160,6 +161,53 @@ class CalibrationMeter:
             self._confidence_dtype = confidence.dtype
             self._confidences.append(confidence.to(device))
             self._correct.append(correct.to(torch.bool).to(device))
+
+    # ----------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict:
+        """The accumulated state (tensors and Python numbers; ``torch.save`` / ``torch.load(weights_only=True)``
+        round-trip it), e.g. to checkpoint a long evaluation part-way: :meth:`load_state_dict` restores it."""
+        return {"n_bins": self.n_bins, "track_adaptive": self.track_adaptive, "num_classes": self.num_classes,
+                "bins": self._bins, "classwise": self._classwise, "scalars": self._scalars,
+                "confidences": torch.cat(self._confidences) if self._confidences else None,
+                "correct": torch.cat(self._correct) if self._correct else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replace this meter's state by ``state`` (from :meth:`state_dict` of a meter with the same ``n_bins`` and
+        ``track_adaptive``; ``ValueError`` otherwise)."""
+        self._check_compatible(state, "load_state_dict")
+        self.reset()
+        self.merge_state(state)
+
+    def merge_state(self, other) -> None:
+        """Add the samples of another meter (or its :meth:`state_dict`) to this one, as if its batches had been
+        passed to :meth:`update` here: the merged :meth:`compute` equals that of one meter over both streams. For
+        shards evaluated apart without ``torch.distributed``; under a process group, ``compute()`` merges the ranks
+        itself."""
+        state = other.state_dict() if isinstance(other, CalibrationMeter) else other
+        self._check_compatible(state, "merge_state")
+        if state["num_classes"] is None:
+            return  # the other meter saw no batch
+        if self.num_classes is None:
+            self._allocate(int(state["num_classes"]), state["bins"].device)
+        elif state["num_classes"] != self.num_classes:
+            raise ValueError(f"merge_state: the other meter has {state['num_classes']} classes, this one "
+                             f"{self.num_classes}")
+        device = self._bins.device
+        self._bins += state["bins"].to(device, torch.float64)
+        self._classwise += state["classwise"].to(device, torch.float64)
+        self._scalars += state["scalars"].to(device, torch.float64)
+        if self.track_adaptive and state["confidences"] is not None:
+            self._confidence_dtype = state["confidences"].dtype
+            self._confidences.append(state["confidences"].to(device))
+            self._correct.append(state["correct"].to(device, torch.bool))
+
+    def _check_compatible(self, state, what: str) -> None:
+        if not isinstance(state, dict) or not {"n_bins", "track_adaptive", "num_classes"} <= state.keys():
+            raise TypeError(f"{what}: expected a CalibrationMeter or its state_dict(), got {type(state).__name__}")
+        for key in ("n_bins", "track_adaptive"):
+            if state[key] != getattr(self, key):
+                raise ValueError(f"{what}: the other meter has {key}={state[key]!r}, this one "
+                                 f"{key}={getattr(self, key)!r}")
 
     # ----------------------------------------------------------------------------------------------- DDP merging
     def _merged_state(self):
