@@ -15,9 +15,11 @@ Providers (each is skipped with the reason where it cannot run):
 * ``liger_fused_linear_cross_entropy``: Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss`` (weight ``"none"``,
   CUDA, when ``liger_kernel`` is importable);
 * ``cut_cross_entropy``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` (weight ``"none"``, CUDA, when
-  ``cut_cross_entropy`` is importable).
+  ``cut_cross_entropy`` is importable), exact: ``filter_eps=None`` (its default, ``"auto"``, skips the gradient
+  blocks whose softmax values are below a threshold, less work than an exact gradient; the row's ``config`` says
+  ``filter_eps``).
 
-Method (as ``bench/harness.py``, which this standalone script does not use): providers of a case are timed
+Method (as ``bench/harness.py``, whose timing this script does not use): providers of a case are timed
 interleaved after warm-up repetitions; the median and the minimum are reported; CUDA times come from CUDA events
 around the step. The providers that compile (``COMPILED``: ``chunked_reference_compiled``, whose warm-up is an
 inductor compilation, minutes at the CUDA case's size) are warmed up and timed after every other provider of every
@@ -26,7 +28,9 @@ memory: the peak allocated above the level before the step (which holds ``hidden
 gradients count as extra), by ``torch.cuda.max_memory_allocated`` on CUDA and, on the
 CPU, from the allocation records of ``torch.profiler.profile(profile_memory=True)`` (the running sum of every
 allocation and free during the step). It is also given in units of the ``N × C`` logits in the input dtype. Each
-provider's loss and ``hidden.grad`` are compared with ``calibkernels_fused_linear``'s (max relative difference).
+provider's loss and ``hidden.grad`` are compared with ``calibkernels_fused_linear``'s (max relative difference). A
+provider that raises (in its warm-up, its timed repetitions or its memory step) is recorded with the error for that
+case, and the others go on.
 
 Usage::
 
@@ -59,6 +63,7 @@ import torch
 import torch.nn.functional as F
 
 import calibkernels as ck
+from bench.harness import GIT_DIRTY_SCOPE, package_version
 from calibkernels import reference as R
 from calibkernels.fused_linear import default_chunk_size
 
@@ -140,7 +145,7 @@ def _cut_cross_entropy(case):
     from cut_cross_entropy import linear_cross_entropy
 
     def step(hidden, w, target):
-        return linear_cross_entropy(hidden, w, target)
+        return linear_cross_entropy(hidden, w, target, **PROVIDER_CONFIG["cut_cross_entropy"])
     return step
 
 
@@ -152,6 +157,10 @@ PROVIDERS = {
     "liger_fused_linear_cross_entropy": _liger,
     "cut_cross_entropy": _cut_cross_entropy,
 }
+# keywords a provider is called with that change what it computes, recorded in its rows' config: Cut Cross-Entropy
+# without its gradient filter (filter_eps="auto" skips small gradient blocks), so that every provider computes the
+# exact gradient
+PROVIDER_CONFIG = {"cut_cross_entropy": {"filter_eps": None}}
 # the providers whose warm-up compiles (torch.compile): measured after all the others (module docstring)
 COMPILED = ("chunked_reference_compiled",)
 BASE = "calibkernels_fused_linear"  # the provider every other one's loss and hidden.grad are compared with
@@ -227,6 +236,10 @@ def run_case(case, providers, warmup, reps, max_time_s, memory, base=None):
             results[name] = {"status": "ok", "times_ms": []}
         except Skip as exc:
             results[name] = {"status": f"skipped: {exc}"}
+        except Exception as exc:  # a provider failing must not stop the others
+            results[name] = {"status": _error(exc)}
+        if name in PROVIDER_CONFIG:
+            results[name]["config"] = dict(PROVIDER_CONFIG[name])
     # warm-up (compilation, JIT), and each provider's result for the cross-check
     outputs = {}
     for name, step in list(steps.items()):
@@ -235,7 +248,8 @@ def run_case(case, providers, warmup, reps, max_time_s, memory, base=None):
                 loss = _run_step(step, hidden, w, target)
             outputs[name] = (loss.detach().clone(), hidden.grad.clone())
         except Exception as exc:  # a provider failing must not stop the others
-            results[name] = {"status": f"error: {type(exc).__name__}: {str(exc)[:300]}"}
+            results[name] = {"status": _error(exc), **({"config": results[name]["config"]}
+                                                       if "config" in results[name] else {})}
             del steps[name]
     base = outputs.get(BASE, base)
     for name, (loss, grad) in outputs.items():
@@ -249,7 +263,12 @@ def run_case(case, providers, warmup, reps, max_time_s, memory, base=None):
         for name in order:
             if rep >= 3 and spent[name] > max_time_s * 1e3:
                 continue
-            elapsed = _time_once(steps[name], hidden, w, target, device)
+            try:
+                elapsed = _time_once(steps[name], hidden, w, target, device)
+            except Exception as exc:  # a provider failing must not stop the others: its times so far are kept
+                results[name]["status"] = _error(exc)
+                names.remove(name)
+                continue
             results[name]["times_ms"].append(round(elapsed, 4))
             spent[name] += elapsed
     logits_bytes = case["n"] * case["c"] * DTYPES[case["dtype"]].itemsize
@@ -258,12 +277,20 @@ def run_case(case, providers, warmup, reps, max_time_s, memory, base=None):
         results[name].update(median_ms=statistics.median(times), min_ms=min(times), max_ms=max(times),
                              reps=len(times))
         if memory:
-            peak = _peak_extra_bytes(steps[name], hidden, w, target, device)
+            try:
+                peak = _peak_extra_bytes(steps[name], hidden, w, target, device)
+            except Exception as exc:  # the times stay; the row says why it has no memory
+                results[name]["status"] = _error(exc)
+                continue
             gradient_bytes = (hidden.numel() + w.numel()) * hidden.element_size()
             results[name].update(peak_extra_mb=peak / 1e6, peak_extra_logits=peak / logits_bytes,
                                  peak_above_gradients_logits=(peak - gradient_bytes) / logits_bytes)
     hidden.grad = w.grad = None
     return results, base
+
+
+def _error(exc: Exception) -> str:
+    return f"error: {type(exc).__name__}: {str(exc)[:300]}"
 
 
 # ------------------------------------------------------------------------------------------------------ reporting
@@ -284,20 +311,22 @@ def _meta(device):
                 break
     except OSError:
         pass
-    dirty = _git("status", "--porcelain", "--", "calibkernels", "csrc")
+    dirty = _git("status", "--porcelain", "--", *GIT_DIRTY_SCOPE)
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
         "calibkernels": ck.__version__, "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "device": device,
         "git_commit": _git("rev-parse", "--short", "HEAD"), "git_dirty": None if dirty is None else bool(dirty),
+        "git_dirty_scope": list(GIT_DIRTY_SCOPE),
     }
     if device == "cuda":
         meta["gpu"] = torch.cuda.get_device_name()
-    if importlib.util.find_spec("triton") is not None:
-        import triton
-
-        meta["triton"] = triton.__version__
+    # the installed distributions' versions (importlib.metadata), for the optional providers too
+    for module in ("triton", "liger_kernel", "cut_cross_entropy"):
+        version = package_version(module)
+        if version is not None:
+            meta[module] = version
     return meta
 
 
@@ -313,7 +342,8 @@ def _history_row(meta, case, provider, result, source_file):
         "device": device_name, "device_type": case["device"], "date": meta["date"], "commit": meta["git_commit"],
         "dirty": meta["git_dirty"], "torch": meta["torch"], "triton": meta.get("triton"), "case_id": _case_id(case),
         "n": case["n"], "c": case["c"], "dtype": case["dtype"], "weight": case["weight"], "mode": case["mode"],
-        "provider": provider, "config": {"reduction": "mean", "hidden": case["h"]}, "measure": "step",
+        "provider": provider, "config": {"reduction": "mean", "hidden": case["h"], **(result.get("config") or {})},
+        "measure": "step",
         "median_ms": result.get("median_ms"), "min_ms": result.get("min_ms"), "max_ms": result.get("max_ms"),
         "mean_ms": None, "reps": result.get("reps"), "gb_per_s": None, "peak_extra_mb": result.get("peak_extra_mb"),
         "peak_extra_nc": result.get("peak_extra_logits"), "speedup_vs_reference": None, "value": None,
@@ -340,8 +370,9 @@ def _markdown(meta, rows):
              "| above the gradients (× logits) | diff loss / d hidden |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for case, provider, r in rows:
+        config = "".join(f" ({key}={value})" for key, value in (r.get("config") or {}).items())
         head = f"| {case['n']} × {case['h']} × {case['c']} | {case['dtype']} | {case['weight']} / {case['mode']} " \
-               f"| {provider} "
+               f"| {provider}{config} "
         if r["status"] != "ok":
             lines.append(head + f"| {r['status']} | | | | | |")
             continue

@@ -90,9 +90,7 @@ def main(argv=None):
         print("[bench] torchmetrics is not installed: timing calibkernels' metrics only", file=sys.stderr)
     meta = harness.machine_info(args.device)
     if have_torchmetrics:
-        import torchmetrics
-
-        meta["torchmetrics"] = torchmetrics.__version__
+        meta["torchmetrics"] = harness.package_version("torchmetrics")
     rows, records = [], []
     for n, c in (QUICK_SHAPES if args.quick else SHAPES)[args.device]:
         logits, labels = _inputs(n, c, args.device)

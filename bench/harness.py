@@ -21,7 +21,13 @@ Fairness rules, the same for every provider:
 * Timed region: the provider's step (forward + ``backward()``) and, on CUDA, nothing else: CUDA events bracket the
   step on the stream; the L2 cache is flushed (a 256 MiB ``zero_``) before each repetition, as
   ``triton.testing.do_bench`` does. We do not call ``do_bench`` itself because it cannot run an untimed setup
-  (the fresh logits copy) before each repetition. On the CPU: ``time.perf_counter`` around the step.
+  (the fresh logits copy) before each repetition. Between the flush and the start event the GPU spins
+  (``torch.cuda._sleep``) for twice the host's time to issue the step (measured on the last warm-up repetition, with
+  the GPU idle) plus 100 µs, at most 20 ms (the margin also covers a clock faster than when the spin was timed): the
+  host has issued the whole step by the time the spin ends and the start event runs, so the events time the
+  device's work, not the host's launch gaps (at small, host-bound shapes the GPU would otherwise idle between the
+  step's kernels while the host issues them). Each CUDA result records that issue time (``host_issue_ms``). On the
+  CPU: ``time.perf_counter`` around the step.
 * Reported time: the **median** over repetitions, after warm-up repetitions (which also absorb ``torch.compile``'s
   compilation and Triton's JIT). ``torch._dynamo.reset()`` runs before each compiled provider is built, so every
   case gets its own static-shape graph and the recompile limit is never hit.
@@ -43,8 +49,11 @@ Fairness rules, the same for every provider:
     the allocator, not the operators).
 
 Host-step suites (``Suite(measure="host_step")``, issue #20): the host cost of an eager training step at shapes
-where the kernel's work is negligible. One leaf is reused and ``leaf.grad`` set to ``None`` before each step, as a
-training loop's ``zero_grad(set_to_none=True)`` does, with no per-step copy; one repetition times ``k`` back-to-back
+where the kernel's work is negligible. Each provider reuses a leaf of its own (the same values for all) and
+``leaf.grad`` is set to ``None`` before each step, as a training loop's ``zero_grad(set_to_none=True)`` does, with no
+per-step copy, except for an in-place provider (``Provider.inplace``, e.g. Liger, which overwrites its logits with
+their gradient): it gets a fresh non-leaf copy per step, the copies of a repetition made before its timer starts (so
+it never changes its own or another provider's logits); one repetition times ``k`` back-to-back
 steps (``k`` chosen so that a repetition lasts about ``host_rep_ms``) and records the time per step; the providers'
 repetitions are interleaved and each provider is also reported as the median of its per-repetition ratios to the
 suite's ``baseline`` (pairs measured next to each other in time). Each ``threads`` entry of the suite is a separate
@@ -61,7 +70,8 @@ with a mix, ``(λ·CE(z, y) + (1 − λ)·CE(z, y2)).mean()`` over per-row cross
 
 Results (:func:`publish`): ``<suite>-<device>-<date>.json`` and ``.md`` in ``bench/results/`` (or ``--results-dir``),
 replacing the earlier files of the same suite and device, and one row per measured case appended to
-``history.jsonl`` in the format of bench/README.md.
+``history.jsonl`` in the format of bench/README.md. A run stopped by SIGINT (a wall-clock limit) still writes them,
+with the cases measured before it and ``meta.complete`` false (:class:`RunInterrupted`), then re-raises.
 
 Bench files (``bench/bench_*.py``) only declare suites (cases × providers) and call :func:`main` or
 :func:`run_pytest_benchmark`.
@@ -131,6 +141,10 @@ __all__ = [
     "history_rows",
     "append_history",
     "publish",
+    "RunInterrupted",
+    "backend_target_kind",
+    "gpu_sleep_cycles",
+    "package_version",
     "main",
 ]
 
@@ -511,6 +525,7 @@ class Timing:
     reps: int
     times_ms: list[float] = field(repr=False)
     steps_per_rep: int = 1  # host steps: back-to-back steps per repetition (the times are per step)
+    issue_ms: float | None = None  # CUDA steps: the host's time to issue one step (the GPU spun meanwhile)
 
 
 def _dropper(names: list[str], on_error: Callable[[str, Exception], None] | None
@@ -554,14 +569,22 @@ def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target, *, warmup: in
     names = list(steps)
     failed = _dropper(names, on_error)
     target_of = {name: target for name in names} if targets is None else targets
+    issue_s: dict[str, float] = {}  # CUDA: the host's time to issue one step (the last warm-up repetition's)
 
     def warm(name):
         for _ in range(warmup):
-            steps[name](_fresh_logits(leaf), target_of[name])
+            logits = _fresh_logits(leaf)
+            if device == "cuda":
+                torch.cuda.synchronize()  # the GPU idle: the host's issue time alone, not a wait for earlier work
+            start_s = time.perf_counter()
+            steps[name](logits, target_of[name])
+            issue_s[name] = time.perf_counter() - start_s
+            del logits
 
     _warm_up(names, warm, failed, device)
     times: dict[str, list[float]] = {name: [] for name in names}
     flush = torch.empty(256 * 2**20, dtype=torch.int8, device=leaf.device) if device == "cuda" else None
+    cycles_per_ms = _gpu_sleep_cycles_per_ms() if flush is not None else None
     pending: dict[str, list] = {name: [] for name in names}  # CUDA events not yet read back
 
     def collect():
@@ -580,6 +603,11 @@ def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target, *, warmup: in
             try:
                 if flush is not None:
                     flush.zero_()  # evict the logits from L2, as triton.testing.do_bench does
+                    # keep the GPU busy while the host issues the step, so that the events time the device's work
+                    # and not the host's launch gaps (module docstring)
+                    cycles = gpu_sleep_cycles(issue_s.get(name), cycles_per_ms)
+                    if cycles:
+                        torch.cuda._sleep(cycles)
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     steps[name](logits, target_of[name])
@@ -602,7 +630,46 @@ def time_steps(steps: dict[str, Step], leaf: torch.Tensor, target, *, warmup: in
     if flush is not None:
         collect()
     leaf.grad = None
-    return {name: Timing(statistics.median(t), min(t), max(t), len(t), t) for name, t in times.items() if t}
+    return {name: Timing(statistics.median(t), min(t), max(t), len(t), t,
+                         issue_ms=1e3 * issue_s[name] if flush is not None and name in issue_s else None)
+            for name, t in times.items() if t}
+
+
+# The GPU spin queued before a timed CUDA step (time_steps): GPU_SLEEP_MARGIN times the host's issue time of the step
+# plus GPU_SLEEP_EXTRA_MS, at most GPU_SLEEP_MAX_MS (a step whose issue time includes a wait for the device, e.g. a
+# host synchronisation inside it, would otherwise spin for its whole GPU time too).
+GPU_SLEEP_MARGIN = 2.0
+GPU_SLEEP_EXTRA_MS = 0.1
+GPU_SLEEP_MAX_MS = 20.0
+_sleep_cycles_per_ms: dict[int, float] = {}
+
+
+def gpu_sleep_cycles(issue_s: float | None, cycles_per_ms: float | None) -> int:
+    """GPU clock cycles of ``torch.cuda._sleep`` that outlast the host's issue of a step that took ``issue_s`` to
+    issue; 0 (no spin) without an issue time or a clock rate."""
+    if issue_s is None or not cycles_per_ms:
+        return 0
+    ms = min(GPU_SLEEP_MAX_MS, GPU_SLEEP_MARGIN * 1e3 * issue_s + GPU_SLEEP_EXTRA_MS)
+    return max(0, int(ms * cycles_per_ms))
+
+
+def _gpu_sleep_cycles_per_ms() -> float | None:
+    """``torch.cuda._sleep`` cycles per millisecond on the current device (timed once per device with CUDA events;
+    ``None`` where it cannot be, and then no step is preceded by a spin)."""
+    device = torch.cuda.current_device()
+    if device not in _sleep_cycles_per_ms:
+        try:
+            cycles = 2_000_000
+            torch.cuda._sleep(cycles // 10)  # the spin kernel's first launch loads its module
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            torch.cuda._sleep(cycles)
+            end.record()
+            end.synchronize()
+            _sleep_cycles_per_ms[device] = cycles / max(start.elapsed_time(end), 1e-6)
+        except Exception:  # noqa: BLE001 - without it the events time the step as before
+            _sleep_cycles_per_ms[device] = 0.0
+    return _sleep_cycles_per_ms[device] or None
 
 
 def time_step(step: Step, leaf: torch.Tensor, target: torch.Tensor, *, warmup: int = 2, reps: int = 10,
@@ -612,14 +679,21 @@ def time_step(step: Step, leaf: torch.Tensor, target: torch.Tensor, *, warmup: i
                       max_time_s=max_time_s)["step"]
 
 
-def _host_steps(step: Step, leaf: torch.Tensor, target: torch.Tensor, count: int) -> None:
-    """``count`` training-loop steps on one leaf: ``leaf.grad = None``, forward, backward."""
-    for _ in range(count):
+def _host_steps(step: Step, leaf: torch.Tensor, target: torch.Tensor, count: int, inplace: bool = False,
+                fresh: list[torch.Tensor] | None = None) -> None:
+    """``count`` training-loop steps on one leaf: ``leaf.grad = None``, forward, backward. An in-place step gets a
+    non-leaf copy of the leaf each time (from ``fresh`` when given, made beforehand; else made here), so that the
+    gradient it writes over its logits never reaches the leaf."""
+    for i in range(count):
         leaf.grad = None
-        step(leaf, target)
+        if fresh is not None:
+            step(fresh[i], target)
+        else:
+            step(leaf.clone() if inplace else leaf, target)
 
 
-def _steps_per_rep(step: Step, leaf: torch.Tensor, target: torch.Tensor, rep_s: float, tries: int = 3) -> int:
+def _steps_per_rep(step: Step, leaf: torch.Tensor, target: torch.Tensor, rep_s: float, tries: int = 3,
+                   inplace: bool = False) -> int:
     """How many back-to-back steps last at least about ``rep_s``: a burst doubled until it takes a quarter of that,
     then scaled; the largest count of ``tries`` estimates (an estimate taken while other processes held the cores
     is too small)."""
@@ -628,7 +702,7 @@ def _steps_per_rep(step: Step, leaf: torch.Tensor, target: torch.Tensor, rep_s: 
         count = 1
         while True:
             start = time.perf_counter()
-            _host_steps(step, leaf, target, count)
+            _host_steps(step, leaf, target, count, inplace)
             _sync(device)
             elapsed = time.perf_counter() - start
             if elapsed >= rep_s / 4 or count >= 1 << 20:
@@ -638,10 +712,17 @@ def _steps_per_rep(step: Step, leaf: torch.Tensor, target: torch.Tensor, rep_s: 
     return best
 
 
-def time_host_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Tensor, *, reps: int = 100,
-                    rep_ms: float = 20.0, warmup: int = 20,
-                    on_error: Callable[[str, Exception], None] | None = None) -> dict[str, Timing]:
-    """Host time per step of each step on one reused leaf, **interleaved** (repetition ``r`` of every step before
+# An in-place host step's copies of the logits for one repetition are made before its timer starts and held until
+# it ends: at most this many bytes of them (fewer steps per repetition where the logits are large).
+HOST_INPLACE_COPY_BYTES = 1 << 30
+
+
+def time_host_steps(steps: dict[str, Step], leaf: torch.Tensor | None, target: torch.Tensor | None, *,
+                    reps: int = 100, rep_ms: float = 20.0, warmup: int = 20,
+                    on_error: Callable[[str, Exception], None] | None = None,
+                    inputs: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    inplace: frozenset[str] | set[str] = frozenset()) -> dict[str, Timing]:
+    """Host time per step of each step on a reused leaf, **interleaved** (repetition ``r`` of every step before
     ``r + 1`` of any, order rotated by one each repetition).
 
     No per-step setup: ``leaf.grad = None`` and the step, as in a training loop (the step's ``backward`` writes
@@ -649,16 +730,29 @@ def time_host_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Te
     about ``rep_ms``); a repetition times that many back-to-back steps and records the mean per step. On CUDA the
     repetition ends with a synchronisation. A step that raises is dropped and reported through ``on_error``
     (re-raised when ``on_error`` is None).
+
+    ``inputs``: a ``(leaf, target)`` per step name, in place of the shared ``leaf`` and ``target`` (so a step that
+    writes into its logits cannot change what the others compute). A step named in ``inplace`` overwrites its
+    logits with their gradient: it runs on a fresh non-leaf copy of its leaf per step, the copies of a repetition
+    made before its timer starts (at most :data:`HOST_INPLACE_COPY_BYTES` of them, which may cap its steps per
+    repetition), as the timed-step suites copy the logits outside the timed region.
     """
-    device = leaf.device.type
+    inputs = {name: (leaf, target) for name in steps} if inputs is None else inputs
+    device = next(iter(inputs.values()))[0].device.type if inputs else "cpu"
     names = list(steps)
     failed = _dropper(names, on_error)
     counts: dict[str, int] = {}
 
     def warm(name):
-        _host_steps(steps[name], leaf, target, warmup)
+        own_leaf, own_target = inputs[name]
+        copies = name in inplace
+        _host_steps(steps[name], own_leaf, own_target, warmup, copies)
         _sync(device)
-        counts[name] = _steps_per_rep(steps[name], leaf, target, rep_ms * 1e-3)
+        count = _steps_per_rep(steps[name], own_leaf, own_target, rep_ms * 1e-3, inplace=copies)
+        if copies:
+            nbytes = own_leaf.numel() * own_leaf.element_size()
+            count = max(1, min(count, HOST_INPLACE_COPY_BYTES // max(nbytes, 1)))
+        counts[name] = count
 
     _warm_up(names, warm, failed, device)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -668,15 +762,20 @@ def time_host_steps(steps: dict[str, Step], leaf: torch.Tensor, target: torch.Te
         shift = r % len(names)
         for name in names[shift:] + names[:shift]:
             count = counts[name]
+            own_leaf, own_target = inputs[name]
             try:
+                fresh = [own_leaf.clone() for _ in range(count)] if name in inplace else None
+                _sync(device)
                 start = time.perf_counter()
-                _host_steps(steps[name], leaf, target, count)
+                _host_steps(steps[name], own_leaf, own_target, count, fresh=fresh)
                 _sync(device)
                 times[name].append(1e3 * (time.perf_counter() - start) / count)
+                del fresh
             except Exception as exc:  # noqa: BLE001 - reported to the caller
                 times.pop(name, None)
                 failed(name, exc)
-    leaf.grad = None
+    for own_leaf, _ in inputs.values():
+        own_leaf.grad = None
     return {name: Timing(statistics.median(t), min(t), max(t), len(t), t, counts[name])
             for name, t in times.items() if t}
 
@@ -808,6 +907,7 @@ class Result:
     paired_ratio_to_baseline: float | None = None  # median over repetitions of this time / the baseline's time
     ratio_to_hard: float | None = None  # soft targets: this median / the same provider's on the hard case, same run
     config: dict = field(default_factory=dict)  # other parameters of the measurement (e.g. the resolved backend)
+    host_issue_ms: float | None = None  # CUDA steps: the host's time to issue one step, untimed (time_steps)
 
 
 def _error_status(exc: Exception) -> str:
@@ -838,6 +938,9 @@ def bench_cases(items: list[tuple[Case, list[Provider]]], *, warmup: int = 2, re
         for provider in providers:
             key = (case, provider.name)
             results[key] = result = Result(asdict(case), case.id, provider.name, provider.label, "ok")
+            backend = _resolved_backend(provider, case)
+            if backend is not None:
+                result.config["backend"] = backend
             reason = unavailable_reason(provider, case)
             if reason is not None:
                 result.status = f"skipped: {reason}"
@@ -865,6 +968,7 @@ def bench_cases(items: list[tuple[Case, list[Provider]]], *, warmup: int = 2, re
             result.median_ms, result.min_ms, result.max_ms = timing.median_ms, timing.min_ms, timing.max_ms
             result.reps, result.times_ms = timing.reps, [round(t, 4) for t in timing.times_ms]
             result.gb_per_s = key[0].min_traffic_bytes / (timing.median_ms * 1e-3) / 1e9
+            result.host_issue_ms = None if timing.issue_ms is None else round(timing.issue_ms, 4)
         if memory:
             for key in timings:
                 try:
@@ -886,14 +990,22 @@ def host_case_id(case: Case) -> str:
     return f"{case.device}-{case.n}x{case.c}-{case.dtype}"
 
 
+def backend_target_kind(case: Case) -> str:
+    """The target kind ``calibkernels._backends`` chooses a backend by (``target_kind``: ``"hard"``, ``"smooth"``,
+    ``"mix"`` or ``"dense"``) for a case's :data:`TARGET_KINDS` entry: ``"mix_smooth"`` is a mix there."""
+    return _backends.target_kind(case.target != "hard", case.target == "dense", case.target in ("mix", "mix_smooth"))
+
+
 def _resolved_backend(provider: Provider, case: Case) -> str | None:
-    """The backend ``backend="auto"`` picks for the ``calibkernels`` provider on this case's device."""
+    """The backend the ``calibkernels`` provider's call runs on this case: ``backend="auto"`` resolved as the eager
+    call resolves it (``_backends.resolve_for_shape``: on CUDA the kernel measured faster for the row width and target
+    kind, ``AUTO_CUDA_MAX_CLASSES``), not merely the device's first backend."""
     if provider.name != "calibkernels":
         return None
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         try:
-            return _backends.resolve("auto", torch.device(case.device))
+            return _backends.resolve_for_shape("auto", torch.device(case.device), case.c, backend_target_kind(case))
         except Exception:  # noqa: BLE001 - a label, never a reason to fail
             return None
 
@@ -937,8 +1049,12 @@ def _bench_host_case_at(case, providers, threads, baseline, reps, rep_ms, warmup
         except Exception as exc:  # noqa: BLE001 - one failing provider must not lose the other measurements
             result.status = _error_status(exc)
     if steps:
-        leaf, target = make_inputs(case, seed)
-        timings = time_host_steps(steps, leaf, target, reps=reps, rep_ms=rep_ms, warmup=warmup,
+        # every provider its own leaf of the same values: an in-place provider (Liger) writes its gradient into its
+        # logits, which must not become the next provider's input
+        inputs = {name: make_inputs(case, seed) for name in steps}
+        inplace = {provider.name for provider in providers if provider.inplace}
+        timings = time_host_steps(steps, None, None, reps=reps, rep_ms=rep_ms, warmup=warmup, inputs=inputs,
+                                  inplace=inplace,
                                   on_error=lambda name, exc: setattr(results[name], "status", _error_status(exc)))
         for name, timing in timings.items():
             result = results[name]
@@ -951,7 +1067,7 @@ def _bench_host_case_at(case, providers, threads, baseline, reps, rep_ms, warmup
                 pairs = [t / b for t, b in zip(timing.times_ms, base.times_ms)]
                 results[name].ratio_to_baseline = timing.median_ms / base.median_ms
                 results[name].paired_ratio_to_baseline = statistics.median(pairs)
-        del leaf, target
+        del inputs
     return list(results.values())
 
 
@@ -976,13 +1092,24 @@ def _filtered(suites, providers_filter, cases_filter, targets_filter=None):
                     yield suite, case, PROVIDERS[name]
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """SIGINT (a wall-clock limit's, as bench/run_on_gpu.sh's DEADLINE sends) during :func:`run_suites`: ``results``
+    holds the cases measured before it, the one in progress left out."""
+
+    def __init__(self, results: list[Result]):
+        super().__init__()
+        self.results = results
+
+
 def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time_s: float = 5.0, memory: bool = True,
                providers_filter: list[str] | None = None, cases_filter: list[str] | None = None,
                progress: bool = True, host_reps: int | None = None, host_rep_ms: float = 20.0,
                targets_filter: list[str] | None = None) -> list[Result]:
     """Measure every (case, provider) pair of the suites; fills ``speedup_vs_reference`` when the eager reference
     ran on the same case, and ``ratio_to_hard`` when the provider ran the case's hard targets. Host-step suites run
-    with ``host_reps`` repetitions (default: the suite's ``reps``, else 100) of about ``host_rep_ms`` each."""
+    with ``host_reps`` repetitions (default: the suite's ``reps``, else 100) of about ``host_rep_ms`` each.
+
+    A ``KeyboardInterrupt`` (SIGINT) ends the run: :class:`RunInterrupted` is raised with the cases measured so far."""
     # group the pairs by case (in order), the target kinds of a case together: a group's providers and target kinds
     # are timed together, interleaved (bench_cases); a host-step suite's cases are measured on their own (its
     # threads, baseline and repetitions)
@@ -999,6 +1126,30 @@ def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time
     items = list(groups.items())
     bar = tqdm(items, desc="bench", unit="case", file=sys.stderr, disable=not progress) if tqdm else items
     results = []
+    try:
+        _run_groups(bar, tqdm, progress, results, warmup, reps, max_time_s, memory, host_reps, host_rep_ms)
+        interrupted = False
+    except KeyboardInterrupt:
+        interrupted = True
+        if tqdm:
+            bar.close()
+    steps = [r for r in results if r.status == "ok" and r.measure == "step"]
+    reference_ms = {r.case_id: r.median_ms for r in steps if r.provider == "reference"}
+    hard_ms = {(r.case_id, r.provider): r.median_ms for r in steps if r.case.get("target", "hard") == "hard"}
+    for r in steps:
+        if r.case_id in reference_ms:
+            r.speedup_vs_reference = reference_ms[r.case_id] / r.median_ms
+        hard_id = Case(**r.case).hard.id
+        if hard_id != r.case_id and (hard_id, r.provider) in hard_ms:
+            r.ratio_to_hard = r.median_ms / hard_ms[hard_id, r.provider]
+    if interrupted:
+        raise RunInterrupted(results)
+    return results
+
+
+def _run_groups(bar, tqdm, progress, results, warmup, reps, max_time_s, memory, host_reps, host_rep_ms) -> None:
+    """:func:`run_suites`' loop over the groups of ``bar``; each group's results are appended to ``results`` once
+    the whole group is measured."""
     for (measure, case, suite), by_case in bar:
         label = case.id if measure == "step" else f"{host_case_id(case)} host step"
         kinds = [c.target for c in by_case if c.target != "hard"]
@@ -1020,16 +1171,6 @@ def run_suites(suites: list[Suite], *, warmup: int = 2, reps: int = 10, max_time
             if result.status != "ok" and progress:
                 print(f"[bench] {result.case_id} {result.provider}: {result.status}", file=sys.stderr, flush=True)
         results.extend(case_results)
-    steps = [r for r in results if r.status == "ok" and r.measure == "step"]
-    reference_ms = {r.case_id: r.median_ms for r in steps if r.provider == "reference"}
-    hard_ms = {(r.case_id, r.provider): r.median_ms for r in steps if r.case.get("target", "hard") == "hard"}
-    for r in steps:
-        if r.case_id in reference_ms:
-            r.speedup_vs_reference = reference_ms[r.case_id] / r.median_ms
-        hard_id = Case(**r.case).hard.id
-        if hard_id != r.case_id and (hard_id, r.provider) in hard_ms:
-            r.ratio_to_hard = r.median_ms / hard_ms[hard_id, r.provider]
-    return results
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -1045,6 +1186,31 @@ def _cpu_model() -> str:
     except (OSError, subprocess.SubprocessError, ValueError):
         pass
     return platform.processor() or platform.machine()
+
+
+# what `git status` looks at for meta.git_dirty (pathspecs): the kernels' sources and the bench, not its results
+GIT_DIRTY_SCOPE = ("csrc", "calibkernels", "setup.py", "bench", ":(exclude)bench/results")
+
+
+def package_version(module: str) -> str | None:
+    """The installed version of the distribution that provides ``module`` (``importlib.metadata``: the version pip
+    installed, also for packages without a ``__version__``), or ``None`` when ``module`` is not importable. A module
+    whose distribution cannot be found is reported as ``"unknown"``."""
+    if importlib.util.find_spec(module) is None:
+        return None
+    from importlib import metadata
+
+    names = [module, module.replace("_", "-")]
+    try:
+        names += metadata.packages_distributions().get(module, [])
+    except Exception:  # noqa: BLE001 - a lookup aid, never a reason to fail
+        pass
+    for name in names:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return "unknown"
 
 
 def machine_info(device: str) -> dict:
@@ -1071,11 +1237,9 @@ def machine_info(device: str) -> dict:
         info["gpu"] = torch.cuda.get_device_name()
         info["cuda"] = torch.version.cuda
     for module in ("triton", "liger_kernel"):
-        if importlib.util.find_spec(module) is not None:
-            try:
-                info[module] = __import__(module).__version__
-            except Exception:  # a version attribute is a nicety, never a reason to fail
-                info[module] = "installed"
+        version = package_version(module)
+        if version is not None:
+            info[module] = version
     try:
         def git(*args):
             return subprocess.run(["git", *args], capture_output=True, text=True, timeout=10, cwd=REPO_ROOT).stdout
@@ -1084,9 +1248,11 @@ def machine_info(device: str) -> dict:
         if full:
             info["git_commit"] = full[:7]
             info["git_commit_full"] = full
-            # uncommitted changes to the code measured (the extension is built from csrc/)
-            info["git_dirty_paths"] = [line[3:] for line in git("status", "--porcelain", "--", "csrc",
-                                                                "calibkernels").splitlines() if line.strip()]
+            # uncommitted changes to the code measured: the kernels (the extension is built from csrc/) and the
+            # bench itself, whose providers and timing decide what a number means; result files are not code
+            info["git_dirty_scope"] = list(GIT_DIRTY_SCOPE)
+            info["git_dirty_paths"] = [line[3:] for line in git("status", "--porcelain", "--", *GIT_DIRTY_SCOPE)
+                                       .splitlines() if line.strip()]
             info["git_dirty"] = bool(info["git_dirty_paths"])
     except (OSError, subprocess.SubprocessError):
         pass
@@ -1132,7 +1298,9 @@ def markdown_table(meta: dict, results: list[Result]) -> str:
            if meta.get("git_commit") else "")
         + (f"; 1-min load average at start {meta['load_average_1min']}" if meta.get("load_average_1min") is not None
            and meta.get("device") == "cpu" else "")
-        + "".join(f"; {k}={v}" for k, v in meta.get("env", {}).items()),
+        + "".join(f"; {k}={v}" for k, v in meta.get("env", {}).items())
+        + ("; **stopped part way** (complete = false): the cases measured before it" if meta.get("complete") is False
+           else ""),
     ]
     problems = [f"- {r.case_id} / {r.provider}: {r.status}" for r in results if r.status != "ok"]
     steps = [r for r in results if r.status == "ok" and r.measure == "step"]
@@ -1215,7 +1383,7 @@ def history_row(meta: dict, suite: str, source_file: str, **fields) -> dict:
     row = dict.fromkeys(HISTORY_FIELDS)
     row.update(schema=HISTORY_SCHEMA, suite=suite, device=device_label(meta), device_type=meta.get("device"),
                date=meta.get("date"), commit=meta.get("git_commit") or None, dirty=meta.get("git_dirty"),
-               torch=meta.get("torch"), triton=triton if triton and triton != "installed" else None,
+               torch=meta.get("torch"), triton=triton if triton and triton not in ("installed", "unknown") else None,
                source_file=source_file)
     unknown = set(fields) - set(HISTORY_FIELDS)
     if unknown:
@@ -1240,6 +1408,10 @@ def history_rows(meta: dict, results: list, suite: str, source_file: str) -> lis
             extra["commit_full"] = meta["git_commit_full"]
         if r.get("ratio_to_hard") is not None:
             extra["ratio_to_hard"] = r["ratio_to_hard"]
+        if r.get("host_issue_ms") is not None:
+            extra["host_issue_ms"] = r["host_issue_ms"]
+        if meta.get("complete") is False:
+            extra["run_complete"] = False
         if measure == "host_step":
             config.update(torch_threads=r.get("threads"), steps_per_rep=r.get("steps_per_rep"))
             extra.update(timing=HOST_STEP_TIMING, baseline=r.get("baseline"),
@@ -1460,9 +1632,15 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
                 warmup=warmup, reps=reps, max_time_s=max_time, host_reps=args.reps, host_rep_ms=args.host_rep_ms)
     print(f"[bench] {meta.get('gpu') or meta['cpu']}, torch {meta['torch']}, {meta['torch_threads']} threads",
           file=sys.stderr)
-    results = run_suites(chosen, warmup=warmup, reps=reps, max_time_s=max_time, memory=not args.no_memory,
-                         providers_filter=args.providers, cases_filter=args.cases, host_reps=args.reps,
-                         host_rep_ms=args.host_rep_ms, targets_filter=args.targets)
+    stopped = None
+    try:
+        results = run_suites(chosen, warmup=warmup, reps=reps, max_time_s=max_time, memory=not args.no_memory,
+                             providers_filter=args.providers, cases_filter=args.cases, host_reps=args.reps,
+                             host_rep_ms=args.host_rep_ms, targets_filter=args.targets)
+    except RunInterrupted as exc:  # a wall-clock limit's SIGINT: publish what was measured, then stop
+        stopped, results = exc, exc.results
+    # false: the run was stopped part way, and its files hold the cases measured before that
+    meta["complete"] = stopped is None
     table = markdown_table(meta, results)
     written = publish({"meta": meta, "results": [asdict(r) for r in results]}, table, suite=suite_name,
                       rows_of=lambda payload, source: history_rows(payload["meta"], payload["results"], suite_name,
@@ -1472,6 +1650,10 @@ def main(suites: dict[str, list[Suite]], quick_suites: dict[str, list[Suite]], a
     print(f"[bench] wrote {written['json']} and {written['md']}"
           + (f"; appended {len(results)} rows to {written['history']}" if written["history"] else "")
           + (f"; removed {', '.join(written['removed'])}" if written["removed"] else ""), file=sys.stderr)
+    if stopped is not None:
+        print(f"[bench] interrupted: the files hold the {len(results)} results measured before it "
+              "(meta.complete = false)", file=sys.stderr)
+        raise stopped
     return results
 
 

@@ -6,7 +6,9 @@ For each case × provider: the step of :mod:`bench.harness` (fresh non-leaf logi
 under ``torch.profiler`` a few times after warm-up; printed are the kernels with their mean device time per step,
 the sum of kernel time per step, the host time to *issue* the step (no synchronisation) and the synchronised wall
 time of one step. When the host time is close to or above the kernel sum, the step is launch-bound and a faster kernel
-will not show in the harness's CUDA-event time. Measures; asserts nothing.
+will not show in the harness's CUDA-event time. Measures; asserts nothing. A provider that cannot run a case here is
+named with the reason (``skip:`` lines on stderr); when none of the pairs can run, the script ends with one ``error:``
+line and exit status 2.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -99,6 +102,24 @@ def host_profile(provider_name: str, case: Case, steps: int = 300) -> None:
     pstats.Stats(profiler).sort_stats("tottime").print_stats(22)
 
 
+def runnable_pairs(cases: list[Case], providers: list[str]) -> list[tuple[Case, str]]:
+    """The (case, provider) pairs that can run here; each other one is printed to stderr with the reason
+    (``skip: <case> <provider>: <reason>``). None at all: one ``error:`` line and exit status 2."""
+    pairs = []
+    for case in cases:
+        for name in providers:
+            reason = unavailable_reason(PROVIDERS[name], case)
+            if reason is None:
+                pairs.append((case, name))
+            else:
+                print(f"skip: {case.id} {name}: {reason}", file=sys.stderr, flush=True)
+    if not pairs:
+        print(f"error: no provider can run any of the cases here (device {cases[0].device if cases else '?'}; "
+              "the skip lines above say why)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+    return pairs
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.profile_step", description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -109,26 +130,22 @@ def main(argv=None) -> None:
     parser.add_argument("--host-profile", action="store_true",
                         help="instead: cProfile of 300 steps per case × provider (where the host time goes)")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.providers) - set(PROVIDERS))
+    if unknown:
+        parser.error(f"unknown provider(s) {unknown}; known: {', '.join(PROVIDERS)}")
+    pairs = runnable_pairs([parse_case(text, args.device) for text in args.cases], args.providers)
     if args.host_profile:
-        for text in args.cases:
-            case = parse_case(text, args.device)
-            for name in args.providers:
-                if unavailable_reason(PROVIDERS[name], case) is None:
-                    host_profile(name, case)
+        for case, name in pairs:
+            host_profile(name, case)
         return
     results = []
-    for text in args.cases:
-        case = parse_case(text, args.device)
-        for name in args.providers:
-            reason = unavailable_reason(PROVIDERS[name], case)
-            if reason is not None:
-                continue
-            result = profile_step(name, case, args.steps)
-            results.append(result)
-            print(f"\n== {case.id} · {name}: issue {result['issue_ms']:.3f} ms (host), wall {result['wall_ms']:.3f} ms "
-                  f"(synchronised), kernels {sum(k['ms_per_step'] for k in result['kernels']):.3f} ms", flush=True)
-            for k in result["kernels"]:
-                print(f"   {k['ms_per_step']:8.3f} ms  ×{k['launches_per_step']:.0f}  {k['name']}")
+    for case, name in pairs:
+        result = profile_step(name, case, args.steps)
+        results.append(result)
+        print(f"\n== {case.id} · {name}: issue {result['issue_ms']:.3f} ms (host), wall {result['wall_ms']:.3f} ms "
+              f"(synchronised), kernels {sum(k['ms_per_step'] for k in result['kernels']):.3f} ms", flush=True)
+        for k in result["kernels"]:
+            print(f"   {k['ms_per_step']:8.3f} ms  ×{k['launches_per_step']:.0f}  {k['name']}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(results, indent=1))

@@ -72,11 +72,19 @@ do_build() {
     :
   else
     rm -rf build calibkernels/_C.*.so calibkernels/_C.prebuilt.json
-    CALIBKERNELS_CUDA_ARCHS="$cc" MAX_JOBS="${MAX_JOBS:-16}" $PY setup.py -q build_ext --inplace >>"$OUT/build.log" 2>&1
+    # CALIBKERNELS_FORCE_CUDA: without it setup.py quietly builds a CPU-only extension where it finds no nvcc
+    CALIBKERNELS_FORCE_CUDA=1 CALIBKERNELS_CUDA_ARCHS="$cc" MAX_JOBS="${MAX_JOBS:-16}" \
+      $PY setup.py -q build_ext --inplace >>"$OUT/build.log" 2>&1
     rc=$?
     tail -n 5 "$OUT/build.log"
   fi
   $PY -c "import calibkernels, calibkernels._C as C; print('WITH_CUDA', C.WITH_CUDA, calibkernels.available_backends())"
+  # every later stage measures the CUDA kernels: a build without them (or one that does not load) fails this stage
+  if [ "$rc" -eq 0 ] && ! $PY -c "import torch, calibkernels._C as C
+raise SystemExit(0 if C.WITH_CUDA or not torch.cuda.is_available() else 1)" >>"$OUT/build.log" 2>&1; then
+    echo "build: calibkernels._C has no CUDA kernels on this CUDA machine (WITH_CUDA false, or it does not load; see build.log)"
+    rc=1
+  fi
   return $rc
 }
 
@@ -143,8 +151,10 @@ do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
 # the CUDA kernel (and past 4096 classes each of its row splits, CALIBKERNELS_CUDA_ROW_CLUSTER: streaming, each
-# thread-block cluster tile) beside a copy and the Triton kernel's default launch, without the Triton launch search;
-# the classification widths (1000, 4096) give backend="auto"'s table the kernels' own times where the row fits on chip
+# thread-block cluster tile the op launches as a cluster; the others are listed as skipped, with the reason) beside a
+# copy and the Triton kernel's default launch, without the Triton launch search; the classification widths (1000,
+# 4096) give backend="auto"'s table the kernels' own times where the row fits on chip. The JSON is rewritten after
+# each class count, so a stage stopped at DEADLINE keeps the rows measured so far (meta.complete false).
 do_rowsplit() {
   $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 1000 4096 10000 32000 128256 262144 --grid-weights \
     2>"$OUT/rowsplit.err"

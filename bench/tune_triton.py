@@ -6,16 +6,23 @@ Times the kernels alone (``triton.testing.do_bench``: L2 flushed before each rep
 step around them, so the numbers say what the launch shape costs:
 
 * the memory ceiling: a device-to-device copy of the same N×C tensor (bytes read + written over time);
-* the Triton forward kernel (loss + gradient in one launch) for each (path, block, num_warps);
-* the CUDA C++ op with its default launch and, past 4096 classes, each row split (the streaming path, each
-  thread-block cluster tile; ``CALIBKERNELS_CUDA_ROW_CLUSTER``);
+* the Triton forward (loss and gradient, ``uncertainty_weighted_ce_forward``) for each (path, block, num_warps): at
+  the default 8192 rows, more than ``INLINE_COUNT_MAX_ROWS`` (1024), a mean with a gradient is two launches, a
+  one-program launch that counts the mean's divisor and then the loss launch, timed together;
+* the CUDA C++ op with its default launch and, past 4096 classes, each row split: the streaming path (``off``, what
+  the default runs there) and each thread-block cluster tile (``CALIBKERNELS_CUDA_ROW_CLUSTER``) that the op
+  launches as a cluster. A tile the op would not launch so (more than 16 CTAs per row, a GPU older than sm_90, or a
+  cluster the device cannot place: the op then streams the row silently) is not timed; its row says why
+  (``skipped``);
 * one whole autograd step (forward + backward through ``calibkernels.uncertainty_weighted_ce``), per target-check
   policy, to see what the Python side and the synchronisation add to the kernel.
 
 The Triton launcher takes no shape arguments: its shapes come from the module constants ``MAX_BLOCK``,
 ``MAX_BLOCK_16BIT`` and ``TWO_READ_CHUNK`` and from ``_launch_config``, which :func:`launch_shape` sets and wraps for
-one configuration at a time (and restores). Writes PREFIX.json (the rows and the machine, with the commit) and prints
-a table; the fastest Triton configuration per case is recorded with the default's.
+one configuration at a time (and restores). Writes PREFIX.json (the rows and the machine, with the commit) after
+each class count, so a run stopped part way (a wall-clock limit's SIGINT) keeps the rows measured so far
+(``meta.complete`` false until the end), and prints a table; the fastest Triton configuration per case is recorded
+with the default's.
 """
 
 from __future__ import annotations
@@ -68,8 +75,72 @@ def launch_shape(module, path: str, block: int, num_warps: int, num_classes: int
             setattr(module, name, value)
 
 
-# CALIBKERNELS_CUDA_ROW_CLUSTER values besides "auto": the CUDA kernel's streaming path and its cluster tile shapes
+# CALIBKERNELS_CUDA_ROW_CLUSTER values besides "auto" (which streams, as "off" does): the CUDA kernel's streaming path
+# and its cluster tile shapes (threads x values per thread)
 ROW_SPLITS = ("off", "256x16", "256x32", "512x16", "512x32")
+# The CUDA op's choice between a cluster tile and the streaming path, as csrc/cuda/row_kernels.cuh makes it
+# (`launch`, `cluster_shape_for`, `cluster_launchable`); tests/test_bench.py checks these against that file.
+RESIDENT_MAX_CLASSES = 256 * 16  # kBlock256MaxC: rows up to this width never reach the choice
+MAX_CLUSTER_CTAS = 16  # kMaxClusterCtas: a tile needing more CTAs per row streams
+CLUSTER_MIN_CAPABILITY = (9, 0)  # thread-block clusters: sm_90 or later (ptxVersion / binaryVersion >= 90)
+CLUSTER_DTYPES = ("fp32", "bf16", "fp16")  # float accumulation; float64 always streams
+
+
+def cluster_ctas(num_classes: int, row_split: str) -> int:
+    """CTAs per row of the tile ``row_split`` (``"<threads>x<values>"``): ``ceil(C / (threads * values))``."""
+    threads, values = (int(v) for v in row_split.split("x"))
+    return -(-num_classes // (threads * values))
+
+
+def cluster_skip_reason(num_classes: int, row_split: str, dtype: str = "fp32", capability=None,
+                        soft_targets: bool = False) -> str | None:
+    """Why the CUDA op would not launch rows of ``num_classes`` as clusters of the tile ``row_split`` but stream them
+    instead (with the tile's name in CALIBKERNELS_CUDA_ROW_CLUSTER), as far as the host can tell; ``None`` when it
+    would. ``capability``: the device's ``(major, minor)`` (``None``: not checked). What the host cannot tell (that
+    the extension was compiled for sm_90, that the device can place such a cluster) the op decides at the launch."""
+    if row_split not in ROW_SPLITS or row_split == "off":
+        return f"{row_split!r} is not a cluster tile"
+    if soft_targets:
+        return "soft targets always stream"
+    if dtype not in CLUSTER_DTYPES:
+        return f"{dtype} always streams"
+    if num_classes <= RESIDENT_MAX_CLASSES:
+        return f"C = {num_classes} <= {RESIDENT_MAX_CLASSES}: the row is register-resident, no split"
+    ctas = cluster_ctas(num_classes, row_split)
+    if ctas > MAX_CLUSTER_CTAS:
+        return f"needs {ctas} CTAs per row > {MAX_CLUSTER_CTAS}: the op streams the row"
+    if capability is not None and tuple(capability) < CLUSTER_MIN_CAPABILITY:
+        return f"compute capability {capability[0]}.{capability[1]} < 9.0: no thread-block clusters"
+    return None
+
+
+def row_splits_to_time(num_classes: int, dtype: str, capability=None) -> list[tuple[str, str | None]]:
+    """``(row_split, skip reason or None)`` for the CUDA op's rows of ``num_classes``: ``"auto"`` (the default
+    launch) where no split applies, else ``"off"`` (the streaming path, which the default runs too, so it is not timed
+    twice) and each cluster tile."""
+    if num_classes <= RESIDENT_MAX_CLASSES:
+        return [("auto", None)]
+    return [("off", None)] + [(split, cluster_skip_reason(num_classes, split, dtype, capability))
+                              for split in ROW_SPLITS if split != "off"]
+
+
+def launched_row_kernel(fn) -> str | None:
+    """Which CUDA row kernel one call of ``fn`` launched: ``"cluster"``, ``"streaming"`` (any other calibkernels row
+    kernel), or ``None`` when the profiler saw neither (or failed)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
+    except Exception:  # noqa: BLE001 - the check is a safeguard; without a profiler the row is timed unchecked
+        return None
+    if any("cluster_row_kernel" in name for name in names):
+        return "cluster"
+    if any("uncertainty_weighted_ce_kernel" in name for name in names):
+        return "streaming"
+    return None
 
 
 @contextlib.contextmanager
@@ -97,6 +168,193 @@ def candidate_shapes(num_classes: int, warps: list[int], chunks: list[int]) -> l
     return shapes
 
 
+def _setup(args) -> dict:
+    """What the sweep needs on the GPU machine: the modules (imported here: Triton and the extension need the GPU's
+    environment), the machine's description, the device's compute capability and a header for the JSON."""
+    import triton
+    from triton.testing import do_bench
+
+    import calibkernels as ck
+    from bench.harness import machine_info
+    from calibkernels import _codes as codes
+    from calibkernels import _target_checks
+    from calibkernels.triton import uncertainty_weighted_ce as tri
+
+    meta = machine_info("cuda")
+    return dict(triton=triton, do_bench=do_bench, ck=ck, codes=codes, target_checks=_target_checks, tri=tri,
+                meta=meta, capability=torch.cuda.get_device_capability(),
+                header={"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                        "triton": triton.__version__})
+
+
+def write_json(out: str | None, header: dict, meta: dict, rows: list[dict], complete: bool) -> None:
+    """Replace ``out``.json with the rows so far (written beside and renamed, so a run stopped while writing leaves the
+    previous version); ``meta.complete``: whether the sweep ran to its end."""
+    if not out:
+        return
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    partial = out + ".json.partial"
+    with open(partial, "w") as f:
+        json.dump({**header, "meta": {**meta, "complete": complete}, "rows": rows}, f, indent=1)
+    os.replace(partial, out + ".json")
+
+
+def sweep_class(ctx: dict, args, c: int, record) -> None:
+    """Every measurement of rows of ``c`` classes (each dtype and weight): copy, Triton shapes and default, the CUDA
+    op's row splits, whole autograd steps; each row goes to ``record``."""
+    do_bench, ck, codes, tri = ctx["do_bench"], ctx["ck"], ctx["codes"], ctx["tri"]
+    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+    mode, reduction = codes.MODE_CODES["grad"], codes.REDUCTION_CODES["mean"]
+    gamma, norm, ignore_index = codes.DEFAULT_GAMMA, codes.DEFAULT_NORM, codes.DEFAULT_IGNORE_INDEX
+
+    def bench(fn):
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+    for dtype_name in args.dtypes:
+        dtype = dtypes[dtype_name]
+        n = args.rows
+        logits = (2 * torch.randn(n, c, device="cuda")).to(dtype)
+        target = torch.randint(0, c, (n,), device="cuda")
+        nbytes = 2 * logits.numel() * logits.element_size()
+        copy_ms = bench(lambda: logits.clone())
+        record(kind="copy", c=c, dtype=dtype_name, ms=copy_ms, gbs=nbytes / copy_ms / 1e6)
+        for weight in args.weights:
+            code = codes.WEIGHT_CODES[weight]
+
+            def kernel():
+                return tri.uncertainty_weighted_ce_forward(logits, target, None, None, code, mode, gamma, norm,
+                                                           ignore_index, reduction, True)
+
+            best = None
+            shapes = candidate_shapes(c, args.warps, args.chunks) if weight in args.grid_weights else []
+            for path, block, warps in shapes:
+                row = dict(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path)
+                try:
+                    with launch_shape(tri, path, block, warps, c, logits.element_size()) as effective:
+                        single_read, block_used, warps_used = effective
+                        row.update(block=block_used, warps=warps_used)
+                        if single_read != (path == "single") or (path == "two-read" and block_used != block):
+                            record(**row, error=f"launcher clamped the shape to {effective}")
+                            continue
+                        ms = bench(kernel)
+                except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
+                    record(**row, error=f"{type(exc).__name__}: {str(exc)[:200]}")
+                    continue
+                record(**row, ms=ms, gbs=nbytes / ms / 1e6)
+                if best is None or ms < best[0]:
+                    best = (ms, path, block_used, warps_used)
+            single_read, block_used, warps_used = tri._launch_config(c, logits.element_size())
+            default_ms = bench(kernel)
+            record(kind="triton-default", c=c, dtype=dtype_name, weight=weight,
+                   path="single" if single_read else "two-read", block=block_used, warps=warps_used,
+                   ms=default_ms, gbs=nbytes / default_ms / 1e6, best=best)
+            if hasattr(torch.ops.calibkernels, "uncertainty_weighted_ce") and \
+                    torch._C._dispatch_has_kernel_for_dispatch_key("calibkernels::uncertainty_weighted_ce", "CUDA"):
+                op = torch.ops.calibkernels.uncertainty_weighted_ce
+
+                def cuda_op():
+                    return op(logits, target, None, None, code, mode, gamma, norm, ignore_index, reduction, True,
+                              None)
+
+                # the .cu's launch chooser (CALIBKERNELS_CUDA_ROW_CLUSTER, read at every launch): its default where
+                # no split applies, else the streaming path (the default there) and each cluster tile it launches
+                for row_split, reason in row_splits_to_time(c, dtype_name, ctx["capability"]):
+                    row = dict(kind="cuda", c=c, dtype=dtype_name, weight=weight, row_split=row_split)
+                    if row_split == "off":
+                        row["default"] = True  # "auto" (and an unset variable) streams these rows too
+                    if reason is not None:
+                        record(**row, skipped=reason)
+                        continue
+                    with row_split_setting(row_split):
+                        if row_split not in ("auto", "off") and launched_row_kernel(cuda_op) == "streaming":
+                            record(**row, skipped="the op streamed the row: the cluster kernel is not launchable "
+                                                  "here (a build without sm_90 code, or no room for the cluster)")
+                            continue
+                        ms = bench(cuda_op)
+                    record(**row, ms=ms, gbs=nbytes / ms / 1e6)
+            # whole autograd step, per target-check policy (async: the default, no host stall; sync: one stall)
+            leaf = logits.clone().requires_grad_()
+            try:
+                for policy in ("async", "sync"):
+                    ctx["target_checks"].POLICY = policy
+                    for backend in ("triton", "cuda"):
+                        if backend not in ck.available_backends():
+                            continue
+
+                        def step():
+                            leaf.grad = None
+                            loss = ck.uncertainty_weighted_ce(leaf, target, weight=weight, mode="grad",
+                                                              backend=backend)
+                            loss.backward()
+
+                        ms = bench(step)
+                        record(kind="step", c=c, dtype=dtype_name, weight=weight, backend=backend, validate=policy,
+                               ms=ms, gbs=nbytes / ms / 1e6)
+            finally:
+                ctx["target_checks"].POLICY = "async"
+            del leaf
+        del logits, target
+        torch.cuda.empty_cache()
+
+
+def host_floor(ctx: dict, record) -> None:
+    """Host cost of one small step (64 x 16: the GPU work is a few microseconds, so this is the launch/Python
+    floor)."""
+    import time
+
+    import torch.nn.functional as F
+
+    ck = ctx["ck"]
+    small = torch.randn(64, 16, device="cuda", requires_grad=True)
+    small_target = torch.randint(0, 16, (64,), device="cuda")
+    # name -> (the leaf the step reads, the step's loss)
+    steps = {
+        "calibkernels triton": (small, lambda: ck.uncertainty_weighted_ce(small, small_target, backend="triton")),
+        "F.cross_entropy": (small, lambda: F.cross_entropy(small, small_target)),
+    }
+    if "cuda" in ck.available_backends():
+        steps["calibkernels cuda"] = (small, lambda: ck.uncertainty_weighted_ce(small, small_target, backend="cuda"))
+    try:
+        from liger_kernel.transformers import LigerCrossEntropyLoss
+
+        liger = LigerCrossEntropyLoss()
+        # Liger writes the gradient into its input: a leaf of its own, so the other steps keep their logits
+        liger_small = small.detach().clone().requires_grad_()
+        steps["liger cross-entropy"] = (liger_small, lambda: liger(liger_small, small_target))
+    except ImportError:
+        pass
+    for name, (leaf, fn) in steps.items():
+        for _ in range(20):
+            leaf.grad = None
+            fn().backward()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(200):
+            leaf.grad = None
+            fn().backward()
+        torch.cuda.synchronize()
+        record(kind="host", c=16, dtype="fp32", what=name, ms=(time.perf_counter() - start) / 200 * 1e3, gbs=0.0)
+
+
+def print_table(rows: list[dict]) -> None:
+    print("| C | dtype | what | ms | GB/s |")
+    print("|---|---|---|--:|--:|")
+    for r in rows:
+        if r["kind"] == "triton" or ("ms" not in r and "skipped" not in r):
+            continue
+        what = r["kind"] + (f" {r['weight']}" if "weight" in r else "") + (f" {r['what']}" if "what" in r else "")
+        if r["kind"] == "step":
+            what += f" {r['backend']} validate={r['validate']}"
+        elif r["kind"] == "cuda":
+            what += f" row_split={r['row_split']}" + (" (default)" if r.get("default") else "")
+        elif r["kind"] == "triton-default":
+            what += f" {r['path']} {r['block']}x{r['warps']} best={r['best']}"
+        if "skipped" in r:
+            print(f"| {r['c']} | {r['dtype']} | {what} skipped: {r['skipped']} | – | – |")
+        else:
+            print(f"| {r['c']} | {r['dtype']} | {what} | {r['ms']:.3f} | {r['gbs']:.0f} |")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.tune_triton", description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="output prefix: PREFIX.json")
@@ -113,150 +371,25 @@ def main(argv=None):
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
 
-    import triton
-    from triton.testing import do_bench
-
-    import calibkernels as ck
-    from bench.harness import machine_info
-    from calibkernels import _codes as codes
-    from calibkernels import _target_checks
-    from calibkernels.triton import uncertainty_weighted_ce as tri
-
-    meta = machine_info("cuda")
-    dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
-    mode, reduction = codes.MODE_CODES["grad"], codes.REDUCTION_CODES["mean"]
-    gamma, norm, ignore_index = codes.DEFAULT_GAMMA, codes.DEFAULT_NORM, codes.DEFAULT_IGNORE_INDEX
+    ctx = _setup(args)
     rows = []
 
     def record(**row):
         rows.append(row)
         print(json.dumps(row), file=sys.stderr, flush=True)
 
-    def bench(fn):
-        return do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-    for c in args.classes:
-        for dtype_name in args.dtypes:
-            dtype = dtypes[dtype_name]
-            n = args.rows
-            logits = (2 * torch.randn(n, c, device="cuda")).to(dtype)
-            target = torch.randint(0, c, (n,), device="cuda")
-            nbytes = 2 * logits.numel() * logits.element_size()
-            copy_ms = bench(lambda: logits.clone())
-            record(kind="copy", c=c, dtype=dtype_name, ms=copy_ms, gbs=nbytes / copy_ms / 1e6)
-            for weight in args.weights:
-                code = codes.WEIGHT_CODES[weight]
-
-                def kernel():
-                    return tri.uncertainty_weighted_ce_forward(logits, target, None, None, code, mode, gamma, norm,
-                                                               ignore_index, reduction, True)
-
-                best = None
-                shapes = candidate_shapes(c, args.warps, args.chunks) if weight in args.grid_weights else []
-                for path, block, warps in shapes:
-                    row = dict(kind="triton", c=c, dtype=dtype_name, weight=weight, path=path)
-                    try:
-                        with launch_shape(tri, path, block, warps, c, logits.element_size()) as effective:
-                            single_read, block_used, warps_used = effective
-                            row.update(block=block_used, warps=warps_used)
-                            if single_read != (path == "single") or (path == "two-read" and block_used != block):
-                                record(**row, error=f"launcher clamped the shape to {effective}")
-                                continue
-                            ms = bench(kernel)
-                    except Exception as exc:  # noqa: BLE001 - a config that does not compile is reported
-                        record(**row, error=f"{type(exc).__name__}: {str(exc)[:200]}")
-                        continue
-                    record(**row, ms=ms, gbs=nbytes / ms / 1e6)
-                    if best is None or ms < best[0]:
-                        best = (ms, path, block_used, warps_used)
-                single_read, block_used, warps_used = tri._launch_config(c, logits.element_size())
-                default_ms = bench(kernel)
-                record(kind="triton-default", c=c, dtype=dtype_name, weight=weight,
-                       path="single" if single_read else "two-read", block=block_used, warps=warps_used,
-                       ms=default_ms, gbs=nbytes / default_ms / 1e6, best=best)
-                if hasattr(torch.ops.calibkernels, "uncertainty_weighted_ce") and \
-                        torch._C._dispatch_has_kernel_for_dispatch_key("calibkernels::uncertainty_weighted_ce", "CUDA"):
-                    op = torch.ops.calibkernels.uncertainty_weighted_ce
-                    # the .cu's launch chooser (CALIBKERNELS_CUDA_ROW_CLUSTER, read at every launch): its default,
-                    # then the streaming path and each cluster tile, where C is past the register-resident block
-                    for row_split in ("auto", *(ROW_SPLITS if c > 4096 else ())):
-                        with row_split_setting(row_split):
-                            ms = bench(lambda: op(logits, target, None, None, code, mode, gamma, norm, ignore_index,
-                                                  reduction, True, None))
-                        record(kind="cuda", c=c, dtype=dtype_name, weight=weight, row_split=row_split, ms=ms,
-                               gbs=nbytes / ms / 1e6)
-                # whole autograd step, per target-check policy (async: the default, no host stall; sync: one stall)
-                leaf = logits.clone().requires_grad_()
-                for policy in ("async", "sync"):
-                    _target_checks.POLICY = policy
-                    for backend in ("triton", "cuda"):
-                        if backend not in ck.available_backends():
-                            continue
-
-                        def step():
-                            leaf.grad = None
-                            loss = ck.uncertainty_weighted_ce(leaf, target, weight=weight, mode="grad",
-                                                              backend=backend)
-                            loss.backward()
-
-                        ms = bench(step)
-                        record(kind="step", c=c, dtype=dtype_name, weight=weight, backend=backend, validate=policy,
-                               ms=ms, gbs=nbytes / ms / 1e6)
-                _target_checks.POLICY = "async"
-                del leaf
-            del logits, target
-            torch.cuda.empty_cache()
-
-    # host cost of one small step (64 x 16: the GPU work is a few microseconds, so this is the launch/Python floor)
-    import time
-
-    import torch.nn.functional as F
-
-    small = torch.randn(64, 16, device="cuda", requires_grad=True)
-    small_target = torch.randint(0, 16, (64,), device="cuda")
-    steps = {
-        "calibkernels triton": lambda: ck.uncertainty_weighted_ce(small, small_target, backend="triton"),
-        "F.cross_entropy": lambda: F.cross_entropy(small, small_target),
-    }
-    if "cuda" in ck.available_backends():
-        steps["calibkernels cuda"] = lambda: ck.uncertainty_weighted_ce(small, small_target, backend="cuda")
     try:
-        from liger_kernel.transformers import LigerCrossEntropyLoss
-
-        liger = LigerCrossEntropyLoss()
-        steps["liger cross-entropy"] = lambda: liger(small, small_target)
-    except ImportError:
-        pass
-    for name, fn in steps.items():
-        for _ in range(20):
-            small.grad = None
-            fn().backward()
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(200):
-            small.grad = None
-            fn().backward()
-        torch.cuda.synchronize()
-        record(kind="host", c=16, dtype="fp32", what=name, ms=(time.perf_counter() - start) / 200 * 1e3, gbs=0.0)
-
-    if args.out:
-        os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-        with open(args.out + ".json", "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "meta": meta, "rows": rows}, f, indent=1)
-    print("| C | dtype | what | ms | GB/s |")
-    print("|---|---|---|--:|--:|")
-    for r in rows:
-        if r["kind"] == "triton" or "ms" not in r:
-            continue
-        what = r["kind"] + (f" {r['weight']}" if "weight" in r else "") + (f" {r['what']}" if "what" in r else "")
-        if r["kind"] == "step":
-            what += f" {r['backend']} validate={r['validate']}"
-        elif r["kind"] == "cuda":
-            what += f" row_split={r['row_split']}"
-        elif r["kind"] == "triton-default":
-            what += f" {r['path']} {r['block']}x{r['warps']} best={r['best']}"
-        print(f"| {r['c']} | {r['dtype']} | {what} | {r['ms']:.3f} | {r['gbs']:.0f} |")
+        for c in args.classes:
+            sweep_class(ctx, args, c, record)
+            write_json(args.out, ctx["header"], ctx["meta"], rows, complete=False)
+        host_floor(ctx, record)
+    except KeyboardInterrupt:  # a wall-clock limit's SIGINT: keep what was measured
+        write_json(args.out, ctx["header"], ctx["meta"], rows, complete=False)
+        print(f"[tune] interrupted: {args.out}.json holds the {len(rows)} rows measured so far (complete = false)"
+              if args.out else "[tune] interrupted", file=sys.stderr, flush=True)
+        raise
+    write_json(args.out, ctx["header"], ctx["meta"], rows, complete=True)
+    print_table(rows)
 
 
 if __name__ == "__main__":

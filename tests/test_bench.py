@@ -568,10 +568,14 @@ def test_a_prebuilt_extension_needs_the_devices_compute_capability(tmp_path, mon
     assert prebuilt.check() == (0 if usable else 1), capsys.readouterr().out
 
 
-def _run_lease_script(stages, env, stand_ins=()):
+def _run_lease_script(stages, env, stand_ins=(), edits=()):
     """bench/run_on_gpu.sh run from a copy whose functions named in ``stand_ins`` ((name, body) pairs) are replaced
-    (the real stages need a GPU) and which installs no wheels."""
+    (the real stages need a GPU), with the text edits ``edits`` ((old, new) pairs, each old text present), and which
+    installs no wheels."""
     script = (ROOT / "bench" / "run_on_gpu.sh").read_text().replace('if compgen -G ".whl/*.whl"', 'if false', 1)
+    for old, new in edits:
+        assert old in script, old
+        script = script.replace(old, new)
     for name, body in stand_ins:
         script = script.replace(f"{name}() {{", f"{name}() {{ {body}; }}\n_unused_{name}() {{", 1)
     fake = ROOT / "bench" / f".run_on_gpu_test_{os.getpid()}.sh"
@@ -624,6 +628,33 @@ def test_the_lease_scripts_training_stage_runs_the_runs_it_is_given(tmp_path):
     assert "--loss bsce_gra --backend triton" in calls[0] and "--loss cross_entropy --backend cuda" in calls[1]
     assert (out / "train-throughput.txt").read_text().splitlines() == [
         "bsce_gra / triton: epoch 2/2: 100 img/s", "cross_entropy / cuda: epoch 2/2: 100 img/s"]
+
+
+def test_the_lease_scripts_build_stage_forces_the_device_kernels_and_fails_without_them(tmp_path):
+    """The build stage compiles with CALIBKERNELS_FORCE_CUDA=1 (setup.py would otherwise build without the CUDA
+    kernels where it finds no nvcc) and fails, with one line saying why, when the extension it leaves has none on a
+    machine with a GPU. The stand-in Python answers each of the stage's calls; the copy deletes no build."""
+    stand_in = _stand_in_python(tmp_path / "python", """\
+echo "$* FORCE=${CALIBKERNELS_FORCE_CUDA:-unset}" >> "$OUT/calls.txt"
+case "$*" in
+  *"bench.prebuilt check"*) exit 1 ;;
+  *get_device_capability*) echo 9.0 ;;
+  *"raise SystemExit"*) exit "$KERNELS_MISSING" ;;
+  *) echo stand-in ;;
+esac
+""")
+    keep_the_build = [("rm -rf build calibkernels/_C.*.so calibkernels/_C.prebuilt.json", ": rm")]
+    for missing in (1, 0):
+        out = tmp_path / f"out{missing}"
+        proc = _run_lease_script(["build"], dict(OUT=str(out), PYTHON=stand_in, KERNELS_MISSING=str(missing)),
+                                 edits=keep_the_build)
+        lines = proc.stdout.strip().splitlines()
+        assert lines[-1].startswith(f"build: rc={missing},"), proc.stdout + proc.stderr
+        calls = (out / "calls.txt").read_text().splitlines()
+        (setup,) = [call for call in calls if call.startswith("setup.py")]
+        assert setup.endswith("FORCE=1"), calls
+        said = [line for line in lines if "has no CUDA kernels" in line]
+        assert len(said) == missing, proc.stdout
 
 
 def _stand_in_python(path, body):
@@ -759,3 +790,295 @@ def test_the_fused_linear_bench_measures_compiled_providers_last_and_writes_afte
     assert stopped is not None
     assert read() == (False, [("calibkernels_fused_linear", "brier", "ok"), ("materialized_torch", "brier", "skipped")])
     assert "| materialized_torch | skipped" in (tmp_path / "fl.md").read_text()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# What a row says it measured (bench audit)
+# ---------------------------------------------------------------------------------------------------------------------
+def test_tune_triton_times_only_the_row_splits_the_cuda_op_launches_as_clusters():
+    """The rowsplit stage labels a time with a cluster tile only where the CUDA op would launch that tile: its limits
+    are those of csrc/cuda/row_kernels.cuh (read here), a tile needing more than 16 CTAs per row is skipped with the
+    reason, and "auto" is timed only where no row split applies (past 4096 classes it streams, as "off" does)."""
+    import re
+
+    from bench import tune_triton as T
+
+    source = (ROOT / "csrc" / "cuda" / "row_kernels.cuh").read_text()
+    assert int(re.search(r"kMaxClusterCtas = (\d+);", source).group(1)) == T.MAX_CLUSTER_CTAS
+    assert re.search(r"kBlock256MaxC = (\d+) \* (\d+);", source).groups() == ("256", "16")
+    assert T.RESIDENT_MAX_CLASSES == 256 * 16
+    tiles = re.findall(r'\{(\d+), (\d+), "(\d+x\d+)"\}', source)
+    assert [name for _, _, name in tiles] == list(T.ROW_SPLITS[1:])
+    assert all(name == f"{t}x{v}" for t, v, name in tiles)
+    assert "cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1" in source  # the fallback mirrored
+    assert "P.num_classes > kBlock256MaxC && launch_row_clusters" in source
+
+    assert T.cluster_ctas(128256, "256x16") == 32 and T.cluster_ctas(65536, "256x16") == 16
+    assert T.cluster_skip_reason(65536, "256x16") is None  # exactly 16 CTAs: a cluster
+    assert "17 CTAs" in T.cluster_skip_reason(65537, "256x16")
+    assert "register-resident" in T.cluster_skip_reason(4096, "512x32")
+    assert T.cluster_skip_reason(4097, "512x32", "bf16", (9, 0)) is None
+    assert "8.0 < 9.0" in T.cluster_skip_reason(32000, "256x16", "fp32", (8, 0))
+    assert "always streams" in T.cluster_skip_reason(32000, "256x16", "fp64")
+    assert T.row_splits_to_time(1000, "bf16", (9, 0)) == T.row_splits_to_time(4096, "bf16", (9, 0)) == [("auto", None)]
+    timed = {c: [split for split, reason in T.row_splits_to_time(c, "bf16", (9, 0)) if reason is None]
+             for c in (10000, 32000, 128256, 262144)}
+    assert timed == {10000: list(T.ROW_SPLITS), 32000: list(T.ROW_SPLITS),
+                     128256: ["off", "256x32", "512x16", "512x32"], 262144: ["off", "512x32"]}
+    skipped = dict(T.row_splits_to_time(262144, "bf16", (9, 0)))
+    assert "64 CTAs" in skipped["256x16"] and "32 CTAs" in skipped["256x32"] and "32 CTAs" in skipped["512x16"]
+    assert all(reason for split, reason in T.row_splits_to_time(32000, "fp32", (8, 0)) if split != "off")
+
+
+def test_the_default_call_records_the_backend_its_call_runs(monkeypatch):
+    """Provider `calibkernels` is labelled with what `ck.uncertainty_weighted_ce(..., backend="auto")` runs on the
+    case: on CUDA the kernel AUTO_CUDA_MAX_CLASSES names for the row width and target kind (both GPU backends
+    pretended available here), not the device's first backend."""
+    from calibkernels import _backends
+
+    monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: None)
+    default = harness.PROVIDERS["calibkernels"]
+    expected = {(16, "hard"): "cuda", (1000, "dense"): "cuda", (32000, "hard"): "triton", (32000, "smooth"): "triton",
+                (32000, "mix"): "cuda", (32000, "mix_smooth"): "cuda", (32000, "dense"): "triton"}
+    for (c, kind), backend in expected.items():
+        case = Case(64, c, "bf16", "brier", "grad", "cuda", kind)
+        assert harness._resolved_backend(default, case) == backend, (c, kind)
+        kind = harness.backend_target_kind(case)
+        assert _backends.resolve_for_shape("auto", torch.device("cuda"), c, kind) == backend
+    assert [harness.backend_target_kind(Case(8, 4, target=kind)) for kind in KINDS] == [
+        "hard", "smooth", "mix", "mix", "dense"]
+    assert harness._resolved_backend(harness.PROVIDERS["calibkernels_cpu"], Case(8, 4)) is None
+    # and a step row of the provider carries it
+    (result,) = harness.bench_case(Case(8, 5, "fp32", "brier", "grad", "cpu"), [default], warmup=0, reps=1,
+                                   memory=False)
+    assert result.config["backend"] == _backends.resolve_for_shape("auto", torch.device("cpu"), 5, "hard")
+
+
+def _inplace_stand_in(seen):
+    """A provider whose forward writes the gradient into its input's storage, as Liger's cross-entropy does (autograd
+    is not told: no version bump), noting each input it gets."""
+    import torch.nn.functional as F
+
+    class WritesGradient(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, y):
+            loss = F.cross_entropy(x, y)
+            x.copy_((torch.softmax(x, 1) - F.one_hot(y, x.shape[1])) / x.shape[0])
+            ctx.save_for_backward(x)
+            return loss
+
+        @staticmethod
+        def backward(ctx, grad_output):
+            (g,) = ctx.saved_tensors
+            return g * grad_output, None
+
+    def make(case):
+        def step(logits, target):
+            seen.append((logits.grad_fn is not None, logits.detach().clone()))
+            loss = WritesGradient.apply(logits.data if logits.is_leaf else logits, target)
+            if loss.requires_grad:
+                loss.backward()
+            return loss
+
+        return step
+
+    return harness.Provider("writes_gradient", "in-place stand-in", ("cpu",), make, inplace=True)
+
+
+def test_host_steps_give_each_provider_its_own_logits_and_an_inplace_one_fresh_copies():
+    """Host-step suites: an in-place provider (Liger) runs on a non-leaf copy per step, and what it writes into its
+    logits reaches neither its own next step nor any other provider's (F.cross_entropy's logits stay the inputs)."""
+    case = Case(6, 5, "fp32", "none", "grad", "cpu")
+    original, _ = harness.make_inputs(case)
+    seen_inplace, seen_ce = [], []
+
+    def ce(case):
+        def step(logits, target):
+            seen_ce.append((logits.is_leaf, logits.detach().clone()))
+            loss = torch.nn.functional.cross_entropy(logits, target)
+            loss.backward()
+            return loss
+
+        return step
+
+    providers = [_inplace_stand_in(seen_inplace), harness.Provider("ce", "ce", ("cpu",), ce)]
+    results = harness.bench_host_case(case, providers, reps=2, rep_ms=0.2, warmup=2)
+    assert [r.status for r in results] == ["ok", "ok"]
+    assert seen_inplace and all(non_leaf for non_leaf, _ in seen_inplace)
+    assert seen_ce and all(is_leaf for is_leaf, _ in seen_ce)
+    for _, values in seen_inplace + seen_ce:
+        assert torch.equal(values, original.detach())
+
+
+def test_an_interrupted_bench_run_writes_the_cases_measured_so_far(tmp_path, monkeypatch):
+    """SIGINT (a wall-clock limit's) after the first case: the result files and the history rows hold that case,
+    with meta.complete false, and the interrupt still ends the run; a run that ends has meta.complete true."""
+    cases = (Case(8, 5, "fp32", "brier", "grad", "cpu"), Case(8, 6, "fp32", "brier", "grad", "cpu"))
+    suites = {"cpu": [Suite("tiny", cases, ("reference",))]}
+    real, calls = harness.time_steps, []
+
+    def stopped_after_the_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "time_steps", stopped_after_the_first)
+    out, history = tmp_path / "run", tmp_path / "history.jsonl"
+    argv = ["--device", "cpu", "--out", str(out), "--history", str(history), "--warmup", "0", "--reps", "1",
+            "--no-memory"]
+    with pytest.raises(KeyboardInterrupt):
+        harness.main(suites, suites, argv=argv)
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["complete"] is False
+    assert [(r["case_id"], r["status"]) for r in data["results"]] == [(cases[0].id, "ok")]
+    assert "stopped part way" in out.with_suffix(".md").read_text()
+    (row,) = [json.loads(line) for line in history.read_text().splitlines()]
+    assert row["case_id"] == cases[0].id and row["extra"]["run_complete"] is False
+
+    monkeypatch.setattr(harness, "time_steps", real)
+    harness.main(suites, suites, argv=argv[:4] + argv[6:])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["complete"] is True and len(data["results"]) == 2
+
+
+def test_an_interrupted_tune_triton_keeps_the_class_counts_measured_so_far(tmp_path, monkeypatch):
+    """tune_triton rewrites its JSON after each class count: stopped in the second, the file holds the first's rows
+    with meta.complete false; a sweep that ends writes complete true. (The GPU work is stood in for.)"""
+    from bench import tune_triton as T
+
+    monkeypatch.setattr(T.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(T, "_setup", lambda args: {"meta": {"date": "d"}, "header": {"device": "stand-in"}})
+
+    def sweep(ctx, args, c, record):
+        if c == 32000:
+            raise KeyboardInterrupt
+        record(kind="copy", c=c, dtype="bf16", ms=1.0, gbs=2.0)
+
+    monkeypatch.setattr(T, "sweep_class", sweep)
+    monkeypatch.setattr(T, "host_floor", lambda ctx, record: record(kind="host", c=16, dtype="fp32", what="x",
+                                                                   ms=0.1, gbs=0.0))
+    out = str(tmp_path / "tune")
+    with pytest.raises(KeyboardInterrupt):
+        T.main(["--out", out, "--classes", "1000", "4096", "32000", "128256"])
+    data = json.loads(Path(out + ".json").read_text())
+    assert data["device"] == "stand-in" and data["meta"]["complete"] is False
+    assert [row["c"] for row in data["rows"]] == [1000, 4096]
+    T.main(["--out", out, "--classes", "1000"])
+    data = json.loads(Path(out + ".json").read_text())
+    assert data["meta"]["complete"] is True and [row["kind"] for row in data["rows"]] == ["copy", "host"]
+
+
+def test_cuda_timing_spins_the_gpu_over_the_hosts_issue_time_and_never_on_the_cpu(monkeypatch):
+    """The spin before a CUDA step's start event covers the host's issue time with a margin (bounded); CPU timing
+    never calls it."""
+    assert harness.gpu_sleep_cycles(None, 1e6) == 0 and harness.gpu_sleep_cycles(1e-3, None) == 0
+    cycles = harness.gpu_sleep_cycles(200e-6, 1.5e6)  # 0.2 ms to issue, 1.5 GHz
+    assert cycles == int((harness.GPU_SLEEP_MARGIN * 0.2 + harness.GPU_SLEEP_EXTRA_MS) * 1.5e6)
+    assert cycles > 0.2 * 1.5e6
+    assert harness.gpu_sleep_cycles(10.0, 1.5e6) == int(harness.GPU_SLEEP_MAX_MS * 1.5e6)
+
+    def no_gpu(*args):
+        raise AssertionError("a CPU measurement touched the GPU spin")
+
+    monkeypatch.setattr(torch.cuda, "_sleep", no_gpu)
+    monkeypatch.setattr(harness, "_gpu_sleep_cycles_per_ms", no_gpu)
+    leaf, target = harness.make_inputs(Case(8, 5))
+    timing = harness.time_step(harness.build_step(harness.PROVIDERS["reference"], Case(8, 5)), leaf, target,
+                               warmup=1, reps=2)
+    assert timing.reps == 2 and timing.issue_ms is None
+
+
+def test_profile_step_names_each_skip_and_fails_when_nothing_can_run(capsys):
+    from bench import profile_step
+
+    with pytest.raises(SystemExit) as stop:
+        profile_step.main(["--device", "cpu", "--cases", "8x4-fp32-brier", "--providers", "torch_cross_entropy",
+                           "liger_cross_entropy"])
+    assert stop.value.code == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "skip: cpu-8x4-fp32-brier-grad torch_cross_entropy: torch_cross_entropy does not apply to " \
+                     "cpu-8x4-fp32-brier-grad"
+    assert err[1].startswith("skip: cpu-8x4-fp32-brier-grad liger_cross_entropy: ")
+    assert len([line for line in err if line.startswith("error:")]) == 1 and err[-1].startswith("error: ")
+
+
+def test_the_fused_linear_bench_records_a_providers_error_in_timing_or_memory_and_goes_on(monkeypatch):
+    from bench import bench_fused_linear as B
+
+    def failing_at(call_number):
+        def factory(case):
+            calls = []
+            fused = B._fused_linear(case)
+
+            def step(hidden, w, target):
+                calls.append(1)
+                if len(calls) == call_number:
+                    raise RuntimeError("kernel exploded")
+                return fused(hidden, w, target)
+
+            return step
+
+        return factory
+
+    monkeypatch.setitem(B.PROVIDERS, "fails_timed", failing_at(2))  # warm-up 1, then the first timed repetition
+    monkeypatch.setitem(B.PROVIDERS, "fails_memory", failing_at(4))  # warm-up 1, 2 timed, then the memory step
+    case = dict(n=12, h=8, c=20, dtype="fp32", weight="none", mode="grad", device="cpu")
+    results, _ = B.run_case(case, ["fails_timed", "calibkernels_fused_linear", "fails_memory"], warmup=1, reps=2,
+                            max_time_s=60, memory=True)
+    assert results["fails_timed"]["status"] == "error: RuntimeError: kernel exploded"
+    assert results["fails_memory"]["status"] == "error: RuntimeError: kernel exploded"
+    assert len(results["fails_memory"]["times_ms"]) == 2
+    ok = results["calibkernels_fused_linear"]
+    assert ok["status"] == "ok" and ok["reps"] == 2 and ok["peak_extra_mb"] >= 0
+
+
+def test_cut_cross_entropy_runs_exact_and_says_so(monkeypatch):
+    """Cut Cross-Entropy's default filter_eps="auto" filters the gradient (less work than an exact one): the provider
+    passes filter_eps=None and its rows' config records it."""
+    import importlib.machinery
+    import types
+
+    from bench import bench_fused_linear as B
+
+    calls = []
+    fake = types.ModuleType("cut_cross_entropy")
+    fake.__spec__ = importlib.machinery.ModuleSpec("cut_cross_entropy", None)
+    fake.linear_cross_entropy = lambda e, c, targets, **kw: calls.append(kw) or (e @ c.T).sum()
+    monkeypatch.setitem(sys.modules, "cut_cross_entropy", fake)
+    case = dict(n=4, h=3, c=5, dtype="fp32", weight="none", mode="grad", device="cuda")
+    B._cut_cross_entropy(case)(torch.randn(4, 3), torch.randn(5, 3), torch.zeros(4, dtype=torch.long))
+    assert calls == [{"filter_eps": None}]
+    row = B._history_row({"cpu": "x", "cpu_count": 2, "torch_threads": 2, "date": "d", "git_commit": None,
+                          "git_dirty": None, "torch": "t", "load_average_1min": None}, case, "cut_cross_entropy",
+                         {"status": "ok", "config": dict(B.PROVIDER_CONFIG["cut_cross_entropy"])}, "f.json")
+    assert row["config"]["filter_eps"] is None and "filter_eps" in row["config"]
+
+
+def test_versions_come_from_the_installed_distributions_and_bench_changes_make_a_run_dirty(tmp_path, monkeypatch):
+    from importlib import metadata
+
+    assert harness.package_version("torch") == metadata.version("torch")
+    assert harness.package_version("surely_not_an_installed_module_xyz") is None
+    # git_dirty: a change under bench/ counts, one under bench/results/ (results, not code) does not
+    repo = tmp_path / "repo"
+    (repo / "bench" / "results").mkdir(parents=True)
+    (repo / "bench" / "harness.py").write_text("x = 1\n")
+    (repo / "bench" / "results" / "history.jsonl").write_text("{}\n")
+
+    def git(*args):
+        subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                       capture_output=True)
+
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "init")
+    monkeypatch.setattr(harness, "REPO_ROOT", repo)
+    monkeypatch.setattr(harness, "_cpu_model", lambda: "stand-in CPU")  # lscpu is slow and beside the point
+    assert harness.machine_info("cpu")["git_dirty"] is False
+    (repo / "bench" / "results" / "history.jsonl").write_text("{}\n{}\n")
+    assert harness.machine_info("cpu")["git_dirty"] is False
+    (repo / "bench" / "harness.py").write_text("x = 2\n")
+    meta = harness.machine_info("cpu")
+    assert meta["git_dirty"] is True and meta["git_dirty_paths"] == ["bench/harness.py"]
+    assert "bench" in meta["git_dirty_scope"]
