@@ -91,29 +91,36 @@ def main(argv=None):
     meta = harness.machine_info(args.device)
     if have_torchmetrics:
         meta["torchmetrics"] = harness.package_version("torchmetrics")
-    rows, records = [], []
-    for n, c in (QUICK_SHAPES if args.quick else SHAPES)[args.device]:
-        logits, labels = _inputs(n, c, args.device)
-        for metric, providers in METRICS.items():
-            values = {}
-            for provider, make in providers.items():
-                if provider == "torchmetrics":
-                    if not have_torchmetrics:
-                        continue
-                    fn = make()
-                else:
-                    fn = make
-                values[provider] = fn(logits, labels)
-                timing = harness.time_fn(lambda: fn(logits, labels), args.device, warmup=1,
-                                         reps=5 if args.quick else 10, max_time_s=3.0)
-                records.append(dict(n=n, c=c, metric=metric, provider=provider, value=values[provider],
-                                    median_ms=timing.median_ms, min_ms=timing.min_ms, max_ms=timing.max_ms,
-                                    reps=timing.reps, times_ms=[round(t, 4) for t in timing.times_ms]))
-                print(f"[bench] {n}x{c} {metric} {provider}: {timing.median_ms:.2f} ms", file=sys.stderr)
-            diff = abs(values["calibkernels"] - values["torchmetrics"]) if "torchmetrics" in values else None
-            for r in records[-len(values):]:
-                rows.append([f"{n} × {c}", metric, r["provider"], f"{100 * r['value']:.4f}",
-                             "–" if diff is None else f"{100 * diff:.1e}", f"{r['median_ms']:.2f}"])
+    records, stopped = [], None
+    try:
+        for n, c in (QUICK_SHAPES if args.quick else SHAPES)[args.device]:
+            logits, labels = _inputs(n, c, args.device)
+            for metric, providers in METRICS.items():
+                for provider, make in providers.items():
+                    if provider == "torchmetrics":
+                        if not have_torchmetrics:
+                            continue
+                        fn = make()
+                    else:
+                        fn = make
+                    value = fn(logits, labels)
+                    timing = harness.time_fn(lambda: fn(logits, labels), args.device, warmup=1,
+                                             reps=5 if args.quick else 10, max_time_s=3.0)
+                    records.append(dict(n=n, c=c, metric=metric, provider=provider, value=value,
+                                        median_ms=timing.median_ms, min_ms=timing.min_ms, max_ms=timing.max_ms,
+                                        reps=timing.reps, times_ms=[round(t, 4) for t in timing.times_ms]))
+                    print(f"[bench] {n}x{c} {metric} {provider}: {timing.median_ms:.2f} ms", file=sys.stderr)
+    except KeyboardInterrupt as exc:  # a wall-clock limit's SIGINT (run_on_gpu.sh): publish what was measured
+        stopped = exc
+    # false: the run was stopped part way, and its files hold the measurements made before that
+    meta["complete"] = stopped is None
+    rows = []
+    for r in records:
+        other = [o for o in records if (o["n"], o["c"], o["metric"]) == (r["n"], r["c"], r["metric"])
+                 and {o["provider"], r["provider"]} == {"calibkernels", "torchmetrics"}]
+        diff = abs(r["value"] - other[0]["value"]) if other else None
+        rows.append([f"{r['n']} × {r['c']}", r["metric"], r["provider"], f"{100 * r['value']:.4f}",
+                     "–" if diff is None else f"{100 * diff:.1e}", f"{r['median_ms']:.2f}"])
     table = (f"Machine: {meta.get('gpu') or meta['cpu']} ({meta['torch_threads']} torch threads); torch "
              f"{meta['torch']}; torchmetrics {meta.get('torchmetrics', 'not installed')}; {meta['date']}\n\n"
              + harness.rows_to_markdown(["N × C", "metric", "provider", "value (%)",
@@ -126,6 +133,8 @@ def main(argv=None):
     print(f"[bench] wrote {written['json']} and {written['md']}"
           + (f"; appended {len(records)} rows to {written['history']}" if written["history"] else "")
           + (f"; removed {', '.join(written['removed'])}" if written["removed"] else ""), file=sys.stderr)
+    if stopped is not None:
+        raise stopped
     return records
 
 

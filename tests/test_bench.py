@@ -1082,3 +1082,26 @@ def test_versions_come_from_the_installed_distributions_and_bench_changes_make_a
     meta = harness.machine_info("cpu")
     assert meta["git_dirty"] is True and meta["git_dirty_paths"] == ["bench/harness.py"]
     assert "bench" in meta["git_dirty_scope"]
+
+
+def test_an_interrupted_metrics_bench_writes_what_it_measured(tmp_path, monkeypatch):
+    """bench_metrics stopped by SIGINT after its first measurement: the result file holds that measurement with
+    meta.complete false, and the interrupt still ends the run."""
+    from bench import bench_metrics as M
+
+    real, calls = harness.time_fn, []
+
+    def stopped_after_the_first(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(harness, "time_fn", stopped_after_the_first)
+    monkeypatch.setattr(M, "QUICK_SHAPES", {"cpu": [(64, 5)]})
+    out = tmp_path / "metrics"
+    with pytest.raises(KeyboardInterrupt):
+        M.main(["--device", "cpu", "--quick", "--out", str(out), "--history", str(tmp_path / "history.jsonl")])
+    data = json.loads(out.with_suffix(".json").read_text())
+    assert data["meta"]["complete"] is False
+    assert [(r["metric"], r["provider"]) for r in data["results"]] == [("ece", "calibkernels")]
