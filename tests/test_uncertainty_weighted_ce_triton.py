@@ -370,6 +370,26 @@ _TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("weight", ["focal", "flsd"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
+def test_a_dense_target_summing_off_one_keeps_the_loss_mode_gradient(monkeypatch, device, weight, chunked):
+    """A bfloat16 dense target whose rows sum to s != 1 within its dtype's tolerance, with an entry above 1/2: the
+    focal weights' loss-mode gradient as the reference's on the same target. (The kernel formed t - P on such columns
+    as (Σt - P) - (1 - t), off by s - 1: 5e-3 here.)"""
+    if chunked:
+        monkeypatch.setattr(T, "MAX_BLOCK", 4)  # rows of 6 classes in chunks of 2
+    z = torch.tensor([[1.0, -0.5, 0.3, 2.0, 0.1, -1.0], [0.2, 3.0, -1.0, 0.5, 0.0, 1.0]], device=device)
+    t = torch.tensor([[0.8, 0.1, 0.05, 0.02, 0.01, 0.011], [0.05, 0.7, 0.1, 0.1, 0.02, 0.02]],
+                     dtype=torch.bfloat16, device=device)
+    assert (t.double().sum(dim=1) - 1).abs().min() > 1e-3  # off one, within bfloat16's tolerance
+    x = z.clone().requires_grad_()
+    ck.uncertainty_weighted_ce(x, t, weight=weight, mode="loss", gamma=2.0, backend="triton").backward()
+    exact_x = z.double().requires_grad_()
+    R.uncertainty_weighted_ce(exact_x, t, weight=weight, mode="loss", gamma=2.0).backward()  # t: its own tolerance
+    _close(x.grad, exact_x.grad, torch.float32, f"{weight} loss-mode gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("count", ["inline", "loaded"])
 @pytest.mark.parametrize("target", ["hard", "mix", "dense"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])

@@ -636,7 +636,8 @@ def _compact_sums(z, e, special, col_mask, m_safe, norm, GAPS: tl.constexpr, POW
 def _soft_columns(p, offs, raw, DENSE: tl.constexpr, one_minus_a, c, a_minus_c, t_sum, P, one_minus_P,
                   safe_target, safe_mix, delta_target, delta_mix, t_minus_P_target, t_minus_P_mix, Q):
     """Per column: ``δ = p - t`` (the Brier weight's), ``Σt p - t`` (the cross-entropy's gradient) and ``t - P``
-    (the focal weight's). Dense: from the entries ``raw``; ``t - P`` as ``(1 - P) - (1 - t)`` where ``t > 1/2``.
+    (the focal weight's). Dense: from the entries ``raw``; ``t - P`` as ``(1 - P) - (1 - t)`` where ``t > 1/2``, with
+    ``1 - P = one_minus_P - (Σt - 1)`` (``one_minus_P`` is the focal base ``Σt - P`` of a target that sums to Σt).
     Compact: the other columns have ``t = c``, ``t - P = -Q`` (``Q = P - c``); the target and mix columns take the
     row's cancellation-free scalars."""
     if DENSE:
@@ -644,7 +645,8 @@ def _soft_columns(p, offs, raw, DENSE: tl.constexpr, one_minus_a, c, a_minus_c, 
         one_minus_t = (1.0 - raw) * one_minus_a + a_minus_c
         delta = p - t
         ce_delta = t_sum * p - t
-        t_minus_P = tl.where(t > 0.5, one_minus_P - one_minus_t, t - P)
+        # one_minus_P is Σt - P (the focal base, 1 - P for a target summing to 1): t - P = (1 - P) - (1 - t)
+        t_minus_P = tl.where(t > 0.5, (one_minus_P - (t_sum - 1.0)) - one_minus_t, t - P)
     else:
         is_target = offs == safe_target
         is_mix = offs == safe_mix
