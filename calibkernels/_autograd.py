@@ -23,7 +23,8 @@ Eager Triton calls launch the kernels directly, without the registered op's disp
 Contracts (docs/losses.md, "Contracts"):
 
 * ``inplace=True`` needs logits that are an intermediate result: a leaf that requires grad (or a view of one) is
-  refused with ``ValueError`` on every backend; other autograd nodes that saved the logits raise at backward.
+  refused with ``ValueError`` on every fused backend (the reference never writes in place and ignores the flag);
+  other autograd nodes that saved the logits raise at backward.
 * Double backward raises: the backward with ``create_graph=True`` raises ``RuntimeError`` naming the reference
   backend, which supports it. (A gradient returned as a value whose differentiation raises would not do: autograd
   runs only the nodes on a path to the inputs asked for, so ``torch.autograd.grad(penalty, params)`` would skip the

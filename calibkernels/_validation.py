@@ -508,6 +508,7 @@ def check_loss_inputs(
     check_weight(weight)
     check_mode(mode)
     check_reduction(reduction)
+    check_ignore_index(ignore_index)  # for a dense target too, which has no row to ignore
     check_gamma(gamma)
     check_norm(norm)
     smoothing = check_label_smoothing(label_smoothing)

@@ -84,12 +84,14 @@ def uncertainty_weighted_ce(
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
-        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu",
+        # the dual-focal weight's soft targets become class indices before any kernel runs
+        # (_backends._one_hot_for_dual_focal), so no kernel would see their values: checked here
+        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu" and weight != "dual_focal",
         # a dense target's values: the CPU op checks them in its sweep (in place, in a pass of its own before the
         # kernel overwrites the logits); the GPU backends flag them on the device on plain eager calls (the calls
         # whose flag calibkernels._target_checks reads)
-        kernel_checks_dense=name == "cpu" or (
-            name in ("triton", "cuda") and device.type == "cuda" and _autograd.is_plain_eager(logits)),
+        kernel_checks_dense=weight != "dual_focal" and (name == "cpu" or (
+            name in ("triton", "cuda") and device.type == "cuda" and _autograd.is_plain_eager(logits))),
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")

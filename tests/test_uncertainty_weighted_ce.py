@@ -454,3 +454,44 @@ def test_a_step_with_the_loss_inside_reduce_overhead_compilation(backend):
             torch.cuda.set_sync_debug_mode("default")
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got_grad, model.weight.grad, rtol=1e-4, atol=1e-5)
+
+
+def _backends_here():
+    return [b for b in ("cpu", "triton", "reference") if b == "reference" or b in ck.available_backends()
+            and _backends.unavailable_reason(b, torch.device("cpu")) is None]
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_dual_focal_soft_targets_have_their_values_checked_on_every_backend(backend):
+    """The dual-focal weight takes soft targets only when they are one-hot, and turns them into class indices before
+    any kernel runs, so no kernel sees their values: a mix class out of range or a dense row that is not a
+    distribution raises on every backend (the CPU backend had left both to its kernel, which never saw them)."""
+    z = torch.randn(4, 5)
+    with pytest.raises(ValueError, match="mix_target value 99 is out of range"):
+        ck.uncertainty_weighted_ce(z, torch.tensor([0, 1, 2, 3]), weight="dual_focal", backend=backend,
+                                   mix_target=torch.tensor([1, 2, 99, 0]), mix_lambda=torch.tensor([1., 0., 1., 1.]))
+    dense = torch.eye(5)[:4].clone()
+    dense[1, 2] = 1.0  # sums to 2
+    with pytest.raises(ValueError, match="row 1 sums to 2"):
+        ck.uncertainty_weighted_ce(z, dense, weight="dual_focal", backend=backend)
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_a_dense_target_call_checks_ignore_index_like_a_class_index_call(backend):
+    """``ignore_index`` must be an int whatever the target: a dense target had skipped the check (a float was taken
+    silently by some backends, refused by the CPU op's schema with a RuntimeError)."""
+    z, dense = torch.randn(3, 4), torch.softmax(torch.randn(3, 4), dim=1)
+    for bad in (-100.0, True, 1.5):
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            ck.uncertainty_weighted_ce(z, dense, ignore_index=bad, backend=backend)
+
+
+@pytest.mark.parametrize("backend", _backends_here())
+def test_one_class_logits_with_any_column_stride(backend):
+    """(N, 1) logits whose column stride is not 1 (a transposed row): every backend gives the loss of one class, 0,
+    with a zero gradient (Triton had refused them: PyTorch's contiguous() keeps the stride of a size-1 dimension)."""
+    x = torch.randn(1, 4).t().requires_grad_()
+    assert x.stride(1) != 1
+    loss = ck.uncertainty_weighted_ce(x, torch.zeros(4, dtype=torch.long), backend=backend)
+    loss.backward()
+    assert loss.item() == 0.0 and (x.grad == 0).all()

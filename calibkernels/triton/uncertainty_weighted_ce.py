@@ -1204,7 +1204,7 @@ def uncertainty_weighted_ce_forward(
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
                         "(use backend='reference' for float64)")
-    if logits.dim() != 2 or logits.stride(1) != 1:
+    if logits.dim() != 2 or (logits.stride(1) != 1 and logits.shape[1] != 1):  # one class: no column stride
         raise ValueError(f"expected (N, C) logits with unit column stride, got shape {tuple(logits.shape)} "
                          f"stride {logits.stride()}")
     target, mix_target, mix_lambda, label_smoothing, soft = _soft_target_arguments(
@@ -1384,12 +1384,12 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     # The kernels take any row stride but need unit column stride: otherwise they work on a contiguous copy of the
     # logits, or write into a contiguous buffer, and the gradient is copied into the caller's grad_out afterwards.
     write_back = None
-    if logits.stride(-1) != 1:
+    if logits.stride(-1) != 1 and logits.shape[-1] != 1:
         in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()
         logits = logits.contiguous()
         if in_place:  # the copy is ours to overwrite
             write_back, grad_out = grad_out, logits
-    if grad_out is not None and grad_out.stride(-1) != 1:
+    if grad_out is not None and grad_out.stride(-1) != 1 and grad_out.shape[-1] != 1:
         write_back, grad_out = grad_out, torch.empty_like(logits, memory_format=torch.contiguous_format)
     args = (logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out)
