@@ -211,31 +211,50 @@ def _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad):
 
 
 @triton.jit
-def _count_valid(target_ptr, num_rows, ignore_index, BLOCK: tl.constexpr):
+def _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index):
+    """One chunk of a scan of class-index targets: ``(t, valid, bad)``, the targets (int64; ``ignore_index`` past the
+    batch), whether each counts for the mean and whether it is out of range."""
+    t = tl.load(target_ptr + rows, mask=in_batch, other=ignore_index).to(tl.int64)
+    valid = t != ignore_index
+    return t, valid, valid & ((t < 0) | (t >= num_classes))
+
+
+@triton.jit
+def _count_valid(target_ptr, num_rows, num_classes, ignore_index, BLOCK: tl.constexpr):
     """The number of rows whose class-index target is not ``ignore_index`` (the mean's divisor)."""
     offs = tl.arange(0, BLOCK)
     count = tl.zeros((BLOCK,), tl.int32)
     for start in range(0, num_rows, BLOCK):
         rows = start + offs
-        t = tl.load(target_ptr + rows, mask=rows < num_rows, other=ignore_index)
-        count += (t != ignore_index).to(tl.int32)
+        _, valid, _ = _target_chunk(target_ptr, rows, rows < num_rows, num_classes, ignore_index)
+        count += valid.to(tl.int32)
     return tl.sum(count, 0)
 
 
 @triton.jit
-def _gradient_scale(valid_count_ptr, target_ptr, num_rows, ignore_index, REDUCTION: tl.constexpr,
+def _mean_divisor(valid_count_ptr, inline_count, num_rows, COUNT: tl.constexpr):
+    """The mean's divisor as a float, at least 1 (all rows ignored: a loss of 0, never NaN): ``num_rows``
+    (COUNT_ROWS), ``inline_count`` (COUNT_INLINE, counted by the caller) or the targets kernel's ``valid_count``."""
+    if COUNT == _COUNT_LOADED:
+        count = tl.load(valid_count_ptr).to(tl.float32)
+    elif COUNT == _COUNT_INLINE:
+        count = inline_count.to(tl.float32)
+    else:
+        count = tl.cast(num_rows, tl.float32)
+    return tl.maximum(count, 1.0)
+
+
+@triton.jit
+def _gradient_scale(valid_count_ptr, target_ptr, num_rows, num_classes, ignore_index, REDUCTION: tl.constexpr,
                     COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr):
     """The reduction's factor of every gradient entry: 1 / (the mean's divisor) for the mean, else 1. The divisor
     (COUNT): ``num_rows`` (a dense target, whose rows all count), the non-ignored targets counted by this program
     (a small batch: no launch before this one), or the count the targets kernel stored in ``valid_count``."""
     if REDUCTION == _MEAN:
-        if COUNT == _COUNT_LOADED:
-            count = tl.load(valid_count_ptr).to(tl.float32)
-        elif COUNT == _COUNT_INLINE:
-            count = _count_valid(target_ptr, num_rows, ignore_index, COUNT_BLOCK).to(tl.float32)
-        else:
-            count = tl.cast(num_rows, tl.float32)
-        scale = 1.0 / tl.maximum(count, 1.0)
+        inline_count = 0
+        if COUNT == _COUNT_INLINE:
+            inline_count = _count_valid(target_ptr, num_rows, num_classes, ignore_index, COUNT_BLOCK)
+        scale = 1.0 / _mean_divisor(valid_count_ptr, inline_count, num_rows, COUNT)
     else:
         scale = tl.full((), 1.0, tl.float32)
     return scale
@@ -275,9 +294,7 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
             if REDUCTION != _REDUCTION_NONE:
                 acc += tl.load(row_loss_ptr + rows, mask=in_batch, other=0.0, cache_modifier=".cg")
             if CHECK_TARGETS:
-                t = tl.load(target_ptr + rows, mask=in_batch, other=ignore_index).to(tl.int64)
-                valid = t != ignore_index
-                bad = valid & ((t < 0) | (t >= num_classes))
+                t, valid, bad = _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index)
                 count += valid.to(tl.int32)
                 bad_any = bad_any | bad.to(tl.int32)
                 bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
@@ -287,13 +304,7 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
         if REDUCTION != _REDUCTION_NONE:
             total = tl.sum(acc, 0)
             if REDUCTION == _MEAN:
-                if COUNT == _COUNT_LOADED:
-                    divisor = tl.load(valid_count_ptr).to(tl.float32)
-                elif COUNT == _COUNT_INLINE:
-                    divisor = tl.sum(count, 0).to(tl.float32)
-                else:
-                    divisor = tl.cast(num_rows, tl.float32)
-                total = total / tl.maximum(divisor, 1.0)
+                total = total / _mean_divisor(valid_count_ptr, tl.sum(count, 0), num_rows, COUNT)
             tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
         if CHECK_TARGETS:
             tl.store(error_ptr, tl.max(bad_any, 0).to(tl.int64))
@@ -493,7 +504,8 @@ def _uncertainty_weighted_ce_row(
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        scale = _gradient_scale(valid_count_ptr, target_ptr, num_rows, ignore_index, REDUCTION, COUNT, COUNT_BLOCK)
+        scale = _gradient_scale(valid_count_ptr, target_ptr, num_rows, num_classes, ignore_index, REDUCTION, COUNT,
+                                COUNT_BLOCK)
         grad_target = (-coef_p * one_minus_p + extra_y) * scale
         grad_row = grad_ptr + row * grad_row_stride
         inv_d = 1.0 / d
@@ -996,7 +1008,8 @@ def _soft_target_ce_fwd_kernel(
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
-        scale = _gradient_scale(valid_count_ptr, target_ptr, num_rows, ignore_index, REDUCTION, COUNT, FINISH_BLOCK)
+        scale = _gradient_scale(valid_count_ptr, target_ptr, num_rows, num_classes, ignore_index, REDUCTION, COUNT,
+                                FINISH_BLOCK)
         grad_row = grad_ptr + row * grad_row_stride
         if not DENSE:
             # the target and mix columns' gradients, once per row (the other columns have t = c, t - P = -Q)
@@ -1044,9 +1057,7 @@ def _uncertainty_weighted_ce_targets_kernel(
     bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
     for start in range(0, num_rows, BLOCK):
         rows = start + offs
-        t = tl.load(target_ptr + rows, mask=rows < num_rows, other=ignore_index).to(tl.int64)
-        valid = t != ignore_index
-        bad = valid & ((t < 0) | (t >= num_classes))
+        t, valid, bad = _target_chunk(target_ptr, rows, rows < num_rows, num_classes, ignore_index)
         count += valid.to(tl.int64)
         bad_any = bad_any | bad.to(tl.int32)
         bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
@@ -1204,7 +1215,7 @@ def uncertainty_weighted_ce_forward(
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
                         "(use backend='reference' for float64)")
-    if logits.dim() != 2 or (logits.stride(1) != 1 and logits.shape[1] != 1):  # one class: no column stride
+    if logits.dim() != 2 or not _unit_columns(logits):
         raise ValueError(f"expected (N, C) logits with unit column stride, got shape {tuple(logits.shape)} "
                          f"stride {logits.stride()}")
     target, mix_target, mix_lambda, label_smoothing, soft = _soft_target_arguments(
@@ -1280,6 +1291,12 @@ def uncertainty_weighted_ce_forward(
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
         )
     return loss, grad, error
+
+
+def _unit_columns(tensor: torch.Tensor) -> bool:
+    """Whether the kernels can read ``tensor``'s rows as they lie: unit column stride, or a single column (whose
+    stride is never read, and which ``contiguous()`` leaves as it is)."""
+    return tensor.stride(-1) == 1 or tensor.shape[-1] == 1
 
 
 def _finish_block(num_rows: int, num_warps: int) -> int:
@@ -1384,12 +1401,12 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     # The kernels take any row stride but need unit column stride: otherwise they work on a contiguous copy of the
     # logits, or write into a contiguous buffer, and the gradient is copied into the caller's grad_out afterwards.
     write_back = None
-    if logits.stride(-1) != 1 and logits.shape[-1] != 1:
+    if not _unit_columns(logits):
         in_place = grad_out is not None and grad_out.data_ptr() == logits.data_ptr()
         logits = logits.contiguous()
         if in_place:  # the copy is ours to overwrite
             write_back, grad_out = grad_out, logits
-    if grad_out is not None and grad_out.stride(-1) != 1 and grad_out.shape[-1] != 1:
+    if grad_out is not None and not _unit_columns(grad_out):
         write_back, grad_out = grad_out, torch.empty_like(logits, memory_format=torch.contiguous_format)
     args = (logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out)
