@@ -910,20 +910,26 @@ def test_host_steps_give_each_provider_its_own_logits_and_an_inplace_one_fresh_c
         assert torch.equal(values, original.detach())
 
 
+def _interrupted_after_one_call(timer):
+    """``timer`` that runs once, then raises ``KeyboardInterrupt`` as a wall-clock limit's SIGINT would."""
+    calls = []
+
+    def timed_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return timer(*args, **kwargs)
+
+    return timed_once
+
+
 def test_an_interrupted_bench_run_writes_the_cases_measured_so_far(tmp_path, monkeypatch):
     """SIGINT (a wall-clock limit's) after the first case: the result files and the history rows hold that case,
     with meta.complete false, and the interrupt still ends the run; a run that ends has meta.complete true."""
     cases = (Case(8, 5, "fp32", "brier", "grad", "cpu"), Case(8, 6, "fp32", "brier", "grad", "cpu"))
     suites = {"cpu": [Suite("tiny", cases, ("reference",))]}
-    real, calls = harness.time_steps, []
-
-    def stopped_after_the_first(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 1:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(harness, "time_steps", stopped_after_the_first)
+    real = harness.time_steps
+    monkeypatch.setattr(harness, "time_steps", _interrupted_after_one_call(real))
     out, history = tmp_path / "run", tmp_path / "history.jsonl"
     argv = ["--device", "cpu", "--out", str(out), "--history", str(history), "--warmup", "0", "--reps", "1",
             "--no-memory"]
@@ -1089,15 +1095,7 @@ def test_an_interrupted_metrics_bench_writes_what_it_measured(tmp_path, monkeypa
     meta.complete false, and the interrupt still ends the run."""
     from bench import bench_metrics as M
 
-    real, calls = harness.time_fn, []
-
-    def stopped_after_the_first(*args, **kwargs):
-        calls.append(1)
-        if len(calls) > 1:
-            raise KeyboardInterrupt
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(harness, "time_fn", stopped_after_the_first)
+    monkeypatch.setattr(harness, "time_fn", _interrupted_after_one_call(harness.time_fn))
     monkeypatch.setattr(M, "QUICK_SHAPES", {"cpu": [(64, 5)]})
     out = tmp_path / "metrics"
     with pytest.raises(KeyboardInterrupt):
