@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
@@ -517,7 +516,7 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
 
 def _check_number(name, value, *, positive=False):
     """``value`` must be a real number (not a bool), finite, and ``> 0`` (``positive``) or ``>= 0``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not V.is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     in_range = value > 0 if positive else value >= 0  # both False for NaN
     if not (in_range and math.isfinite(value)):

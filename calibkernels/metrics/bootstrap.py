@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import math
-import numbers
 
 import torch
 import torch.nn.functional as F
@@ -213,7 +212,7 @@ def _looped_statistics(metric, x, y, blocks) -> torch.Tensor:
             value = metric(x[row], y[row])
             if isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex():
                 value = value.item()
-            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            if not is_number(value):
                 raise TypeError(f"metric must return a float (or a one-element tensor), got {type(value).__name__}")
             values.append(float(value))
     return torch.tensor(values, dtype=torch.float64)
