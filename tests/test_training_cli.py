@@ -278,3 +278,17 @@ def test_progress_to_a_file_is_one_line_per_epoch(tmp_path):
     progress = [line for line in lines if line.startswith("epoch ")]
     assert [line.split()[1] for line in progress] == ["1/3", "2/3", "3/3"], text
     assert len(lines) <= 2 * 3, text
+
+
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_with_a_meta_method_lists_the_meta_options(flag, capsys):
+    """The --meta-* options exist only with --method meta-*; the help of such a command line lists them (the first
+    parsing pass, which reads --method, must not answer the help request itself)."""
+    with pytest.raises(SystemExit) as stop:
+        train.parse_args(["--method", "meta-sece", flag])
+    assert stop.value.code == 0
+    out = capsys.readouterr().out
+    assert "--meta-k" in out and "--meta-lr" in out
+    with pytest.raises(SystemExit):
+        train.parse_args([flag])
+    assert "--meta-k" not in capsys.readouterr().out

@@ -1123,7 +1123,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     only then). ``args.explicit`` lists the options given on the command line (``--resume`` lets them override the
     checkpoint's settings)."""
     parser = get_args_parser()
-    known, _ = parser.parse_known_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # the first pass only reads --method; a help request answered there would list no --meta-* option
+    known, _ = parser.parse_known_args([arg for arg in argv if arg not in ("-h", "--help")])
     if known.method != "standard":
         from . import meta as meta_module
 
