@@ -5,9 +5,10 @@ gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, m
 label_smoothing=0.0, *, loss_dtype=None) -> (loss, grad, target_flag)`` (the soft-target arguments only where the
 backend's module sets ``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
 
-* ``loss``: float32 (float64 for float64 logits), or ``loss_dtype`` where the backend's reduction writes that dtype
-  itself (the Triton kernels' eager calls: a 16-bit loss then costs no cast launch, and its backward no cast of
-  ``grad_output``); the caller casts what it gets. 0-dim for mean/sum, ``(N,)`` for none;
+* ``loss``: float32 (float64 for float64 logits), or ``loss_dtype`` where the backend writes that dtype itself (the
+  logits' dtype, asked for by the calls below, which the compiled op and the Triton kernels' eager calls write
+  directly: a 16-bit loss then costs no cast launch, and its backward no cast of ``grad_output``); the caller casts
+  what it gets. 0-dim for mean/sum, ``(N,)`` for none;
 * the gradient of the reduced loss for ``grad_output = 1`` ("gradient in the forward"), written into ``grad_out`` when
   given (the logits themselves for ``inplace=True``; ``grad`` is then empty) or returned as ``grad``;
 * ``target_flag``: ``None``, or a two-slot int64 device tensor ``(any bad target, a bad value)`` that
@@ -179,6 +180,12 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
     return base is not None and base.is_leaf and base.requires_grad
 
 
+def _expanded(tensor: torch.Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory as an expanded tensor's do (a dimension of size > 1 with stride 0;
+    the compiled op's own check of ``grad_out`` also catches rarer overlaps)."""
+    return any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride()))
+
+
 def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     """The loss of validated ``inputs`` through compiled backend ``backend``, in the logits' dtype and batch shape."""
     soft = ()
@@ -211,6 +218,11 @@ def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_we
             "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
             "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
             "use inplace=False"
+        )
+    if inplace and compute_grad and _expanded(logits):
+        raise ValueError(
+            "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
+            "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() them)"
         )
     codes = (weight, mode, gamma_value, norm, ignore_index, reduction)
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad

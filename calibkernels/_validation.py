@@ -7,6 +7,7 @@ Logits of shape ``(..., C)`` are flattened to rows ``(N, C)`` (class dimension l
 from __future__ import annotations
 
 import functools
+import math
 import numbers
 from dataclasses import dataclass
 
@@ -42,9 +43,29 @@ def is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
 def check_ignore_index(ignore_index) -> None:
+    """``ignore_index``: an int (not a bool) that int64 holds. Targets are int64 and every backend compares them with
+    it as an int64 (the compiled op cannot take a wider int, a Triton kernel would take one as uint64), so a value
+    outside the range is refused here rather than each backend failing its own way."""
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+    if not INT64_MIN <= ignore_index <= INT64_MAX:
+        raise ValueError(f"ignore_index must be in the int64 range [{INT64_MIN}, {INT64_MAX}] (targets are int64), "
+                         f"got {ignore_index}")
+
+
+def _fits_a_float(value) -> bool:
+    """Whether a real number in (-inf, inf) converts to a finite float (an int such as 10**400 compares below inf but
+    does not)."""
+    if isinstance(value, float):
+        return True
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
 
 
 def check_gamma(gamma) -> None:
@@ -54,14 +75,14 @@ def check_gamma(gamma) -> None:
         return  # values are checked once the rows are known (check_per_sample_gamma)
     if not is_number(gamma):
         raise TypeError(f"gamma must be a number or a per-sample tensor, got {type(gamma).__name__}")
-    if not 0 <= gamma < float("inf"):  # also rejects NaN
+    if not 0 <= gamma < float("inf") or not _fits_a_float(gamma):  # also rejects NaN
         raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
 
 
 def check_norm(norm) -> None:
     if not is_number(norm):
         raise TypeError(f"norm must be a number, got {type(norm).__name__}")
-    if not 0 < norm < float("inf"):
+    if not 0 < norm < float("inf") or not _fits_a_float(norm):
         raise ValueError(f"norm (the q of the generalised Brier score) must be finite and > 0, got {norm}")
 
 

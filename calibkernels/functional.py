@@ -73,7 +73,14 @@ def uncertainty_weighted_ce(
                                  mix_target is not None)
     # "auto" on CUDA tensors: the kernel measured faster for this row width and target kind (_backends)
     num_classes = logits.shape[-1] if isinstance(logits, torch.Tensor) and logits.dim() > 0 else 0
-    name = _backends.resolve_for_shape(backend, device, num_classes, kind, gamma_needs_grad)
+    try:
+        name = _backends.resolve_for_shape(backend, device, num_classes, kind, gamma_needs_grad)
+    except RuntimeError as exc:  # NotImplementedError too: a named backend that cannot run this call
+        # Bad inputs raise what the reference raises, whichever backend was asked for: the inputs are checked first,
+        # on the host as the reference checks them, and this error only once they pass
+        name, cannot_run = "reference", exc
+    else:
+        cannot_run = None
     # On a GPU nothing is read on the host (a synchronisation per call): the kernels flag bad targets on the device,
     # and the values of sample_weight, a per-sample gamma and a mix are flagged by device ops; both are read by
     # calibkernels._target_checks. The reference and CPU tensors check on the host and raise at once.
@@ -95,6 +102,8 @@ def uncertainty_weighted_ce(
     )
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    if cannot_run is not None:
+        raise cannot_run
     return _backends.run(name, inputs, inplace)
 
 
@@ -175,19 +184,31 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
         return None
     if inplace and logits.requires_grad and torch.is_grad_enabled() and _autograd._is_leaf_or_view_of_leaf(logits):
         return None
+    try:
+        gamma, norm = float(gamma), float(norm)
+    except OverflowError:
+        return None  # an int past float's range (e.g. 10**400): the general path's ValueError
     if on_gpu:
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
     if triton:
-        return _autograd.run_rows("triton", logits, target, None, gamma, weight_code, mode_code, float(norm),
+        if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+            return None  # the general path's ValueError: a Triton kernel would take a wider int as uint64
+        return _autograd.run_rows("triton", logits, target, None, gamma, weight_code, mode_code, norm,
                                   ignore_index, reduction_code, soft, inplace)
-    loss, flag = _EAGER_LOSS(logits, target, weight_code, mode_code, float(gamma), float(norm), ignore_index,
-                             reduction_code, *(soft or (None, None, 0.0)), inplace)
+    try:
+        loss, flag = _EAGER_LOSS(logits, target, weight_code, mode_code, gamma, norm, ignore_index,
+                                 reduction_code, *(soft or (None, None, 0.0)), inplace)
+    except OverflowError:
+        # an int the op cannot take (ignore_index outside int64), refused in its argument parsing before it runs:
+        # the general path makes the error (a try costs nothing where nothing is raised, a range test would)
+        return None
     if on_gpu:
         _target_checks.submit(flag, logits.shape[1], ignore_index, target.dtype if dense else None)
     return loss
 
 
 _INF = float("inf")
+_INT64_MIN, _INT64_MAX = V.INT64_MIN, V.INT64_MAX
 _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # (on CUDA, on the CPU, backend, CUDA device index or -1) -> whether _fast_call serves that backend there (per GPU:
 # a build may hold no code for one of several); filled on first use

@@ -13,15 +13,17 @@
 //       Tensor(a!)? grad_out (N, C) in the logits' dtype, any strides; may be the logits themselves (in place),
 //       Tensor? mix_target=None (N,) int64: a mixup/cutmix partner class per row (valid on non-ignored rows),
 //       Tensor? mix_lambda=None () or (N,) float, in [0, 1]: t = λ e_target + (1 - λ) e_mix_target (with mix_target),
-//       float label_smoothing=0.0 in [0, 1]: t <- (1 - a) t + a / C)
+//       float label_smoothing=0.0 in [0, 1]: t <- (1 - a) t + a / C),
+//       bool loss_in_logits_dtype=False)
 //     -> (Tensor loss, Tensor grad, Tensor target_flag)
 //
 //   Soft targets (csrc/uncertainty_weights.h): the compact form above, or a dense target: a floating (N, C) `target`
 //   of probabilities per row (any float dtype; no ignored rows, the mean divides by N; no mix_target). Not with the
 //   dual-focal weight.
 //
-//   loss: float32 (float64 for float64 logits); 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if none),
-//         (N,) for none.
+//   loss: float32 (float64 for float64 logits), or the logits' dtype with loss_in_logits_dtype (accumulated in
+//         float32 all the same, and rounded once); 0-dim for reduction mean/sum (mean over non-ignored rows, 0 if
+//         none), (N,) for none.
 //   the gradient of `loss` w.r.t. logits for grad_output = 1 (already divided by the number of non-ignored rows for
 //         mean), in the logits' dtype; ignored rows are 0. It is written into grad_out when given (then `grad` is an
 //         empty (0,) tensor), else returned as `grad`, contiguous (N, C). Neither when compute_grad is false
@@ -180,7 +182,9 @@ inline bool check_soft_arguments(const char* op, const at::Tensor& logits, const
   return soft;
 }
 
-// Checks a caller's gradient buffer (the op's grad_out argument). It may be the logits themselves (in place) but must not partially overlap them.
+// Checks a caller's gradient buffer (the op's grad_out argument). It may be the logits themselves (in place) but must
+// not partially overlap them, nor have elements that share memory (an expanded tensor): rows written at once would
+// overwrite each other, and in place overwrite logits another row has still to read.
 inline void check_grad_out(const char* op, const at::Tensor& logits, const at::Tensor& grad_out) {
   TORCH_CHECK(grad_out.sizes() == logits.sizes(), op, "grad_out must have the logits' shape ", logits.sizes(),
               ", got ", grad_out.sizes());
@@ -192,6 +196,10 @@ inline void check_grad_out(const char* op, const at::Tensor& logits, const at::T
   TORCH_CHECK(same_view || !grad_out.is_alias_of(logits) ||
                   at::get_overlap_status(grad_out, logits) == at::MemOverlapStatus::No,
               op, "grad_out partially overlaps the logits; pass the logits themselves or a separate buffer");
+  TORCH_CHECK_VALUE(at::has_internal_overlap(grad_out) != at::MemOverlap::Yes, op,
+                    "grad_out has elements that share memory (e.g. an expanded tensor), so its rows would overwrite "
+                    "each other; for the gradient in place, the logits must not share memory either (use "
+                    "inplace=False, or clone() them)");
 }
 
 // Where a device kernel writes the gradient (the op's grad_out contract; `z` is the logits, or their contiguous copy

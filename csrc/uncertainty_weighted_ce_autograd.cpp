@@ -39,7 +39,7 @@ using OpSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tens
                                                        const std::optional<Tensor>&, int64_t, int64_t, double, double,
                                                        int64_t, int64_t, bool, const std::optional<Tensor>&,
                                                        const std::optional<Tensor>&, const std::optional<Tensor>&,
-                                                       double);
+                                                       double, bool);
 
 const c10::TypedOperatorHandle<OpSignature>& fused_op() {
   static const auto handle = c10::Dispatcher::singleton()
@@ -150,7 +150,7 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
           fused_op().call(logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight,
                           mode, gamma, norm, ignore_index, reduction, logits_grad,
                           write_logits ? std::optional<Tensor>(logits) : std::nullopt, detached_or_none(mix_target),
-                          detached_or_none(mix_lambda), label_smoothing);
+                          detached_or_none(mix_lambda), label_smoothing, loss_in_logits_dtype);
     }
     Tensor saved = grad;
     if (write_logits) {
@@ -160,9 +160,8 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({logits_grad ? saved : Tensor(), gamma_factor});
     ctx->mark_non_differentiable({grad, target_flag});
-    // cast here, where autograd records nothing: outside, the cast's ToCopyBackward would cast grad_output back
-    // (one more node and launch per backward), though the scaling reads grad_output in the gradient's dtype too
-    if (loss_in_logits_dtype && loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
+    // loss_in_logits_dtype: the kernel writes the loss in the logits' dtype, so no cast launch (nor, outside, a
+    // cast's ToCopyBackward node casting grad_output back: the scaling reads grad_output in the gradient's dtype)
     return {loss, grad, target_flag};
   }
 
@@ -178,8 +177,7 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   }
 };
 
-// The op's autograd; loss_in_logits_dtype: the loss in the logits' dtype, cast inside the autograd function (the
-// op itself returns float32, float64 for float64 logits; eager_loss asks for the cast, the registered kernel not).
+// The op's autograd, for the op's arguments.
 std::tuple<Tensor, Tensor, Tensor> autograd_call(
     const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
     const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
@@ -192,7 +190,8 @@ std::tuple<Tensor, Tensor, Tensor> autograd_call(
   if (!logits_grad && !gamma_grad) {
     const at::AutoDispatchBelowADInplaceOrView below;
     return fused_op().call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                           reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing);
+                           reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
+                           loss_in_logits_dtype);
   }
   const bool inplace = grad_out.has_value();
   TORCH_CHECK_VALUE(!inplace || grad_out->is_same(logits),
@@ -210,9 +209,11 @@ std::tuple<Tensor, Tensor, Tensor> uncertainty_weighted_ce_autograd(
     const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
     const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
-    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing) {
+    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing,
+    bool loss_in_logits_dtype) {
   return autograd_call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                       reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, false);
+                       reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
+                       loss_in_logits_dtype);
 }
 
 }  // namespace
@@ -267,14 +268,13 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
       // the tracer records the op where the dispatcher passes its Tracer key, above the Autograd key
       std::tie(loss, std::ignore, target_flag) =
           fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index,
-                          reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing);
+                          reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
     } else {
-      // the op's autograd directly (what the dispatcher would call for plain tensors), with the loss cast inside it
+      // the op's autograd directly (what the dispatcher would call for plain tensors)
       std::tie(loss, std::ignore, target_flag) =
           autograd_call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index,
                         reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
     }
-    if (loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   }
   PyObject* loss_obj = THPVariable_Wrap(std::move(loss));
   if (loss_obj == nullptr) return nullptr;

@@ -217,15 +217,34 @@ def test_logits_of_a_few_thousand_keep_full_precision(backend_device, weight, no
 @pytest.mark.parametrize("weight", ["none", "focal", "dual_focal", "brier"])
 def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_device, weight):
     """A NaN logit makes its row's loss and gradient NaN (as in the reference), never a plausible number, and does not
-    leak into other rows."""
+    leak into other rows: a NaN beside finite logits, the target itself, a NaN alone in the last (partial) vector of
+    its row, a NaN among -inf logits (a thread whose max stays -inf: the GPU kernels' sums must still take it), and a
+    two-class row; for dense targets too (not dual focal, which takes none)."""
     backend, device = backend_device
-    z = torch.randn(4, 37)
+    z = torch.randn(6, 37)
     z[1, 5] = float("nan")  # one NaN, not the target
     z[2, 0] = float("nan")  # the target itself
-    y = torch.tensor([3, 9, 0, 36])
+    z[4, 36] = float("nan")  # alone in the row's last vector (4 float32 columns: 36 is the only one)
+    z[5] = float("-inf")
+    z[5, 9], z[5, 20] = 1.0, float("nan")  # the one other finite logit is the target
+    y = torch.tensor([3, 9, 0, 36, 9, 9])
     loss, grad = _run(backend, z.to(device), y.to(device), weight=weight, reduction="none")
     loss, grad = loss.cpu(), grad.cpu()
-    assert torch.isnan(loss[[1, 2]]).all() and torch.isnan(grad[[1, 2]]).all()
+    bad = [1, 2, 4, 5]
+    assert torch.isnan(loss[bad]).all() and torch.isnan(grad[bad]).all()
+    pair = torch.tensor([[0.0, float("nan")], [float("nan"), 0.0]])
+    pair_loss, pair_grad = _run(backend, pair.to(device), torch.tensor([0, 0], device=device), weight=weight,
+                                reduction="none")
+    assert torch.isnan(pair_loss).all() and torch.isnan(pair_grad).all()
+    if weight != "dual_focal":
+        dense = torch.zeros(2, 5)
+        dense[:, :2] = 0.5
+        wide = torch.randn(2, 5)
+        wide[0, 4] = float("nan")  # a column the target does not weigh, alone in its vector
+        dense_loss, dense_grad = _run(backend, wide.to(device), dense.to(device), weight=weight, reduction="none")
+        dense_loss, dense_grad = dense_loss.cpu(), dense_grad.cpu()
+        assert torch.isnan(dense_loss[0]) and torch.isnan(dense_grad[0]).all()
+        assert torch.isfinite(dense_loss[1]) and torch.isfinite(dense_grad[1]).all()
     good = [0, 3]
     exact_loss, exact_grad = _reference(z[good].double(), y[good], weight=weight, reduction="none")
     low_loss, low_grad = _reference(z[good], y[good], weight=weight, reduction="none")

@@ -10,12 +10,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
 
 import calibkernels as ck
 from calibkernels import _backends
+from calibkernels import _validation as V
 from calibkernels import reference as R
 
 FUSED = [
@@ -45,6 +47,29 @@ def test_inplace_on_a_leaf_or_a_view_of_one_is_refused(backend_device):
         with pytest.raises(ValueError, match="inplace=True.*leaf"):
             ck.uncertainty_weighted_ce(logits, target, backend=backend, inplace=True)
     assert torch.equal(leaf.detach(), before), "a refused in-place call must leave the leaf untouched"
+
+
+@pytest.mark.parametrize("backend_device", FUSED)
+def test_inplace_on_logits_that_share_memory_is_refused(backend_device):
+    """In place on logits whose rows share memory (an expanded row, e.g. a broadcast bias): the rows' gradients would
+    overwrite each other and the logits other rows still read. Refused with ValueError on the public call and, for
+    the compiled op, on its grad_out argument (also a separate buffer with shared rows); out of place it runs and
+    matches the reference."""
+    backend, device = backend_device
+    row = torch.randn(1, 6, device=device, requires_grad=True)
+    y = torch.tensor([0, 1, 2, 3], device=device)
+    with pytest.raises(ValueError, match="share memory"):
+        ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend, inplace=True)
+    loss = ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend)
+    exact = R.uncertainty_weighted_ce(row.detach().double().expand(4, 6), y)
+    torch.testing.assert_close(loss.double(), exact, rtol=1e-5, atol=1e-6)
+    if backend != "triton":
+        z = torch.randn(4, 6, device=device)
+        codes = (V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"], True)
+        shared = torch.zeros(1, 6, device=device).expand(4, 6)
+        with pytest.raises(ValueError, match="share memory"):
+            torch.ops.calibkernels.uncertainty_weighted_ce(z, y, None, None, *codes, shared)
+        assert torch.equal(shared, torch.zeros(4, 6, device=device))
 
 
 @pytest.mark.parametrize("backend_device", FUSED)
@@ -242,6 +267,234 @@ def test_bad_hyper_parameters_raise(backend_device, monkeypatch):
     for norm in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="norm"):
             ck.uncertainty_weighted_ce(z, y, weight="brier", norm=norm, backend=backend)
+
+
+# --------------------------------------------------------------------------------- bad input, every backend alike
+# The backend names a call on CPU tensors may give (Triton under the interpreter); a fused one that cannot run here
+# is skipped ("auto" always runs: the reference where nothing else can).
+BACKENDS = [
+    pytest.param(name, id=name, marks=pytest.mark.skipif(
+        name not in ("reference", "auto") and _backends.unavailable_reason(name, torch.device("cpu")) is not None,
+        reason=f"the {name!r} backend cannot run CPU tensors in this install"))
+    for name in ("reference", "cpu", "triton", "auto")
+]
+
+
+def _call(logits=None, target=None, **kwargs):
+    """``(logits, target, kwargs)`` of a call on a 4 x 5 batch, with ``logits`` / ``target`` replaced where given
+    (each a function of the batch's logits and target)."""
+    def arguments(z, y):
+        return (z if logits is None else logits(z, y)), (y if target is None else target(z, y)), kwargs
+    return arguments
+
+
+# (arguments, exception, message): each bad input and what the reference raises for it
+BAD_CALLS = [
+    pytest.param(_call(target=lambda z, y: y.float()), TypeError, "shape of class indices", id="target-float"),
+    pytest.param(_call(target=lambda z, y: y.bool()), TypeError, "integer class indices", id="target-bool"),
+    pytest.param(_call(target=lambda z, y: y.to(torch.complex64)), TypeError, "integer class indices",
+                 id="target-complex"),
+    pytest.param(_call(target=lambda z, y: y.tolist()), TypeError, "target must be a torch.Tensor", id="target-list"),
+    pytest.param(_call(target=lambda z, y: y[:3]), ValueError, r"target shape \(3,\) does not match",
+                 id="target-short"),
+    pytest.param(_call(target=lambda z, y: y[:, None]), ValueError, r"target shape \(4, 1\) does not match",
+                 id="target-2d"),
+    pytest.param(_call(target=lambda z, y: torch.full_like(y, 7)), ValueError, "target value 7 is out of range",
+                 id="target-out-of-range"),
+    pytest.param(_call(target=lambda z, y: torch.softmax(torch.randn(4, 6), 1)), ValueError,
+                 "must have the logits' shape", id="dense-target-wide"),
+    pytest.param(_call(logits=lambda z, y: z[0], target=lambda z, y: y[0]), ValueError, "at least 2 dimensions",
+                 id="logits-1d"),
+    pytest.param(_call(logits=lambda z, y: z.view(2, 2, 5)), ValueError, r"target shape \(4,\) does not match",
+                 id="logits-3d"),
+    pytest.param(_call(logits=lambda z, y: z > 0), TypeError, "logits must be a floating-point", id="logits-bool"),
+    pytest.param(_call(logits=lambda z, y: z.long()), TypeError, "logits must be a floating-point", id="logits-int"),
+    pytest.param(_call(logits=lambda z, y: z.to(torch.complex64)), TypeError, "logits must be a floating-point",
+                 id="logits-complex"),
+    pytest.param(_call(logits=lambda z, y: z.tolist()), TypeError, "logits must be a torch.Tensor", id="logits-list"),
+    pytest.param(_call(weight="brier2"), ValueError, "unknown weight", id="weight"),
+    pytest.param(_call(mode="gra"), ValueError, "unknown mode", id="mode"),
+    pytest.param(_call(reduction="avg"), ValueError, "unknown reduction", id="reduction"),
+    pytest.param(_call(gamma=-1.0), ValueError, "gamma must be finite and >= 0", id="gamma-negative"),
+    pytest.param(_call(gamma="4"), TypeError, "gamma must be a number", id="gamma-str"),
+    pytest.param(_call(weight="brier", gamma=torch.ones(4)), ValueError, "only supported with weight='focal'",
+                 id="gamma-tensor-brier"),
+    pytest.param(_call(weight="focal", gamma=torch.ones(3, requires_grad=True)), ValueError,
+                 r"per-sample gamma shape \(3,\)", id="gamma-tensor-short"),
+    pytest.param(_call(norm=0.0), ValueError, "norm", id="norm-zero"),
+    pytest.param(_call(norm=-2.0), ValueError, "norm", id="norm-negative"),
+    pytest.param(_call(gamma=10**400), ValueError, "gamma must be finite", id="gamma-past-float"),
+    pytest.param(_call(weight="brier", norm=10**400), ValueError, "norm", id="norm-past-float"),
+    pytest.param(_call(label_smoothing=1.5), ValueError, r"label_smoothing must be in \[0, 1\]", id="smoothing-high"),
+    pytest.param(_call(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\]", id="smoothing-low"),
+    pytest.param(_call(label_smoothing="0.1"), TypeError, "label_smoothing must be a number", id="smoothing-str"),
+    pytest.param(_call(mix_target=torch.zeros(4, dtype=torch.long), mix_lambda=1.5), ValueError,
+                 r"mix_lambda must be in \[0, 1\]", id="lambda-high"),
+    pytest.param(_call(mix_target=torch.zeros(4, dtype=torch.long), mix_lambda=-0.5), ValueError,
+                 r"mix_lambda must be in \[0, 1\]", id="lambda-low"),
+    pytest.param(_call(mix_target=torch.zeros(4, dtype=torch.long)), ValueError, "go together",
+                 id="mix-target-alone"),
+    pytest.param(_call(mix_lambda=0.3), ValueError, "go together", id="lambda-alone"),
+    pytest.param(_call(mix_target=torch.zeros(3, dtype=torch.long), mix_lambda=0.3), ValueError,
+                 r"mix_target shape \(3,\)", id="mix-target-short"),
+    pytest.param(_call(mix_target=torch.zeros(4), mix_lambda=0.3), TypeError,
+                 "mix_target must hold integer class indices", id="mix-target-float"),
+    pytest.param(_call(ignore_index=1.0), TypeError, "ignore_index must be an int", id="ignore-index-float"),
+    pytest.param(_call(ignore_index=True), TypeError, "ignore_index must be an int", id="ignore-index-bool"),
+    pytest.param(_call(weight="external", sample_weight=torch.ones(3)), ValueError,
+                 r"sample_weight shape \(3,\) does not match", id="sample-weight-short"),
+    pytest.param(_call(weight="external"), ValueError, "needs a sample_weight", id="sample-weight-missing"),
+    pytest.param(_call(sample_weight=torch.ones(4)), ValueError, "only used with weight='external'",
+                 id="sample-weight-unused"),
+    pytest.param(_call(inplace="yes"), TypeError, "inplace must be a bool", id="inplace-str"),
+]
+
+# A call that a named fused backend refuses however good its inputs (NotImplementedError: no gradient for a per-sample
+# gamma with soft targets there); "auto" runs it on the reference
+_REFUSED = dict(weight="focal", mode="loss", label_smoothing=0.1)
+
+
+def _refused_gamma():
+    return torch.full((4,), 2.0, requires_grad=True)
+
+
+def _batch():
+    y = torch.randint(0, 5, (4,))
+    y[0] = -100
+    return torch.randn(4, 5), y
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arguments,error,message", BAD_CALLS)
+def test_a_bad_input_raises_the_references_error_on_every_backend(backend, arguments, error, message):
+    logits, target, kwargs = arguments(*_batch())
+    with pytest.raises(error, match=message):
+        ck.uncertainty_weighted_ce(logits, target, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("arguments,error,message", BAD_CALLS)
+def test_a_bad_input_raises_its_own_error_before_a_backend_refuses_the_call(backend, arguments, error, message,
+                                                                           monkeypatch):
+    """The inputs are checked before the backend's refusal is raised: a bad input in a call that a named fused
+    backend cannot run raises what the reference raises, not NotImplementedError."""
+    monkeypatch.setattr(_backends, "_warned_soft_targets", False)  # "auto" may say it runs the reference
+    logits, target, kwargs = arguments(*_batch())
+    kwargs = {**_REFUSED, "gamma": _refused_gamma(), **kwargs}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with pytest.raises(error, match=message):
+            ck.uncertainty_weighted_ce(logits, target, backend=backend, **kwargs)
+
+
+@pytest.mark.parametrize("arguments,error,message", BAD_CALLS)
+def test_a_bad_input_raises_its_own_error_before_a_backend_that_cannot_run_on_its_device(arguments, error, message):
+    """The "cuda" backend never runs CPU tensors (RuntimeError for good inputs): a bad input raises what the reference
+    raises."""
+    logits, target, kwargs = arguments(*_batch())
+    with pytest.raises(error, match=message):
+        ck.uncertainty_weighted_ce(logits, target, backend="cuda", **kwargs)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_good_call_a_backend_cannot_run_is_still_refused(backend, monkeypatch):
+    monkeypatch.setattr(_backends, "_warned_soft_targets", False)
+    z, y = _batch()
+    if backend in ("reference", "auto"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "auto" says once that it runs the reference
+            loss = ck.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), backend=backend, **_REFUSED)
+        torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), **_REFUSED))
+    else:
+        with pytest.raises(NotImplementedError, match="per-sample gamma"):
+            ck.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), backend=backend, **_REFUSED)
+    with pytest.raises(RuntimeError, match="not available for cpu tensors"):
+        ck.uncertainty_weighted_ce(z, y, backend="cuda")
+
+
+# ------------------------------------------------------------------------------------- ignore_index outside int64
+_OUTSIDE_INT64 = [2**63, -(2**63) - 1, 2**64]
+_INT64_RANGE_MESSAGE = r"ignore_index must be in the int64 range \[-9223372036854775808, 9223372036854775807\]"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ignore_index", _OUTSIDE_INT64)
+def test_an_ignore_index_outside_int64_raises_one_value_error_on_every_path(backend, ignore_index):
+    """The fast eager call, the general path (soft targets, a mix, a per-sample gamma, sample weights, a dense
+    target), in place, the modules at construction: the same ValueError (the compiled op had raised OverflowError,
+    a Triton kernel had taken 2**63 as a uint64 and the reference had run)."""
+    z, y = _batch()
+    mix = y.flip(0)
+    dense = torch.softmax(torch.randn(4, 5), dim=1)
+    calls = [
+        dict(),
+        dict(weight="focal", mode="loss", reduction="none"),
+        dict(label_smoothing=0.1),
+        dict(mix_target=mix, mix_lambda=0.3),
+        dict(mix_target=mix, mix_lambda=torch.full((4,), 0.3)),
+        dict(mix_target=mix, mix_lambda=1.0),
+        dict(weight="focal", gamma=torch.full((4,), 2.0)),
+        dict(weight="external", sample_weight=torch.ones(4)),
+    ]
+    for kwargs in calls:
+        with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+            ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend, **kwargs)
+    with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+        ck.uncertainty_weighted_ce(z, dense, ignore_index=ignore_index, backend=backend)
+    with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+        ck.bsce_gra_loss(z, y, ignore_index=ignore_index, backend=backend)
+    leaf = z.clone().requires_grad_()
+    logits = leaf * 1.0
+    before = logits.detach().clone()
+    with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+        ck.uncertainty_weighted_ce(logits, y, ignore_index=ignore_index, backend=backend, inplace=True)
+    assert torch.equal(logits.detach(), before), "a refused in-place call must leave the logits untouched"
+    for make in (lambda: ck.losses.UncertaintyWeightedCE(ignore_index=ignore_index, backend=backend),
+                 lambda: ck.losses.build("focal_loss", ignore_index=ignore_index, backend=backend),
+                 lambda: ck.losses.SoftTargetUncertaintyWeightedCE(ignore_index=ignore_index, backend=backend)):
+        with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+            make()
+
+
+@pytest.mark.parametrize("ignore_index", _OUTSIDE_INT64)
+def test_every_loss_and_metric_refuses_an_ignore_index_outside_int64(ignore_index):
+    """Every registry loss at construction, the reference losses and every metric at their call: the same
+    ValueError (sece and dece had not checked ignore_index at all)."""
+    z, y = _batch()
+    y[0] = 1
+    for name in ck.losses.names():
+        with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+            ck.losses.build(name, ignore_index=ignore_index)
+    metrics = ck.metrics
+    calls = [
+        lambda: R.uncertainty_weighted_ce(z, y, ignore_index=ignore_index),
+        lambda: R.brier_loss(z, y, ignore_index=ignore_index),
+        lambda: R.mmce_loss(z, y, ignore_index=ignore_index),
+        lambda: metrics.ece(z, y, ignore_index=ignore_index),
+        lambda: metrics.nll(z, y, ignore_index=ignore_index),
+        lambda: metrics.sece(z, y, ignore_index=ignore_index),
+        lambda: metrics.dece(z, y, ignore_index=ignore_index),
+        lambda: metrics.smooth_ece(z, y, ignore_index=ignore_index),
+        lambda: metrics.debiased_ece(z, y, ignore_index=ignore_index),
+        lambda: metrics.calibration_metrics(z, y, ignore_index=ignore_index),
+        lambda: metrics.bootstrap(metrics.ece, z, y, n_resamples=4, ignore_index=ignore_index),
+        lambda: metrics.CalibrationMeter(ignore_index=ignore_index).update(z, y),
+    ]
+    for call in calls:
+        with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
+            call()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("ignore_index", [2**63 - 1, -(2**63)])
+def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend, ignore_index):
+    """The ends of the int64 range are an ignore_index like any other, on the fast path and the general one."""
+    z, y = _batch()
+    y[0], y[1] = 2, ignore_index
+    for kwargs in (dict(), dict(weight="focal", mode="loss", reduction="none"), dict(label_smoothing=0.1)):
+        loss = ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend, **kwargs)
+        expected = R.uncertainty_weighted_ce(z.double(), y, ignore_index=ignore_index, **kwargs)
+        torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- limits

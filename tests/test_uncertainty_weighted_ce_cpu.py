@@ -84,8 +84,9 @@ def test_gra_gradient_is_the_detached_weight_times_softmax_minus_onehot():
 @pytest.mark.parametrize("mode,reduction", [("loss", "mean"), ("grad", "none"), ("loss", "sum")])
 def test_opcheck(dtype, weight, mode, reduction):
     """The one op in its three uses: gradient returned (grad_out None), written into a caller's buffer, and in place
-    (grad_out is the logits). Inputs do not require grad: the op is mutable (grad_out is Tensor(a!)?), so its
-    autograd lives in calibkernels/_autograd.py, not in a register_autograd formula that opcheck could test."""
+    (grad_out is the logits); and with the loss in the logits' dtype (loss_in_logits_dtype). Inputs do not require
+    grad: the op is mutable (grad_out is Tensor(a!)?), so its autograd lives in calibkernels/_autograd.py, not in a
+    register_autograd formula that opcheck could test."""
     ops = _op()
     z = torch.randn(5, 11, dtype=dtype)
     args = _op_args(z, _targets(5, 11), weight=weight, mode=mode, reduction=reduction)
@@ -95,15 +96,21 @@ def test_opcheck(dtype, weight, mode, reduction):
     torch.library.opcheck(op, (z, *args, True, torch.empty_like(z)))
     buffer = z.clone()
     torch.library.opcheck(op, (buffer, *args, True, buffer))
+    torch.library.opcheck(op, (z, *args, True, None), {"loss_in_logits_dtype": True})
+    loss, _, _ = op(z, *args, True, None, loss_in_logits_dtype=True)
+    wide, _, _ = op(z, *args, True, None)
+    assert loss.dtype == dtype and wide.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(loss, wide.to(dtype))  # rounded once, from the float32 loss
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("soft", [{}, {"label_smoothing": 0.1}], ids=["hard", "smooth"])
 def test_a_16_bit_eager_step_casts_its_loss_once_and_nothing_in_the_backward(dtype, soft):
-    """The eager call (calibkernels._C.eager_loss) casts the float32 loss to the logits' dtype inside the op's
-    autograd function, where autograd records nothing: the backward has no ToCopyBackward to cast grad_output back
-    (one node and, on a GPU, one launch per step); the scaling reads grad_output in the gradient's dtype. Values and
-    gradient as the reference's."""
+    """The eager call (calibkernels._C.eager_loss) asks the op for its loss in the logits' dtype
+    (loss_in_logits_dtype: the CPU kernel casts its float32 loss once, the CUDA kernel writes it so, with no launch of
+    its own), below the op's autograd, where autograd records nothing: the backward has no ToCopyBackward to cast
+    grad_output back (one node and, on a GPU, one launch per step); the scaling reads grad_output in the gradient's
+    dtype. Values and gradient as the reference's."""
     z = torch.randn(6, 11).to(dtype)
     y = _targets(6, 11)
     leaf = z.clone().requires_grad_()

@@ -368,9 +368,9 @@ def test_asynchronous_checks_reuse_their_buffers_and_read_fresh_flags():
 @needs_gpu
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_target_flag_output(reduction):
-    """The op's third output is calibkernels._validation.target_flag of class indices (one count-and-check launch;
-    the mean's divisor comes from the same launch), on every reduction, in place too (a dense target's flag:
-    test_dense_target_flag_output)."""
+    """The op's third output is calibkernels._validation.target_flag of class indices (from the count launch of a
+    mean with a gradient over more than 1024 rows, else from the row launch's last block), on every reduction, in
+    place too (a dense target's flag: test_dense_target_flag_output)."""
     n, c = 3000, 50  # rows past one pass of the check's block
     z = _logits(n, c)
     y = _targets(n, c)
@@ -400,7 +400,7 @@ def test_target_flag_output(reduction):
                                     (torch.float32, torch.float64), (torch.float64, torch.float64)])
 def test_dense_target_flag_output(reduction, c, dtypes):
     """A dense target's flag, (any bad row, the first bad row), from the soft kernel's own reads of the target (the
-    reduction's launch folds the row flags; with reduction "none", a launch of its own), or from device reductions for
+    launch's last block folds the row flags), or from device reductions for
     a float64 target of lower-precision logits: dense_target_flag's answer on every path, in place too and with
     label smoothing (the check takes the target as given). A bfloat16 target of float32 logits is read converted to
     float32 and keeps bfloat16's tolerance. Every call under test follows a call with another answer: the row flags'
@@ -674,6 +674,88 @@ def test_brier_flsd_band_of_compact_targets_is_flsd_band():
 
 
 @needs_gpu
+@pytest.mark.parametrize("n", [1, 9, 1024, 1025, 5000],
+                         ids=["1 row", "9 rows", "divisor counted in every block", "count launch", "count launch, "
+                              "several passes of the fold"])
+@pytest.mark.parametrize("c", [16, 1000, 3001, 5000])  # warp per row (8 and 32 values a lane), block per row, streamed
+def test_the_last_block_folds_every_row(n, c):
+    """Blocks finish in an order the GPU picks; the one that draws the last ticket must see every other block's row
+    losses (the fences around the ticket, the reads past L1), and leave the counter at 0 for the next launch on the
+    stream. Back-to-back calls on the default stream and on a side stream: each mean and sum equal to the float64 sum
+    of the same rows' losses (reduction "none"), through both sources of the mean's divisor (each block's own count up
+    to 1024 rows, the count launch above), with and without a gradient, and the mean's gradient as the reference's;
+    the target flag of a bad target at the batch's start, middle and end."""
+    torch.manual_seed(n + c)
+    side = torch.cuda.Stream()
+    for stream in (torch.cuda.current_stream(), side):
+        with torch.cuda.stream(stream):
+            for _ in range(10):
+                z = _logits(n, c)
+                y = _targets(n, c)
+                valid = int((y != -100).sum())
+                rows, _ = _op(z, y, weight="focal", reduction="none")
+                for compute_grad in (True, False):
+                    total, _ = _op(z, y, weight="focal", reduction="sum", compute_grad=compute_grad)
+                    mean, grad = _op(z, y, weight="focal", reduction="mean", compute_grad=compute_grad)
+                    torch.testing.assert_close(total.double(), rows.double().sum(), rtol=1e-5, atol=1e-6)
+                    torch.testing.assert_close(mean.double(), rows.double().sum() / max(valid, 1), rtol=1e-5,
+                                               atol=1e-6)
+            exact_loss, exact_grad = _reference(z, y, dtype=torch.float64, weight="focal", gamma=4.0)
+            torch.testing.assert_close(grad.double(), exact_grad, rtol=1e-4, atol=1e-6)
+            for row in sorted({0, n // 2, n - 1}):
+                bad = y.clone()
+                bad[row] = c + row
+                for reduction in REDUCTIONS:
+                    flag = _op_flag(z, bad, weight="focal", reduction=reduction)
+                    assert flag.tolist() == [1, c + row], (row, reduction)
+                    loss, _ = _op(z, bad, weight="focal", reduction=reduction)
+                    assert torch.isnan(loss).any()
+                assert _op_flag(z, y, weight="focal").tolist()[0] == 0
+    torch.cuda.synchronize()
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("target", ["hard", "smooth", "dense"])
+@pytest.mark.parametrize("batch", [256, 8192])
+def test_an_eager_forward_is_one_launch(dtype, target, batch):
+    """What an eager forward with a gradient costs the device: the row launch alone (its last block reduces the batch,
+    writes the loss in the logits' dtype and makes the target flag), and the count launch before it for a mean over
+    more than 1024 rows of class indices; the backward of the mean loss one scaling launch (it reads grad_output on
+    the device). Counted by the profiler's device kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    c = 1000
+    z = _logits(batch, c, dtype)
+    y = _targets(batch, c)
+    kwargs = {"label_smoothing": 0.1} if target == "smooth" else {}
+    if target == "dense":
+        y = torch.softmax(torch.randn(batch, c, device="cuda"), 1)
+    x = z.clone().requires_grad_()
+    ck.bsce_gra_loss(x, y, backend="cuda", **kwargs).backward()  # warm-up: the ticket counter, the target checks
+    torch.cuda.synchronize()
+
+    def kernels(step):
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = step()
+            torch.cuda.synchronize()
+        return out, [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+    x = z.clone().requires_grad_()
+    loss, forward = kernels(lambda: ck.bsce_gra_loss(x, y, backend="cuda", **kwargs))
+    rows = [name for name in forward if "soft_target_kernel" in name or "uncertainty_weighted_ce_kernel" in name]
+    counts = [name for name in forward if "check_targets_kernel" in name]
+    assert len(rows) == 1 and len(counts) == (1 if target != "dense" and batch > 1024 else 0), forward
+    assert len(forward) == len(rows) + len(counts), forward
+    _, backward = kernels(lambda: loss.backward())
+    assert len(backward) == 1 and "scale_grad_kernel" in backward[0], backward
+    assert loss.dtype == dtype
+    exact = R.uncertainty_weighted_ce(z.double(), y.double() if target == "dense" else y, **kwargs)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(loss.double(), exact, rtol=tolerance, atol=tolerance)
+
+
+@needs_gpu
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_all_ignored_rows_give_zero_loss_and_gradient(reduction):
     z = _logits(5, 300)
@@ -738,6 +820,10 @@ def test_opcheck():
         torch.library.opcheck(op, args + (None,))
         logits = args[0].clone()
         torch.library.opcheck(op, (logits,) + args[1:-1] + (True, logits))  # in place
+        torch.library.opcheck(op, args + (None,), {"loss_in_logits_dtype": True})
+        loss, _, _ = op(*args, None, loss_in_logits_dtype=True)
+        wide, _, _ = op(*args, None)
+        assert loss.dtype == args[0].dtype and torch.equal(loss, wide.to(loss.dtype))  # rounded once
 
 
 @needs_gpu
@@ -775,6 +861,15 @@ def test_scale_grad_op_passes_opcheck():
             op(scaled, grad_output)
             factor = grad_output.float()[:, None] if grad_output.dim() == 1 else grad_output.float()
             torch.testing.assert_close(scaled.float(), (grad.float() * factor).to(dtype).float())
+    # float64 keeps its digits: a factor that float32 rounds to 1 still scales, and the product is float64's
+    grad = torch.randn(8, 300, device="cuda", dtype=torch.float64)
+    for grad_output in (torch.tensor(1 + 1e-12, device="cuda", dtype=torch.float64),
+                        torch.rand(8, device="cuda", dtype=torch.float64) + 0.5):
+        scaled = grad.clone()
+        op(scaled, grad_output)
+        factor = grad_output[:, None] if grad_output.dim() == 1 else grad_output
+        torch.testing.assert_close(scaled, grad * factor, rtol=1e-15, atol=0)
+        assert not torch.equal(scaled, grad)
 
 
 # ----------------------------------------------------------------------------------------------------------------

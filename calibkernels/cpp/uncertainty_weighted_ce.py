@@ -48,9 +48,12 @@ _QUALNAME = "calibkernels::uncertainty_weighted_ce"
 @torch.library.register_fake(_QUALNAME)
 def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
                                   ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
-                                  label_smoothing=0.0):
+                                  label_smoothing=0.0, loss_in_logits_dtype=False):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
-    loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    if loss_in_logits_dtype:
+        loss_dtype = logits.dtype
+    else:
+        loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     loss = logits.new_empty((logits.shape[0],) if reduction == V.REDUCTION_CODES["none"] else (), dtype=loss_dtype)
     returned = compute_grad and grad_out is None
     # the target flag: two slots on CUDA, none on the CPU (its kernel raises instead)
@@ -72,7 +75,8 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
     """``(loss, grad, target_flag)`` of the compiled op (the backend forward of :mod:`calibkernels._autograd`); the
-    loss in the op's float32 (float64) whatever ``loss_dtype`` asks: the caller casts."""
+    loss in the logits' dtype where ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the
+    op's float32 (float64)."""
     eager = is_plain_eager(logits)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
@@ -81,7 +85,8 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     # Eager: below the Autograd key, straight to the device kernel. Traced: the op itself, one graph node.
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
         loss, grad, flag = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                               ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing)
+                               ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
+                               loss_dtype == logits.dtype)
     return loss, grad, _checked_flag(flag) if eager else None
 
 
@@ -89,9 +94,10 @@ def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weigh
                           reduction, compute_grad, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     """``(loss, target_flag)`` through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp),
     for plain eager tensors: the backends that have it take it instead of :class:`calibkernels._autograd.
-    UncertaintyWeightedCE`."""
+    UncertaintyWeightedCE`. The loss in the logits' dtype."""
     loss, _, flag = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                        reduction, compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing)
+                        reduction, compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing,
+                        True)
     return loss, _checked_flag(flag)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from .._validation import is_number
+from .._validation import check_ignore_index, is_number
 from ._inputs import resolve_inputs_kind
 
 __all__ = ["sece", "dece", "SECE_DEFAULT_BANDWIDTH", "DECE_DEFAULT_BINS", "DECE_DEFAULT_T_A", "DECE_DEFAULT_T_B"]
@@ -81,6 +81,7 @@ def _check(inputs, labels, ignore_index):
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match inputs shape {tuple(inputs.shape)}")
     if labels.device != inputs.device:
         raise ValueError(f"labels are on {labels.device} but inputs are on {inputs.device}")
+    check_ignore_index(ignore_index)
     keep = labels != ignore_index
     if bool(((labels < 0) | (labels >= inputs.shape[1]))[keep].any()):
         raise ValueError(f"labels out of range for {inputs.shape[1]} classes (valid: 0..{inputs.shape[1] - 1} "

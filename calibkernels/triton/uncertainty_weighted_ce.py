@@ -87,8 +87,9 @@ Kernel design (docs/performance.md):
   finish (a ticket from an atomic counter, :func:`_finish`) sums the rows' losses in a fixed order, divides by the
   mean's divisor, writes the loss in the logits' dtype and makes the target flag. The mean's gradient needs its
   divisor before any row is written: each program counts the non-ignored targets itself in batches of up to
-  ``INLINE_COUNT_MAX_ROWS`` rows; larger batches count them in a one-program launch first (every program re-reading
-  N targets would cost N² reads). The backward is one persistent-grid scaling launch (a no-op for ``grad_output``
+  ``INLINE_COUNT_MAX_ROWS`` rows; a larger batch's mean with a gradient counts them in a one-program launch first
+  (every program re-reading N targets would cost N² reads; without a gradient, or for a sum, only the last program
+  needs the count). The backward is one persistent-grid scaling launch (a no-op for ``grad_output``
   exactly 1, read on the device: no launch at all would need the host to read it).
 
 Target-check policy: an out-of-range target (not in ``[0, C)`` and not ``ignore_index``) never makes the kernel read
@@ -161,10 +162,11 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 SOFT_TARGETS = True
 
 # Where a launch's mean divisor comes from (the kernels' COUNT): every row counts (a dense target has no ignored
-# rows); each program counts the non-ignored class-index targets itself, for batches of up to INLINE_COUNT_MAX_ROWS
-# rows (no launch before the loss launch: the forward is one launch); or the targets kernel counted them in a launch
-# of its own first (larger batches, where every program re-reading all N targets from L2 would cost more than the
-# launch it saves: N² · 8 bytes).
+# rows); the class-index targets counted in the loss launch itself (COUNT_INLINE: by every program, for the mean's
+# gradient, in batches of up to INLINE_COUNT_MAX_ROWS rows, else only by the last program; the forward is one
+# launch); or the targets kernel counted them in a launch of its own first (COUNT_LOADED: a mean with a gradient over
+# a larger batch, where every program re-reading all N targets from L2 would cost more than the launch it saves:
+# N² · 8 bytes).
 COUNT_ROWS, COUNT_INLINE, COUNT_LOADED = 0, 1, 2
 INLINE_COUNT_MAX_ROWS = 1024
 

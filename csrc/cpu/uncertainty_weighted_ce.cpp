@@ -218,7 +218,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
-    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
+    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
+    bool loss_in_logits_dtype) {
   // the class-index tensors made contiguous once, for the target check and the kernel alike
   const at::Tensor t = target.contiguous();
   const std::optional<at::Tensor> mix =
@@ -253,12 +254,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   });
   void* grad_ptr = compute_grad ? dest.data_ptr() : nullptr;
   const int64_t grad_stride = compute_grad ? dest.stride(0) : 0;
-  const at::Tensor loss =
+  at::Tensor loss =
       isa == CpuIsa::Default
           ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args, false)
           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args,
                                  isa == CpuIsa::Avx512);
   if (dense_invalid.load()) check_dense_target_values(t);
+  if (loss_in_logits_dtype && loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   // no flag: every bad target value has raised above
   return finish_gradient(loss, dest, compute_grad, grad_out, at::empty({0}, t.options().dtype(at::kLong)));
 }

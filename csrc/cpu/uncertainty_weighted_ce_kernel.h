@@ -108,8 +108,9 @@ void accumulate(const T* z, int64_t lo, int64_t hi, T q, OnlineSoftmax<T>& acc) 
       if constexpr (kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(q * shift));
       acc.max = new_max;
     }
-    if (acc.max == neg_inf) continue;  // only -inf so far: every term is 0 (and exp(-inf - -inf) would be NaN)
-    const Vec max_vec(acc.max);
+    // Only -inf or NaN so far: the terms are taken against 0 instead (exp(-inf - -inf) would be NaN), so that -inf
+    // adds 0 and a NaN logit, which the max skips, still makes the sum (and the row) NaN.
+    const Vec max_vec(acc.max == neg_inf ? T(0) : acc.max);
     const Vec q_vec(q);
     // Per-block partial sums, added to the running sums once per block: two-level summation keeps the rounding
     // error at O((block + C/block) eps) instead of O(C/W eps) for C in the 10^5 range.
@@ -461,10 +462,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   // The AVX-512 sweep stores exp(z_k - m) for the target column too (the generic sweeps skip it): reuse it.
   const bool e_y_stored = kWide && stored && z_y <= m;
   if (!(z_y <= m)) {  // the target is the row max (or the only finite column): move the max to it
-    if (m == -inf) {
-      sum_others = 0;
-      sum_pow_q_others = 0;
-    } else {
+    if (m != -inf) {  // else the other columns' sums are 0, or NaN from a NaN logit: kept as they are
       sum_others *= std::exp(m - z_y);
       sum_pow_q_others *= (kPow == PowQ::Square) ? std::exp(2 * (m - z_y)) : std::exp(q * (m - z_y));
     }

@@ -1,5 +1,5 @@
-// Reductions over the threads that share a row (a warp or a block) and the mean's divisor, used by the row kernels
-// (row_kernels.cuh) and by the op's reduction kernels (uncertainty_weighted_ce.cu).
+// Reductions over the threads that share a row (a warp or a block), used by the row kernels (row_kernels.cuh) and by
+// the batch's count and fold (batch_fold.cuh).
 #pragma once
 
 #include <cstdint>
@@ -46,12 +46,6 @@ __device__ __forceinline__ Sums<A, K> group_sum(const Sums<A, K>& s) {
     return x;
   };
   return group_reduce<kGroup>(s, Sums<A, K>{}, warp_sum);
-}
-
-// The mean's divisor: the non-ignored rows (every row without a count), at least 1.
-__device__ __forceinline__ int64_t mean_divisor(const int64_t* valid_count, int64_t num_rows) {
-  const int64_t count = valid_count != nullptr ? *valid_count : num_rows;
-  return count > 1 ? count : int64_t(1);
 }
 
 }  // namespace

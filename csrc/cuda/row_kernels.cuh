@@ -35,8 +35,9 @@
 //   float64 (gradcheck/opcheck only) has the two warp paths and, above C = 1024, the streaming path (512 threads).
 // Every path: 16-byte vector loads/stores for a row whose address is 16-byte aligned (a scalar fallback otherwise and
 // for the row's tail), fp32 accumulation for fp16/bf16 (float64 stays float64, for gradcheck), exp2f, int64 offsets,
-// any row stride, launched on the current stream with no host synchronisation (the mean's non-ignored count is a
-// device tensor that the kernel reads).
+// any row stride, launched on the current stream with no host synchronisation. Every launch is the forward's whole
+// work but for a large batch's count (batch_fold.cuh): each block of a small batch counts the mean's divisor itself,
+// and the block that finishes last reduces the rows' losses and makes the target flag.
 //
 // Soft targets (label_smoothing a, mix_target m with mix_lambda λ, or a floating (N, C) target; the maths is
 // csrc/uncertainty_weights.h's "Soft targets", used as written there) run a second kernel, soft_target_kernel, with
@@ -76,6 +77,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "batch_fold.cuh"
 #include "block_reduce.cuh"
 #include "row_params.h"
 #include "uncertainty_weighted_ce.h"
@@ -127,9 +129,9 @@ template <typename A>
 __device__ __forceinline__ Stats<A> merge(const Stats<A>& a, const Stats<A>& b, A q, bool brier, bool dual) {
   Stats<A> r;
   r.m = a.m > b.m ? a.m : b.m;
-  if (r.m == neg_inf<A>()) {  // both empty: e^{-inf - -inf} would be NaN
-    r.d = A(0);
-    r.sq = A(0);
+  if (r.m == neg_inf<A>()) {  // no finite logit on either side: e^{-inf - -inf} would be NaN; each sum is 0, or
+    r.d = a.d + b.d;          // NaN from a NaN logit, which must reach the row's loss
+    r.sq = brier ? a.sq + b.sq : A(0);
   } else {
     r.d = a.d * exp_(a.m - r.m) + b.d * exp_(b.m - r.m);
     r.sq = brier ? a.sq * exp_(q * (a.m - r.m)) + b.sq * exp_(q * (b.m - r.m)) : A(0);
@@ -241,12 +243,14 @@ __device__ __forceinline__ bool aligned16(const void* p) { return (reinterpret_c
 template <typename A, int kPT, typename ColumnOf>
 __device__ __forceinline__ void accumulate(const A (&z)[kPT], ColumnOf column_of, int64_t C, int64_t y, A z_y, A q,
                                            bool brier, bool dual, Stats<A>& s) {
+  // The max keeps a NaN (z != z), so that it reaches the sums below and the row's loss, as on every other backend,
+  // even where a thread's other columns are -inf or padding.
   A tile_max = neg_inf<A>();
 #pragma unroll
   for (int e = 0; e < kPT; ++e) {
-    if (column_of(e) != y) tile_max = z[e] > tile_max ? z[e] : tile_max;
+    if (column_of(e) != y) tile_max = (z[e] > tile_max || z[e] != z[e]) ? z[e] : tile_max;
   }
-  if (tile_max > s.m) {
+  if (!(tile_max <= s.m)) {
     const A shift = s.m - tile_max;  // -inf on the first non-empty tile, when the sums are still 0
     s.d *= exp_(shift);
     if (brier) s.sq *= exp_(q * shift);
@@ -285,18 +289,19 @@ __device__ __forceinline__ A class_ce(A p, A e, A rest, A m, A z, A log_d) {
   return (p > A(0.5)) ? log1p_(rest / e) : (m - z) + log_d;
 }
 
-// The gradient's factor for grad_output = 1: 1 / mean_divisor for the mean, else 1.
+// The gradient's factor for grad_output = 1: 1 / mean_divisor for the mean, else 1 (and 1 where no gradient is
+// written: a block of a launch without one has no count of its own).
 template <typename A>
 __device__ __forceinline__ A gradient_scale(const Params<A>& P) {
-  return (P.reduction == static_cast<int>(Reduction::Mean)) ? A(1) / static_cast<A>(mean_divisor(P.valid_count,
-                                                                                                  P.num_rows))
-                                                             : A(1);
+  return (P.reduction == static_cast<int>(Reduction::Mean) && P.grad != nullptr)
+             ? A(1) / static_cast<A>(mean_divisor(P))
+             : A(1);
 }
 
 // An ignored (fill 0) or invalid (fill NaN) row: its loss and gradient row, without reading the logits.
 template <int kGroup, typename scalar_t, typename A>
 __device__ __forceinline__ void fill_row(const Params<A>& P, int64_t row, int t, scalar_t* grad_row, A fill) {
-  if (t == 0) P.row_loss[row] = fill;
+  if (t == 0) store_row_loss<scalar_t>(P, row, fill);
   if (grad_row != nullptr) {
     for (int64_t c = t; c < P.num_classes; c += kGroup) grad_row[c] = static_cast<scalar_t>(fill);
   }
@@ -321,10 +326,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   const bool loss_mode = P.mode == static_cast<int>(Mode::Loss);
   A m = s.m, d_others = s.d, sq_others = s.sq;
   if (!(z_y <= m)) {  // the target is the row max (or the only finite class): move the max to it
-    if (m == neg_inf<A>()) {
-      d_others = A(0);
-      sq_others = A(0);
-    } else {
+    if (m != neg_inf<A>()) {  // else the other columns' sums are 0, or NaN from a NaN logit: kept as they are
       d_others *= exp_(m - z_y);
       sq_others *= exp_(q * (m - z_y));
     }
@@ -370,14 +372,16 @@ __device__ __forceinline__ A grad_element(const RowCoefs<A>& r, A z, A z_y, A q)
   return gradient_element(r.c, p, p_qm1, r.tie && z < z_y && z == r.zb) * r.scale;
 }
 
-// kGroup threads per row (32: a warp per row, 8 rows per block; > 32: the whole block), kPT values per thread per
-// tile; kResident: the row is one tile, kept in registers between the statistics and the gradient (single read);
-// otherwise the row is streamed tile by tile, twice.
+// The threads of a block of the row kernels: 8 rows of a warp each (kGroup 32), or one row of kGroup threads.
+template <int kGroup>
+constexpr int kBlockThreads = kGroup == 32 ? 256 : kGroup;
+
+// One row of hard targets (the block's share of the launch): kGroup threads per row (32: a warp per row, 8 rows per
+// block; > 32: the whole block), kPT values per thread per tile; kResident: the row is one tile, kept in registers
+// between the statistics and the gradient (single read); otherwise the row is streamed tile by tile, twice.
 template <typename scalar_t, int kGroup, int kPT, bool kResident>
-__global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
-    uncertainty_weighted_ce_kernel(const Params<typename std::conditional<std::is_same<scalar_t, double>::value,
-                                                                          double, float>::type> P) {
-  using A = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+__device__ __forceinline__ void hard_row(const Params<Acc<scalar_t>>& P) {
+  using A = Acc<scalar_t>;
   using T = Tile<scalar_t, A, kGroup, kPT>;
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
   constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
@@ -421,7 +425,7 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
   if constexpr (kGroup == 32) __syncwarp();
   s = group_allreduce<kGroup>(s, q, brier, dual);
   const RowCoefs<A> r = row_coefficients(P, row, s, z_y);
-  if (t == 0) P.row_loss[row] = r.loss;
+  if (t == 0) store_row_loss<scalar_t>(P, row, r.loss);
   if (grad_row == nullptr) return;
 
   auto gradient_tile = [&](int64_t base) {
@@ -443,6 +447,14 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
   }
 }
 
+// The hard-target launch: the block's count (batch_fold.cuh), its rows, then the batch's fold in the last block.
+template <typename scalar_t, int kGroup, int kPT, bool kResident>
+__global__ void __launch_bounds__(kBlockThreads<kGroup>) uncertainty_weighted_ce_kernel(const Params<Acc<scalar_t>> P) {
+  begin_rows<kBlockThreads<kGroup>>(P);
+  hard_row<scalar_t, kGroup, kPT, kResident>(P);
+  finish_rows<kBlockThreads<kGroup>, scalar_t>(P);
+}
+
 // ----------------------------------------------------------------------------------------------------------------
 // Rows split across a thread-block cluster (sm_90): one read of the logits and one write of the gradient at any C up
 // to 16 CTAs × the tile, instead of the streaming path's two reads.
@@ -457,11 +469,9 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
 // ----------------------------------------------------------------------------------------------------------------
 constexpr int kMaxClusterCtas = 16;  // the non-portable cluster size limit of sm_90 (8 is portable)
 
+#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
 template <typename scalar_t, int kThreads, int kPT>
-__global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<float> P) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // launched only where cudaFuncGetAttributes reports code compiled for sm_90 or later (cluster_launchable)
-#else
+__device__ __forceinline__ void cluster_row(const Params<float>& P) {
   namespace cg = cooperative_groups;
   using A = float;
   using T = Tile<scalar_t, A, kThreads, kPT>;
@@ -481,7 +491,7 @@ __global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<floa
 
   if (ignored || bad) {  // uniform over the cluster: no CTA reaches a barrier
     const A fill = bad ? std::numeric_limits<A>::quiet_NaN() : A(0);
-    if (rank == 0 && t == 0) P.row_loss[row] = fill;
+    if (rank == 0 && t == 0) store_row_loss<scalar_t>(P, row, fill);
     if (grad_row != nullptr) {
       const int64_t end = base + kTileCols < C ? base + kTileCols : C;
       for (int64_t c = base + t; c < end; c += kThreads) grad_row[c] = static_cast<scalar_t>(fill);
@@ -510,7 +520,7 @@ __global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<floa
   }
   cluster.sync();  // the remote reads are done (a CTA may exit), and row_stats is visible to the whole block
   const RowCoefs<A> r = row_coefficients(P, row, row_stats, z_y);
-  if (rank == 0 && t == 0) P.row_loss[row] = r.loss;
+  if (rank == 0 && t == 0) store_row_loss<scalar_t>(P, row, r.loss);
   if (grad_row == nullptr) return;
 #pragma unroll
   for (int e = 0; e < kPT; ++e) {
@@ -518,6 +528,19 @@ __global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<floa
     z[e] = (col == y) ? r.grad_target : grad_element(r, z[e], z_y, q);
   }
   T::store(grad_row, aligned16(grad_row), base, t, C, z);
+}
+#endif
+
+// The cluster launch: the block's count (batch_fold.cuh), its share of a row, then the batch's fold in the last
+// block (of the whole grid: the ticket counts blocks, whatever cluster they belong to).
+template <typename scalar_t, int kThreads, int kPT>
+__global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<float> P) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  __trap();  // launched only where cudaFuncGetAttributes reports code compiled for sm_90 or later (cluster_launchable)
+#else
+  begin_rows<kThreads>(P);
+  cluster_row<scalar_t, kThreads, kPT>(P);
+  finish_rows<kThreads, scalar_t>(P);
 #endif
 }
 
@@ -693,7 +716,7 @@ __device__ __forceinline__ A row_gamma(const Params<A>& P, int64_t row, Band ban
 
 // The row's weight coefficients and loss (written by the group's first thread) from its soft quantities, whose
 // gamma and external fields are filled here.
-template <typename A, typename Band>
+template <typename scalar_t, typename A, typename Band>
 __device__ __forceinline__ SoftCoefficients<A> soft_row_coefficients(const Params<A>& P, int64_t row, int lane,
                                                                      SoftRowQuantities<A> r, Band band) {
   r.gamma = row_gamma(P, row, band);
@@ -702,7 +725,7 @@ __device__ __forceinline__ SoftCoefficients<A> soft_row_coefficients(const Param
   const SoftCoefficients<A> cf = soft_weight_coefficients(static_cast<Weight>(P.weight),
                                                           P.mode == static_cast<int>(Mode::Loss), r,
                                                           r.q == A(2));
-  if (lane == 0) P.row_loss[row] = cf.u * r.ce;
+  if (lane == 0) store_row_loss<scalar_t>(P, row, cf.u * r.ce);
   return cf;
 }
 
@@ -747,11 +770,8 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
   // The row's max M over every column (= R); the other columns' sums moved to it.
   const A m_o = s.base.m;
   const A M = reference_point(m_o, top);
-  A d_o = s.base.d, sq_o = s.base.sq;
-  if (m_o == neg_inf<A>()) {
-    d_o = A(0);
-    sq_o = A(0);
-  } else if (m_o != M) {
+  A d_o = s.base.d, sq_o = s.base.sq;  // with m_o = -inf: 0, or NaN from a NaN logit, kept as they are
+  if (m_o != neg_inf<A>() && m_o != M) {
     const A f = exp_(m_o - M);
     d_o *= f;
     sq_o *= f * f;
@@ -809,7 +829,7 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
 
   const A omP = (W_y * omp_y + W_m * omp_m) + spread;
   const A P_row = (W_y * p_y + W_m * p_m) + c;
-  const SoftCoefficients<A> cf = soft_row_coefficients(
+  const SoftCoefficients<A> cf = soft_row_coefficients<scalar_t>(
       P, row, lane, SoftRowQuantities<A>{omP, P_row, ce, A(0), q, A(1), S, H},
       [&] { return soft_flsd_band_probability(z_y, z_m, M + log_d, w_y, w_m, c); });
   if (grad_row == nullptr) return;
@@ -909,7 +929,7 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
     if (brier) add_brier_terms(exp_(-log_d), d_max, q, square, S, H);  // p_max as the gradient pass computes it
   }
   const A ce = r.v[kGap] + r.v[kTargetSum] * log_d;
-  const SoftCoefficients<A> cf = soft_row_coefficients(
+  const SoftCoefficients<A> cf = soft_row_coefficients<scalar_t>(
       P, row, lane, SoftRowQuantities<A>{omP, r.v[kP], ce, A(0), q, A(1), S, H},
       [&] { return static_cast<float>(r.v[kP]); });
   if (grad_row == nullptr) return;
@@ -932,11 +952,10 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
   });
 }
 
-// The soft-target kernel: target_t is int64_t for the compact form (class indices, `SoftParams::hard.target`), else
-// the element type of the dense target. Launch shape as for the hard kernel.
+// One soft-target row (the block's share of the launch): target_t is int64_t for the compact form (class indices,
+// `SoftParams::hard.target`), else the element type of the dense target. Launch shape as for the hard kernel.
 template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
-__global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
-    soft_target_kernel(const SoftParams<Acc<scalar_t>> SP) {
+__device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
   using A = Acc<scalar_t>;
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
   const Params<A>& P = SP.hard;
@@ -961,6 +980,15 @@ __global__ void __launch_bounds__(kGroup == 32 ? 256 : kGroup)
   } else {
     dense_soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP, row, lane, grad_row);
   }
+}
+
+// The soft-target launch: the block's count (batch_fold.cuh: class indices), its rows, then the batch's fold in the
+// last block (a dense target's row flags included).
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
+__global__ void __launch_bounds__(kBlockThreads<kGroup>) soft_target_kernel(const SoftParams<Acc<scalar_t>> SP) {
+  begin_rows<kBlockThreads<kGroup>>(SP.hard);
+  soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP);
+  finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard);
 }
 
 // Largest C of each path (float32/float16/bfloat16); float64 has only the warp and streaming paths.

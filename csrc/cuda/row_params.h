@@ -27,8 +27,9 @@ struct Params {
   const int64_t* target;
   const A* sample_weight;     // (N,) or nullptr
   const A* gamma_per_sample;  // (N,) or nullptr
-  const int64_t* valid_count; // 0-dim, read only for the mean; nullptr: every row counts (a dense target)
-  A* row_loss;
+  const int64_t* valid_count; // 0-dim, the count launch's (a large batch's mean with a gradient); nullptr: see
+                              // count_inline, else every row counts (a dense target)
+  void* row_loss;           // (N,) A, or the logits' type for reduction "none" with loss_in_logits_dtype
   int64_t num_rows;
   int64_t num_classes;
   int64_t ignore_index;
@@ -38,6 +39,16 @@ struct Params {
   int mode;
   int reduction;
   bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule of the op's code) instead of `gamma`
+  // The batch's fold by the launch's last block (batch_fold.cuh), which makes the row launch the forward's only one:
+  bool count_inline;        // class indices without a count launch: each block counts the mean's divisor itself
+                            // (where its rows need it), and the last block checks the targets into target_flag
+  unsigned int* ticket;     // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
+  void* loss;               // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
+                            // reduction "none" (the rows' losses are the result)
+  bool loss_in_logits_dtype;  // the op's loss in the logits' type (rounded once, from A)
+  int64_t* target_flag;     // (2,): the op's target flag, made by the last block (count_inline or row_flags); or
+                            // nullptr where the count launch or host-side ATen ops made it
+  const int8_t* row_flags;  // (N,): a dense target's row flags (SoftParams::dense_flags) to fold, or nullptr
 };
 
 template <typename A>

@@ -24,9 +24,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <map>
+#include <mutex>
 #include <tuple>
 #include <type_traits>
+#include <utility>
 
+#include "batch_fold.cuh"
 #include "block_reduce.cuh"
 #include "row_params.h"
 #include "uncertainty_weighted_ce.h"
@@ -39,86 +43,48 @@ using cuda_rows::Params;
 using cuda_rows::SoftParams;
 
 // ----------------------------------------------------------------------------------------------------------------
-// The mean's divisor and the reduction: one 1024-thread block each, in place of the four to five small torch ops
-// (compare, sum, sum, clamp, divide) they replace, since at classification shapes each launch costs host time that
-// the step notices. A fixed order of summation (thread i takes rows i, i + 1024, ...; then a tree), so the loss is
-// reproducible bit for bit; the loop is unrolled so that a thread has several loads in flight (one block reads the
-// whole (N,) vector: 256 KiB at N = 65536).
+// The count launch of a large batch (more than kInlineCountMaxRows rows of class indices, for a mean with a
+// gradient): the mean's divisor, which the row launch's gradient scale and fold read, and the target flag, in one
+// 1024-thread block. Smaller batches need no launch before the row launch (batch_fold.cuh: each of its blocks
+// counts the targets itself, and its last block checks them).
 // ----------------------------------------------------------------------------------------------------------------
 constexpr int kReduceThreads = 1024;
 
-template <typename S>
-__device__ __forceinline__ S block_sum(S v) {
-  return group_sum<kReduceThreads>(Sums<S, 1>{{v}}).v[0];
-}
+// Every block re-reads all N targets (8 N bytes, from L2) where it counts them itself: up to this N that costs less
+// than a launch of its own (the Triton kernel's INLINE_COUNT_MAX_ROWS).
+constexpr int64_t kInlineCountMaxRows = 1024;
 
-// One block over the class-index targets, writing counts = [the op's target flag: whether some target is neither a
-// class index nor ignore_index, the largest such value (calibkernels._validation.target_flag, without its dozen small
-// torch ops); the mean's divisor: the rows whose target is not ignore_index].
+// counts = [the op's target flag: whether some target is neither a class index nor ignore_index, the largest such
+// value (calibkernels._validation.target_flag, without its dozen small torch ops); the mean's divisor: the rows whose
+// target is not ignore_index].
 __global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int64_t* target, int64_t num_rows,
                                                                        int64_t num_classes, int64_t ignore_index,
                                                                        int64_t* counts) {
-  __shared__ long long worst;  // atomicMax has no overload for int64_t (long) on LP64
-  if (threadIdx.x == 0) worst = std::numeric_limits<long long>::min();
-  __syncthreads();
-  int64_t valid = 0, bad = 0;
-#pragma unroll 8
-  for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) {
-    const int64_t y = target[i];
-    const bool ignored = y == ignore_index;
-    valid += ignored ? 0 : 1;
-    if (!ignored && (y < 0 || y >= num_classes)) {
-      ++bad;
-      atomicMax(&worst, static_cast<long long>(y));
-    }
-  }
-  // group_sum's barrier orders every atomicMax before thread 0 reads `worst`
-  const Sums<int64_t, 2> total = group_sum<kReduceThreads>(Sums<int64_t, 2>{{valid, bad}});
+  const TargetScan scan = scan_targets<kReduceThreads>(target, num_rows, num_classes, ignore_index, true);
   if (threadIdx.x == 0) {
-    counts[0] = total.v[1] > 0 ? 1 : 0;
-    counts[1] = static_cast<int64_t>(worst);
-    counts[2] = total.v[0];
+    counts[0] = scan.bad > 0 ? 1 : 0;
+    counts[1] = scan.worst;
+    counts[2] = scan.valid;
   }
 }
 
-// A dense target's per-row flags (soft_target_kernel's dense_flags) folded by the whole block into the op's target
-// flag: [whether some row is flagged, the first flagged row (num_rows if none)], as
-// calibkernels._validation.dense_target_flag writes it.
-__device__ __forceinline__ void fold_row_flags(const int8_t* row_flags, int64_t num_rows, int64_t* flag) {
-  __shared__ long long first;  // atomicMin has no overload for int64_t (long) on LP64
-  if (threadIdx.x == 0) first = static_cast<long long>(num_rows);
-  __syncthreads();
-  for (int64_t i = threadIdx.x; i < num_rows; i += blockDim.x) {
-    if (row_flags[i] != 0) {
-      atomicMin(&first, static_cast<long long>(i));
-      break;  // a thread's later rows come after this one
-    }
+// The row launch's ticket counter (batch_fold.cuh), zero between launches since the launch's last block resets it.
+// One per device and stream, since the launches of a stream run one after another; allocated once and kept for the
+// process's life (a leaked map: no CUDA call at exit). During CUDA-graph capture each launch takes a fresh zeroed
+// counter instead, whose zeroing is captured with it, so a replay starts from zero whatever ran before it.
+unsigned int* launch_ticket(const at::Tensor& like, cudaStream_t stream) {
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
+  const auto options = like.options().dtype(at::kInt);
+  if (capture != cudaStreamCaptureStatusNone) {
+    return reinterpret_cast<unsigned int*>(at::zeros({1}, options).mutable_data_ptr<int32_t>());
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    flag[0] = first < num_rows ? 1 : 0;
-    flag[1] = static_cast<int64_t>(first);
-  }
-}
-
-// loss = Σ_i row_loss_i, divided by mean_divisor for the mean; with row_flags, also the dense target's flag (so a
-// dense target's check costs no launch of its own).
-template <typename A>
-__global__ void __launch_bounds__(kReduceThreads) reduce_rows_kernel(const A* row_loss, int64_t num_rows, bool mean,
-                                                                     const int64_t* valid_count, A* loss,
-                                                                     const int8_t* row_flags, int64_t* flag) {
-  A total = A(0);
-#pragma unroll 8
-  for (int64_t i = threadIdx.x; i < num_rows; i += kReduceThreads) total += row_loss[i];
-  total = block_sum(total);
-  if (threadIdx.x == 0) *loss = mean ? total / static_cast<A>(mean_divisor(valid_count, num_rows)) : total;
-  if (row_flags != nullptr) fold_row_flags(row_flags, num_rows, flag);
-}
-
-// The dense target's flag where no reduction runs (reduction "none").
-__global__ void __launch_bounds__(kReduceThreads) fold_row_flags_kernel(const int8_t* row_flags, int64_t num_rows,
-                                                                        int64_t* flag) {
-  fold_row_flags(row_flags, num_rows, flag);
+  static std::mutex mutex;
+  static auto* tickets = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  const std::lock_guard<std::mutex> lock(mutex);
+  at::Tensor& ticket = (*tickets)[{like.get_device(), stream}];
+  if (!ticket.defined()) ticket = at::zeros({1}, options);
+  return reinterpret_cast<unsigned int*>(ticket.mutable_data_ptr<int32_t>());
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -129,6 +95,7 @@ struct Args {
   double gamma, norm;
   bool soft = false;             // check_soft_arguments: the soft-target kernel
   double label_smoothing = 0.0;
+  bool loss_in_logits_dtype = false;
 };
 
 Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
@@ -180,8 +147,11 @@ bool kernel_checks_dense_target(const at::Tensor& z, const at::Tensor& target) {
 
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
 // `grad_stride`, may alias z) when non-null. Returns (loss, target_flag): the loss float32 (float64 for float64
-// logits), 0-dim for mean/sum, (N,) for none; the flag as the op returns it. Every reduction is a device kernel (no
-// host synchronisation). With args.soft the soft-target kernel runs (a dense target: every row counts for the mean).
+// logits) or, with args.loss_in_logits_dtype, the logits' dtype, 0-dim for mean/sum, (N,) for none; the flag as the
+// op returns it. One launch (the row kernels, whose last
+// block reduces the batch and makes the flag), two for a mean with a gradient over more than kInlineCountMaxRows rows
+// of class indices (the count first); no host synchronisation. With args.soft the soft-target kernel runs (a dense
+// target: every row counts for the mean).
 std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride,
                                        const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                                        const std::optional<at::Tensor>& gamma_per_sample,
@@ -189,28 +159,39 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
                                        const std::optional<at::Tensor>& mix_lambda, const Args& args) {
   const int64_t n = z.size(0);
   const auto acc_dtype = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  at::Tensor row_loss = at::empty({n}, z.options().dtype(acc_dtype));
+  const auto loss_dtype = args.loss_in_logits_dtype ? z.scalar_type() : acc_dtype;
+  const bool mean = args.reduction == static_cast<int64_t>(Reduction::Mean);
+  const bool reduced = args.reduction != static_cast<int64_t>(Reduction::None);
+  // the rows' losses: what the fold reduces (A), or the op's output
+  at::Tensor row_loss = at::empty({n}, z.options().dtype(reduced ? acc_dtype : loss_dtype));
   const bool dense = target.is_floating_point();
   const at::Tensor t = dense ? dense_target_for(z, target) : target.contiguous();
-  const bool mean = args.reduction == static_cast<int64_t>(Reduction::Mean);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  // Class indices: one launch counts the mean's divisor, which the loss kernel (the gradient's scale) and the
-  // reduction read, and makes the target flag. A dense target has no ignored rows (no count: every row counts); the
-  // soft kernel flags its rows, and the reduction (or, without one, a launch of its own) folds the flags.
+  at::Tensor loss = reduced ? at::empty({}, z.options().dtype(loss_dtype)) : row_loss;
+  if (n == 0) {  // no launch: a mean or sum of no rows is 0, and no target is bad
+    if (reduced) loss.zero_();
+    return {loss, dense ? dense_target_flag(target) : at::zeros({2}, z.options().dtype(at::kLong))};
+  }
+  // The target flag: made by the row launch's last block (class indices without a count launch; a dense target's
+  // row flags, where the kernel checks its values), by the count launch (which also counts the mean's divisor before
+  // the rows need it), or by device ATen ops (dense targets the kernel does not check).
   at::Tensor counts, target_flag, row_flags;
+  bool count_inline = false;
   if (dense && kernel_checks_dense_target(z, target)) {
     row_flags = at::empty({n}, t.options().dtype(at::kChar));
     target_flag = at::empty({2}, t.options().dtype(at::kLong));
   } else if (dense) {
     target_flag = dense_target_flag(target);
-  } else {
+  } else if (mean && grad_ptr != nullptr && n > kInlineCountMaxRows) {
     counts = at::empty({3}, t.options());
     check_targets_kernel<<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, z.size(1),
                                                            args.ignore_index, counts.mutable_data_ptr<int64_t>());
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     target_flag = counts.slice(0, 0, 2);  // at the buffer's start, as the fake kernel's
+  } else {
+    count_inline = true;
+    target_flag = at::empty({2}, t.options());
   }
-  const int64_t* valid_count = counts.defined() ? counts.const_data_ptr<int64_t>() + 2 : nullptr;
   // a soft row's count of finite logits is an int
   TORCH_CHECK(!args.soft || z.size(1) <= std::numeric_limits<int32_t>::max(),
               "calibkernels::uncertainty_weighted_ce (CUDA): soft targets take at most 2^31 - 1 classes");
@@ -221,62 +202,51 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     mixes = mix_target->contiguous();
     lambdas = mix_lambda->detach().to(acc_dtype);  // () or (N,), read at i * stride
   }
+  unsigned int* ticket = launch_ticket(z, stream);
 
-  if (n > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cuda", [&] {
-      using A = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
-      Params<A> P;
-      P.logits = z.const_data_ptr();
-      P.logits_row_stride = z.stride(0);
-      P.grad = grad_ptr;
-      P.grad_row_stride = grad_stride;
-      P.target = dense ? nullptr : t.const_data_ptr<int64_t>();
-      P.sample_weight = weights.defined() ? weights.const_data_ptr<A>() : nullptr;
-      P.gamma_per_sample = gammas.defined() ? gammas.const_data_ptr<A>() : nullptr;
-      P.valid_count = valid_count;
-      P.row_loss = row_loss.mutable_data_ptr<A>();
-      P.num_rows = n;
-      P.num_classes = z.size(1);
-      P.ignore_index = args.ignore_index;
-      P.gamma = static_cast<A>(args.gamma);
-      P.norm = static_cast<A>(args.norm);
-      P.weight = static_cast<int>(weight_formula(static_cast<Weight>(args.weight)));
-      P.flsd_schedule = uses_flsd_schedule(static_cast<Weight>(args.weight));
-      P.mode = static_cast<int>(args.mode);
-      P.reduction = static_cast<int>(args.reduction);
-      if (!args.soft) {
-        cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P);
-        return;
-      }
-      SoftParams<A> S;
-      S.hard = P;
-      S.mix_target = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
-      S.mix_lambda = lambdas.defined() ? lambdas.const_data_ptr<A>() : nullptr;
-      S.lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
-      S.dense_target = dense ? t.const_data_ptr() : nullptr;
-      S.dense_row_stride = dense ? t.stride(0) : 0;
-      S.smoothing = static_cast<A>(args.label_smoothing);
-      S.dense_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
-      S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
-      cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, t.scalar_type());
-    });
-  }
-  const int8_t* flags = row_flags.defined() ? row_flags.const_data_ptr<int8_t>() : nullptr;
-  int64_t* flag_out = row_flags.defined() ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
-  if (args.reduction == static_cast<int64_t>(Reduction::None)) {
-    if (flags != nullptr) {
-      fold_row_flags_kernel<<<1, kReduceThreads, 0, stream>>>(flags, n, flag_out);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cuda", [&] {
+    using A = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
+    Params<A> P;
+    P.logits = z.const_data_ptr();
+    P.logits_row_stride = z.stride(0);
+    P.grad = grad_ptr;
+    P.grad_row_stride = grad_stride;
+    P.target = dense ? nullptr : t.const_data_ptr<int64_t>();
+    P.sample_weight = weights.defined() ? weights.const_data_ptr<A>() : nullptr;
+    P.gamma_per_sample = gammas.defined() ? gammas.const_data_ptr<A>() : nullptr;
+    P.valid_count = counts.defined() ? counts.const_data_ptr<int64_t>() + 2 : nullptr;
+    P.row_loss = row_loss.mutable_data_ptr();
+    P.num_rows = n;
+    P.num_classes = z.size(1);
+    P.ignore_index = args.ignore_index;
+    P.gamma = static_cast<A>(args.gamma);
+    P.norm = static_cast<A>(args.norm);
+    P.weight = static_cast<int>(weight_formula(static_cast<Weight>(args.weight)));
+    P.flsd_schedule = uses_flsd_schedule(static_cast<Weight>(args.weight));
+    P.mode = static_cast<int>(args.mode);
+    P.reduction = static_cast<int>(args.reduction);
+    P.count_inline = count_inline;
+    P.ticket = ticket;
+    P.loss = reduced ? loss.mutable_data_ptr() : nullptr;
+    P.loss_in_logits_dtype = args.loss_in_logits_dtype;
+    P.target_flag = (count_inline || row_flags.defined()) ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
+    P.row_flags = row_flags.defined() ? row_flags.const_data_ptr<int8_t>() : nullptr;
+    if (!args.soft) {
+      cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P);
+      return;
     }
-    return {row_loss, target_flag};
-  }
-  at::Tensor loss = at::empty({}, row_loss.options());
-  AT_DISPATCH_FLOATING_TYPES(row_loss.scalar_type(), "uncertainty_weighted_ce_cuda_reduce", [&] {
-    // all rows ignored: 0 / 1 = 0, never NaN
-    reduce_rows_kernel<scalar_t><<<1, kReduceThreads, 0, stream>>>(
-        row_loss.const_data_ptr<scalar_t>(), n, mean, valid_count, loss.mutable_data_ptr<scalar_t>(), flags, flag_out);
+    SoftParams<A> S;
+    S.hard = P;
+    S.mix_target = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
+    S.mix_lambda = lambdas.defined() ? lambdas.const_data_ptr<A>() : nullptr;
+    S.lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
+    S.dense_target = dense ? t.const_data_ptr() : nullptr;
+    S.dense_row_stride = dense ? t.stride(0) : 0;
+    S.smoothing = static_cast<A>(args.label_smoothing);
+    S.dense_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
+    S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
+    cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, t.scalar_type());
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return {loss, target_flag};
 }
 
@@ -284,12 +254,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
     const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
-    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
+    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
+    bool loss_in_logits_dtype) {
   Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
                          reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
   args.soft = check_soft_arguments(op, logits, target, mix_target, mix_lambda, label_smoothing, weight);
   args.label_smoothing = label_smoothing;
+  args.loss_in_logits_dtype = loss_in_logits_dtype;
   if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
   const c10::cuda::CUDAGuard guard(logits.device());
   // Rows may be strided; columns must be contiguous for the vector loads.
@@ -306,18 +278,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
 // loss.backward() (grad_output = 1) then reads one number per block and writes nothing. A persistent grid of a few
 // blocks per multiprocessor strides over the rows. factor_t is float32 or the gradient's type (grad_output of a
-// 16-bit loss), read as it is, without a cast's launch.
+// 16-bit loss), read as it is, without a cast's launch. The product is taken in the accumulation type: float64 stays
+// float64 (a factor such as 1 + 1e-12 is not 1, and the gradient keeps its digits).
 template <typename scalar_t, typename factor_t>
 __global__ void __launch_bounds__(256) scale_grad_kernel(scalar_t* grad, int64_t num_rows, int64_t num_classes,
                                                          int64_t row_stride, const factor_t* factor,
                                                          int64_t factor_stride) {
-  if (factor_stride == 0 && static_cast<float>(*factor) == 1.0f) return;
+  using A = cuda_rows::Acc<scalar_t>;
+  if (factor_stride == 0 && static_cast<A>(*factor) == A(1)) return;
   for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
-    const float f = static_cast<float>(factor[row * factor_stride]);
-    if (f == 1.0f) continue;
+    const A f = static_cast<A>(factor[row * factor_stride]);
+    if (f == A(1)) continue;
     scalar_t* g = grad + row * row_stride;
     for (int64_t c = threadIdx.x; c < num_classes; c += blockDim.x) {
-      g[c] = static_cast<scalar_t>(static_cast<float>(g[c]) * f);
+      g[c] = static_cast<scalar_t>(static_cast<A>(g[c]) * f);
     }
   }
 }

@@ -1,0 +1,167 @@
+// What turns a launch of row kernels (row_kernels.cuh) into the whole forward: the mean's divisor, counted by every
+// block of a small batch before its rows (no count launch before the row launch), and the batch's fold, made after
+// its rows by the block that finishes last (a ticket drawn from a counter): the loss (the rows' mean or sum), the op's
+// target flag, and the counter's reset for the next launch on the stream. Also the scan of class-index targets that
+// the count launch of a large batch (uncertainty_weighted_ce.cu) shares with the fold.
+//
+// The ticket: each block's threads meet at a barrier, then its first thread fences (__threadfence) and adds 1 to the
+// counter; the block that draws gridDim.x - 1 fences again, and its threads read the other blocks' row losses and
+// flags past L1 (__ldcg). This is the order cooperative_groups' grid barrier relies on; the fences are cumulative over
+// the barrier, so every thread's stores of a block precede its ticket.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+
+#include "block_reduce.cuh"
+#include "row_params.h"
+#include "uncertainty_weighted_ce.h"
+
+namespace calibkernels {
+namespace {
+
+using cuda_rows::Params;
+
+// A scan of class-index targets by a block of kThreads threads (every thread takes rows t, t + kThreads, ...): how
+// many are not ignore_index (the mean's divisor) and, with `check`, how many are neither ignore_index nor a class
+// (bad) and the largest such value (std::numeric_limits<int64_t>::min() when none is).
+struct TargetScan {
+  int64_t valid, bad, worst;
+};
+
+template <int kThreads>
+__device__ __forceinline__ TargetScan scan_targets(const int64_t* target, int64_t num_rows, int64_t num_classes,
+                                                   int64_t ignore_index, bool check) {
+  __shared__ long long worst;  // atomicMax has no overload for int64_t (long) on LP64
+  if (check) {  // uniform over the block
+    if (threadIdx.x == 0) worst = std::numeric_limits<long long>::min();
+    __syncthreads();
+  }
+  int64_t valid = 0, bad = 0;
+#pragma unroll 8
+  for (int64_t i = threadIdx.x; i < num_rows; i += kThreads) {
+    const int64_t y = target[i];
+    const bool ignored = y == ignore_index;
+    valid += ignored ? 0 : 1;
+    if (check && !ignored && (y < 0 || y >= num_classes)) {
+      ++bad;
+      atomicMax(&worst, static_cast<long long>(y));
+    }
+  }
+  // group_sum's barrier orders every atomicMax before the reads of `worst`
+  const Sums<int64_t, 2> total = group_sum<kThreads>(Sums<int64_t, 2>{{valid, bad}});
+  return {total.v[0], total.v[1], check ? static_cast<int64_t>(worst) : std::numeric_limits<int64_t>::min()};
+}
+
+// The block's count of non-ignored targets where it counts them itself (Params::count_inline), for its rows'
+// gradient scale.
+__device__ __forceinline__ int64_t& inline_count() {
+  __shared__ int64_t count;
+  return count;
+}
+
+// The mean's divisor: the non-ignored rows (the block's own count, or the count launch's), or every row (a dense
+// target); at least 1, so that a batch of ignored rows has a loss of 0, never NaN.
+template <typename A>
+__device__ __forceinline__ int64_t mean_divisor(const Params<A>& P) {
+  const int64_t count = P.count_inline ? inline_count() : (P.valid_count != nullptr ? *P.valid_count : P.num_rows);
+  return count > 1 ? count : int64_t(1);
+}
+
+// The start of every block of a row launch, before its rows: with count_inline, a mean's gradient scale needs the
+// count before any row is written, so each block counts the targets itself (N ≤ kInlineCountMaxRows: at most 8 KiB
+// of targets per block, from L2).
+template <int kThreads, typename A>
+__device__ __forceinline__ void begin_rows(const Params<A>& P) {
+  if (P.count_inline && P.grad != nullptr && P.reduction == static_cast<int>(Reduction::Mean)) {  // uniform
+    const TargetScan scan = scan_targets<kThreads>(P.target, P.num_rows, P.num_classes, P.ignore_index, false);
+    if (threadIdx.x == 0) inline_count() = scan.valid;
+    __syncthreads();
+  }
+}
+
+// A dense target's row flags folded into the op's target flag: (whether some row is flagged, the first flagged row,
+// num_rows if none), as calibkernels._validation.first_flagged_row makes it.
+template <int kThreads>
+__device__ __forceinline__ void fold_row_flags(const int8_t* row_flags, int64_t num_rows, int64_t* flag) {
+  __shared__ long long first;  // atomicMin has no overload for int64_t (long) on LP64
+  if (threadIdx.x == 0) first = static_cast<long long>(num_rows);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < num_rows; i += kThreads) {
+    if (__ldcg(reinterpret_cast<const signed char*>(row_flags) + i) != 0) {
+      atomicMin(&first, static_cast<long long>(i));
+      break;  // a thread's later rows come after this one
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    flag[0] = first < num_rows ? 1 : 0;
+    flag[1] = static_cast<int64_t>(first);
+  }
+}
+
+// Entry i of a loss output of the op: A, or the logits' type with loss_in_logits_dtype.
+template <typename scalar_t, typename A>
+__device__ __forceinline__ void store_loss(const Params<A>& P, void* out, int64_t i, A value) {
+  if (P.loss_in_logits_dtype) {
+    static_cast<scalar_t*>(out)[i] = static_cast<scalar_t>(value);
+  } else {
+    static_cast<A*>(out)[i] = value;
+  }
+}
+
+// A row's loss L_i into row_loss: A where the fold reduces the rows (mean, sum), or as the op's output ("none").
+template <typename scalar_t, typename A>
+__device__ __forceinline__ void store_row_loss(const Params<A>& P, int64_t row, A value) {
+  if (P.reduction == static_cast<int>(Reduction::None)) {
+    store_loss<scalar_t>(P, P.row_loss, row, value);
+  } else {
+    static_cast<A*>(P.row_loss)[row] = value;
+  }
+}
+
+// The end of every block of a row launch, after its rows (every thread of the block calls it; none may have left the
+// kernel). The last block to finish folds the batch:
+//   * the loss (P.loss): Σ_i L_i over row_loss in a fixed order (thread t takes rows t, t + kThreads, ..., then the
+//     block's tree), so the loss is reproducible bit for bit; ÷ the mean's divisor for the mean;
+//   * count_inline: the targets' flag (any bad target, the largest bad value) into target_flag, and the divisor;
+//   * row_flags: a dense target's flag into target_flag;
+// then resets the ticket counter to 0.
+template <int kThreads, typename scalar_t, typename A>
+__device__ __forceinline__ void finish_rows(const Params<A>& P) {
+  __shared__ bool last;
+  __syncthreads();  // the block's row losses and flags are stored
+  if (threadIdx.x == 0) {
+    __threadfence();  // ... and visible to the device before the ticket
+    last = atomicAdd(P.ticket, 1u) == gridDim.x - 1;
+    if (last) __threadfence();  // the other blocks' stores, ordered before their tickets, before the reads below
+  }
+  __syncthreads();
+  if (!last) return;
+  int64_t divisor = 0;
+  if (P.count_inline) {
+    const TargetScan scan = scan_targets<kThreads>(P.target, P.num_rows, P.num_classes, P.ignore_index, true);
+    divisor = scan.valid;
+    if (threadIdx.x == 0) {
+      P.target_flag[0] = scan.bad > 0 ? 1 : 0;
+      P.target_flag[1] = scan.worst;
+    }
+  } else if (P.loss != nullptr) {
+    divisor = P.valid_count != nullptr ? *P.valid_count : P.num_rows;
+  }
+  if (P.loss != nullptr) {
+    A total = A(0);
+#pragma unroll 8
+    for (int64_t i = threadIdx.x; i < P.num_rows; i += kThreads) total += __ldcg(static_cast<const A*>(P.row_loss) + i);
+    total = group_sum<kThreads>(Sums<A, 1>{{total}}).v[0];
+    if (threadIdx.x == 0) {
+      const bool mean = P.reduction == static_cast<int>(Reduction::Mean);
+      store_loss<scalar_t>(P, P.loss, 0, mean ? total / static_cast<A>(divisor > 1 ? divisor : int64_t(1)) : total);
+    }
+  }
+  if (P.row_flags != nullptr) fold_row_flags<kThreads>(P.row_flags, P.num_rows, P.target_flag);
+  if (threadIdx.x == 0) *P.ticket = 0u;
+}
+
+}  // namespace
+}  // namespace calibkernels
