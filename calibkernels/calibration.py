@@ -16,11 +16,15 @@ Non-finite logits follow the metrics' policy (:mod:`calibkernels.metrics._inputs
 a masked class, probability 0 at every T (the fit equals the fit with the class's logit made very negative); ``+inf``
 or NaN logits, and rows whose every class is ``-inf``, raise ``ValueError``. A label on a masked class is a wrong
 prediction for the ECE objective; for the NLL objective it makes the NLL infinite at every T and raises ``ValueError``.
+Rows whose label equals ``ignore_index`` (default -100, as the metrics) are left out and may hold anything. A fit needs
+``C >= 2`` classes (with one class every T gives the same probabilities).
 """
 
 from __future__ import annotations
 
 import math
+import os
+import sys
 import warnings
 
 import torch
@@ -28,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import _validation as V
-from .metrics._inputs import check_logits, check_n_bins, compute_dtype
+from .metrics._inputs import check_logits, check_n_bins, check_positive_int, compute_dtype, labelled_rows
 from .metrics.binned import bin_sums, calibration_error_from_sums, equal_width_edges
 
 __all__ = [
@@ -53,10 +57,14 @@ def temperature_grid(start: float = DEFAULT_GRID_START, stop: float = DEFAULT_GR
 
     Where ``start`` is a multiple ``k · step`` of the step, each value is the nearest double to ``j · step``, built as
     integers ``k, k + 1, …`` times ``step`` (divided by ``1 / step`` where that is an integer), so 0.07 is 0.07, not
-    0.07000000000000001; otherwise ``start + j · step``.
+    0.07000000000000001; otherwise ``start + j · step``. ``start``, ``stop`` and ``step`` must be finite numbers
+    (``TypeError`` for non-numbers).
     """
-    if not (step > 0 and start > 0 and stop >= start):
-        raise ValueError(f"temperature grid needs 0 < start <= stop and step > 0, got {start}, {stop}, {step}")
+    for name, value in (("start", start), ("stop", stop), ("step", step)):
+        if not V.is_number(value):
+            raise TypeError(f"temperature grid {name} must be a number, got {type(value).__name__}")
+    if not (step > 0 and start > 0 and stop >= start and math.isfinite(stop) and math.isfinite(step)):
+        raise ValueError(f"temperature grid needs finite 0 < start <= stop and step > 0, got {start}, {stop}, {step}")
     slack = 1e-9  # relative to the step: stop/step = 999.9999999999999 still reaches stop
     ratio = start / step
     if abs(ratio - round(ratio)) >= slack:
@@ -70,33 +78,50 @@ def temperature_grid(start: float = DEFAULT_GRID_START, stop: float = DEFAULT_GR
     return grid.clamp(max=stop)
 
 
-def _check_logits_labels(logits, labels):
+def _check_logits_labels(logits, labels, ignore_index: int = -100):
+    """``(z (N, C), y (N,))`` of the rows whose label is not ``ignore_index``: ``z`` in the metrics' compute dtype."""
     if not isinstance(logits, torch.Tensor) or not isinstance(labels, torch.Tensor):
         raise TypeError("logits and labels must be torch.Tensors")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
+    V.check_ignore_index(ignore_index)
     if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"expected logits (..., C) and labels (...), got {tuple(logits.shape)} and "
                          f"{tuple(labels.shape)}")
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but logits are on {logits.device}")
     num_classes = logits.shape[-1]
+    if num_classes < 2:
+        # softmax(z / T) = 1 for every T: no fit to make (the NLL fit would stop at T = 1, the ECE one at the grid's
+        # smallest T, and both would look like answers)
+        raise ValueError(f"temperature scaling needs at least 2 classes, got {num_classes}")
     z = logits.detach().reshape(-1, num_classes).to(compute_dtype(logits.dtype))
     y = labels.detach().reshape(-1).long()
-    if z.shape[0] == 0:
-        raise ValueError("cannot fit a temperature on zero samples")
-    if bool(((y < 0) | (y >= num_classes)).any()):
-        raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes")
-    check_logits(z)  # -inf (masked) is fine; +inf, NaN and fully masked rows raise
+    z, y, rows = labelled_rows(z, y, ignore_index, num_classes, "a temperature")
+    check_logits(z, rows)  # -inf (masked) is fine; +inf, NaN and fully masked rows raise
     return z, y
+
+
+def _outside_stacklevel() -> int:
+    """``stacklevel`` for ``warnings.warn`` called right here that names the first frame outside this module and
+    :mod:`calibkernels.posthoc`, i.e. the user's call, whichever public function was entered."""
+    ours = {os.path.normcase(os.path.abspath(__file__)),
+            os.path.normcase(os.path.join(os.path.dirname(os.path.abspath(__file__)), "posthoc.py"))}
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.normcase(os.path.abspath(frame.f_code.co_filename)) in ours:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _check_grid(grid) -> torch.Tensor:
     if grid is None:
         return temperature_grid()
-    grid = torch.as_tensor(grid, dtype=torch.float64).detach().cpu().reshape(-1)
+    try:
+        grid = torch.as_tensor(grid, dtype=torch.float64).detach().cpu().reshape(-1)
+    except (TypeError, ValueError, RuntimeError) as error:
+        raise TypeError(f"grid must be a 1-D tensor (or sequence) of temperatures, got {type(grid).__name__}") from error
     if grid.numel() == 0:
         raise ValueError("the temperature grid is empty")
     if not bool(((grid > 0) & grid.isfinite()).all()):
@@ -105,8 +130,9 @@ def _check_grid(grid) -> torch.Tensor:
 
 
 def ece_over_temperatures(logits, labels, temperatures, n_bins: int = 15, *,
-                          chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> torch.Tensor:
-    """``ECE(softmax(z / T))`` for every ``T`` in ``temperatures (G,)``, as a float64 CPU tensor ``(G,)``.
+                          chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, ignore_index: int = -100) -> torch.Tensor:
+    """``ECE(softmax(z / T))`` for every ``T`` in ``temperatures (G,)``, as a float64 CPU tensor ``(G,)``; rows whose
+    label is ``ignore_index`` are left out.
 
     Same definition and conventions as :func:`calibkernels.metrics.ece` (float32 ``(lo, hi]`` equal-width bins,
     ``|B_b|/N`` over all N). Vectorised over the grid: chunks of ``G_c = chunk_elements // (N·C)`` temperatures are
@@ -119,7 +145,8 @@ def ece_over_temperatures(logits, labels, temperatures, n_bins: int = 15, *,
     confidences (exactly, for practical purposes, with float64 logits).
     """
     check_n_bins(n_bins)
-    z, y = _check_logits_labels(logits, labels)
+    check_positive_int(chunk_elements, "chunk_elements")
+    z, y = _check_logits_labels(logits, labels, ignore_index)
     temperatures = _check_grid(temperatures)
     num_samples, num_classes = z.shape
     edges = equal_width_edges(n_bins, dtype=z.dtype, device=z.device)
@@ -147,8 +174,9 @@ def _fit_nll_temperature(z: torch.Tensor, y: torch.Tensor, max_iter: int = 100) 
     label_masked = masked.gather(1, y[:, None]).squeeze(1)
     if bool(label_masked.any()):
         row = int(label_masked.nonzero()[0, 0])
-        raise ValueError(f"the label of row {row} is a masked class (logit -inf): its NLL is +inf at every "
-                         "temperature, so there is no NLL-optimal T. Drop such rows or use objective='ece'")
+        raise ValueError(f"the label of row {row} (of the rows fitted) is a masked class (logit -inf, or "
+                         "probability 0): its NLL is +inf at every temperature, so there is no NLL-optimal T. Drop "
+                         "such rows (or set their labels to ignore_index) or use objective='ece'")
     any_masked = bool(masked.any())
     z64 = z.to(torch.float64).masked_fill(masked, 0.0)
     log_temperature = torch.zeros((), dtype=torch.float64, device=z.device, requires_grad=True)
@@ -171,7 +199,7 @@ def _fit_nll_temperature(z: torch.Tensor, y: torch.Tensor, max_iter: int = 100) 
     if why is not None:
         warnings.warn(f"the NLL of softmax(z / T) has no minimum at a finite T > 0 on this calibration split: {why}; "
                       f"T = {temperature:.3g} is where L-BFGS stopped, not an optimum (use objective='ece', or a "
-                      "larger calibration split)", RuntimeWarning, stacklevel=3)
+                      "larger calibration split)", RuntimeWarning, stacklevel=_outside_stacklevel())
     return temperature
 
 
@@ -195,19 +223,23 @@ def _unbounded_nll_temperature(z64: torch.Tensor, y: torch.Tensor, masked: torch
 
 
 def fit_temperature(logits, labels, objective: str = "ece", grid=None, n_bins: int = 15, *,
-                    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS) -> float:
+                    chunk_elements: int = DEFAULT_CHUNK_ELEMENTS, ignore_index: int = -100) -> float:
     """Fit the temperature ``T`` of ``softmax(logits / T)`` on held-out ``logits (..., C)`` / ``labels (...)``.
 
     ``objective="ece"``: the grid point (default 0.01…10.00, step 0.01; any 1-D positive ``grid`` accepted) with the
     lowest ECE (``n_bins`` bins), the smallest such T on ties. ``objective="nll"``: L-BFGS on ``log T`` (``grid`` and
-    ``n_bins`` unused). Returns a Python float.
+    ``n_bins`` unused). Returns a Python float. Rows whose label is ``ignore_index`` are left out.
 
-    ``-inf`` logits are masked classes (probability 0); ``+inf`` or NaN logits, a row of only ``-inf``, and (NLL
-    objective) a label on a masked class raise ``ValueError``.
+    ``-inf`` logits are masked classes (probability 0); ``+inf`` or NaN logits, a row of only ``-inf``, fewer than 2
+    classes and (NLL objective) a label on a masked class raise ``ValueError``. ``T`` is a temperature of **logits**:
+    to calibrate probabilities ``p``, pass ``ln p`` and apply ``T`` to ``ln p`` (or use
+    :class:`calibkernels.posthoc.TemperatureScaling`, which takes either).
     """
     if not isinstance(objective, str) or objective not in OBJECTIVES:
         raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
-    z, y = _check_logits_labels(logits, labels)
+    check_n_bins(n_bins)
+    check_positive_int(chunk_elements, "chunk_elements")
+    z, y = _check_logits_labels(logits, labels, ignore_index)
     if objective == "nll":
         return _fit_nll_temperature(z, y)
     temperatures = _check_grid(grid)
@@ -233,12 +265,15 @@ class TemperatureScaler(nn.Module):
             raise ValueError(f"temperature must be positive and finite, got {temperature}")
         self.register_buffer("temperature", torch.tensor(float(temperature), dtype=torch.float64))
 
-    def fit(self, logits, labels, objective: str = "ece", grid=None, n_bins: int = 15) -> "TemperatureScaler":
-        """Fit ``T`` with :func:`fit_temperature` (same checks: ``+inf`` / NaN logits raise) and store it.
+    def fit(self, logits, labels, objective: str = "ece", grid=None, n_bins: int = 15, *,
+            ignore_index: int = -100) -> "TemperatureScaler":
+        """Fit ``T`` with :func:`fit_temperature` (same checks: ``+inf`` / NaN logits raise; rows labelled
+        ``ignore_index`` are left out) and store it.
 
         Returns ``self``. ``forward`` is the elementwise ``logits / T``: it keeps ``-inf`` (masked) logits ``-inf``.
         """
-        self.temperature.fill_(fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins))
+        self.temperature.fill_(fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins,
+                                               ignore_index=ignore_index))
         return self
 
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
@@ -250,23 +285,24 @@ class TemperatureScaler(nn.Module):
 
 
 def evaluate_temperature_scaling(calibration_logits, calibration_labels, test_logits, test_labels,
-                                 objective: str = "ece", grid=None, n_bins: int = 15) -> dict:
+                                 objective: str = "ece", grid=None, n_bins: int = 15, *,
+                                 ignore_index: int = -100) -> dict:
     """Fit T on the calibration split, then every metric on the test split before and after scaling by that same T.
 
     Returns ``{"temperature": T, "pre": {...}, "post": {...}}`` with the keys of
-    :data:`calibkernels.metrics.METRIC_KEYS` (fractions). The two splits must be different data (docs/metrics.md,
-    'Temperature scaling').
+    :data:`calibkernels.metrics.METRIC_KEYS` (fractions). Rows labelled ``ignore_index`` are left out of both splits.
+    The two splits must be different data (docs/metrics.md, 'Temperature scaling').
     """
     from .metrics import calibration_metrics
 
     temperature = fit_temperature(calibration_logits, calibration_labels, objective=objective, grid=grid,
-                                  n_bins=n_bins)
+                                  n_bins=n_bins, ignore_index=ignore_index)
     return {
         "temperature": temperature,
-        "pre": calibration_metrics(test_logits, test_labels, n_bins, inputs_are="logits"),
+        "pre": calibration_metrics(test_logits, test_labels, n_bins, inputs_are="logits", ignore_index=ignore_index),
         # scaled in the metrics' compute dtype: a 16-bit z / T would round the scaled logits first
         "post": calibration_metrics(test_logits.to(compute_dtype(test_logits.dtype)) / temperature, test_labels,
-                                    n_bins, inputs_are="logits"),
+                                    n_bins, inputs_are="logits", ignore_index=ignore_index),
     }
 
 

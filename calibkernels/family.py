@@ -144,17 +144,37 @@ def _target_probability(z, safe):
     return torch.exp(z.gather(1, safe[:, None]).squeeze(1) - torch.logsumexp(z, dim=1))
 
 
+def _check_adafocal_gamma(gamma, target, z):
+    """``gamma`` of :func:`adafocal_loss` flattened to ``(N,)`` in the dtype of ``z``, detached. As the fused op's
+    per-sample γ (docs/losses.md, 'Input checks'): ``TypeError`` unless a floating tensor, ``ValueError`` for another
+    shape or device, or a value that is not finite (any sign is allowed here: negative is inverse focal)."""
+    if not isinstance(gamma, torch.Tensor):
+        raise TypeError(f"gamma must be a tensor of the target's shape {tuple(target.shape)}, got "
+                        f"{type(gamma).__name__}")
+    if not gamma.is_floating_point():
+        raise TypeError(f"a per-sample gamma tensor must be floating point, got {gamma.dtype}")
+    if tuple(gamma.shape) != tuple(target.shape):
+        raise ValueError(f"gamma shape {tuple(gamma.shape)} does not match the target's shape {tuple(target.shape)}")
+    if gamma.device != z.device:
+        raise ValueError(f"gamma is on {gamma.device} but logits are on {z.device}")
+    gamma = gamma.detach().reshape(-1).to(z.dtype)
+    if not bool(gamma.isfinite().all()):
+        # NaN would make the loss NaN, +inf the focal weight 0 and -inf the inverse-focal weight inf
+        raise ValueError(f"gamma must be finite, got {float(gamma[~gamma.isfinite()][0])} (row "
+                         f"{int((~gamma.isfinite()).nonzero()[0, 0])} of the flattened target)")
+    return gamma
+
+
 def adafocal_loss(logits, target, gamma, *, reduction="mean", ignore_index=-100):
-    """Reference of the AdaFocal loss with per-sample exponents ``gamma`` (the target's shape, any sign):
+    """Reference of the AdaFocal loss with per-sample exponents ``gamma`` (a finite floating tensor of the target's
+    shape, any sign):
 
     ``L_i = -(1 - p_y)^{γ_i} log p_y`` where γ_i >= 0 (focal), ``-(1 + p_y)^{|γ_i|} log p_y`` where γ_i < 0
     (inverse focal), differentiated through the weight (loss mode); ``gamma`` gets no gradient.
     """
     V.check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
-    if not isinstance(gamma, torch.Tensor) or tuple(gamma.shape) != tuple(target.shape):
-        raise ValueError(f"gamma must be a tensor of the target's shape {tuple(target.shape)}")
-    gamma = gamma.detach().reshape(-1).to(z.dtype)
+    gamma = _check_adafocal_gamma(gamma, target, z)
     ce = _cross_entropy_rows(z, safe)
     focal = R.uncertainty_weight(z, safe, weight="focal", gamma=gamma.clamp_min(0), norm=2.0)
     inverse = torch.exp(gamma.abs() * torch.log1p(torch.exp(-ce)))  # (1 + p_y)^{|γ|}, p_y = exp(-CE)
@@ -254,6 +274,11 @@ class AdaFocalLoss(nn.Module):
         edges = torch.tensor(state["edges"], dtype=torch.float64)
         if gamma.shape != (self.n_bins,) or edges.shape != (self.n_bins + 1,):
             raise ValueError(f"AdaFocal state has {gamma.numel()} bins, this loss {self.n_bins}")
+        # a table that update() could not have produced would silently give NaN losses or misplaced bins
+        if not bool(gamma.isfinite().all()) or not bool(edges.isfinite().all()):
+            raise ValueError("AdaFocal state has a non-finite gamma or edge")
+        if not bool((edges[1:] >= edges[:-1]).all()):
+            raise ValueError("AdaFocal state has edges that are not sorted")
         self.gamma, self.edges, self.updates = gamma, edges, int(state.get("updates", 0))
 
     # ---------------------------------------------------------------------------------------------- the loss

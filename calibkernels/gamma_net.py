@@ -34,8 +34,10 @@ class GammaNet(nn.Module):
     Args:
         in_features: d, the width of the penultimate features (``model.classifier.in_features``).
         num_prototypes: k, the number of attention prototypes (columns of ``A``). Default 16: enough distinct γ
-            "regimes" for 10–200 classes while keeping the γ-Net tiny (``d·(k+1)`` parameters).
-        tau: τ, the temperature dividing ``|x̃ W|``. Default 1.0.
+            "regimes" for 10–200 classes while keeping the γ-Net tiny (``d·(k+1)`` parameters). With ``k = 1`` the
+            softmax over one prototype is 1 for every sample, so ``x̃ = A`` and γ is one learned scalar shared by
+            the whole batch (no per-sample γ; an ablation, not the method).
+        tau: τ, the temperature dividing ``|x̃ W|``; a finite number > 0. Default 1.0.
         init_gamma: the typical γ at initialisation. ``W`` is drawn ``N(0, s²)`` with ``s`` chosen so that
             ``E|x̃ W| / τ = init_gamma`` when the attention is uniform (``‖x̃‖ ≈ 1/√k``; half-normal mean
             ``s·‖x̃‖·sqrt(2/π)``); a sample whose attention is one-hot starts at up to ``√k·init_gamma``. Default 1.0:
@@ -44,6 +46,8 @@ class GammaNet(nn.Module):
             ``γ = |x̃ W| / τ`` is 0 for every sample and has zero gradient in both ``W`` (``x̃ W = 0`` and
             ``d|u|/du = 0`` at ``u = 0``) and ``A`` (it reaches γ only through ``W``): φ could never move, and
             meta-training would silently be plain cross-entropy. Start from a small positive value for a γ near 0.
+            The standard deviation of ``W``, ``init_gamma·τ·sqrt(π k / 2)``, must be a normal float32 (the
+            parameters are float32): otherwise ``W`` would be 0 or infinite and γ 0 or NaN, so it raises.
 
     ``A`` is drawn ``N(0, 1/d)`` so the attention scores ``x A`` are O(1) for features whose entries are O(1),
     i.e. the softmax starts neither uniform nor one-hot.
@@ -62,12 +66,24 @@ class GammaNet(nn.Module):
                 raise TypeError(f"{name} must be an int, got {type(value).__name__}")
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if not is_number(tau) or not tau > 0:
-            raise ValueError(f"tau must be a number > 0, got {tau!r}")
-        if (not is_number(init_gamma) or not init_gamma > 0
-                or not math.isfinite(init_gamma)):
+        for name, value in (("tau", tau), ("init_gamma", init_gamma)):
+            if not is_number(value):
+                raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+        if not (tau > 0 and math.isfinite(tau)):
+            raise ValueError(f"tau must be a finite number > 0, got {tau!r}")
+        if not (init_gamma > 0 and math.isfinite(init_gamma)):
             raise ValueError(f"init_gamma must be a finite number > 0 (γ = |x̃W|/τ with W = 0 has no gradient, so γ "
                              f"would stay 0), got {init_gamma!r}")
+        float32 = torch.finfo(torch.float32)
+        if tau < float32.tiny:
+            # the parameters and the features are at most float32 in practice: a smaller τ rounds to 0 there
+            raise ValueError(f"tau must be at least {float32.tiny:.3g} (the smallest normal float32), got {tau!r}")
+        std = self._projection_std(init_gamma, tau, num_prototypes)
+        # W ~ N(0, std²) is drawn in float32: a std outside the normal float32 range would draw W = 0 or ±inf
+        if not float32.tiny <= std <= float32.max / 64:
+            raise ValueError(f"init_gamma·tau·sqrt(π k / 2) = {std:.3g} (the standard deviation of W) is outside the "
+                             f"float32 range [{float32.tiny:.3g}, {float32.max / 64:.3g}]: W would be 0 or infinite; "
+                             f"got init_gamma={init_gamma!r}, tau={tau!r}, num_prototypes={num_prototypes}")
         self.in_features = in_features
         self.num_prototypes = num_prototypes
         self.tau = float(tau)
@@ -81,8 +97,13 @@ class GammaNet(nn.Module):
             self.prototypes.normal_(0.0, 1.0 / math.sqrt(self.in_features))
             # A's columns have norm ≈ 1 and near-orthogonal directions, so x̃ (a convex mix of them) has norm
             # between ≈ 1/√k (uniform attention) and ≈ 1 (one-hot attention).
-            std = self.init_gamma * self.tau * math.sqrt(math.pi / 2.0) * math.sqrt(self.num_prototypes)
-            self.projection.normal_(0.0, std)
+            self.projection.normal_(0.0, self._projection_std(self.init_gamma, self.tau, self.num_prototypes))
+
+    @staticmethod
+    def _projection_std(init_gamma: float, tau: float, num_prototypes: int) -> float:
+        """``s = init_gamma · τ · sqrt(π/2) · √k``: ``E|x̃ W| / τ = s ‖x̃‖ sqrt(2/π) / τ = init_gamma`` for
+        ``‖x̃‖ = 1/√k`` (uniform attention) and ``W ~ N(0, s²)``."""
+        return init_gamma * tau * math.sqrt(math.pi / 2.0) * math.sqrt(num_prototypes)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         if not isinstance(features, torch.Tensor):

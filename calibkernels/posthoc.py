@@ -19,11 +19,18 @@ class                         calibrated probabilities ``q``                    
 
 Conventions shared by all of them:
 
-* **Inputs.** ``logits (..., C)`` (any floating dtype, ``C >= 2``) and integer ``labels (...)`` in ``[0, C)`` on the
-  same device. Probabilities are passed as their logarithm (``softmax(ln p) = p``; ``ln 0 = -inf`` is a masked class).
+* **Inputs.** ``x (..., C)`` (any floating dtype, ``C >= 2``) and integer ``labels (...)`` in ``[0, C)`` on the
+  same device; rows whose label equals ``ignore_index`` (default -100, as the metrics) are left out of the fit and
+  may hold anything. ``inputs_are="auto" | "logits" | "probs"`` (default ``"auto"``) is resolved exactly as by the
+  metrics (:func:`calibkernels.metrics._inputs.resolve_inputs_kind`): probabilities are mapped to their logarithm
+  (``softmax(ln p) = p``; ``ln 0 = -inf`` is a masked class) and the calibrators work on logits from there on.
   Input policy of the metrics (:mod:`calibkernels.metrics._inputs`): a ``-inf`` logit is a **masked class** with
-  probability 0, and it stays masked: its calibrated probability is exactly 0. ``+inf`` or NaN logits and rows
-  whose every class is ``-inf`` raise ``ValueError``; non-tensors and wrong dtypes raise ``TypeError``.
+  probability 0, and it stays masked: its calibrated probability is exactly 0. ``+inf`` or NaN logits, rows whose
+  every class is ``-inf`` and invalid probabilities raise ``ValueError``; non-tensors and wrong dtypes raise
+  ``TypeError``. :class:`VectorScaling` and :class:`MatrixScaling` are not invariant to adding a constant to a row
+  (``ln p = z − logsumexp(z)`` is such a shift): fitted on probabilities, their ``transform`` maps logits to
+  ``log_softmax(z)`` first (exact); fitted on logits, it refuses probabilities (``ValueError``: the logits cannot be
+  recovered). The other calibrators depend on ``softmax(z)`` only and take either kind.
 * **Arithmetic.** Fitting and transforming run in float64 on the logits' device (CPU or CUDA). ``transform``
   returns float64 for float64 logits and float32 otherwise, with the shape of its input.
 * **Scaling methods** (temperature, vector, matrix, Dirichlet) minimise the mean negative log-likelihood on the
@@ -45,7 +52,7 @@ import torch.nn.functional as F
 
 from . import _validation as V
 from . import calibration as _calibration
-from .metrics._inputs import check_logits, check_n_bins, compute_dtype
+from .metrics._inputs import check_n_bins, compute_dtype, labelled_rows, resolve_inputs_kind
 
 __all__ = [
     "POSTHOC_METHODS",
@@ -71,8 +78,8 @@ SEPARABLE_NLL = 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------- input checks
-def _as_logits(logits, num_classes: int | None = None) -> torch.Tensor:
-    """``logits (..., C)`` checked and flattened to float64 ``(N, C)`` (detached, same device)."""
+def _check_inputs_tensor(logits, num_classes: int | None = None) -> int:
+    """Type and shape checks of ``x (..., C)``; returns ``C``."""
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
     if not logits.is_floating_point():
@@ -84,29 +91,43 @@ def _as_logits(logits, num_classes: int | None = None) -> torch.Tensor:
         raise ValueError(f"the calibrator was fitted for {num_classes} classes but the logits have {classes}")
     if classes < 2:
         raise ValueError(f"calibration needs at least 2 classes, got {classes}")
-    z = logits.detach().reshape(-1, classes).to(torch.float64)
-    check_logits(z)  # -inf (masked) is fine; +inf, NaN and fully masked rows raise
-    return z
+    return classes
 
 
-def _as_fit_inputs(logits, labels) -> tuple[torch.Tensor, torch.Tensor]:
+def _in_log_space(x: torch.Tensor, kind: str) -> torch.Tensor:
+    """Logits of ``x (N, C)`` float64 of the resolved ``kind``: ``x`` itself, or ``ln p`` (``-inf`` where ``p = 0``;
+    entries in ``(1, 1 + tol]``, a normalisation's rounding, count as 1, as in the metrics)."""
+    return x if kind == "logits" else x.clamp(max=1.0).log()
+
+
+def _as_logits(logits, inputs_are: str, num_classes: int | None = None) -> tuple[torch.Tensor, str]:
+    """``x (..., C)`` checked, flattened to float64 ``(N, C)`` (detached, same device) and mapped to logits; returns
+    ``(z, kind)`` with ``kind`` the resolved ``inputs_are`` (``"logits"`` or ``"probs"``)."""
+    classes = _check_inputs_tensor(logits, num_classes)
+    x = logits.detach().reshape(-1, classes).to(torch.float64)
+    # called straight from fit / transform, so that an "auto" warning points at the caller's line (stacklevel 4)
+    kind = resolve_inputs_kind(x, inputs_are, logits.dtype)  # -inf (masked) is fine; +inf, NaN, bad probs raise
+    return _in_log_space(x, kind), kind
+
+
+def _as_fit_inputs(logits, labels, inputs_are: str, ignore_index: int) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """``(z (N, C) float64 logits, y (N,) int64, kind)`` of the rows whose label is not ``ignore_index``."""
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor of class indices, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
-    z = _as_logits(logits)
+    V.check_ignore_index(ignore_index)
+    num_classes = _check_inputs_tensor(logits)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits shape {tuple(logits.shape)}: "
                          f"expected {tuple(logits.shape[:-1])}")
     if labels.device != logits.device:
         raise ValueError(f"labels are on {labels.device} but logits are on {logits.device}")
-    if z.shape[0] == 0:
-        raise ValueError("cannot fit a calibrator on zero samples")
+    x = logits.detach().reshape(-1, num_classes).to(torch.float64)
     y = labels.detach().reshape(-1).long()
-    num_classes = z.shape[1]
-    if bool(((y < 0) | (y >= num_classes)).any()):
-        raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes")
-    return z, y
+    x, y, rows = labelled_rows(x, y, ignore_index, num_classes, "a calibrator")
+    kind = resolve_inputs_kind(x, inputs_are, logits.dtype, rows)  # stacklevel 4: the caller of fit
+    return _in_log_space(x, kind), y, kind
 
 
 def _check_number(name: str, value, *, positive: bool = False) -> float:
@@ -127,30 +148,41 @@ def _check_count(name: str, value, minimum: int = 1) -> int:
 
 # ------------------------------------------------------------------------------------------------------ interface
 class PosthocCalibrator:
-    """Base class: ``fit(logits (..., C), labels (...)) -> self`` and ``transform(logits (..., C)) -> (..., C)``.
+    """Base class: ``fit(x (..., C), labels (...)) -> self`` and ``transform(x (..., C)) -> (..., C)``.
 
-    Subclasses implement ``_fit(z, y)`` and ``_transform(z)`` on checked float64 ``z (N, C)`` / int64 ``y (N,)``.
-    Fitted tensors live on the device of the fitting logits and follow the logits to ``transform``'s device.
+    ``x`` is logits or probabilities (``inputs_are``, resolved as by the metrics; probabilities become ``ln p``).
+    Subclasses implement ``_fit(z, y)`` and ``_transform(z)`` on checked float64 logits ``z (N, C)`` / int64
+    ``y (N,)``. Fitted tensors live on the device of the fitting logits and follow the logits to ``transform``'s
+    device. A new ``fit`` replaces the whole fitted state.
     """
 
     num_classes: int | None = None
+    # the resolved ``inputs_are`` of the last fit ("logits" or "probs")
+    fitted_on: str | None = None
+    # whether the map depends on softmax(z) only, so that logits and log-probabilities give the same result
+    shift_invariant = True
 
-    def fit(self, logits: torch.Tensor, labels: torch.Tensor) -> "PosthocCalibrator":
-        """Fit on held-out ``logits (..., C)`` and ``labels (...)``; returns ``self``."""
-        z, y = _as_fit_inputs(logits, labels)
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor, *, inputs_are: str = "auto",
+            ignore_index: int = -100) -> "PosthocCalibrator":
+        """Fit on held-out ``logits (..., C)`` (or probabilities, ``inputs_are``) and ``labels (...)``; rows whose
+        label is ``ignore_index`` are left out. Returns ``self``."""
+        z, y, kind = _as_fit_inputs(logits, labels, inputs_are, ignore_index)
         self._fit(z, y)
-        self.num_classes = z.shape[1]
+        self.num_classes, self.fitted_on = z.shape[1], kind
         return self
 
-    def transform(self, logits: torch.Tensor) -> torch.Tensor:
-        """Calibrated probabilities ``(..., C)`` of ``logits (..., C)``; every row sums to 1, masked classes are 0."""
-        z = self._checked(logits)
+    def transform(self, logits: torch.Tensor, *, inputs_are: str = "auto") -> torch.Tensor:
+        """Calibrated probabilities ``(..., C)`` of ``logits (..., C)`` (or probabilities, ``inputs_are``); every row
+        sums to 1, masked classes (``-inf`` logits, zero probabilities) are 0."""
+        self._check_fitted()
+        z, kind = _as_logits(logits, inputs_are, self.num_classes)
+        z = self._aligned(z, kind)
         probabilities = self._transform(z) if z.shape[0] else z.new_zeros(z.shape)
         return probabilities.to(compute_dtype(logits.dtype)).reshape(logits.shape)
 
     __call__ = transform
 
-    def log_transform(self, logits: torch.Tensor) -> torch.Tensor:
+    def log_transform(self, logits: torch.Tensor, *, inputs_are: str = "auto") -> torch.Tensor:
         """``ln`` of :meth:`transform`, computed without underflow where the method allows it.
 
         The scaling methods return ``log_softmax`` of their calibrated logits, finite even where a probability
@@ -158,14 +190,28 @@ class PosthocCalibrator:
         ``q = 0``). Masked classes are ``-inf``. Same shape and dtype rules as :meth:`transform`; the result is a
         valid logit tensor for :mod:`calibkernels.metrics` (``inputs_are="logits"``).
         """
-        z = self._checked(logits)
+        self._check_fitted()
+        z, kind = _as_logits(logits, inputs_are, self.num_classes)
+        z = self._aligned(z, kind)
         out = self._log_transform(z) if z.shape[0] else z.new_zeros(z.shape)
         return out.to(compute_dtype(logits.dtype)).reshape(logits.shape)
 
-    def _checked(self, logits) -> torch.Tensor:
+    def _check_fitted(self) -> None:
         if self.num_classes is None:
             raise RuntimeError(f"{type(self).__name__} is not fitted: call fit(val_logits, val_labels) first")
-        return _as_logits(logits, self.num_classes)
+
+    def _aligned(self, z: torch.Tensor, kind: str) -> torch.Tensor:
+        """``z`` as the kind of input ``fit`` saw. Logits become log-probabilities exactly (``log_softmax``), so a map
+        fitted on probabilities takes logits too; log-probabilities cannot become the logits they came from (the row
+        shift is lost), so a shift-dependent map fitted on logits refuses probabilities."""
+        if self.shift_invariant or kind == self.fitted_on or z.shape[0] == 0:
+            return z
+        if self.fitted_on == "probs":
+            return torch.log_softmax(z, dim=1)
+        raise ValueError(f"{type(self).__name__} was fitted on logits but transform got probabilities: its map is not "
+                         "invariant to adding a constant to a row (ln p = z - logsumexp(z) is such a shift), so "
+                         "probabilities cannot stand in for the logits it was fitted on. Pass the logits, or fit on "
+                         "probabilities")
 
     def _fit(self, z: torch.Tensor, y: torch.Tensor) -> None:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -188,8 +234,9 @@ def _masked_labels_raise(masked: torch.Tensor, y: torch.Tensor) -> None:
     label_masked = masked.gather(1, y[:, None]).squeeze(1)
     if bool(label_masked.any()):
         row = int(label_masked.nonzero()[0, 0])
-        raise ValueError(f"the label of row {row} is a masked class (logit -inf): its NLL is +inf for every "
-                         "calibration map, so the NLL fit has no minimum. Drop such rows")
+        raise ValueError(f"the label of row {row} (of the rows fitted) is a masked class (logit -inf, or probability "
+                         "0): its NLL is +inf for every calibration map, so the NLL fit has no minimum. Drop such "
+                         "rows, or set their labels to ignore_index")
 
 
 # -------------------------------------------------------------------------------------------- temperature scaling
@@ -197,8 +244,9 @@ class TemperatureScaling(PosthocCalibrator):
     """``q = softmax(z / T)`` with ``T > 0`` fitted by :func:`calibkernels.calibration.fit_temperature`.
 
     The probability-returning counterpart of :class:`calibkernels.calibration.TemperatureScaler` (an ``nn.Module``
-    returning ``z / T``). ``objective="nll"`` (default here, as in Guo et al., ICML 2017) minimises the NLL by
-    L-BFGS on ``log T``; ``objective="ece"`` takes the grid point of lowest ECE (``n_bins`` bins).
+    returning ``z / T``, logits only). ``objective="nll"`` (default here, as in Guo et al., ICML 2017) minimises the
+    NLL by L-BFGS on ``log T``; ``objective="ece"`` takes the grid point of lowest ECE (``n_bins`` bins). Fitted on
+    probabilities, ``T`` is the temperature of ``ln p``: ``q = softmax(ln p / T) ∝ p^{1/T}``.
     """
 
     def __init__(self, objective: str = "nll", n_bins: int = 15):
@@ -338,6 +386,7 @@ class VectorScaling(_AffineCalibrator):
     """
 
     structure = "diagonal"
+    shift_invariant = False  # w ⊙ (z + c1) = w ⊙ z + c w
 
     def __init__(self, bias: bool = True, reg_mu: float = 0.0, max_iter: int = 500):
         super().__init__(0.0, reg_mu, bias, max_iter)
@@ -363,6 +412,8 @@ class MatrixScaling(_AffineCalibrator):
     A masked class (``-inf`` logit) keeps probability 0 and enters ``W z`` as the logit ``max_k z_k + ln(eps)``
     (``eps`` of float64: the logit of a probability of about 2.2e-16 next to the top class).
     """
+
+    shift_invariant = False  # W (z + c1) = W z + c W1
 
     def __init__(self, reg_lambda: float = 10.0, reg_mu: float = 10.0, bias: bool = True, max_iter: int = 500):
         super().__init__(reg_lambda, reg_mu, bias, max_iter)

@@ -246,3 +246,65 @@ def test_nll_fit_rejects_a_label_on_a_masked_class():
     with pytest.raises(ValueError, match="masked"):
         fit_temperature(logits, labels, objective="nll")
     assert math.isfinite(fit_temperature(logits, labels, objective="ece"))
+
+
+# ------------------------------------------------------------------------------------------- contract checks
+@pytest.mark.parametrize("objective", ["nll", "ece"])
+def test_one_class_has_no_temperature_to_fit(objective):
+    """softmax(z / T) = 1 for every T when C = 1: the NLL fit used to stop at T = 1 and the ECE one at the grid's
+    smallest T, both looking like answers."""
+    logits, labels = torch.randn(20, 1), torch.zeros(20, dtype=torch.long)
+    with pytest.raises(ValueError, match="at least 2 classes"):
+        fit_temperature(logits, labels, objective=objective)
+    with pytest.raises(ValueError, match="at least 2 classes"):
+        TemperatureScaler().fit(logits, labels, objective=objective)
+
+
+@pytest.mark.parametrize("objective", ["nll", "ece"])
+def test_rows_labelled_ignore_index_are_left_out_of_the_fit(objective):
+    logits, labels = _synthetic_with_known_temperature(300, 4, 2.0)
+    expected = fit_temperature(logits, labels, objective=objective)
+    padded = torch.cat([logits, torch.full((5, 4), math.nan)])  # ignored rows may hold anything
+    assert fit_temperature(padded, torch.cat([labels, torch.full((5,), -100)]), objective=objective) == expected
+    assert fit_temperature(padded, torch.cat([labels, torch.full((5,), 9)]), objective=objective,
+                           ignore_index=9) == expected
+    scaler = TemperatureScaler().fit(padded, torch.cat([labels, torch.full((5,), -100)]), objective=objective)
+    assert float(scaler.temperature) == expected
+    with pytest.raises(ValueError, match="ignore_index"):
+        fit_temperature(logits, torch.full_like(labels, -100), objective=objective)
+    with pytest.raises(TypeError, match="ignore_index"):
+        fit_temperature(logits, labels, objective=objective, ignore_index=1.5)
+
+
+def test_ece_curve_and_report_leave_out_ignored_rows():
+    logits, labels = _synthetic_with_known_temperature(300, 4, 2.0)
+    grid = torch.tensor([0.5, 1.0, 2.0], dtype=torch.float64)
+    padded = torch.cat([logits, torch.full((5, 4), math.inf)])
+    padded_labels = torch.cat([labels, torch.full((5,), -100)])
+    torch.testing.assert_close(ece_over_temperatures(padded, padded_labels, grid),
+                               ece_over_temperatures(logits, labels, grid), rtol=0, atol=0)
+    report = evaluate_temperature_scaling(padded, padded_labels, padded, padded_labels)
+    assert report == evaluate_temperature_scaling(logits, labels, logits, labels)
+
+
+def test_grid_and_chunk_arguments_raise_clear_errors():
+    with pytest.raises(ValueError, match="finite"):
+        temperature_grid(0.01, math.inf)  # was an OverflowError
+    with pytest.raises(TypeError, match="start must be a number"):
+        temperature_grid("0.01")
+    with pytest.raises(TypeError, match="grid must be"):
+        fit_temperature(torch.randn(10, 3), torch.randint(0, 3, (10,)), grid="fine")
+    for bad, error in ((10.5, TypeError), ("many", TypeError), (0, ValueError)):
+        with pytest.raises(error, match="chunk_elements"):
+            fit_temperature(torch.randn(10, 3), torch.randint(0, 3, (10,)), chunk_elements=bad)
+        with pytest.raises(error, match="chunk_elements"):
+            ece_over_temperatures(torch.randn(10, 3), torch.randint(0, 3, (10,)), [1.0], chunk_elements=bad)
+
+
+def test_the_unbounded_nll_warning_names_the_callers_line():
+    logits = 3 * torch.randn(50, 4, generator=torch.Generator().manual_seed(1))
+    for fit in (lambda: fit_temperature(logits, logits.argmax(1), objective="nll"),
+                lambda: TemperatureScaler().fit(logits, logits.argmax(1), objective="nll")):
+        with pytest.warns(RuntimeWarning, match="no minimum") as record:
+            fit()
+        assert record[0].filename == __file__

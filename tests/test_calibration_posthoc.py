@@ -325,7 +325,7 @@ def test_rows_whose_scores_are_all_zero_become_uniform():
     logits = torch.tensor([[3.0, 0.0, 0.0], [0.0, 3.0, 0.0], [0.0, 0.0, 3.0]], dtype=torch.float64).repeat(5, 1)
     labels = torch.tensor([0, 1, 2]).repeat(5)
     calibrator = HistogramBinning(n_bins=2).fit(logits, labels)
-    uniform = calibrator.transform(torch.zeros(1, 3, dtype=torch.float64))
+    uniform = calibrator.transform(torch.zeros(1, 3, dtype=torch.float64), inputs_are="logits")  # not ambiguous
     torch.testing.assert_close(uniform, torch.full((1, 3), 1 / 3, dtype=torch.float64), rtol=0, atol=0)
     masked = calibrator.transform(torch.tensor([[0.0, 0.0, -math.inf]], dtype=torch.float64))
     torch.testing.assert_close(masked, torch.tensor([[0.5, 0.5, 0.0]], dtype=torch.float64), rtol=0, atol=0)
@@ -476,3 +476,118 @@ def test_isotonic_calibration_matches_netcal(netcal_data):
     theirs = torch.from_numpy(reference.transform(torch.softmax(test, 1).numpy()))
     ours = IsotonicCalibration().fit(logits, labels).transform(test)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+# ------------------------------------------------------------------------------------- probabilities, ignore_index
+@pytest.mark.parametrize("name", list(POSTHOC_METHODS))
+def test_probabilities_are_calibrated_as_their_logarithm(name):
+    """``inputs_are`` as in the metrics: probabilities (detected by "auto", or named) are fitted as ``ln p``. Fitting
+    them as if they were logits, softmax(p / T) and the like, was a silent wrong answer."""
+    logits, labels = _miscalibrated(150, 3)
+    test = torch.randn(40, 3, dtype=torch.float64) * 3
+    probabilities, test_probabilities = torch.softmax(logits, 1), torch.softmax(test, 1)
+    on_log = POSTHOC_METHODS[name]().fit(torch.log_softmax(logits, 1), labels)
+    expected = on_log.transform(torch.log_softmax(test, 1))
+    on_probabilities = POSTHOC_METHODS[name]().fit(probabilities, labels)  # "auto" finds probabilities
+    assert on_probabilities.fitted_on == "probs"
+    for inputs_are in ("auto", "probs"):
+        got = on_probabilities.transform(test_probabilities, inputs_are=inputs_are)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-9)
+    # logits go through log_softmax first: the same calibrated probabilities
+    torch.testing.assert_close(on_probabilities.transform(test), expected, rtol=0, atol=1e-9)
+    torch.testing.assert_close(on_probabilities.log_transform(test_probabilities).exp(), expected,
+                               rtol=0, atol=1e-9)
+    on_logits = POSTHOC_METHODS[name]().fit(logits, labels)
+    assert on_logits.fitted_on == "logits"
+    if POSTHOC_METHODS[name].shift_invariant:  # softmax(z) only: probabilities stand in for the logits
+        torch.testing.assert_close(on_logits.transform(test_probabilities), on_logits.transform(test),
+                                   rtol=0, atol=1e-9)
+    else:  # w ⊙ z + b, W z + b: ln p is a shifted z, and the shift is lost
+        with pytest.raises(ValueError, match="fitted on logits but transform got probabilities"):
+            on_logits.transform(test_probabilities)
+        on_logits.transform(test_probabilities, inputs_are="logits")  # taken at their word
+
+
+def test_zero_probabilities_are_masked_classes_and_bad_probabilities_raise():
+    logits, labels = _miscalibrated(200, 3)
+    zeroed = (torch.arange(200) % 4 == 0) & (labels != 2)
+    probabilities = torch.softmax(logits, 1)
+    probabilities[zeroed, 2] = 0.0
+    probabilities = probabilities / probabilities.sum(1, keepdim=True)
+    assert bool((IsotonicCalibration().fit(probabilities, labels).transform(probabilities)[zeroed, 2] == 0).all())
+    named = TemperatureScaling().fit(probabilities, labels, inputs_are="probs")
+    assert named.temperature == TemperatureScaling().fit(probabilities.log(), labels).temperature
+    assert bool((named.transform(probabilities)[zeroed, 2] == 0).all())
+    on_a_zero = labels.clone()
+    on_a_zero[zeroed.nonzero()[0, 0]] = 2
+    with pytest.raises(ValueError, match="masked class"):
+        TemperatureScaling().fit(probabilities, on_a_zero)
+    with pytest.raises(ValueError, match="do not all sum to 1"):
+        TemperatureScaling().fit(probabilities * 0.5, labels, inputs_are="probs")
+    with pytest.raises(ValueError, match="inputs_are"):
+        TemperatureScaling().fit(logits, labels, inputs_are="log_probs")
+
+
+@pytest.mark.parametrize("name", list(POSTHOC_METHODS))
+def test_rows_labelled_ignore_index_are_left_out_of_the_fit(name):
+    logits, labels = _miscalibrated(200, 3)
+    test = torch.randn(30, 3, dtype=torch.float64) * 3
+    expected = POSTHOC_METHODS[name]().fit(logits, labels).transform(test)
+    padded = torch.cat([logits, torch.full((4, 3), math.nan)])  # ignored rows may hold anything
+    got = POSTHOC_METHODS[name]().fit(padded, torch.cat([labels, torch.full((4,), -100)])).transform(test)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    got = POSTHOC_METHODS[name]().fit(padded, torch.cat([labels, torch.full((4,), 5)]), ignore_index=5)
+    torch.testing.assert_close(got.transform(test), expected, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="ignore_index"):
+        POSTHOC_METHODS[name]().fit(logits, torch.full_like(labels, -100))
+    with pytest.raises(TypeError, match="ignore_index"):
+        POSTHOC_METHODS[name]().fit(logits, labels, ignore_index=None)
+
+
+def test_the_unbounded_temperature_warning_names_the_callers_line():
+    logits = 3 * torch.randn(50, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    with pytest.warns(RuntimeWarning, match="no minimum") as record:
+        TemperatureScaling().fit(logits, logits.argmax(1))
+    assert record[0].filename == __file__
+
+
+# ---------------------------------------------------------------------------------- independent float64 references
+def test_scaling_fits_on_digits_match_scipy_in_float64(digits_logits):
+    """The NLL-optimal T (a bounded scalar search on log T) and the ODIR optimum of matrix scaling (L-BFGS-B), both by
+    scipy in float64 on load_digits: our L-BFGS reaches the same T and an objective no higher."""
+    optimize = pytest.importorskip("scipy.optimize")
+    from scipy.special import logsumexp
+
+    val_logits, val_labels, _, _ = digits_logits
+    z, y = val_logits.numpy(), val_labels.numpy()
+    rows = np.arange(len(y))
+
+    def nll(scaled):
+        return np.mean(logsumexp(scaled, axis=1) - scaled[rows, y])
+
+    search = optimize.minimize_scalar(lambda log_t: nll(z / np.exp(log_t)), bounds=(-5, 5), method="bounded",
+                                      options={"xatol": 1e-10})
+    assert TemperatureScaling().fit(val_logits, val_labels).temperature == pytest.approx(np.exp(search.x), rel=1e-6)
+
+    c, reg = z.shape[1], 10.0
+    off_diagonal = ~np.eye(c, dtype=bool)
+
+    def odir(params):
+        weight, bias = params[:c * c].reshape(c, c), params[c * c:]
+        return (nll(z @ weight.T + bias) + reg / (c * (c - 1)) * np.square(weight[off_diagonal]).sum()
+                + reg / c * np.square(bias).sum())
+
+    def odir_gradient(params):
+        weight, bias = params[:c * c].reshape(c, c), params[c * c:]
+        scaled = z @ weight.T + bias
+        residual = np.exp(scaled - logsumexp(scaled, axis=1, keepdims=True))
+        residual[rows, y] -= 1.0
+        residual /= len(y)
+        weight_gradient = residual.T @ z + 2 * reg / (c * (c - 1)) * weight * off_diagonal
+        return np.r_[weight_gradient.ravel(), residual.sum(0) + 2 * reg / c * bias]
+
+    reference = optimize.minimize(odir, np.r_[np.eye(c).ravel(), np.zeros(c)], jac=odir_gradient,
+                                  method="L-BFGS-B", options={"maxiter": 10_000, "ftol": 1e-15, "gtol": 1e-10})
+    assert reference.success
+    ours = MatrixScaling(reg, reg).fit(val_logits, val_labels)
+    assert odir(np.r_[ours.weight.numpy().ravel(), ours.bias_vector.numpy()]) <= reference.fun + 1e-10

@@ -403,3 +403,29 @@ def test_mdca_refuses_a_base_that_reduces_other_rows_or_otherwise():
     consistent = MDCALoss(base=ck.losses.build("focal_loss", gamma=1.0, reduction="sum"), reduction="sum")
     torch.testing.assert_close(consistent(z, y), ck.losses.build("mdca", base="focal_loss", gamma=1.0,
                                                                  reduction="sum")(z, y))
+
+
+def test_adafocal_loss_checks_its_per_sample_gamma():
+    """As the fused op's per-sample γ: a non-finite γ used to give a NaN loss (NaN) or a zero focal weight (+inf)."""
+    z, y = _inputs(6, 4, seed=3, ignore=False)
+    for bad in (math.nan, math.inf, -math.inf):
+        gamma = torch.ones(6, dtype=torch.float64)
+        gamma[2] = bad
+        with pytest.raises(ValueError, match="finite"):
+            fam.adafocal_loss(z, y, gamma)
+    with pytest.raises(TypeError, match="tensor"):
+        fam.adafocal_loss(z, y, [1.0] * 6)
+    with pytest.raises(TypeError, match="floating point"):
+        fam.adafocal_loss(z, y, torch.ones(6, dtype=torch.long))
+    with pytest.raises(ValueError, match="shape"):
+        fam.adafocal_loss(z, y, torch.ones(5, dtype=torch.float64))
+    fam.adafocal_loss(z, y, torch.full((6,), -1.5, dtype=torch.float64))  # negative: inverse focal
+
+
+def test_adafocal_refuses_a_state_update_could_not_produce():
+    loss = ck.losses.build("adafocal", n_bins=3)
+    state = loss.get_extra_state()
+    for gamma, edges in (([1.0, math.nan, 1.0], state["edges"]), (state["gamma"], [0.0, 0.7, 0.3, 1.0])):
+        with pytest.raises(ValueError, match="AdaFocal state"):
+            loss.set_extra_state({"gamma": gamma, "edges": edges})
+    loss.set_extra_state(state)

@@ -335,3 +335,23 @@ def test_gamma_net_refuses_an_initial_gamma_of_zero():
     net = GammaNet(4, num_prototypes=3, init_gamma=1e-3)
     net(torch.randn(5, 4)).sum().backward()
     assert net.projection.grad.abs().sum() > 0 and net.prototypes.grad.abs().sum() > 0
+
+
+def test_gamma_net_refuses_a_scale_that_gives_nan_gammas():
+    """τ = inf or an init_gamma·τ whose W overflows float32 used to build, then return NaN γ for every sample; a τ
+    below float32's range divided by 0."""
+    for kwargs in ({"tau": float("inf")}, {"tau": 1e-320}, {"init_gamma": 1e300}, {"init_gamma": 1e-30, "tau": 1e-10}):
+        with pytest.raises(ValueError, match="tau|init_gamma"):
+            GammaNet(4, **kwargs)
+    for kwargs in ({"tau": "1.0"}, {"tau": True}, {"tau": torch.tensor(1.0)}, {"init_gamma": "1"}):
+        with pytest.raises(TypeError, match="tau|init_gamma"):
+            GammaNet(4, **kwargs)
+    net = GammaNet(4, tau=1e-3, init_gamma=1e3)
+    assert bool(net(torch.randn(5, 4)).isfinite().all())
+
+
+def test_gamma_net_with_one_prototype_is_one_shared_gamma():
+    """softmax over one prototype is 1: x̃ = A for every sample (documented, not per-sample)."""
+    gamma = GammaNet(6, num_prototypes=1)(torch.randn(7, 6))
+    torch.testing.assert_close(gamma, gamma[:1].expand(7))
+

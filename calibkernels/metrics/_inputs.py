@@ -74,12 +74,35 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def check_positive_int(value, name: str) -> int:
+    """``value`` if it is an int (not a bool) >= 1; else ``TypeError`` / ``ValueError`` naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}")
+    return value
+
+
 def check_n_bins(n_bins) -> int:
-    if isinstance(n_bins, bool) or not isinstance(n_bins, int):
-        raise TypeError(f"n_bins must be an int, got {type(n_bins).__name__}")
-    if n_bins < 1:
-        raise ValueError(f"n_bins must be >= 1, got {n_bins}")
-    return n_bins
+    return check_positive_int(n_bins, "n_bins")
+
+
+def labelled_rows(x: torch.Tensor, y: torch.Tensor, ignore_index: int, num_classes: int, fitted: str):
+    """The rows of ``x (N, C)``, ``y (N,)`` whose label is not ``ignore_index``: ``(x, y, rows)``, ``rows`` the kept
+    rows' numbers in the inputs (for error messages; ``None`` when every row is kept). ``ValueError`` when no row is
+    left to fit ``fitted`` on, or a label is outside ``[0, num_classes)``."""
+    keep = y != ignore_index
+    rows = None
+    if not bool(keep.all()):
+        rows = keep.nonzero().squeeze(1)
+        x, y = x[keep], y[keep]
+    if x.shape[0] == 0:
+        raise ValueError(f"cannot fit {fitted} on zero samples (empty inputs, or every label equals "
+                         f"ignore_index={ignore_index})")
+    if bool(((y < 0) | (y >= num_classes)).any()):
+        raise ValueError(f"labels must lie in [0, {num_classes}) for {num_classes} classes, or equal "
+                         f"ignore_index={ignore_index}")
+    return x, y, rows
 
 
 def _first_row(row_mask: torch.Tensor, rows: torch.Tensor | None) -> str:
