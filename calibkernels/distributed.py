@@ -21,10 +21,13 @@ ties (dual focal)     ``#{k : z_k = z_j}``                                      
 
 From them, on every rank: ``lse = m + log d``, ``CE = lse − z_y``, ``p_y = e^{z_y − lse}``, ``1 − p_y = d_¬y / d``
 (no cancellation), ``p_j = e^{z_j − lse}``, ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of docs/losses.md.
-The non-ignored row count comes from the (replicated) targets, without communication. Before that, one
-``all_gather`` of ``(C_r, N)`` gives every rank the block sizes (hence its offset ``o_r`` and ``C = Σ C_r``) and
-checks that all ranks hold the same number of rows, and one all-reduce (MAX) of each row's target and its negation
-that they hold the same targets.
+The non-ignored row count comes from the (replicated) targets, without communication; ignored rows are 0 whatever
+their logits hold. Before that, one ``all_gather`` of ``(C_r, N)`` and the call's settings (weight, mode, reduction,
+``ignore_index``, dtype, ``gamma``, ``norm``, which optional tensors are given) gives every rank the block sizes
+(hence its offset ``o_r`` and ``C = Σ C_r``) and checks that all ranks hold the same number of rows and were called
+alike, and one all-reduce (MAX) of each row's target and its negation (and of ``sample_weight``'s and a per-sample
+``gamma``'s bits) that they hold the same targets. A mismatch raises the same ``ValueError`` on every rank, decided
+from the same gathered numbers, rather than a hang or a crash in a later collective of another size.
 
 Each rank's gradient is its slice of the unsharded gradient, computed locally from the combined statistics (for
 ``grad_output = 1`` in the forward; the backward scales it, the contract of :mod:`calibkernels._autograd`)::
@@ -44,6 +47,8 @@ reference does. Pure PyTorch per rank (float32 compute for half-precision logits
 from __future__ import annotations
 
 import math
+import struct
+import zlib
 
 import torch
 
@@ -71,30 +76,74 @@ def _dist():
     return dist
 
 
-def _block_layout(num_local: int, target1d: torch.Tensor, group, device):
-    """``(offset of this rank's block, total classes)`` from one all_gather of ``(C_r, N)``; raises the same
-    ``ValueError`` on every rank if the ranks' row counts differ, or then (one all-reduce of ``(2, N)``: the
-    targets' largest and negated smallest value per row) if their targets differ on any row (exactly: a hash of the
-    targets can be matched by different ones)."""
+# What every rank must pass alike, in the order of the gathered table's columns after ``(C_r, N)``.
+_SETTINGS = ("weight", "mode", "reduction", "ignore_index", "dtype", "gamma", "norm", "sample_weight",
+             "per-sample gamma")
+
+
+def _float_bits(value: float) -> int:
+    """A float as the int64 of its IEEE-754 bits (exact equality in an integer all_gather)."""
+    return struct.unpack("<q", struct.pack("<d", float(value)))[0]
+
+
+def _row_bits(values: torch.Tensor) -> torch.Tensor:
+    """Per-row float values (finite, ``>= 0``: checked) as the int64 of their float64 bits; ``+ 0.0`` turns ``-0.0``
+    into ``0.0``, so every pattern is ``>= 0`` and its negation fits int64."""
+    return (values.detach().reshape(-1).to(torch.float64) + 0.0).view(torch.int64)
+
+
+def _settings_row(weight, mode, reduction, ignore_index, dtype, gamma_value, norm, sample_weight, gamma_tensor):
+    """The settings of :data:`_SETTINGS` as int64s: codes, the bits of ``gamma`` (weights that use it) and ``norm``
+    (Brier weights), a CRC of the dtype's name (stable across processes) and whether the two optional tensors are
+    given."""
+    uses_gamma = weight not in ("none", "external") and gamma_tensor is None
+    return [V.WEIGHT_CODES[weight], V.MODE_CODES[mode], V.REDUCTION_CODES[reduction], ignore_index,
+            zlib.crc32(str(dtype).encode()), _float_bits(gamma_value) if uses_gamma else 0,
+            _float_bits(norm) if weight in ("brier", "brier_flsd") else 0, int(sample_weight is not None),
+            int(gamma_tensor is not None)]
+
+
+def _block_layout(num_local: int, target1d: torch.Tensor, group, device, settings=(), row_tensors=()):
+    """``(offset of this rank's block, total classes)`` from one all_gather of ``(C_r, N, *settings)``.
+
+    Raises the same ``ValueError`` on every rank (each decides from the same gathered numbers, so none is left
+    waiting in a later collective) if the ranks' row counts or ``settings`` (:func:`_settings_row`) differ, if no
+    rank holds a class, or then if the targets, or any of ``row_tensors`` (``(name, tensor)`` pairs: ``sample_weight``
+    and a per-sample ``gamma``, compared as :func:`_row_bits`), differ on some row: one all-reduce (MAX) of each row's
+    value and its negation, exact (a hash of the targets can be matched by different ones)."""
     dist = _dist()
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    mine = torch.tensor([num_local, target1d.shape[0]], device=device, dtype=torch.int64)
+    if rank < 0:
+        raise ValueError("vocab-parallel loss: this process is not a member of the process group it was given")
+    mine = torch.tensor([num_local, target1d.shape[0], *settings], device=device, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
     table = torch.stack(gathered).cpu().tolist()
     if any(row[1] != table[0][1] for row in table):
         raise ValueError(f"vocab-parallel loss: the ranks hold different numbers of rows {[r[1] for r in table]}; "
                          "every rank must hold all rows of its class block")
-    if world > 1:
-        extremes = torch.stack((target1d, -target1d)).to(device=device, dtype=torch.int64)
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-        differ = extremes[0] != -extremes[1]
-        if bool(differ.any()):  # the same answer on every rank: all raise, none waits
-            row = int(differ.nonzero()[0, 0])
-            raise ValueError(f"vocab-parallel loss: the targets differ between ranks (first at row {row}); every rank "
-                             "must pass the same (global) targets")
+    differing = [name for column, name in enumerate(_SETTINGS[:len(settings)], start=2)
+                 if any(row[column] != table[0][column] for row in table)]
+    if differing:
+        ranks = [r for r, row in enumerate(table) if row[2:] != table[0][2:]]
+        raise ValueError(f"vocab-parallel loss: the ranks were called with different {', '.join(differing)} (rank 0 "
+                         f"and rank {ranks[0]} differ); every rank must pass the same arguments")
     sizes = [row[0] for row in table]
+    if sum(sizes) == 0:
+        raise ValueError("vocab-parallel loss: no rank holds a class (every block has C_r = 0)")
+    if world > 1:
+        rows = [("targets", target1d.to(device=device, dtype=torch.int64))]
+        rows += [(name, _row_bits(t).to(device)) for name, t in row_tensors]
+        extremes = torch.cat([torch.stack((r, -r)) for _, r in rows])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+        for index, (name, _) in enumerate(rows):
+            differ = extremes[2 * index] != -extremes[2 * index + 1]
+            if bool(differ.any()):  # the same answer on every rank: all raise, none waits
+                row = int(differ.nonzero()[0, 0])
+                what = "targets" if index == 0 else f"{name} values"
+                raise ValueError(f"vocab-parallel loss: the {what} differ between ranks (first at row {row}); every "
+                                 f"rank must pass the same (global) {name}")
     return sum(sizes[:rank]), sum(sizes)
 
 
@@ -178,8 +227,9 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
             gamma_i = _flsd_gamma(log_p_y, gamma)
         log_s = torch.logaddexp(torch.log(second[2]) - norm * log_d, _log_power(log_one_minus, norm))
         u = _power_of_log(log_s, gamma_i / norm)
+    # ignored rows are 0 whatever their logits hold (NaN or inf there must not reach the loss, as in the reference)
+    row_loss = torch.where(valid, u * cross_entropy, zero)
     u = torch.where(valid, u, zero)
-    row_loss = u * cross_entropy
 
     gamma_factor = None
     if gamma_grad:  # focal with a per-sample gamma, mode "loss": dL_i/dγ_i = L_i log(1 - p_y), 0 where L_i = 0
@@ -291,17 +341,21 @@ def vocab_parallel_uncertainty_weighted_ce(
         group: the process group (``None``: the default group). Works with any backend whose collectives accept
             tensors on ``local_logits``'s device (gloo for CPU, NCCL for CUDA tensors).
         weight, mode, gamma, norm, sample_weight, reduction, ignore_index: as in
-            :func:`calibkernels.uncertainty_weighted_ce`; ``sample_weight`` and a per-sample ``gamma`` must be the
-            same on every rank. A per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
+            :func:`calibkernels.uncertainty_weighted_ce`; all of them, and the dtype of ``local_logits``, must be
+            the same on every rank (checked, values of ``sample_weight`` and a per-sample ``gamma`` included). A
+            per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
             (times the reduction's scale) in ``mode="loss"``, on every rank.
 
     Returns:
         the same loss on every rank, in ``local_logits``' dtype (a scalar, or ``target``-shaped for ``"none"``);
         ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient.
 
-    Communication per call: one ``all_gather`` of 3 integers, then all-reduces of ``2N`` (MAX), ``N`` (MAX, dual focal
-    only) and ``2N``–``3N`` numbers (SUM). The targets are checked on the host (a synchronisation on GPU).
-    Double backward is not supported.
+    Raises ``ValueError`` on every rank alike when the ranks' row counts, arguments or targets differ, or no rank
+    holds a class; the checks that need no other rank (types, shapes, names) raise first, on the rank that fails
+    them only. Communication per call: one ``all_gather`` of 11 integers, an all-reduce (MAX) of ``2N`` integers (``2N``
+    more per optional tensor) with more than one rank, then all-reduces of ``2N`` (MAX), ``N`` (MAX, dual focal only)
+    and ``2N``–``3N`` numbers (SUM). The targets are checked on the host (a synchronisation on GPU). Double backward
+    is not supported.
     """
     V.check_weight(weight)
     V.check_mode(mode)
@@ -337,7 +391,11 @@ def vocab_parallel_uncertainty_weighted_ce(
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
 
-    offset, num_classes = _block_layout(num_local, target1d, group, device)
+    settings = _settings_row(weight, mode, reduction, ignore_index, local_logits.dtype, gamma_value, float(norm),
+                             sample_weight, gamma_tensor)
+    row_tensors = [(name, t) for name, t in (("sample_weight", sample_weight), ("per-sample gamma", gamma_tensor))
+                   if t is not None]
+    offset, num_classes = _block_layout(num_local, target1d, group, device, settings, row_tensors)
     bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
     if bool(bad.any()):
         raise ValueError(V.out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))

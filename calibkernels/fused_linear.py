@@ -40,7 +40,7 @@ from torch import nn
 from . import _autograd, _backends, _target_checks
 from . import _validation as V
 from .family import common_repr
-from .reference import _DUAL_FOCAL_SOFT, _check_number
+from .reference import _DUAL_FOCAL_SOFT, _check_number, _one_hot_for_dual_focal
 from .reference import _uncertainty_weighted_ce as _reference_loss
 
 __all__ = ["fused_linear_uncertainty_weighted_ce", "FusedLinearUncertaintyWeightedCE", "default_chunk_size"]
@@ -179,6 +179,28 @@ def _check_chunk_size(chunk_size) -> None:
         raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+
+
+def _one_hot_forms(target1d, mix1d, lam, weight, ignore_index):
+    """Soft-target forms that are one-hot, as class indices: ``(target1d, mix1d, lam)`` as the chunks take them.
+
+    A number ``λ`` of exactly 1 makes ``t = e_target`` (the mix is dropped), exactly 0 ``t = e_mix_target`` on the
+    non-ignored rows, as :func:`calibkernels.uncertainty_weighted_ce` reads them: hard targets, whose kernels and
+    per-sample ``γ`` gradient take class indices. For ``weight="dual_focal"`` (no soft form) a ``λ`` tensor of 0s and
+    1s and a one-hot dense target become class indices too (read on the host, as the op does); any other soft form
+    raises the op's ``ValueError``.
+    """
+    if mix1d is not None and not isinstance(lam, torch.Tensor) and lam in (0.0, 1.0):
+        if lam == 0.0:
+            target1d = torch.where(target1d == ignore_index, target1d, mix1d)
+        mix1d = lam = None
+    if weight == "dual_focal" and (mix1d is not None or target1d.is_floating_point()):
+        inputs = V.LossInputs(logits=None, target=target1d, weight=weight, mode="grad", gamma=0.0, norm=2.0,
+                              sample_weight=None, reduction="none", ignore_index=ignore_index,
+                              batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
+                              dense=target1d.is_floating_point())
+        target1d, mix1d, lam = _one_hot_for_dual_focal(inputs).target, None, None
+    return target1d, mix1d, lam
 
 
 # ------------------------------------------------------------------------------------------------------ one chunk
@@ -457,9 +479,10 @@ def fused_linear_uncertainty_weighted_ce(
     num_classes = linear_weight.shape[0]
     device = hidden.device
     dense = target1d.is_floating_point()
-    if soft and weight == "dual_focal":
+    if soft and weight == "dual_focal" and smoothing != 0.0:
         raise ValueError(f"weight='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
-    if soft:
+    # dual focal's other soft forms run as class indices once found one-hot (below), or raise there
+    if soft and weight != "dual_focal":
         gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
         name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
     else:
@@ -482,7 +505,6 @@ def fused_linear_uncertainty_weighted_ce(
         # on a GPU the mix's values are flagged on the device (no synchronisation); the kernel flags the targets
         mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
                                  check_values=host_check)
-        lam = V.lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
     sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device, check_values=host_check)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
@@ -493,7 +515,11 @@ def fused_linear_uncertainty_weighted_ce(
                                                           else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
-        _submit_device_target_check(target1d, num_classes, ignore_index)
+        _submit_device_target_check(target1d, num_classes, ignore_index)  # the targets as given, before any mix
+    target1d, mix1d, lam = _one_hot_forms(target1d, mix1d, lam, weight, ignore_index)
+    dense = target1d.is_floating_point()
+    if mix1d is not None:
+        lam = V.lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():
         _probe_out_dtype_addmm(device, hidden.dtype)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(

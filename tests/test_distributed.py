@@ -20,15 +20,18 @@ import calibkernels as ck
 pytestmark = pytest.mark.skipif(not torch.distributed.is_available(), reason="torch.distributed not built")
 
 _WORKER = r"""
-import itertools, json, sys
+import datetime, itertools, json, sys
 import torch
 import torch.distributed as dist
 from calibkernels import reference as R
 from calibkernels.distributed import vocab_parallel_uncertainty_weighted_ce as vocab_parallel
 
 rank, world, init_method, layouts, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
-dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+# a short timeout: a collective left waiting by a rank that raised alone fails the test instead of hanging it
+dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                        timeout=datetime.timedelta(seconds=60))
 failures = []
+everyone = dist.new_group(list(range(world)))
 
 
 def close(name, got, want, rtol, atol):
@@ -77,6 +80,9 @@ for sizes in layouts:
             close(name + " grad", got_grad, want_grad[:, local_slice], 1e-9, 1e-12)
             with torch.no_grad():
                 close(name + " no_grad loss", vocab_parallel(z[:, local_slice], y, **kw), want.detach(), 1e-10, 1e-12)
+                if reduction == "none" and mode == "loss":  # an explicit group: the same as the default one
+                    close(name + " explicit group", vocab_parallel(z[:, local_slice], y, group=everyone, **kw),
+                          want.detach(), 1e-10, 1e-12)
 
     # a per-sample gamma that requires grad (focal, mode="loss"), and (..., C) logits
     gamma = (0.5 + 3 * torch.rand(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
@@ -141,6 +147,45 @@ for sizes in layouts:
     different[:3] = torch.tensor([1, 4, 1]) if rank == world - 1 else torch.tensor([2, 2, 2])
     expect(ValueError, "targets differ", "targets differing by (+1, -2, +1)", vocab_parallel, z[:, local_slice],
            different)
+
+    # arguments that differ between ranks raise the same ValueError on every rank, not a hang, a crash in the
+    # collectives (a different weight or dtype changes their number or size) or a different loss per rank
+    last = rank == world - 1
+    local = z[:, local_slice]
+    for what, message, kw in [
+            ("weight", "different weight", dict(weight="dual_focal" if last else "brier")),
+            ("dtype", "different dtype", dict(local_logits=local.float() if last else local)),
+            ("ignore_index", "different ignore_index", dict(ignore_index=-1 if last else -100)),
+            ("reduction", "different reduction", dict(reduction="none" if last else "mean")),
+            ("mode", "different mode", dict(mode="loss" if last else "grad")),
+            ("gamma", "different gamma", dict(weight="focal", gamma=2.5 if last else 2.0)),
+            ("sample_weight", "sample_weight values differ",
+             dict(weight="external", sample_weight=sample_weight + (0.5 if last else 0.0))),
+            ("per-sample gamma", "per-sample gamma values differ",
+             dict(weight="focal", gamma=sample_weight + (0.5 if last else 0.0)))]:
+        expect(ValueError, message, f"different {what}", vocab_parallel, kw.pop("local_logits", local), y, **kw)
+
+    # ignored rows are 0 whatever their logits hold, as in the reference (NaN or inf there must not reach the mean)
+    for value in (float("nan"), float("inf")):
+        bad_z = z.clone()
+        bad_z[4] = value  # row 4 is ignored
+        full = bad_z.clone().requires_grad_()
+        want = R.uncertainty_weighted_ce(full, y, weight="focal", mode="loss")
+        (want_grad,) = torch.autograd.grad(want, full)
+        local = bad_z[:, local_slice].clone().requires_grad_()
+        got = vocab_parallel(local, y, weight="focal", mode="loss")
+        (got_grad,) = torch.autograd.grad(got, local)
+        close(f"{sizes} {value} on an ignored row: loss", got.detach(), want.detach(), 1e-10, 1e-12)
+        close(f"{sizes} {value} on an ignored row: grad", got_grad, want_grad[:, local_slice], 1e-9, 1e-12)
+
+# no class on any rank: the unsharded loss has none either (not NaN)
+expect(ValueError, "no rank holds a class", "zero classes everywhere", vocab_parallel, torch.zeros(3, 0),
+       torch.full((3,), -100))
+# a group this process is not a member of (new_group is collective: every rank creates it)
+first_only = dist.new_group([0])
+if rank != 0:
+    expect(ValueError, "not a member", "not a member", vocab_parallel, torch.zeros(3, 2), torch.zeros(3).long(),
+           group=first_only)
 
 dist.destroy_process_group()
 print(json.dumps(failures))

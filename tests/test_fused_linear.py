@@ -158,6 +158,44 @@ def test_soft_target_module_and_refusals():
         fused_linear(hidden, linear_weight, target, bias, mix_target=mix)
 
 
+@pytest.mark.parametrize("backend", ["reference"] + (["cpu"] if HAS_CPU_KERNEL else []))
+def test_one_hot_soft_forms_run_as_class_indices(backend):
+    """A number ``mix_lambda`` of exactly 0 (``t = e_mix_target``) or 1 (``t = e_target``) is a one-hot target: the
+    per-sample gamma's gradient, which reads the target as class indices, must use the mixed-in class; dual focal
+    takes it, a ``mix_lambda`` tensor of 0s and 1s and a one-hot dense target, as the op does (and refuses the
+    other soft forms with the op's ``ValueError``)."""
+    hidden, linear_weight, bias, target = _problem(9, 4, 6, torch.float64, "cpu", ignored=(2,))
+    mix = (target + 1).remainder(6)
+    dense = torch.nn.functional.one_hot(target.clamp(min=0), 6).double()
+    cases = [dict(weight="focal", mode="loss", gamma=0.5 + torch.rand(9, dtype=torch.float64), mix_target=mix,
+                  mix_lambda=lam) for lam in (0.0, 1.0)]
+    cases += [dict(weight="dual_focal", mode="loss", mix_target=mix, mix_lambda=lam, reduction=reduction)
+              for lam in (0.0, 1.0, torch.tensor([0.0, 1.0, 0.3] + [1.0, 0.0] * 3, dtype=torch.float64))
+              for reduction in ("mean", "none")]
+    cases.append(dict(weight="dual_focal", mode="loss", target=dense, reduction="sum"))
+    for kw in cases:
+        tgt = kw.pop("target", target)
+        grad_output = _grad_output(kw.get("reduction", "mean"), (9,), torch.float64, "cpu")
+        gamma = kw.pop("gamma", None)
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, linear_weight, bias)]
+        extra = {} if gamma is None else dict(gamma=gamma.clone().requires_grad_())
+        loss = fused_linear(leaves[0], leaves[1], tgt, leaves[2], backend=backend, chunk_size=4, **kw, **extra)
+        inputs = leaves + list(extra.values())
+        got = (loss.detach(),) + torch.autograd.grad(loss, inputs, grad_output)
+        leaves = [t.detach().clone().requires_grad_() for t in (hidden, linear_weight, bias)]
+        extra = {} if gamma is None else dict(gamma=gamma.clone().requires_grad_())
+        want = R.uncertainty_weighted_ce(leaves[0] @ leaves[1].T + leaves[2], tgt, **kw, **extra)
+        inputs = leaves + list(extra.values())
+        want = (want.detach(),) + torch.autograd.grad(want, inputs, grad_output)
+        for name, g, w in zip(("loss", "d hidden", "d weight", "d bias", "d gamma"), got, want):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m: f"{kw}: {name}: {m}")
+    for kw in (dict(mix_target=mix, mix_lambda=0.5), dict(label_smoothing=0.1)):
+        with pytest.raises(ValueError, match="dual_focal"):
+            fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", backend=backend, **kw)
+    with pytest.raises(ValueError, match="not one-hot"):
+        fused_linear(hidden, linear_weight, torch.softmax(dense, 1), bias, weight="dual_focal", backend=backend)
+
+
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction):
@@ -433,6 +471,25 @@ def test_bad_input_raises():
                                                                     "linear_bias")}
         with pytest.raises(error, match=message):
             fused_linear(args["hidden"], args["linear_weight"], args["target"], args["linear_bias"], **kwargs)
+
+
+def test_inputs_on_different_devices_raise_without_a_gpu():
+    """The device checks, with the meta device standing in for a second one."""
+    hidden, linear_weight, bias, target = _problem(6, 4, 5, torch.float32, "cpu")
+    meta = {name: t.to("meta") for name, t in (("hidden", hidden), ("w", linear_weight), ("b", bias), ("y", target))}
+    cases = [((hidden, meta["w"], target, None), {}, "linear_weight is on meta"),
+             ((meta["hidden"], linear_weight, meta["y"], None), {}, "linear_weight is on cpu"),
+             ((hidden, linear_weight, meta["y"], None), {}, "target is on meta"),
+             ((hidden, linear_weight, target, meta["b"]), {}, "linear_bias is on meta"),
+             ((hidden, linear_weight, target, bias),
+              dict(weight="external", sample_weight=torch.ones(6, device="meta")), "sample_weight is on meta"),
+             ((hidden, linear_weight, target, bias), dict(weight="focal", gamma=torch.ones(6, device="meta")),
+              "gamma is on meta"),
+             ((hidden, linear_weight, target, bias), dict(mix_target=meta["y"], mix_lambda=0.5),
+              "mix_target is on meta")]
+    for args, kwargs, message in cases:
+        with pytest.raises(ValueError, match=message):
+            fused_linear(*args, **kwargs)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
