@@ -276,6 +276,15 @@ class TemperatureScaler(nn.Module):
                                                ignore_index=ignore_index))
         return self
 
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint's T must be one the constructor and fit could have made: positive and finite
+        value = state_dict.get(prefix + "temperature")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            t = float(value)
+            if not (t > 0 and math.isfinite(t)):
+                raise ValueError(f"temperature must be positive and finite, got {t} in the state_dict")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
     def forward(self, logits: torch.Tensor) -> torch.Tensor:
         """``logits / T`` (no checks here, to keep inference free of host syncs)."""
         return logits / self.temperature

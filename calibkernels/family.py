@@ -383,8 +383,10 @@ class MDCALoss(nn.Module):
 # ---------------------------------------------------------------------------------------------------------------------
 def mbls_penalty(z, margin):
     """``(1/C) Σ_k max(0, max_j z_j - z_k - m)`` per row of ``z (N, C)``: the official code's ``LogitMarginL1``
-    penalty (``relu(d - m).mean()`` over the batch's N x C logit distances, i.e. a mean over the classes)."""
-    return F.relu(z.amax(dim=1, keepdim=True) - z - margin).mean(dim=1)
+    penalty (``relu(d - m).mean()`` over the batch's N x C logit distances, i.e. a mean over the classes). A masked
+    class (a -inf logit) adds 0: it has no margin to keep, and its infinite distance would make the loss infinite."""
+    gap = z.amax(dim=1, keepdim=True) - z - margin
+    return F.relu(gap.masked_fill(z == float("-inf"), 0.0)).mean(dim=1)
 
 
 def _check_mbls(margin, lam):

@@ -68,7 +68,9 @@ def uncertainty_weighted_ce(
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
     soft = V.soft_target_request(target, label_smoothing, mix_target, mix_lambda)
-    gamma_needs_grad = soft and isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
+    # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
+    gamma_needs_grad = (soft and mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
+                        and torch.is_grad_enabled())
     kind = _backends.target_kind(soft, isinstance(target, torch.Tensor) and target.is_floating_point(),
                                  mix_target is not None)
     # "auto" on CUDA tensors: the kernel measured faster for this row width and target kind (_backends)

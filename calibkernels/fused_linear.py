@@ -483,7 +483,9 @@ def fused_linear_uncertainty_weighted_ce(
         raise ValueError(f"weight='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
     # dual focal's other soft forms run as class indices once found one-hot (below), or raise there
     if soft and weight != "dual_focal":
-        gamma_needs_grad = isinstance(gamma, torch.Tensor) and gamma.requires_grad and torch.is_grad_enabled()
+        # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
+        gamma_needs_grad = (mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
+                            and torch.is_grad_enabled())
         name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
     else:
         name = _backends.resolve(backend, device)

@@ -146,6 +146,10 @@ def test_temperature_scaler_module():
     restored = TemperatureScaler()
     restored.load_state_dict(scaler.state_dict())
     assert float(restored.temperature) == fitted
+    for bad in (0.0, -2.0, float("inf"), float("nan")):  # a checkpoint's T as the constructor would take it
+        with pytest.raises(ValueError, match="temperature must be positive and finite"):
+            restored.load_state_dict({"temperature": torch.tensor(bad, dtype=torch.float64)})
+        assert float(restored.temperature) == fitted
     scaler.fit(logits, labels, objective="nll")
     assert float(scaler.temperature) == pytest.approx(fit_temperature(logits, labels, objective="nll"), rel=1e-6)
     with pytest.raises(ValueError):

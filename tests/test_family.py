@@ -347,6 +347,23 @@ def test_mbls_value_by_hand_and_gradient(reduction):
         assert torch.autograd.gradcheck(lambda t: loss(t, y), (z.clone().requires_grad_(),))
 
 
+def test_mbls_masked_classes_add_nothing_to_the_penalty():
+    """A masked class (-inf logit) has no margin to keep: it adds 0 to the penalty (its infinite distance had made the
+    loss infinite), the other classes keep theirs, and the gradient stays finite; a NaN logit still gives NaN."""
+    z = torch.tensor([[15.0, 0.0, float("-inf")], [1.0, float("-inf"), 0.5]], dtype=torch.float64)
+    y = torch.tensor([0, 0])
+    penalty = torch.tensor([5 / 3, 0.0], dtype=torch.float64)  # row 0: relu(15 - 10) over C = 3
+    expected = F.cross_entropy(z, y, reduction="none") + 0.1 * penalty
+    for backend in ("reference", "cpu"):
+        x = z.clone().requires_grad_()
+        got = ck.losses.build("mbls", reduction="none", backend=backend)(x, y)
+        torch.testing.assert_close(got, expected)
+        got.sum().backward()
+        assert torch.isfinite(x.grad).all()
+    z[1, 0] = float("nan")
+    assert torch.isnan(fam.mbls_loss(z, y, reduction="none")[1])
+
+
 def test_mbls_fused_float32_matches_reference():
     z, y = _inputs(32, 10, seed=13, scale=6.0)
     z = z.float()

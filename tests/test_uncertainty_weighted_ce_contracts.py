@@ -515,3 +515,25 @@ def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend_dev
         R.uncertainty_weighted_ce(x64, y, **kw).backward()
         assert torch.isfinite(x.grad).all(), (gamma, x.grad)
         torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend_device", FUSED)
+def test_a_per_sample_gamma_that_requires_grad_runs_soft_targets_in_grad_mode(backend_device):
+    """In "grad" mode the weight is detached, so a per-sample gamma gets no gradient and the fused backends run soft
+    targets with it (only "loss" mode, which differentiates the weight, needs the reference's gamma gradient): the
+    loss and logits' gradient as the reference's, and no gradient for gamma, as in the reference."""
+    backend, device = backend_device
+    torch.manual_seed(0)
+    z = torch.randn(6, 7, device=device)
+    y = torch.randint(0, 7, (6,), device=device)
+    results = []
+    for name in ("reference", backend):
+        x = z.clone().requires_grad_()
+        gamma = torch.linspace(0.5, 3.0, 6, device=device).requires_grad_()
+        loss = ck.uncertainty_weighted_ce(x, y, weight="focal", mode="grad", gamma=gamma, label_smoothing=0.1,
+                                          backend=name)
+        loss.backward()
+        assert gamma.grad is None
+        results.append((loss.detach(), x.grad))
+    torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-5, atol=1e-6)
