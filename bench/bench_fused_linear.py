@@ -41,7 +41,7 @@ Usage::
 Results: ``bench/results/fused-linear-<device>-<date>.json`` and ``.md`` (``--out`` to change the stem); each JSON
 result also carries its row in the ``history.jsonl`` format of bench/README.md (``history_row``). Both files are
 written (each replaced whole) after every case's providers are measured, so a run stopped part way (a wall-clock
-limit's SIGINT) leaves the rows measured so far; the JSON's ``"complete"`` is false until the last case.
+limit's SIGINT) leaves the rows measured so far; the JSON's ``meta.complete`` is false until the last case.
 """
 
 from __future__ import annotations
@@ -349,7 +349,8 @@ def _history_row(meta, case, provider, result, source_file):
         "peak_extra_nc": result.get("peak_extra_logits"), "speedup_vs_reference": None, "value": None,
         "status": "ok" if result["status"] == "ok" else result["status"], "times_ms": result.get("times_ms"),
         "extra": {"load_average_1min": meta["load_average_1min"], "loss_rel_diff": result.get("loss_rel_diff"),
-                  "grad_hidden_rel_diff": result.get("grad_hidden_rel_diff")},
+                  "grad_hidden_rel_diff": result.get("grad_hidden_rel_diff"),
+                  **({"run_complete": False} if meta.get("complete") is False else {})},
         "source_file": source_file,
     }
 
@@ -426,12 +427,14 @@ def main(argv=None):
 
 def _write(stem, meta, measured, source_file, complete):
     """Replace ``stem``.json and .md with the rows measured so far (each file written beside and renamed, so that a
-    run stopped while writing leaves the previous version); returns the Markdown."""
+    run stopped while writing leaves the previous version); returns the Markdown. ``meta.complete`` is false until the
+    last case, and so is each history row's ``extra.run_complete`` (as the harness writes them)."""
+    meta = {**meta, "complete": complete}
     results = [{"case": case, "case_id": _case_id(case), "provider": provider, **r,
                 "history_row": _history_row(meta, case, provider, r, source_file)}
                for _, _, case, provider, r in measured]
     markdown = _markdown(meta, [(case, provider, r) for _, _, case, provider, r in measured])
-    for suffix, text in ((".json", json.dumps({"meta": meta, "complete": complete, "results": results}, indent=1)),
+    for suffix, text in ((".json", json.dumps({"meta": meta, "results": results}, indent=1)),
                          (".md", markdown)):
         partial = Path(stem + suffix + ".partial")
         partial.write_text(text)

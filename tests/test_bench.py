@@ -756,14 +756,18 @@ def test_the_fused_linear_bench_measures_compiled_providers_last_and_writes_afte
     """bench_fused_linear: the providers that compile are warmed up and timed after every other provider of every
     case (here a plain step stands in for the compiled one, still compared with the fused op's result); the results
     are rewritten after each case, so a run stopped in the compilation, or in the second case, keeps what it
-    measured ("complete": false)."""
+    measured (meta.complete false, and each history row's extra.run_complete false)."""
     from bench import bench_fused_linear as B
 
     providers = ["chunked_reference_compiled", "calibkernels_fused_linear", "materialized_torch"]
 
     def read():
         data = json.loads((tmp_path / "fl.json").read_text())
-        return data["complete"], [(r["provider"], r["case"]["weight"], r["status"][:7]) for r in data["results"]]
+        assert "complete" not in data  # where the harness's files keep it too: meta
+        for r in data["results"]:
+            assert r["history_row"]["extra"].get("run_complete", True) is data["meta"]["complete"]
+        return data["meta"]["complete"], [(r["provider"], r["case"]["weight"], r["status"][:7])
+                                          for r in data["results"]]
 
     calls, stopped = _fused_linear_main(tmp_path, monkeypatch, {"chunked_reference_compiled": B._fused_linear},
                                         providers)
