@@ -186,16 +186,16 @@ inline bool check_soft_arguments(const char* op, const at::Tensor& logits, const
 // not partially overlap them, nor have elements that share memory (an expanded tensor): rows written at once would
 // overwrite each other, and in place overwrite logits another row has still to read.
 inline void check_grad_out(const char* op, const at::Tensor& logits, const at::Tensor& grad_out) {
-  TORCH_CHECK(grad_out.sizes() == logits.sizes(), op, "grad_out must have the logits' shape ", logits.sizes(),
-              ", got ", grad_out.sizes());
-  TORCH_CHECK(grad_out.scalar_type() == logits.scalar_type() && grad_out.device() == logits.device(), op,
-              "grad_out must have the logits' dtype and device (", logits.scalar_type(), " on ", logits.device(),
-              "), got ", grad_out.scalar_type(), " on ", grad_out.device());
+  TORCH_CHECK_VALUE(grad_out.sizes() == logits.sizes(), op, "grad_out must have the logits' shape ",
+                    logits.sizes(), ", got ", grad_out.sizes());
+  TORCH_CHECK_VALUE(grad_out.scalar_type() == logits.scalar_type() && grad_out.device() == logits.device(), op,
+                    "grad_out must have the logits' dtype and device (", logits.scalar_type(), " on ",
+                    logits.device(), "), got ", grad_out.scalar_type(), " on ", grad_out.device());
   const bool same_view = grad_out.is_same(logits) ||
                          (grad_out.data_ptr() == logits.data_ptr() && grad_out.strides() == logits.strides());
-  TORCH_CHECK(same_view || !grad_out.is_alias_of(logits) ||
-                  at::get_overlap_status(grad_out, logits) == at::MemOverlapStatus::No,
-              op, "grad_out partially overlaps the logits; pass the logits themselves or a separate buffer");
+  TORCH_CHECK_VALUE(same_view || !grad_out.is_alias_of(logits) ||
+                        at::get_overlap_status(grad_out, logits) == at::MemOverlapStatus::No,
+                    op, "grad_out partially overlaps the logits; pass the logits themselves or a separate buffer");
   TORCH_CHECK_VALUE(at::has_internal_overlap(grad_out) != at::MemOverlap::Yes, op,
                     "grad_out has elements that share memory (e.g. an expanded tensor), so its rows would overwrite "
                     "each other; for the gradient in place, the logits must not share memory either (use "

@@ -63,13 +63,16 @@ def test_inplace_on_logits_that_share_memory_is_refused(backend_device):
     loss = ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend)
     exact = R.uncertainty_weighted_ce(row.detach().double().expand(4, 6), y)
     torch.testing.assert_close(loss.double(), exact, rtol=1e-5, atol=1e-6)
-    if backend != "triton":
-        z = torch.randn(4, 6, device=device)
-        codes = (V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"], True)
-        shared = torch.zeros(1, 6, device=device).expand(4, 6)
-        with pytest.raises(ValueError, match="share memory"):
-            torch.ops.calibkernels.uncertainty_weighted_ce(z, y, None, None, *codes, shared)
-        assert torch.equal(shared, torch.zeros(4, 6, device=device))
+    op = (torch.ops.calibkernels.uncertainty_weighted_ce_triton if backend == "triton"
+          else torch.ops.calibkernels.uncertainty_weighted_ce)
+    z = torch.randn(4, 6, device=device)
+    codes = (V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"], True)
+    shared = torch.zeros(1, 6, device=device).expand(4, 6)
+    with pytest.raises(ValueError, match="share memory"):
+        op(z, y, None, None, *codes, shared)
+    assert torch.equal(shared, torch.zeros(4, 6, device=device))
+    with pytest.raises(ValueError, match="shape"):  # the kernels would write rows past a smaller buffer
+        op(z, y, None, None, *codes, torch.zeros(3, 6, device=device))
 
 
 @pytest.mark.parametrize("backend_device", FUSED)

@@ -438,12 +438,12 @@ def test_kernel_rejects_malformed_arguments():
         ops.uncertainty_weighted_ce(z, *_op_args(z, y, norm=0.0), True, None)
     with pytest.raises(RuntimeError, match="sample_weight"):
         ops.uncertainty_weighted_ce(z, y, None, None, V.WEIGHT_CODES["external"], 1, 1.0, 2.0, -100, 1, True, None)
-    with pytest.raises(RuntimeError, match="grad_out must have the logits' shape"):
+    with pytest.raises(ValueError, match="grad_out must have the logits' shape"):
         ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, torch.empty(4, 4))
-    with pytest.raises(RuntimeError, match="grad_out must have the logits' dtype"):
+    with pytest.raises(ValueError, match="grad_out must have the logits' dtype"):
         ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, torch.empty(4, 5, dtype=torch.float64))
     wide = torch.randn(4, 6)
-    with pytest.raises(RuntimeError, match="partially overlaps"):
+    with pytest.raises(ValueError, match="partially overlaps"):
         ops.uncertainty_weighted_ce(wide[:, :5], *_op_args(z, y), True, wide[:, 1:])
 
 

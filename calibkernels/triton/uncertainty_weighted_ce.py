@@ -1228,6 +1228,8 @@ def uncertainty_weighted_ce_forward(
     single_read, block, num_warps = _launch_config(
         num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode)
 
+    if compute_grad and grad_out is not None:
+        _check_grad_out(logits, grad_out)
     if compute_grad and grad_out is None:
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:  # no gradient, or written into grad_out: an empty placeholder
@@ -1293,6 +1295,23 @@ def uncertainty_weighted_ce_forward(
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
         )
     return loss, grad, error
+
+
+def _check_grad_out(logits: torch.Tensor, grad_out: torch.Tensor) -> None:
+    """A caller's gradient buffer, as the compiled op checks it (csrc/uncertainty_weighted_ce.h, check_grad_out): the
+    logits' shape, dtype and device (the kernels write every row of it), and no elements that share memory (an
+    expanded tensor), whose rows would overwrite each other."""
+    where = "calibkernels::uncertainty_weighted_ce_triton: "
+    if grad_out.shape != logits.shape:
+        raise ValueError(f"{where}grad_out must have the logits' shape {tuple(logits.shape)}, got "
+                         f"{tuple(grad_out.shape)}")
+    if grad_out.dtype != logits.dtype or grad_out.device != logits.device:
+        raise ValueError(f"{where}grad_out must have the logits' dtype and device ({logits.dtype} on "
+                         f"{logits.device}), got {grad_out.dtype} on {grad_out.device}")
+    if any(size > 1 and stride == 0 for size, stride in zip(grad_out.shape, grad_out.stride())):
+        raise ValueError(f"{where}grad_out has elements that share memory (e.g. an expanded tensor), so its rows "
+                         "would overwrite each other; for the gradient in place, the logits must not share memory "
+                         "either (use inplace=False, or clone() them)")
 
 
 def _unit_columns(tensor: torch.Tensor) -> bool:
