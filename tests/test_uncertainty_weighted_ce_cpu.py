@@ -753,8 +753,9 @@ def test_finite_inputs_raise_no_invalid_operation(isa):
     """On finite logits the kernel raises no invalid-operation exception, so a process that traps them (SIGFPE)
     survives a step: the lanes past a row (-inf) stay out of every unmasked operation that would form inf - inf or
     0 · inf. Hard, smoothed, mixed and dense targets, C with and without a partial vector, in place and not, each
-    instruction-set build (glibc's feenableexcept, in a child process, on one thread, around the op's forward: the
-    trap had once killed the child with torch's own input generation and backward inside it, intermittently)."""
+    instruction-set build (glibc's feenableexcept, in a child process, on one thread, around the op's forward only;
+    with the trap set over the whole loop, torch's input generation and backward included, the child intermittently
+    died with SIGFPE on loaded machines, cause not found)."""
     import platform
 
     if platform.system() != "Linux" or platform.machine().lower() not in ("x86_64", "amd64"):
