@@ -180,12 +180,6 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
     return base is not None and base.is_leaf and base.requires_grad
 
 
-def _expanded(tensor: torch.Tensor) -> bool:
-    """Whether elements of ``tensor`` share memory as an expanded tensor's do (a dimension of size > 1 with stride 0;
-    the compiled op's own check of ``grad_out`` also catches rarer overlaps)."""
-    return any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride()))
-
-
 def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
     """The loss of validated ``inputs`` through compiled backend ``backend``, in the logits' dtype and batch shape."""
     soft = ()
@@ -219,7 +213,7 @@ def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_we
             "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
             "use inplace=False"
         )
-    if inplace and compute_grad and _expanded(logits):
+    if inplace and compute_grad and V.expanded(logits):
         raise ValueError(
             "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
             "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() them)"

@@ -57,15 +57,20 @@ def check_ignore_index(ignore_index) -> None:
                          f"got {ignore_index}")
 
 
-def _fits_a_float(value) -> bool:
-    """Whether a real number in (-inf, inf) converts to a finite float (an int such as 10**400 compares below inf but
-    does not)."""
-    if isinstance(value, float):
-        return True
+def _as_float(value) -> float:
+    """A real number as the float the kernels take: an int past float's range (10**400, which compares below inf)
+    becomes ±inf, so that a range check refuses it."""
     try:
-        return math.isfinite(float(value))
+        return float(value)
     except OverflowError:
-        return False
+        return math.inf if value > 0 else -math.inf
+
+
+def expanded(tensor: torch.Tensor) -> bool:
+    """Whether elements of ``tensor`` share memory as an expanded tensor's do (a dimension of size > 1 with stride
+    0), so that rows written at once would overwrite each other (the compiled op's own check of ``grad_out`` also
+    catches rarer overlaps)."""
+    return any(size > 1 and stride == 0 for size, stride in zip(tensor.shape, tensor.stride()))
 
 
 def check_gamma(gamma) -> None:
@@ -75,14 +80,14 @@ def check_gamma(gamma) -> None:
         return  # values are checked once the rows are known (check_per_sample_gamma)
     if not is_number(gamma):
         raise TypeError(f"gamma must be a number or a per-sample tensor, got {type(gamma).__name__}")
-    if not 0 <= gamma < float("inf") or not _fits_a_float(gamma):  # also rejects NaN
+    if not 0 <= _as_float(gamma) < float("inf"):  # also rejects NaN
         raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
 
 
 def check_norm(norm) -> None:
     if not is_number(norm):
         raise TypeError(f"norm must be a number, got {type(norm).__name__}")
-    if not 0 < norm < float("inf") or not _fits_a_float(norm):
+    if not 0 < _as_float(norm) < float("inf"):
         raise ValueError(f"norm (the q of the generalised Brier score) must be finite and > 0, got {norm}")
 
 

@@ -1308,7 +1308,7 @@ def _check_grad_out(logits: torch.Tensor, grad_out: torch.Tensor) -> None:
     if grad_out.dtype != logits.dtype or grad_out.device != logits.device:
         raise ValueError(f"{where}grad_out must have the logits' dtype and device ({logits.dtype} on "
                          f"{logits.device}), got {grad_out.dtype} on {grad_out.device}")
-    if any(size > 1 and stride == 0 for size, stride in zip(grad_out.shape, grad_out.stride())):
+    if V.expanded(grad_out):
         raise ValueError(f"{where}grad_out has elements that share memory (e.g. an expanded tensor), so its rows "
                          "would overwrite each other; for the gradient in place, the logits must not share memory "
                          "either (use inplace=False, or clone() them)")

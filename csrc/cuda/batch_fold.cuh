@@ -27,6 +27,12 @@ using cuda_rows::Params;
 // (bad) and the largest such value (std::numeric_limits<int64_t>::min() when none is).
 struct TargetScan {
   int64_t valid, bad, worst;
+
+  // The op's target flag (2,): whether some target is bad, the largest bad value.
+  __device__ __forceinline__ void store_flag(int64_t* flag) const {
+    flag[0] = bad > 0 ? 1 : 0;
+    flag[1] = worst;
+  }
 };
 
 template <int kThreads>
@@ -124,7 +130,8 @@ __device__ __forceinline__ void store_row_loss(const Params<A>& P, int64_t row, 
 // kernel). The last block to finish folds the batch:
 //   * the loss (P.loss): Σ_i L_i over row_loss in a fixed order (thread t takes rows t, t + kThreads, ..., then the
 //     block's tree), so the loss is reproducible bit for bit; ÷ the mean's divisor for the mean;
-//   * count_inline: the targets' flag (any bad target, the largest bad value) into target_flag, and the divisor;
+//   * count_inline: the targets' flag (any bad target, the largest bad value) into target_flag, and the divisor
+//     (the block's inline_count, which a launch without a gradient has not counted before its rows);
 //   * row_flags: a dense target's flag into target_flag;
 // then resets the ticket counter to 0.
 template <int kThreads, typename scalar_t, typename A>
@@ -138,16 +145,12 @@ __device__ __forceinline__ void finish_rows(const Params<A>& P) {
   }
   __syncthreads();
   if (!last) return;
-  int64_t divisor = 0;
   if (P.count_inline) {
     const TargetScan scan = scan_targets<kThreads>(P.target, P.num_rows, P.num_classes, P.ignore_index, true);
-    divisor = scan.valid;
-    if (threadIdx.x == 0) {
-      P.target_flag[0] = scan.bad > 0 ? 1 : 0;
-      P.target_flag[1] = scan.worst;
+    if (threadIdx.x == 0) {  // the thread that divides below: the count needs no barrier
+      scan.store_flag(P.target_flag);
+      inline_count() = scan.valid;
     }
-  } else if (P.loss != nullptr) {
-    divisor = P.valid_count != nullptr ? *P.valid_count : P.num_rows;
   }
   if (P.loss != nullptr) {
     A total = A(0);
@@ -156,7 +159,7 @@ __device__ __forceinline__ void finish_rows(const Params<A>& P) {
     total = group_sum<kThreads>(Sums<A, 1>{{total}}).v[0];
     if (threadIdx.x == 0) {
       const bool mean = P.reduction == static_cast<int>(Reduction::Mean);
-      store_loss<scalar_t>(P, P.loss, 0, mean ? total / static_cast<A>(divisor > 1 ? divisor : int64_t(1)) : total);
+      store_loss<scalar_t>(P, P.loss, 0, mean ? total / static_cast<A>(mean_divisor(P)) : total);
     }
   }
   if (P.row_flags != nullptr) fold_row_flags<kThreads>(P.row_flags, P.num_rows, P.target_flag);

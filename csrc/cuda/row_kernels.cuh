@@ -916,9 +916,9 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
   });
   r.v[kCheckSum] = check.sum;
   r = group_sum<kGroup>(r);
-  if (SP.dense_flags != nullptr && lane == 0) {
+  if (P.row_flags != nullptr && lane == 0) {
     const A off = r.v[kCheckSum] - A(1);
-    SP.dense_flags[row] = (off < A(0) ? -off : off) <= SP.dense_tolerance ? 0 : 1;  // NaN: flagged
+    P.row_flags[row] = (off < A(0) ? -off : off) <= SP.dense_tolerance ? 0 : 1;  // NaN: flagged
   }
   const A rest = r.v[kRest];                    // 1 - p_max of a unique max
   const A t_max = r.v[kTargetAtMax];

@@ -48,7 +48,8 @@ struct Params {
   bool loss_in_logits_dtype;  // the op's loss in the logits' type (rounded once, from A)
   int64_t* target_flag;     // (2,): the op's target flag, made by the last block (count_inline or row_flags); or
                             // nullptr where the count launch or host-side ATen ops made it
-  const int8_t* row_flags;  // (N,): a dense target's row flags (SoftParams::dense_flags) to fold, or nullptr
+  int8_t* row_flags;        // (N,): a dense target's row flags, 1 where a row fails its value check (written by the
+                            // soft kernel's rows, folded by the last block), or nullptr: not checked
 };
 
 template <typename A>
@@ -60,7 +61,6 @@ struct SoftParams {
   const void* dense_target;    // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
   int64_t dense_row_stride;    // elements
   A smoothing;                 // a
-  int8_t* dense_flags;         // (N,): 1 where a dense target's row fails its value check, or nullptr: not checked
   A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
 };
 

@@ -62,8 +62,7 @@ __global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int
                                                                        int64_t* counts) {
   const TargetScan scan = scan_targets<kReduceThreads>(target, num_rows, num_classes, ignore_index, true);
   if (threadIdx.x == 0) {
-    counts[0] = scan.bad > 0 ? 1 : 0;
-    counts[1] = scan.worst;
+    scan.store_flag(counts);
     counts[2] = scan.valid;
   }
 }
@@ -148,10 +147,9 @@ bool kernel_checks_dense_target(const at::Tensor& z, const at::Tensor& target) {
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
 // `grad_stride`, may alias z) when non-null. Returns (loss, target_flag): the loss float32 (float64 for float64
 // logits) or, with args.loss_in_logits_dtype, the logits' dtype, 0-dim for mean/sum, (N,) for none; the flag as the
-// op returns it. One launch (the row kernels, whose last
-// block reduces the batch and makes the flag), two for a mean with a gradient over more than kInlineCountMaxRows rows
-// of class indices (the count first); no host synchronisation. With args.soft the soft-target kernel runs (a dense
-// target: every row counts for the mean).
+// op returns it. One launch (the row kernels, whose last block reduces the batch and makes the flag), two for a mean
+// with a gradient over more than kInlineCountMaxRows rows of class indices (the count first); no host
+// synchronisation. With args.soft the soft-target kernel runs (a dense target: every row counts for the mean).
 std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride,
                                        const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                                        const std::optional<at::Tensor>& gamma_per_sample,
@@ -230,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     P.loss = reduced ? loss.mutable_data_ptr() : nullptr;
     P.loss_in_logits_dtype = args.loss_in_logits_dtype;
     P.target_flag = (count_inline || row_flags.defined()) ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
-    P.row_flags = row_flags.defined() ? row_flags.const_data_ptr<int8_t>() : nullptr;
+    P.row_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
     if (!args.soft) {
       cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P);
       return;
@@ -243,7 +241,6 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     S.dense_target = dense ? t.const_data_ptr() : nullptr;
     S.dense_row_stride = dense ? t.stride(0) : 0;
     S.smoothing = static_cast<A>(args.label_smoothing);
-    S.dense_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
     S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
     cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, t.scalar_type());
   });
