@@ -103,7 +103,7 @@ def _chunked_reference_compiled(case):
     from torch.utils.checkpoint import checkpoint
 
     weight, mode = case["weight"], case["mode"]
-    chunk = default_chunk_size(case["n"], case["c"], case["h"], DTYPES[case["dtype"]].itemsize)
+    chunk = default_chunk_size(case["n"], case["c"], case["h"], DTYPES[case["dtype"]].itemsize, case["device"])
 
     def chunk_loss(h, w, y):
         return R.uncertainty_weighted_ce(h @ w.T, y, weight=weight, mode=mode, reduction="sum")

@@ -48,6 +48,8 @@ __all__ = ["fused_linear_uncertainty_weighted_ce", "FusedLinearUncertaintyWeight
 # The default chunk's logits buffer holds at least MIN and at most MAX bytes (see default_chunk_size).
 MIN_CHUNK_BYTES = 16 << 20
 MAX_CHUNK_BYTES = 256 << 20
+# ... and on a GPU at least this many rows, within those bounds (default_chunk_size: the weight-gradient accumulator)
+GPU_MIN_CHUNK_ROWS = 1024
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -56,21 +58,27 @@ def _next_power_of_two(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
 
-def default_chunk_size(num_rows: int, num_classes: int, hidden_size: int, element_size: int) -> int:
+def default_chunk_size(num_rows: int, num_classes: int, hidden_size: int, element_size: int,
+                       device_type: str = "cpu") -> int:
     """Rows per chunk when ``chunk_size=None``.
 
     Liger-Kernel's heuristic, ``next_pow2(ceil(N / ceil(C / H)))``, makes the chunk's logits ``R × C`` about as large
     as ``hidden`` (``N × H``), so the extra memory scales like the activations already held. It is then bounded so
     that the chunk's logits buffer holds at least ``MIN_CHUNK_BYTES`` (16 MiB, rounded up to a power of two of rows:
     smaller matmuls waste time, and small batches then run in one chunk) and at most ``MAX_CHUNK_BYTES`` (256 MiB),
-    and never more than ``N`` rows.
+    and never more than ``N`` rows. On a GPU (``device_type="cuda"``) the chunk also takes at least
+    ``GPU_MIN_CHUNK_ROWS`` (1024) rows within those bounds: every chunk reads and writes the whole ``C × H`` float32
+    weight-gradient accumulator (``8·C·H`` bytes) for ``6·R·C·H`` flops of matmuls, so at a GPU's ratio of matmul
+    rate to bandwidth (about 200 flop per byte) 256 rows spend more time on the accumulator than on the matmuls.
 
-    E.g. ``N = 8192, H = 4096, C = 128256`` bf16: 256 rows (64 MiB of logits); ``N = 8192, H = 256, C = 32000`` fp32:
-    256 rows (32 MiB, against 1 GiB for all logits).
+    E.g. ``N = 8192, H = 4096, C = 128256`` bf16: 256 rows on the CPU (64 MiB of logits), 1024 on a GPU (251 MiB);
+    ``N = 8192, H = 256, C = 32000`` fp32: 256 rows on the CPU (32 MiB, against 1 GiB for all logits).
     """
     row_bytes = num_classes * element_size
     liger = _next_power_of_two(math.ceil(num_rows / math.ceil(num_classes / hidden_size)))
     floor_rows = _next_power_of_two(math.ceil(MIN_CHUNK_BYTES / row_bytes))
+    if device_type == "cuda":
+        floor_rows = max(floor_rows, GPU_MIN_CHUNK_ROWS)
     cap_rows = max(1, MAX_CHUNK_BYTES // row_bytes)
     return max(1, min(num_rows, cap_rows, max(liger, floor_rows)))
 
@@ -525,7 +533,7 @@ def fused_linear_uncertainty_weighted_ce(
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():
         _probe_out_dtype_addmm(device, hidden.dtype)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(
-        num_rows, num_classes, hidden_size, hidden.element_size())
+        num_rows, num_classes, hidden_size, hidden.element_size(), device.type)
     chunk = min(chunk, num_rows)
 
     grad_enabled = torch.is_grad_enabled()

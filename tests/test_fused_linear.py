@@ -303,6 +303,10 @@ def test_default_chunk_size():
     assert default_chunk_size(100, 1000, 64, 4) == 100  # small problems run in one chunk
     assert default_chunk_size(10**6, 256000, 16384, 2) * 256000 * 2 <= 256 << 20  # the cap
     assert default_chunk_size(1, 10**9, 8, 4) == 1
+    # on a GPU at least 1024 rows (the float32 weight-gradient accumulator's traffic per chunk), within the bounds
+    assert default_chunk_size(8192, 128256, 4096, 2, "cuda") == 1024
+    assert default_chunk_size(8192, 128256, 4096, 4, "cuda") == (256 << 20) // (128256 * 4)  # the cap
+    assert default_chunk_size(100, 1000, 64, 4, "cuda") == 100
 
 
 # ---------------------------------------------------------------------------------------------------- half precision

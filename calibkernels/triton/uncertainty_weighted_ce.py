@@ -1344,8 +1344,32 @@ def _counter(device: torch.device) -> torch.Tensor:
         key = (device.type, threading.get_ident())
     counter = _counters.get(key)
     if counter is None:
-        counter = _counters[key] = torch.zeros(1, dtype=torch.int32, device=device)
+        counter = _counters[key] = (_outside_memory_pools(index) if device.type == "cuda"
+                                    else torch.zeros(1, dtype=torch.int32, device=device))
     return counter
+
+
+def _outside_memory_pools(index: int) -> torch.Tensor:
+    """A zeroed int32 counter on GPU ``index`` that no memory pool holds: allocated by another thread, since a pool
+    that takes this thread's allocations (torch.compile's CUDA-graph warm-up, ``torch.cuda.use_mem_pool``) would
+    hold a buffer that outlives the call, which the CUDA-graph trees refuse. Its zeroing, on that thread's default
+    stream, is ordered before this thread's next launch by a stream wait, not by a host synchronisation."""
+    made = []
+
+    def make():
+        try:
+            with torch.cuda.device(index):
+                made.append(torch.zeros(1, dtype=torch.int32, device=index))
+        except BaseException as exc:  # re-raised in the caller
+            made.append(exc)
+
+    worker = threading.Thread(target=make, name="calibkernels-counter")
+    worker.start()
+    worker.join()
+    if isinstance(made[0], BaseException):
+        raise made[0]
+    torch.cuda.current_stream(index).wait_stream(torch.cuda.default_stream(index))
+    return made[0]
 
 
 _PROGRAMS_PER_SM = 4

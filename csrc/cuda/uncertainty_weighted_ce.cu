@@ -69,21 +69,30 @@ __global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int
 
 // The row launch's ticket counter (batch_fold.cuh), zero between launches since the launch's last block resets it.
 // One per device and stream, since the launches of a stream run one after another; allocated once and kept for the
-// process's life (a leaked map: no CUDA call at exit). During CUDA-graph capture each launch takes a fresh zeroed
-// counter instead, whose zeroing is captured with it, so a replay starts from zero whatever ran before it.
-unsigned int* launch_ticket(const at::Tensor& like, cudaStream_t stream) {
+// process's life (a leaked map: no CUDA call at exit). It comes from cudaMalloc, not torch's caching allocator: while
+// a memory pool takes this thread's allocations (torch.compile's CUDA-graph warm-up, torch.cuda.use_mem_pool), a
+// buffer from the allocator would land in that pool and outlive the call, which the CUDA-graph trees refuse. During
+// CUDA-graph capture each launch takes a fresh zeroed counter instead, whose zeroing is captured with it, so a replay
+// starts from zero whatever ran before it; `captured` holds it until the launch is enqueued.
+unsigned int* launch_ticket(const at::Tensor& like, cudaStream_t stream, at::Tensor& captured) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   C10_CUDA_CHECK(cudaStreamIsCapturing(stream, &capture));
-  const auto options = like.options().dtype(at::kInt);
   if (capture != cudaStreamCaptureStatusNone) {
-    return reinterpret_cast<unsigned int*>(at::zeros({1}, options).mutable_data_ptr<int32_t>());
+    captured = at::zeros({1}, like.options().dtype(at::kInt));
+    return reinterpret_cast<unsigned int*>(captured.mutable_data_ptr<int32_t>());
   }
   static std::mutex mutex;
-  static auto* tickets = new std::map<std::pair<int, cudaStream_t>, at::Tensor>();
+  static auto* tickets = new std::map<std::pair<int, cudaStream_t>, unsigned int*>();
   const std::lock_guard<std::mutex> lock(mutex);
-  at::Tensor& ticket = (*tickets)[{like.get_device(), stream}];
-  if (!ticket.defined()) ticket = at::zeros({1}, options);
-  return reinterpret_cast<unsigned int*>(ticket.mutable_data_ptr<int32_t>());
+  unsigned int*& ticket = (*tickets)[{like.get_device(), stream}];
+  if (ticket == nullptr) {
+    const c10::cuda::CUDAGuard guard(like.device());
+    void* memory = nullptr;
+    C10_CUDA_CHECK(cudaMalloc(&memory, sizeof(unsigned int)));
+    C10_CUDA_CHECK(cudaMemsetAsync(memory, 0, sizeof(unsigned int), stream));  // ordered before the launch
+    ticket = static_cast<unsigned int*>(memory);
+  }
+  return ticket;
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -200,7 +209,8 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     mixes = mix_target->contiguous();
     lambdas = mix_lambda->detach().to(acc_dtype);  // () or (N,), read at i * stride
   }
-  unsigned int* ticket = launch_ticket(z, stream);
+  at::Tensor captured_ticket;
+  unsigned int* ticket = launch_ticket(z, stream, captured_ticket);
 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, z.scalar_type(), "uncertainty_weighted_ce_cuda", [&] {
     using A = typename std::conditional<std::is_same<scalar_t, double>::value, double, float>::type;
