@@ -106,8 +106,10 @@ def _settings_row(weight, mode, reduction, ignore_index, dtype, gamma_value, nor
 def _block_layout(num_local: int, target1d: torch.Tensor, group, device, settings=(), row_tensors=()):
     """``(offset of this rank's block, total classes)`` from one all_gather of ``(C_r, N, *settings)``.
 
-    Raises the same ``ValueError`` on every rank (each decides from the same gathered numbers, so none is left
-    waiting in a later collective) if the ranks' row counts or ``settings`` (:func:`_settings_row`) differ, if no
+    The row's last column is 0 here and 1 from a rank that refused its own arguments (:func:`_share_refusal`, which
+    takes part in this all_gather instead). Raises the same ``ValueError`` on every rank (each decides from the same
+    gathered numbers, so none is left waiting in a later collective) if a rank refused its arguments, if the ranks'
+    row counts or ``settings`` (:func:`_settings_row`) differ, if no
     rank holds a class, or then if the targets, or any of ``row_tensors`` (``(name, tensor)`` pairs: ``sample_weight``
     and a per-sample ``gamma``, compared as :func:`_row_bits`), differ on some row: one all-reduce (MAX) of each row's
     value and its negation, exact (a hash of the targets can be matched by different ones)."""
@@ -116,10 +118,15 @@ def _block_layout(num_local: int, target1d: torch.Tensor, group, device, setting
     rank = dist.get_rank(group)
     if rank < 0:
         raise ValueError("vocab-parallel loss: this process is not a member of the process group it was given")
-    mine = torch.tensor([num_local, target1d.shape[0], *settings], device=device, dtype=torch.int64)
+    mine = torch.tensor([num_local, target1d.shape[0], *settings, 0], device=device, dtype=torch.int64)
     gathered = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(gathered, mine, group=group)
-    table = torch.stack(gathered).cpu().tolist()
+    rows = torch.stack(gathered).cpu().tolist()
+    table = [row[:-1] for row in rows]
+    refused = [r for r, row in enumerate(rows) if row[-1]]
+    if refused:
+        raise ValueError(f"vocab-parallel loss: rank {refused[0]} refused its arguments (its own error says why); "
+                         "no rank computed the loss")
     if any(row[1] != table[0][1] for row in table):
         raise ValueError(f"vocab-parallel loss: the ranks hold different numbers of rows {[r[1] for r in table]}; "
                          "every rank must hold all rows of its class block")
@@ -145,6 +152,25 @@ def _block_layout(num_local: int, target1d: torch.Tensor, group, device, setting
                 raise ValueError(f"vocab-parallel loss: the {what} differ between ranks (first at row {row}); every "
                                  f"rank must pass the same (global) {name}")
     return sum(sizes[:rank]), sum(sizes)
+
+
+def _share_refusal(local_logits, group) -> None:
+    """Take part in :func:`_block_layout`'s all_gather with a row that says this rank refused its arguments, so that
+    the other ranks raise there too instead of waiting for this one until the group's timeout. Nothing to do
+    without an initialised process group, or in a group this process is not a member of."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_rank(group) < 0:
+        return
+    if isinstance(local_logits, torch.Tensor):
+        device = local_logits.device
+    elif dist.get_backend(group) == "nccl":  # whose collectives take CUDA tensors only
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    mine = torch.zeros(3 + len(_SETTINGS), dtype=torch.int64, device=device)
+    mine[-1] = 1
+    dist.all_gather([torch.empty_like(mine) for _ in range(dist.get_world_size(group))], mine, group=group)
 
 
 def _log_power(log_x: torch.Tensor, exponent: float) -> torch.Tensor:
@@ -318,45 +344,8 @@ def _reduce(row_loss, target, reduction, ignore_index):
     return row_loss.sum() * scale, scale
 
 
-def vocab_parallel_uncertainty_weighted_ce(
-    local_logits: torch.Tensor,
-    target: torch.Tensor,
-    *,
-    group=None,
-    weight: str = "brier",
-    mode: str = "grad",
-    gamma: float | torch.Tensor = 4.0,
-    norm: float = 2.0,
-    sample_weight: torch.Tensor | None = None,
-    reduction: str = "mean",
-    ignore_index: int = -100,
-) -> torch.Tensor:
-    """:func:`calibkernels.uncertainty_weighted_ce` of logits whose class dimension is sharded across ``group``.
-
-    Args:
-        local_logits: ``(..., C_r)``: this rank's contiguous block of classes (rank order = class order; block sizes
-            may differ between ranks, ``C_r = 0`` allowed) for every row. float32/float16/bfloat16/float64.
-        target: ``(...)`` global class indices in ``[0, C)`` (``C = Σ_r C_r``) or ``ignore_index``, the same on every
-            rank (checked).
-        group: the process group (``None``: the default group). Works with any backend whose collectives accept
-            tensors on ``local_logits``'s device (gloo for CPU, NCCL for CUDA tensors).
-        weight, mode, gamma, norm, sample_weight, reduction, ignore_index: as in
-            :func:`calibkernels.uncertainty_weighted_ce`; all of them, and the dtype of ``local_logits``, must be
-            the same on every rank (checked, values of ``sample_weight`` and a per-sample ``gamma`` included). A
-            per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
-            (times the reduction's scale) in ``mode="loss"``, on every rank.
-
-    Returns:
-        the same loss on every rank, in ``local_logits``' dtype (a scalar, or ``target``-shaped for ``"none"``);
-        ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient.
-
-    Raises ``ValueError`` on every rank alike when the ranks' row counts, arguments or targets differ, or no rank
-    holds a class; the checks that need no other rank (types, shapes, names) raise first, on the rank that fails
-    them only. Communication per call: one ``all_gather`` of 11 integers, an all-reduce (MAX) of ``2N`` integers (``2N``
-    more per optional tensor) with more than one rank, then all-reduces of ``2N`` (MAX), ``N`` (MAX, dual focal only)
-    and ``2N``–``3N`` numbers (SUM). The targets are checked on the host (a synchronisation on GPU). Double backward
-    is not supported.
-    """
+def _local_arguments(local_logits, target, weight, mode, gamma, norm, sample_weight, reduction, ignore_index):
+    """The checks that need no other rank (types, shapes, names, values), and what the call needs from them."""
     V.check_weight(weight)
     V.check_mode(mode)
     V.check_reduction(reduction)
@@ -395,6 +384,57 @@ def vocab_parallel_uncertainty_weighted_ce(
                              sample_weight, gamma_tensor)
     row_tensors = [(name, t) for name, t in (("sample_weight", sample_weight), ("per-sample gamma", gamma_tensor))
                    if t is not None]
+    return (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
+            row_tensors)
+
+
+def vocab_parallel_uncertainty_weighted_ce(
+    local_logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    group=None,
+    weight: str = "brier",
+    mode: str = "grad",
+    gamma: float | torch.Tensor = 4.0,
+    norm: float = 2.0,
+    sample_weight: torch.Tensor | None = None,
+    reduction: str = "mean",
+    ignore_index: int = -100,
+) -> torch.Tensor:
+    """:func:`calibkernels.uncertainty_weighted_ce` of logits whose class dimension is sharded across ``group``.
+
+    Args:
+        local_logits: ``(..., C_r)``: this rank's contiguous block of classes (rank order = class order; block sizes
+            may differ between ranks, ``C_r = 0`` allowed) for every row. float32/float16/bfloat16/float64.
+        target: ``(...)`` global class indices in ``[0, C)`` (``C = Σ_r C_r``) or ``ignore_index``, the same on every
+            rank (checked).
+        group: the process group (``None``: the default group). Works with any backend whose collectives accept
+            tensors on ``local_logits``'s device (gloo for CPU, NCCL for CUDA tensors).
+        weight, mode, gamma, norm, sample_weight, reduction, ignore_index: as in
+            :func:`calibkernels.uncertainty_weighted_ce`; all of them, and the dtype of ``local_logits``, must be
+            the same on every rank (checked, values of ``sample_weight`` and a per-sample ``gamma`` included). A
+            per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
+            (times the reduction's scale) in ``mode="loss"``, on every rank.
+
+    Returns:
+        the same loss on every rank, in ``local_logits``' dtype (a scalar, or ``target``-shaped for ``"none"``);
+        ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient.
+
+    Raises ``ValueError`` on every rank alike when the ranks' row counts, arguments or targets differ, or no rank
+    holds a class. The checks that need no other rank (types, shapes, names, values) raise their own error on the
+    rank that fails them, which first tells the others in the call's first collective: they raise a ``ValueError``
+    naming that rank instead of waiting for it. Communication per call: one ``all_gather`` of 11 integers, an all-reduce (MAX) of ``2N`` integers (``2N``
+    more per optional tensor) with more than one rank, then all-reduces of ``2N`` (MAX), ``N`` (MAX, dual focal only)
+    and ``2N``–``3N`` numbers (SUM). The targets are checked on the host (a synchronisation on GPU). Double backward
+    is not supported.
+    """
+    try:
+        (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
+         row_tensors) = _local_arguments(local_logits, target, weight, mode, gamma, norm, sample_weight, reduction,
+                                         ignore_index)
+    except (TypeError, ValueError):
+        _share_refusal(local_logits, group)  # the other ranks raise too, in the collective they are waiting in
+        raise
     offset, num_classes = _block_layout(num_local, target1d, group, device, settings, row_tensors)
     bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
     if bool(bad.any()):

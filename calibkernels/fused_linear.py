@@ -32,6 +32,7 @@ reference backend's own temporaries, a few ``R × C``, when ``backend="reference
 from __future__ import annotations
 
 import math
+import operator
 from typing import NamedTuple
 
 import torch
@@ -180,13 +181,19 @@ def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore
                           _autograd._dense_dtype(target1d))
 
 
-def _check_chunk_size(chunk_size) -> None:
+def _check_chunk_size(chunk_size) -> int | None:
+    """``chunk_size`` as a Python int (any integer type, e.g. a NumPy integer: ``operator.index``), or ``None``."""
     if chunk_size is None:
-        return
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}")
+        return None
+    if isinstance(chunk_size, bool):
+        raise TypeError("chunk_size must be an int or None, got bool")
+    try:
+        chunk_size = operator.index(chunk_size)
+    except TypeError:
+        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}") from None
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    return chunk_size
 
 
 def _one_hot_forms(target1d, mix1d, lam, weight, ignore_index):
@@ -478,7 +485,7 @@ def fused_linear_uncertainty_weighted_ce(
     V.check_gamma(gamma)
     V.check_norm(norm)
     V.check_backend(backend)
-    _check_chunk_size(chunk_size)
+    chunk_size = _check_chunk_size(chunk_size)
     V.check_ignore_index(ignore_index)
     smoothing = V.check_label_smoothing(label_smoothing)
     soft = V.soft_target_request(target, smoothing, mix_target, mix_lambda)
@@ -578,7 +585,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
         V.check_reduction(reduction)
         V.check_backend(backend)
         V.check_ignore_index(ignore_index)
-        _check_chunk_size(chunk_size)
+        chunk_size = _check_chunk_size(chunk_size)
         self.label_smoothing = V.check_label_smoothing(label_smoothing)
         self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
         self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size

@@ -142,6 +142,26 @@ for sizes in layouts:
     if rank == world - 1:
         different[0] = (int(y[0]) + 1) % num_classes
     expect(ValueError, "targets differ", "different targets", vocab_parallel, z[:, local_slice], different)
+    # an argument that only one rank refuses (its own checks, before any collective): that rank raises its own error,
+    # the others a ValueError naming it, instead of waiting for it in the first collective until the timeout
+    last = rank == world - 1
+    for what, error, message, kw in [
+            ("unknown weight", ValueError, "unknown weight", dict(weight="nope")),
+            ("target shape", ValueError, "target shape", dict(target=y[:-1])),
+            ("logits dtype", TypeError, "floating-point", dict(local_logits=z[:, local_slice].long())),
+            ("negative sample_weight", ValueError, "sample_weight", dict(weight="external",
+                                                                         sample_weight=-sample_weight))]:
+        args = dict(local_logits=z[:, local_slice], target=y)
+        if last:
+            args.update(kw)
+        elif "sample_weight" in kw:
+            args.update(weight="external", sample_weight=sample_weight)
+        call_args = (args.pop("local_logits"), args.pop("target"))
+        if last:
+            expect(error, message, f"{what} on one rank (that rank)", vocab_parallel, *call_args, **args)
+        else:
+            expect(ValueError, f"rank {world - 1} refused its arguments", f"{what} on one rank (the others)",
+                   vocab_parallel, *call_args, **args)
     # targets differing by (+1, -2, +1) on three rows (which a linear hash with evenly spaced row weights misses)
     different = y.clone()
     different[:3] = torch.tensor([1, 4, 1]) if rank == world - 1 else torch.tensor([2, 2, 2])

@@ -296,6 +296,23 @@ def test_every_row_ignored_gives_zero_loss_and_zero_gradients(backend_device):
             assert torch.all(grad == 0) and torch.isfinite(grad).all(), reduction
 
 
+def test_chunk_size_takes_any_integer_type():
+    """A NumPy integer (e.g. from a config computed with NumPy) is an int here, in the function and in the module."""
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    hidden, weight = torch.randn(7, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
+    target = torch.randint(0, 9, (7,))
+    want = ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, chunk_size=3)
+    for size in (np.int64(3), np.int32(3), torch.tensor(3)):
+        got = ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, chunk_size=size)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        module = ck.losses.FusedLinearUncertaintyWeightedCE(chunk_size=size)
+        assert type(module.chunk_size) is int and "chunk_size=3" in repr(module)
+        torch.testing.assert_close(module(hidden, weight, target), want, rtol=0, atol=0)
+    with pytest.raises(TypeError, match="chunk_size"):
+        ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, chunk_size=np.float64(3))
+
+
 def test_default_chunk_size():
     # Liger's heuristic: the chunk's logits about as large as hidden, within 16..256 MiB of logits
     assert default_chunk_size(8192, 32000, 256, 4) == 256  # the 16 MiB floor, rounded up to a power of two

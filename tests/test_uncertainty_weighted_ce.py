@@ -433,6 +433,31 @@ def test_reference_compiles_with_fullgraph():
     assert not math.isnan(compiled(z_in, y).item())
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="memory pools need a GPU")
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_a_call_leaves_nothing_in_a_memory_pool(backend):
+    """A pool that takes the thread's allocations (``torch.cuda.use_mem_pool``; torch.compile's CUDA-graph warm-up
+    routes them the same way) holds nothing once the call's outputs are gone, also on a stream that no call has used,
+    whose ticket counter the call creates: the backends keep those counters outside every pool."""
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not built")
+    pool = torch.cuda.MemPool()
+    z = torch.randn(64, 1000, device="cuda", requires_grad=True)
+    y = torch.randint(0, 1000, (64,), device="cuda")
+    with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.use_mem_pool(pool):
+        loss = ck.uncertainty_weighted_ce(z, y, weight="brier", backend=backend)
+        loss.backward()
+        value = loss.detach().clone()
+        del loss
+    torch.cuda.synchronize()
+    ck.synchronize_target_checks()
+    del value
+    z.grad = None
+    live = [block for segment in pool.snapshot(include_traces=False) for block in segment["blocks"]
+            if block["state"] == "active_allocated"]
+    assert live == [], live
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
 @pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_a_step_with_the_loss_inside_reduce_overhead_compilation(backend):
