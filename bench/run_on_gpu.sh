@@ -90,7 +90,7 @@ raise SystemExit(0 if C.WITH_CUDA or not torch.cuda.is_available() else 1)" >>"$
 
 do_test() {
   # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device); the whole suite is
-  # CI's job on a CPU machine
+  # CI's job on a CPU machine. --durations: the slowest tests in the summary, for sizing the stage to a lease
   local k=${TEST_K-cuda or triton or gpu} select=() grace=${TEST_GRACE:-20} total
   [ -n "$k" ] && select=(-k "$k")
   # SIGINT at the timeout: pytest stops and still writes its summary (the failures so far, their tracebacks), which a
@@ -99,7 +99,7 @@ do_test() {
   total=$(within_stage $((${TEST_TIMEOUT:-540} + grace)))
   [ "$total" -lt $((2 * grace)) ] && grace=$((total / 2))
   timeout --signal=INT --kill-after="$grace" "$((total - grace))" \
-    $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider --tb=short -rfE "${select[@]}" \
+    $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider --tb=short -rfE --durations=30 "${select[@]}" \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
     tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
