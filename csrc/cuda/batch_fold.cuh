@@ -20,6 +20,7 @@
 namespace calibkernels {
 namespace {
 
+using cuda_rows::BatchFold;
 using cuda_rows::Params;
 
 // A scan of class-index targets by a block of kThreads threads (every thread takes rows t, t + kThreads, ...): how
@@ -128,19 +129,19 @@ __device__ __forceinline__ void store_row_loss(const Params<A>& P, int64_t row, 
 
 // The end of every block of a row launch, after its rows (every thread of the block calls it; none may have left the
 // kernel). The last block to finish folds the batch:
-//   * the loss (P.loss): Σ_i L_i over row_loss in a fixed order (thread t takes rows t, t + kThreads, ..., then the
+//   * the loss (F.loss): Σ_i L_i over row_loss in a fixed order (thread t takes rows t, t + kThreads, ..., then the
 //     block's tree), so the loss is reproducible bit for bit; ÷ the mean's divisor for the mean;
-//   * count_inline: the targets' flag (any bad target, the largest bad value) into target_flag, and the divisor
+//   * count_inline: the targets' flag (any bad target, the largest bad value) into F.target_flag, and the divisor
 //     (the block's inline_count, which a launch without a gradient has not counted before its rows);
-//   * row_flags: a dense target's flag into target_flag;
+//   * row_flags (the soft kernel's, of a dense target; nullptr otherwise): the target's flag into F.target_flag;
 // then resets the ticket counter to 0.
 template <int kThreads, typename scalar_t, typename A>
-__device__ __forceinline__ void finish_rows(const Params<A>& P) {
+__device__ __forceinline__ void finish_rows(const Params<A>& P, const BatchFold& F, const int8_t* row_flags) {
   __shared__ bool last;
   __syncthreads();  // the block's row losses and flags are stored
   if (threadIdx.x == 0) {
     __threadfence();  // ... and visible to the device before the ticket
-    last = atomicAdd(P.ticket, 1u) == gridDim.x - 1;
+    last = atomicAdd(F.ticket, 1u) == gridDim.x - 1;
     if (last) __threadfence();  // the other blocks' stores, ordered before their tickets, before the reads below
   }
   __syncthreads();
@@ -148,22 +149,22 @@ __device__ __forceinline__ void finish_rows(const Params<A>& P) {
   if (P.count_inline) {
     const TargetScan scan = scan_targets<kThreads>(P.target, P.num_rows, P.num_classes, P.ignore_index, true);
     if (threadIdx.x == 0) {  // the thread that divides below: the count needs no barrier
-      scan.store_flag(P.target_flag);
+      scan.store_flag(F.target_flag);
       inline_count() = scan.valid;
     }
   }
-  if (P.loss != nullptr) {
+  if (F.loss != nullptr) {
     A total = A(0);
 #pragma unroll 8
     for (int64_t i = threadIdx.x; i < P.num_rows; i += kThreads) total += __ldcg(static_cast<const A*>(P.row_loss) + i);
     total = group_sum<kThreads>(Sums<A, 1>{{total}}).v[0];
     if (threadIdx.x == 0) {
       const bool mean = P.reduction == static_cast<int>(Reduction::Mean);
-      store_loss<scalar_t>(P, P.loss, 0, mean ? total / static_cast<A>(mean_divisor(P)) : total);
+      store_loss<scalar_t>(P, F.loss, 0, mean ? total / static_cast<A>(mean_divisor(P)) : total);
     }
   }
-  if (P.row_flags != nullptr) fold_row_flags<kThreads>(P.row_flags, P.num_rows, P.target_flag);
-  if (threadIdx.x == 0) *P.ticket = 0u;
+  if (row_flags != nullptr) fold_row_flags<kThreads>(row_flags, P.num_rows, F.target_flag);
+  if (threadIdx.x == 0) *F.ticket = 0u;
 }
 
 }  // namespace

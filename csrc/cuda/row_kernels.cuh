@@ -87,6 +87,7 @@ namespace calibkernels {
 namespace {
 
 using cuda_rows::Acc;
+using cuda_rows::BatchFold;
 using cuda_rows::Params;
 using cuda_rows::SoftParams;
 
@@ -449,10 +450,11 @@ __device__ __forceinline__ void hard_row(const Params<Acc<scalar_t>>& P) {
 
 // The hard-target launch: the block's count (batch_fold.cuh), its rows, then the batch's fold in the last block.
 template <typename scalar_t, int kGroup, int kPT, bool kResident>
-__global__ void __launch_bounds__(kBlockThreads<kGroup>) uncertainty_weighted_ce_kernel(const Params<Acc<scalar_t>> P) {
+__global__ void __launch_bounds__(kBlockThreads<kGroup>) uncertainty_weighted_ce_kernel(const Params<Acc<scalar_t>> P,
+                                                                                         const BatchFold F) {
   begin_rows<kBlockThreads<kGroup>>(P);
   hard_row<scalar_t, kGroup, kPT, kResident>(P);
-  finish_rows<kBlockThreads<kGroup>, scalar_t>(P);
+  finish_rows<kBlockThreads<kGroup>, scalar_t>(P, F, nullptr);
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -534,13 +536,13 @@ __device__ __forceinline__ void cluster_row(const Params<float>& P) {
 // The cluster launch: the block's count (batch_fold.cuh), its share of a row, then the batch's fold in the last
 // block (of the whole grid: the ticket counts blocks, whatever cluster they belong to).
 template <typename scalar_t, int kThreads, int kPT>
-__global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<float> P) {
+__global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<float> P, const BatchFold F) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   __trap();  // launched only where cudaFuncGetAttributes reports code compiled for sm_90 or later (cluster_launchable)
 #else
   begin_rows<kThreads>(P);
   cluster_row<scalar_t, kThreads, kPT>(P);
-  finish_rows<kThreads, scalar_t>(P);
+  finish_rows<kThreads, scalar_t>(P, F, nullptr);
 #endif
 }
 
@@ -916,9 +918,9 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
   });
   r.v[kCheckSum] = check.sum;
   r = group_sum<kGroup>(r);
-  if (P.row_flags != nullptr && lane == 0) {
+  if (SP.row_flags != nullptr && lane == 0) {
     const A off = r.v[kCheckSum] - A(1);
-    P.row_flags[row] = (off < A(0) ? -off : off) <= SP.dense_tolerance ? 0 : 1;  // NaN: flagged
+    SP.row_flags[row] = (off < A(0) ? -off : off) <= SP.dense_tolerance ? 0 : 1;  // NaN: flagged
   }
   const A rest = r.v[kRest];                    // 1 - p_max of a unique max
   const A t_max = r.v[kTargetAtMax];
@@ -985,10 +987,11 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
 // The soft-target launch: the block's count (batch_fold.cuh: class indices), its rows, then the batch's fold in the
 // last block (a dense target's row flags included).
 template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
-__global__ void __launch_bounds__(kBlockThreads<kGroup>) soft_target_kernel(const SoftParams<Acc<scalar_t>> SP) {
+__global__ void __launch_bounds__(kBlockThreads<kGroup>) soft_target_kernel(const SoftParams<Acc<scalar_t>> SP,
+                                                                                     const BatchFold F) {
   begin_rows<kBlockThreads<kGroup>>(SP.hard);
   soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP);
-  finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard);
+  finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard, F, SP.row_flags);
 }
 
 // Largest C of each path (float32/float16/bfloat16); float64 has only the warp and streaming paths.
@@ -1021,12 +1024,13 @@ void with_shape(int64_t C, Launch launch) {
 
 // Launches `kernel` (kGroup threads per row) over num_rows rows on the current stream.
 template <int kGroup, typename KernelParams>
-void launch_rows(void (*kernel)(KernelParams), int64_t num_rows, const KernelParams& params) {
+void launch_rows(void (*kernel)(KernelParams, BatchFold), int64_t num_rows, const KernelParams& params,
+                 const BatchFold& fold) {
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
   constexpr int kThreads = kGroup * kRowsPerBlock;
   const int64_t blocks = (num_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
-  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, c10::cuda::getCurrentCUDAStream()>>>(params, fold);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -1040,7 +1044,7 @@ constexpr ClusterShape kClusterShapes[] = {{256, 16, "256x16"}, {256, 32, "256x3
                                            {512, 32, "512x32"}};
 constexpr int kPortableClusterCtas = 8;
 
-using ClusterKernel = void (*)(Params<float>);
+using ClusterKernel = void (*)(Params<float>, BatchFold);
 
 // The kernel of kClusterShapes[shape_index], instantiated from the table itself (so the two cannot disagree).
 template <typename scalar_t, std::size_t... I>
@@ -1143,7 +1147,7 @@ bool cluster_launchable(ClusterKernel kernel, int threads, int ctas, cudaStream_
 
 // Launches the cluster kernel for P's rows when the device and the build allow it; false: use the streaming path.
 template <typename scalar_t>
-bool launch_row_clusters(const Params<float>& P) {
+bool launch_row_clusters(const Params<float>& P, const BatchFold& F) {
   const int shape_index = cluster_shape_for(P.num_classes);
   if (shape_index < 0) return false;
   const ClusterShape shape = kClusterShapes[shape_index];
@@ -1155,40 +1159,41 @@ bool launch_row_clusters(const Params<float>& P) {
   TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
   cudaLaunchAttribute cluster_dim;
   const cudaLaunchConfig_t config = cluster_config(blocks, shape.threads, cluster_dim, ctas, stream);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P));
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P, F));
   return true;
 }
 
 template <typename scalar_t, typename A>
-void launch(const Params<A>& P) {
+void launch(const Params<A>& P, const BatchFold& F) {
   if constexpr (std::is_same<A, float>::value) {
-    if (P.num_classes > kBlock256MaxC && launch_row_clusters<scalar_t>(P)) return;
+    if (P.num_classes > kBlock256MaxC && launch_row_clusters<scalar_t>(P, F)) return;
   }
   with_shape<scalar_t>(P.num_classes, [&](auto shape) {
     using S = decltype(shape);
-    launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P);
+    launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P,
+                           F);
   });
 }
 
 // target_t: int64_t (class indices) or a dense target's element type, float32 or the logits' (dense_target_for).
 template <typename scalar_t, typename target_t, typename A>
-void launch_soft(const SoftParams<A>& SP) {
+void launch_soft(const SoftParams<A>& SP, const BatchFold& F) {
   with_shape<scalar_t>(SP.hard.num_classes, [&](auto shape) {
     using S = decltype(shape);
     launch_rows<S::kGroup>(soft_target_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>,
-                           SP.hard.num_rows, SP);
+                           SP.hard.num_rows, SP, F);
   });
 }
 
 // A dense target in `target_dtype`: the logits' dtype, or float32 with 16-bit logits (dense_target_for).
 template <typename scalar_t, typename A>
-void launch_dense(const SoftParams<A>& SP, at::ScalarType target_dtype) {
+void launch_dense(const SoftParams<A>& SP, const BatchFold& F, at::ScalarType target_dtype) {
   if constexpr (std::is_same<scalar_t, float>::value || std::is_same<scalar_t, double>::value) {
-    launch_soft<scalar_t, scalar_t>(SP);
+    launch_soft<scalar_t, scalar_t>(SP, F);
   } else if (target_dtype == at::kFloat) {
-    launch_soft<scalar_t, float>(SP);
+    launch_soft<scalar_t, float>(SP, F);
   } else {
-    launch_soft<scalar_t, scalar_t>(SP);
+    launch_soft<scalar_t, scalar_t>(SP, F);
   }
 }
 
@@ -1197,12 +1202,14 @@ void launch_dense(const SoftParams<A>& SP, at::ScalarType target_dtype) {
 
 // The two launches for logits of type T (row_params.h), each defined once: the whole of rows_<dtype>.cu.
 #define CALIBKERNELS_CUDA_ROWS_FOR(T)                                                                                \
-  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P) { launch<T>(P); }            \
-  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP,                         \
+  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P, const BatchFold& F) {     \
+    launch<T>(P, F);                                                                                                 \
+  }                                                                                                                  \
+  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP, const BatchFold& F,     \
                                                     at::ScalarType dense_dtype) {                                    \
     if (SP.dense_target != nullptr) {                                                                                \
-      launch_dense<T>(SP, dense_dtype);                                                                              \
+      launch_dense<T>(SP, F, dense_dtype);                                                                           \
     } else {                                                                                                         \
-      launch_soft<T, int64_t>(SP);                                                                                   \
+      launch_soft<T, int64_t>(SP, F);                                                                                \
     }                                                                                                                \
   }

@@ -39,17 +39,25 @@ struct Params {
   int mode;
   int reduction;
   bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule of the op's code) instead of `gamma`
-  // The batch's fold by the launch's last block (batch_fold.cuh), which makes the row launch the forward's only one:
-  bool count_inline;        // class indices without a count launch: each block counts the mean's divisor itself
-                            // (where its rows need it), and the last block checks the targets into target_flag
-  unsigned int* ticket;     // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
-  void* loss;               // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
-                            // reduction "none" (the rows' losses are the result)
-  bool loss_in_logits_dtype;  // the op's loss in the logits' type (rounded once, from A)
-  int64_t* target_flag;     // (2,): the op's target flag, made by the last block (count_inline or row_flags); or
-                            // nullptr where the count launch or host-side ATen ops made it
-  int8_t* row_flags;        // (N,): a dense target's row flags, 1 where a row fails its value check (written by the
-                            // soft kernel's rows, folded by the last block), or nullptr: not checked
+  bool count_inline;   // class indices without a count launch: each block counts the mean's divisor itself (where
+                       // its rows need it), and the last block checks the targets into BatchFold::target_flag
+  bool loss_in_logits_dtype;  // the op's losses in the logits' type (rounded once, from A)
+};
+
+// Params stays within 128 bytes: past that, nvcc (13.0, sm_90) reads the kernel argument through its address and no
+// longer makes the specialised copies of the streaming path's column loops (β = 0, q = 2, no ties): its SASS then
+// issues 16-45% more instructions per 4096-column tile of a row, by weight and dtype.
+static_assert(sizeof(Params<float>) <= 128 && sizeof(Params<double>) <= 128,
+              "Params past 128 bytes loses the column loops' specialised copies: put new fields in BatchFold");
+
+// The batch's fold by the launch's last block (batch_fold.cuh), which makes the row launch the forward's only one;
+// a kernel argument of its own, beside Params.
+struct BatchFold {
+  unsigned int* ticket;   // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
+  void* loss;             // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
+                          // reduction "none" (the rows' losses are the result)
+  int64_t* target_flag;   // (2,): the op's target flag, made by the last block (count_inline or a dense target's row
+                          // flags); or nullptr where the count launch or host-side ATen ops made it
 };
 
 template <typename A>
@@ -62,6 +70,8 @@ struct SoftParams {
   int64_t dense_row_stride;    // elements
   A smoothing;                 // a
   A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
+  int8_t* row_flags;           // (N,): a dense target's row flags, 1 where a row fails its value check (written by
+                               // the rows, folded into BatchFold::target_flag by the last block), or nullptr
 };
 
 // A logits dtype as an overload tag: the launches of each dtype are plain functions, each defined once, in the
@@ -70,17 +80,19 @@ template <typename scalar_t>
 struct Logits {};
 
 // Launches the kernel of hard targets (class indices, no smoothing, no mix) over P's rows, on the current stream.
-void launch_hard_targets(Logits<float>, const Params<float>& P);
-void launch_hard_targets(Logits<c10::Half>, const Params<float>& P);
-void launch_hard_targets(Logits<c10::BFloat16>, const Params<float>& P);
-void launch_hard_targets(Logits<double>, const Params<double>& P);
+void launch_hard_targets(Logits<float>, const Params<float>& P, const BatchFold& F);
+void launch_hard_targets(Logits<c10::Half>, const Params<float>& P, const BatchFold& F);
+void launch_hard_targets(Logits<c10::BFloat16>, const Params<float>& P, const BatchFold& F);
+void launch_hard_targets(Logits<double>, const Params<double>& P, const BatchFold& F);
 
 // Launches the soft-target kernel over SP's rows, on the current stream: class indices with smoothing or a mix
 // (SP.dense_target == nullptr), or a dense target whose elements are of `dense_dtype`.
-void launch_soft_targets(Logits<float>, const SoftParams<float>& SP, c10::ScalarType dense_dtype);
-void launch_soft_targets(Logits<c10::Half>, const SoftParams<float>& SP, c10::ScalarType dense_dtype);
-void launch_soft_targets(Logits<c10::BFloat16>, const SoftParams<float>& SP, c10::ScalarType dense_dtype);
-void launch_soft_targets(Logits<double>, const SoftParams<double>& SP, c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<float>, const SoftParams<float>& SP, const BatchFold& F, c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<c10::Half>, const SoftParams<float>& SP, const BatchFold& F,
+                         c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<c10::BFloat16>, const SoftParams<float>& SP, const BatchFold& F,
+                         c10::ScalarType dense_dtype);
+void launch_soft_targets(Logits<double>, const SoftParams<double>& SP, const BatchFold& F, c10::ScalarType dense_dtype);
 
 }  // namespace cuda_rows
 }  // namespace calibkernels

@@ -39,6 +39,7 @@
 namespace calibkernels {
 namespace {
 
+using cuda_rows::BatchFold;
 using cuda_rows::Params;
 using cuda_rows::SoftParams;
 
@@ -234,13 +235,13 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     P.mode = static_cast<int>(args.mode);
     P.reduction = static_cast<int>(args.reduction);
     P.count_inline = count_inline;
-    P.ticket = ticket;
-    P.loss = reduced ? loss.mutable_data_ptr() : nullptr;
     P.loss_in_logits_dtype = args.loss_in_logits_dtype;
-    P.target_flag = (count_inline || row_flags.defined()) ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
-    P.row_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
+    BatchFold F;
+    F.ticket = ticket;
+    F.loss = reduced ? loss.mutable_data_ptr() : nullptr;
+    F.target_flag = (count_inline || row_flags.defined()) ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
     if (!args.soft) {
-      cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P);
+      cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P, F);
       return;
     }
     SoftParams<A> S;
@@ -252,7 +253,8 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     S.dense_row_stride = dense ? t.stride(0) : 0;
     S.smoothing = static_cast<A>(args.label_smoothing);
     S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
-    cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, t.scalar_type());
+    S.row_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
+    cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, F, t.scalar_type());
   });
   return {loss, target_flag};
 }
