@@ -12,6 +12,11 @@ MODE_CODES = {"loss": 0, "grad": 1}
 # Same numbering as torch's internal Reduction enum (at::Reduction).
 REDUCTION_CODES = {"none": 0, "mean": 1, "sum": 2}
 BACKENDS = ("auto", "reference", "cpu", "triton", "cuda")
+# The first slot of the GPU kernels' target flag for class-index targets, (code, value): what was found bad, in the
+# order the host checks raise (a target before a mix_target before a mix_lambda); the value is the largest bad
+# target, the first bad row's mix_target, or the first bad row of mix_lambda. (A dense target's flag is
+# (any bad row, the first bad row).)
+TARGET_FLAG_CODES = {"none": 0, "target": 1, "mix_target": 2, "mix_lambda": 3}
 
 # FLSD-53 (Mukhoti et al. 2020): gamma_i = 5 if p_y < 0.2, 3 if p_y < 0.5, else the loss's gamma. Every implementation
 # compares the float32 value of p_y with the float32 thresholds, so all of them pick the same band.

@@ -1,8 +1,11 @@
 """Bad targets and values on the GPU: how device-side flags become Python errors without a host synchronisation.
 
 The GPU kernels (Triton and CUDA C++) never use an out-of-range target as an index: such a row's loss and gradient
-are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(any bad, the largest bad value)``, made by
-the launch that counts the mean's divisor and returned by the op as its third output, records it.
+are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(code, value)``, made by the launch that
+counts the mean's divisor and returned by the op as its third output, records it: code 1 for a bad target (the value:
+the largest bad one). The same scan checks a mix (``mix_target`` and a ``mix_lambda`` tensor; a bad mix row is NaN
+too): code 2 for a ``mix_target`` that is not a class index on a non-ignored row (the first such row's value), 3 for
+a ``mix_lambda`` outside [0, 1] or NaN; 0 when all is well (:data:`calibkernels._codes.TARGET_FLAG_CODES`).
 A dense target's values (entries >= 0, rows summing to 1) are checked the same way: the Triton and CUDA kernels flag
 the rows in their own reads of the target (device reductions, :func:`calibkernels._validation.dense_target_flag`,
 where the kernels' float32 sums cannot decide), and the flag is ``(any bad row, the first bad row)``; those rows are
@@ -23,9 +26,10 @@ The same queue carries the value checks that no kernel makes, of the optional te
 handed to :func:`submit_check` with the function that writes the host check's message from the value:
 
 * ``sample_weight`` and a per-sample ``gamma``: finite and ``>= 0`` (the flag's value: the first bad row);
-* ``mix_target``: a class index on every row whose target is not ``ignore_index`` (the value: the first bad one);
-* a ``mix_lambda`` tensor: in [0, 1], NaN refused (the value: the first bad row). A number ``mix_lambda`` is checked
-  on the host, where it is.
+* ``mix_target`` and a ``mix_lambda`` tensor where no kernel reads them (the dual-focal weight, whose soft targets
+  become class indices first; a GPU call of the reference): the checks the kernels' scan makes, as device ops.
+
+A number ``mix_lambda`` is checked on the host, where it is.
 
 So a GPU call reads none of these values on the host, nor its class-index targets (the kernels flag those). Their
 errors come as a target's do (that call's loss is wrong or NaN: a bad mix row is NaN). The host checks
@@ -44,7 +48,8 @@ import threading
 
 import torch
 
-from ._validation import dense_target_message, out_of_range_message
+from ._codes import TARGET_FLAG_CODES
+from ._validation import dense_target_message, lambda_message, mix_target_message, out_of_range_message
 
 __all__ = ["POLICY", "submit", "submit_check", "checking", "poll", "synchronize_target_checks"]
 
@@ -67,8 +72,12 @@ def _raise(flag, what, late: bool) -> None:
         if callable(what):  # a value check's message function (submit_check)
             raise ValueError(what(bad_value) + (" (in an earlier call)" if late else ""))
         num_classes, ignore_index, dense_dtype = what
-        if dense_dtype is None:
+        if dense_dtype is None:  # class indices: the flag's code says what was bad (TARGET_FLAG_CODES)
             when = " (in an earlier call; that loss and its gradient rows are NaN)" if late else ""
+            if has_bad == TARGET_FLAG_CODES["mix_target"]:
+                raise ValueError(mix_target_message(bad_value, num_classes, ignore_index) + when)
+            if has_bad == TARGET_FLAG_CODES["mix_lambda"]:
+                raise ValueError(lambda_message() + when)
             raise ValueError(out_of_range_message(bad_value, num_classes, ignore_index) + when)
         when = " (in an earlier call)" if late else ""
         raise ValueError(dense_target_message(bad_value, dense_dtype) + when)

@@ -244,7 +244,7 @@ def _gamma_message(_index=None) -> str:
     return "per-sample gamma must be finite and >= 0 everywhere"
 
 
-def _lambda_message(_index=None) -> str:
+def lambda_message(_index=None) -> str:
     return "mix_lambda must be in [0, 1] everywhere (NaN is refused)"
 
 
@@ -432,7 +432,8 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
 
     The tensors' values are read on the host (``check_values``), or flagged on the device and queued
     (``check_values=False``: :func:`mix_target_flag`, :func:`lambda_flag`, :mod:`calibkernels._target_checks`), or
-    left to the kernel (``kernel_checks``: the C++ CPU op checks both, with the same errors), which sees the mix only
+    left to the kernel (``kernel_checks``: the C++ CPU op checks both, the GPU kernels flag both with the targets,
+    with the same errors), which sees the mix only
     where ``mix_lambda`` is a tensor or a number strictly between 0 and 1 (a number 0 or 1 drops it). A number
     ``mix_lambda`` is always checked here.
     """
@@ -466,7 +467,7 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
         raise ValueError("the mix_lambda tensor requires grad, but the mix is a constant target here (no gradient "
                          "flows to it): pass mix_lambda.detach()")
     if checks:
-        _check_values(mix_lambda, check_values, lambda_flag, _lambda_message)
+        _check_values(mix_lambda, check_values, lambda_flag, lambda_message)
     lam = mix_lambda.detach()
     lam = lam.expand(target_shape).reshape(-1) if lam.dim() == 0 else lam.reshape(-1)
     return mix1d, lam
@@ -524,9 +525,10 @@ def check_loss_inputs(
     flag class-index targets out of range on the device, and the values of ``sample_weight``, a per-sample
     ``gamma``, ``mix_target`` and a ``mix_lambda`` tensor are flagged by a few device ops and queued
     (:mod:`calibkernels._target_checks`), with the host checks' errors; a number ``mix_lambda`` is checked here.
-    ``kernel_checks_mix`` / ``kernel_checks_dense``: the kernel (the C++ CPU op) checks the mix's values, and a dense
-    target's in the sweep that reads it, itself, with the same errors (a dense target's values are otherwise read
-    on the host whatever ``check_values`` says).
+    ``kernel_checks_mix``: the kernel checks the mix's values itself, with the same errors (the C++ CPU op raises;
+    the GPU kernels flag them with the targets, :mod:`calibkernels._target_checks`). ``kernel_checks_dense``: the
+    kernel checks a dense target's values in the sweep that reads it (they are otherwise read on the host whatever
+    ``check_values`` says).
 
     A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
     ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.

@@ -93,9 +93,11 @@ def uncertainty_weighted_ce(
     inputs = V.check_loss_inputs(
         logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
-        # the dual-focal weight's soft targets become class indices before any kernel runs
+        # a mix's values: the CPU op checks them (raising at once), the GPU kernels in their scan of the targets (in
+        # the target flag); the dual-focal weight's soft targets become class indices before any kernel runs
         # (_backends._one_hot_for_dual_focal), so no kernel would see their values: checked here
-        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=name == "cpu" and weight != "dual_focal",
+        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=weight != "dual_focal" and (
+            name == "cpu" or (name in ("triton", "cuda") and device.type == "cuda")),
         # a dense target's values: the CPU op checks them in its sweep (in place, in a pass of its own before the
         # kernel overwrites the logits); the GPU backends flag them on the device on plain eager calls (the calls
         # whose flag calibkernels._target_checks reads)
@@ -112,8 +114,8 @@ def uncertainty_weighted_ce(
 def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda):
     """The soft-target arguments of :func:`_fast_call` (``()`` for hard targets), or ``None`` when they need the
     general path: dual focal, a λ of exactly 0 or 1, a dense target that requires grad or of another floating dtype,
-    a mix on a GPU (whose kernel does not check its values), anything its checks would reject. ``target`` is on the
-    logits' device."""
+    a mix on another device than the target, anything its checks would reject. ``target`` is on the logits'
+    device."""
     if target.is_floating_point():
         if (mix_target is not None or mix_lambda is not None or target.dtype not in _DENSE_DTYPES
                 or (target.requires_grad and torch.is_grad_enabled())):
@@ -121,15 +123,16 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
     elif mix_target is None and mix_lambda is None:
         if type(label_smoothing) in (float, int) and label_smoothing == 0:  # hard targets, as the general path sees
             return ()
-    # (is_cpu and ndim rather than .device.type and dim(): a mixed call's checks cost several microseconds otherwise)
-    elif not (target.is_cpu and type(mix_target) is torch.Tensor and mix_target.is_cpu
+    # (get_device and ndim rather than .device and dim(): a mixed call's checks cost several microseconds otherwise)
+    elif not (type(mix_target) is torch.Tensor and mix_target.get_device() == target.get_device()
               and mix_target.dtype is torch.int64 and mix_target.shape == target.shape):
         return None
     elif type(mix_lambda) is float:
         if not 0.0 < mix_lambda < 1.0:
             return None
-    elif not (type(mix_lambda) is torch.Tensor and mix_lambda.is_cpu and mix_lambda.is_floating_point()
-              and (mix_lambda.ndim == 0 or mix_lambda.shape == target.shape) and not mix_lambda.requires_grad):
+    elif not (type(mix_lambda) is torch.Tensor and mix_lambda.get_device() == target.get_device()
+              and mix_lambda.is_floating_point() and (mix_lambda.ndim == 0 or mix_lambda.shape == target.shape)
+              and not mix_lambda.requires_grad):
         return None
     if type(label_smoothing) not in (float, int) or not 0 <= label_smoothing <= 1 or weight == "dual_focal":
         return None
@@ -143,8 +146,8 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     ``backend`` "auto" or "cpu"; on CUDA tensors with "cuda", or "auto" where
     :func:`calibkernels._backends.auto_prefers_cuda` picks the CUDA kernel. The Triton kernels
     (:func:`calibkernels._autograd.run_rows`): on CUDA tensors with "triton", or "auto" where the compiled op does
-    not serve the call; on CPU tensors with "triton" under the interpreter; class indices, label smoothing and dense
-    targets, not a mix. ``None`` when any argument needs the general path, which also makes every error message.
+    not serve the call; on CPU tensors with "triton" under the interpreter (class indices, label smoothing and dense
+    targets, not a mix). ``None`` when any argument needs the general path, which also makes every error message.
     The CPU kernel checks the target values itself (the same ValueError as the general path), those of a mix and of
     a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA and Triton kernels flag them on the device
     for :mod:`calibkernels._target_checks`, as the general path does on a GPU. ``inplace``: as the general path,
@@ -169,12 +172,13 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
         served = False
     triton = False
     if not served and (gpu_auto or backend == "triton"):
-        # the Triton kernels, launched from here without the general path's argument normalisation; not for a mix,
-        # whose values only the general path checks, nor for dtypes they do not take (the general path's error)
+        # the Triton kernels, launched from here without the general path's argument normalisation; not for dtypes
+        # they do not take (the general path's error), nor for a mix on CPU tensors (the interpreter), whose values
+        # the general path checks on the host there (the GPU kernels flag them)
         triton = _FAST_TRITON.get((on_gpu, logits.is_cpu, device_index))
         if triton is None:
             triton = _triton_kernels(logits.device)
-        triton = (triton and logits.dtype in _TRITON_DTYPES and not (soft and soft[0] is not None)
+        triton = (triton and logits.dtype in _TRITON_DTYPES and (on_gpu or not (soft and soft[0] is not None))
                   and torch._C._len_torch_dispatch_stack() == 0)
     if ((not served and not triton) or weight_code is None or mode_code is None or reduction_code is None
             or weight == "external" or type(gamma) not in (float, int) or not 0 <= gamma < _INF

@@ -28,11 +28,14 @@
 //         mean), in the logits' dtype; ignored rows are 0. It is written into grad_out when given (then `grad` is an
 //         empty (0,) tensor), else returned as `grad`, contiguous (N, C). Neither when compute_grad is false
 //         (inference: no N x C write; `grad` is (0,)).
-//   target_flag: int64 on the logits' device. On CUDA, (2,): (any target neither a class index nor ignore_index,
-//         the largest such value) for class indices, (any bad row, the first bad row) for a dense target (an entry
-//         < 0 or NaN, or a row sum off 1 by more than dense_row_sum_tolerance); the kernel never indexes with a bad
-//         target, whose row is NaN, and the caller reads the flag when it can do so without stalling the host
-//         (calibkernels/_target_checks.py). On the CPU, (0,): the kernel raises ValueError instead.
+//   target_flag: int64 on the logits' device. On CUDA, (2,): for class indices (TargetFlag, the first bad of: a
+//         target neither a class index nor ignore_index, with the largest such value; a mix_target not a class index
+//         on a row whose target is not ignore_index, with the first such row's value; a mix_lambda outside [0, 1] or
+//         NaN, with its first row), or (TargetFlag::None, any value); for a dense target (any bad row, the first bad
+//         row): an entry < 0 or NaN, or a row sum off 1 by more than dense_row_sum_tolerance. The kernel never
+//         indexes with a bad target or mix_target, and a row with a bad target, mix_target or mix_lambda is NaN; the
+//         caller reads the flag when it can do so without stalling the host (calibkernels/_target_checks.py). On
+//         the CPU, (0,): the kernel raises ValueError instead.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -61,6 +64,8 @@ constexpr Weight weight_formula(Weight w) {
 enum class Mode : int64_t { Loss = 0, Grad = 1 };
 // Same numbering as at::Reduction.
 enum class Reduction : int64_t { None = 0, Mean = 1, Sum = 2 };
+// The first slot of a class-index target flag (above): what the kernel found bad, in the host checks' order.
+enum class TargetFlag : int64_t { None = 0, Target = 1, MixTarget = 2, MixLambda = 3 };
 
 // Vector instruction set of the CPU kernel's hot loops in this process: "avx512" (float sweeps of the
 // one-exponential path; the CPU has AVX-512 and ATen uses it), "avx2" or "default". Exposed as calibkernels._C.CPU_ISA.

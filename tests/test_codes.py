@@ -35,7 +35,7 @@ def _constants(text):
 def test_enums_match_the_python_codes():
     text = HEADER.read_text()
     for enum, codes in (("Weight", _codes.WEIGHT_CODES), ("Mode", _codes.MODE_CODES),
-                        ("Reduction", _codes.REDUCTION_CODES)):
+                        ("Reduction", _codes.REDUCTION_CODES), ("TargetFlag", _codes.TARGET_FLAG_CODES)):
         members = {_snake(key): value for key, value in _enum(text, enum).items()}
         assert members == codes, f"enum {enum} in {HEADER.name}: {members} != _codes: {codes}"
 

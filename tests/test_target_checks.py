@@ -1,10 +1,11 @@
-"""The value checks that a GPU call queues instead of reading on the host (calibkernels._target_checks).
+"""The value checks that a GPU call makes without reading on the host (calibkernels._target_checks).
 
-``sample_weight``, a per-sample ``gamma``, ``mix_target`` and a ``mix_lambda`` tensor are checked by no kernel: with
-``check_values=False`` (the GPU path) the validation helpers flag them with device ops and queue the flag, with the
-host check's message. On CPU tensors a queued flag is read at once, so most of this runs without a GPU; the tests
-named ``cuda`` check, on a GPU, that the call makes no host synchronisation and that the error comes at
-``synchronize_target_checks``.
+``sample_weight`` and a per-sample ``gamma`` are checked by no kernel: with ``check_values=False`` (the GPU path) the
+validation helpers flag them with device ops and queue the flag, with the host check's message. ``mix_target`` and a
+``mix_lambda`` tensor are checked by the GPU kernels' scan of the targets, into the target flag's code (the Triton
+kernels run here under the interpreter), or by the same device ops where no kernel reads them. On CPU tensors a
+queued flag is read at once, so most of this runs without a GPU; the tests named ``cuda`` check, on a GPU, that the
+call makes no host synchronisation and that the error comes at ``synchronize_target_checks``.
 """
 
 import pytest
@@ -160,6 +161,88 @@ def test_no_flag_is_computed_when_nothing_reads_it(monkeypatch):
         fake = mode.from_tensor(bad)
         assert not _target_checks.checking(fake) and not _target_checks.checking(bad)
         V.check_sample_weight(fake, "external", (2,), fake.device, check_values=False)
+
+
+def test_a_target_flag_code_names_what_was_bad():
+    """The first slot of a class-index target flag is a code (calibkernels._codes.TARGET_FLAG_CODES): each raises the
+    host check's message for what it names; 0 raises nothing."""
+    what = (5, -100, None)
+    _target_checks._raise([0, -(2**63)], what, late=False)
+    with pytest.raises(ValueError, match=r"^target value 7 is out of range for 5 classes"):
+        _target_checks._raise([1, 7], what, late=False)
+    with pytest.raises(ValueError, match=r"^mix_target value -100 is out of range .*but the row's target is not"):
+        _target_checks._raise([2, -100], what, late=False)
+    with pytest.raises(ValueError, match=LAMBDA + r" \(in an earlier call; that loss and its gradient rows are NaN\)"):
+        _target_checks._raise([3, 4], what, late=True)
+
+
+T = None
+try:
+    from calibkernels.triton import uncertainty_weighted_ce as T
+except ImportError:  # no Triton
+    pass
+
+
+def _triton_flag_and_rows(z, y, mix, lam, reduction, compute_grad):
+    """The Triton forward's target flag and, for reduction "none", its rows' losses."""
+    loss, _, flag = T.uncertainty_weighted_ce_forward(
+        z, y, None, None, V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100,
+        V.REDUCTION_CODES[reduction], compute_grad, mix_target=mix, mix_lambda=lam)
+    return flag.tolist(), loss
+
+
+@pytest.mark.skipif(T is None, reason="no Triton")
+@pytest.mark.parametrize("reduction, inline_rows", [("none", 1024), ("mean", 1024), ("mean", 4)],
+                         ids=["checked by the loss launch", "counted by every program", "checked by the targets kernel"])
+def test_the_triton_scan_of_the_targets_checks_a_mix(reduction, inline_rows, monkeypatch):
+    """A mix's values are checked where the targets are (the loss launch's last program, or the targets kernel of a
+    large batch's mean with a gradient: here past a lowered INLINE_COUNT_MAX_ROWS, since the interpreter runs a real
+    large batch slowly): the flag's code and value as the host checks raise them (a target before a mix_target before
+    a λ; the largest bad target, the first bad row's mix_target, the first bad λ's row); rows with a bad mix_target
+    or λ are NaN, the others as with a good mix. Checked against the host checks' own flags."""
+    monkeypatch.setattr(T, "INLINE_COUNT_MAX_ROWS", inline_rows)
+    targets_kernel, launches = T._uncertainty_weighted_ce_targets_kernel, []
+
+    class Spy:  # counts the targets kernel's launches
+        def __getitem__(self, grid):
+            launches.append(grid)
+            return targets_kernel[grid]
+
+    monkeypatch.setattr(T, "_uncertainty_weighted_ce_targets_kernel", Spy())
+    torch.manual_seed(0)
+    rows, c = 9, 5
+    z = torch.randn(rows, c)
+    y = torch.randint(0, c, (rows,))
+    y[1] = -100
+    good_mix, good_lam = torch.randint(0, c, (rows,)), torch.rand(rows)
+    compute_grad = reduction == "mean"
+
+    def case(target=y, mix=good_mix, lam=good_lam):
+        return _triton_flag_and_rows(z, target, mix, lam, reduction, compute_grad)
+
+    assert case()[0][0] == 0
+    bad_mix = good_mix.clone()
+    bad_mix[[1, 3, 6]] = torch.tensor([9, -100, 7])  # row 1 is ignored: its mix_target is not read
+    assert V.mix_target_flag(bad_mix, y, c, -100).tolist() == [1, -100]
+    assert case(mix=bad_mix)[0] == [2, -100]
+    bad_lam = good_lam.clone()
+    bad_lam[[1, 4, 7]] = torch.tensor([1.5, float("nan"), -0.25])  # λ is read on every row, ignored or not
+    assert V.lambda_flag(bad_lam).tolist() == [1, 1]
+    assert case(lam=bad_lam)[0] == [3, 1]
+    assert case(lam=torch.tensor(float("nan")))[0] == [3, 0]  # one λ for every row
+    assert case(mix=bad_mix, lam=bad_lam)[0] == [2, -100]  # the mix_target's check comes first
+    bad_target = y.clone()
+    bad_target[[2, 5]] = torch.tensor([8, 6])
+    assert case(target=bad_target, mix=bad_mix, lam=bad_lam)[0] == [1, 8]  # and the target's before it
+    if reduction == "none":
+        _, good_rows = case()
+        _, mixed = case(mix=bad_mix, lam=bad_lam)
+        nan_rows = {3, 4, 6, 7}  # the non-ignored rows with a bad mix_target or λ
+        assert mixed.isnan().nonzero().flatten().tolist() == sorted(nan_rows)
+        keep = [i for i in range(rows) if i not in nan_rows]
+        torch.testing.assert_close(mixed[keep], good_rows[keep])
+        assert mixed[1].item() == 0.0  # the ignored row, whatever its mix
+    assert bool(launches) == (inline_rows < rows)
 
 
 def test_submit_check_reads_a_cpu_flag_at_once_with_its_message(monkeypatch):

@@ -460,6 +460,45 @@ def test_dense_target_flag_of_rows_past_the_kernels_check_width():
 
 
 @needs_gpu
+@pytest.mark.parametrize("rows", [9, 2000], ids=["checked in the fold", "checked by the count launch"])
+@pytest.mark.parametrize("lambda_dtype", [torch.float32, torch.float64])
+def test_the_target_flag_checks_a_mix(rows, lambda_dtype):
+    """The op checks a mix in its scan of the targets (the row launch's fold, or the count launch of a mean with a
+    gradient over more than 1024 rows): the flag's code (calibkernels._codes.TARGET_FLAG_CODES) and value as the host
+    checks raise them, a bad target first, then a mix_target (the first bad row's value), then a λ (its first row);
+    the rows with a bad mix_target or λ are NaN, the others as with a good mix. Float64 logits with a float64 λ too."""
+    torch.manual_seed(0)
+    c = 7
+    logits_dtype = torch.float64 if lambda_dtype == torch.float64 else torch.float32
+    z = torch.randn(rows, c, device="cuda", dtype=logits_dtype)
+    y = torch.randint(0, c, (rows,), device="cuda")
+    y[1] = -100
+    mix = torch.randint(0, c, (rows,), device="cuda")
+    lam = torch.rand(rows, device="cuda", dtype=lambda_dtype)
+    bad_mix, bad_lam, bad_y = mix.clone(), lam.clone(), y.clone()
+    bad_mix[[1, 3, rows - 1]] = torch.tensor([9, -100, 7], device="cuda")  # row 1 is ignored
+    bad_lam[[1, 4, rows - 2]] = torch.tensor([1.5, float("nan"), -0.25], device="cuda", dtype=lambda_dtype)
+    bad_y[[2, 5]] = torch.tensor([8, 12], device="cuda")
+    for reduction in REDUCTIONS:
+        def flag(target=y, m=mix, lam_=lam):
+            return _op_flag(z, target, reduction=reduction, mix_target=m, mix_lambda=lam_).tolist()
+
+        assert flag()[0] == 0, reduction
+        assert flag(m=bad_mix) == [2, -100], reduction
+        assert flag(lam_=bad_lam) == [3, 1], reduction
+        assert flag(lam_=torch.tensor(float("nan"), device="cuda", dtype=lambda_dtype)) == [3, 0], reduction
+        assert flag(m=bad_mix, lam_=bad_lam) == [2, -100], reduction
+        assert flag(target=bad_y, m=bad_mix, lam_=bad_lam) == [1, 12], reduction
+    good, _ = _op(z, y, reduction="none", mix_target=mix, mix_lambda=lam)
+    mixed, grad = _op(z, y, reduction="none", mix_target=bad_mix, mix_lambda=bad_lam)
+    nan_rows = sorted({3, 4, rows - 1, rows - 2})
+    assert mixed.isnan().nonzero().flatten().tolist() == nan_rows
+    assert grad[nan_rows].isnan().all() and not grad[[0, 1, 2]].isnan().any()
+    keep = [i for i in range(rows) if i not in nan_rows]
+    torch.testing.assert_close(mixed[keep], good[keep], rtol=0, atol=0)
+
+
+@needs_gpu
 def test_eager_calls_take_the_fast_path(monkeypatch):
     """backend="cuda" eager calls go straight to the op's C++ autograd (functional._fast_call), with the same loss,
     gradient and errors as the general path; a bad target raises through the op's own flag."""
@@ -479,8 +518,10 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
         loss.sum().backward()
         return loss.detach(), leaf.grad
 
+    mix, lam = y.roll(1).clamp(min=0), torch.rand(64, device="cuda")
     for target, kw in ((y, {}), (y, {"label_smoothing": 0.1, "inplace": True}), (dense, {"weight": "focal"}),
-                       (y, {"reduction": "none", "mode": "loss"})):
+                       (y, {"reduction": "none", "mode": "loss"}), (y, {"mix_target": mix, "mix_lambda": lam}),
+                       (y, {"mix_target": mix, "mix_lambda": 0.3, "label_smoothing": 0.1})):
         monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
         fast = step(target, **kw)
         assert len(calls) == 1, kw
@@ -495,9 +536,13 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
     bad_dense = dense.clone()
     bad_dense[9, 0] = -1.0
     monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
-    for target, match in ((bad, "target value 100 is out of range"), (bad_dense, "row 9 is not")):
+    bad_mix, bad_lam = mix.clone(), lam.clone()
+    bad_mix[5], bad_lam[7] = -3, float("nan")
+    for target, kw, match in ((bad, {}, "target value 100 is out of range"), (bad_dense, {}, "row 9 is not"),
+                              (y, {"mix_target": bad_mix, "mix_lambda": lam}, "mix_target value -3 is out of range"),
+                              (y, {"mix_target": mix, "mix_lambda": bad_lam}, r"mix_lambda must be in \[0, 1\]")):
         with pytest.raises(ValueError, match=match):
-            ck.uncertainty_weighted_ce(z, target, backend="cuda")
+            ck.uncertainty_weighted_ce(z, target, backend="cuda", **kw)
             ck.synchronize_target_checks()
         assert len(calls) == 1, "the bad target should have taken the fast path"
         calls.clear()
@@ -718,19 +763,21 @@ def test_the_last_block_folds_every_row(n, c):
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("target", ["hard", "smooth", "dense"])
+@pytest.mark.parametrize("target", ["hard", "smooth", "mix", "dense"])
 @pytest.mark.parametrize("batch", [256, 8192])
 def test_an_eager_forward_is_one_launch(dtype, target, batch):
     """What an eager forward with a gradient costs the device: the row launch alone (its last block reduces the batch,
-    writes the loss in the logits' dtype and makes the target flag), and the count launch before it for a mean over
-    more than 1024 rows of class indices; the backward of the mean loss one scaling launch (it reads grad_output on
-    the device). Counted by the profiler's device kernels."""
+    writes the loss in the logits' dtype and makes the target flag, a mix's values checked with the targets), and the
+    count launch before it for a mean over more than 1024 rows of class indices; the backward of the mean loss one
+    scaling launch (it reads grad_output on the device). Counted by the profiler's device kernels."""
     from torch.profiler import ProfilerActivity, profile
 
     c = 1000
     z = _logits(batch, c, dtype)
     y = _targets(batch, c)
     kwargs = {"label_smoothing": 0.1} if target == "smooth" else {}
+    if target == "mix":
+        kwargs = {"mix_target": y.roll(1).clamp(min=0), "mix_lambda": torch.rand(batch, device="cuda")}
     if target == "dense":
         y = torch.softmax(torch.randn(batch, c, device="cuda"), 1)
     x = z.clone().requires_grad_()

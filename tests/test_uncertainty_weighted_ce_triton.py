@@ -1084,10 +1084,13 @@ def small_kernels(dtype, arch):
         triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_scale_grad_kernel, signature=scale,
                                  constexprs={"PER_ROW": per_row, "BLOCK": 4096}),
                        target=GPUTarget("cuda", arch, 32), options={"num_warps": 8})
-    targets = {"target_ptr": "*i64", "num_rows": "i32", "num_classes": "i32", "ignore_index": "i64",
-               "valid_count_ptr": "*i64", "error_ptr": "*i64", "BLOCK": "constexpr"}
-    triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_targets_kernel, signature=targets,
-                             constexprs={"BLOCK": 4096}), target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
+    targets = {"target_ptr": "*i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
+               "num_rows": "i32", "num_classes": "i32", "ignore_index": "i64", "valid_count_ptr": "*i64",
+               "error_ptr": "*i64", "CHECK_MIX": "constexpr", "BLOCK": "constexpr"}
+    for check_mix in (False, True):
+        triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_targets_kernel, signature=targets,
+                                 constexprs={"CHECK_MIX": check_mix, "BLOCK": 4096}),
+                       target=GPUTarget("cuda", arch, 32), options={"num_warps": 4})
 
 for weight, mode in itertools.product(sorted(WEIGHT_CODES.values()), range(2)):  # every weight x mode, both paths
     fwd("fp32", weight, mode, 1, 1024, True, False, 90)
@@ -1100,7 +1103,7 @@ fwd("fp32", 3, 0, 1, 4096, False, False, 80, num_warps=8)
 
 
 def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, smooth, norm_is_two, arch, num_warps,
-         num_rows=None):
+         num_rows=None, count=None):
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": f"*{target_dtype}",
                  "target_row_stride": "i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
@@ -1108,7 +1111,8 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
                  "dense_bad_ptr": "*i8", "loss_ptr": "*fp32", "error_ptr": "*i64", "counter_ptr": "*i32",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
                  "ignore_index": "i64", "smoothing": "fp32", "dense_tolerance": "fp32"}
-    count = T.COUNT_ROWS if dense else (T.COUNT_LOADED if has_mix else T.COUNT_INLINE)
+    if count is None:
+        count = T.COUNT_ROWS if dense else (T.COUNT_LOADED if has_mix else T.COUNT_INLINE)
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=1, COMPUTE_GRAD=True, PER_SAMPLE_GAMMA=False, BLOCK=block,
                       SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth,
                       DENSE_FLAGS=dense and target_dtype != "fp64", COUNT=count,
@@ -1130,6 +1134,7 @@ soft("bf16", "i64", 6, 0, 2048, False, False, True, True, True, 90, 4)     # com
 soft("fp32", "fp32", 6, 0, 1024, True, True, False, False, False, 80, 8)   # dense, Brier-FLSD q != 2, in registers
 soft("fp32", "fp64", 4, 1, 2048, False, True, False, True, True, 90, 4)    # dense float64 target: no row flags
 soft("fp32", "fp32", 4, 1, 1024, True, True, False, False, True, 90, 8, num_rows=1)  # a one-row dense mean
+soft("bf16", "i64", 4, 1, 1024, True, False, True, False, True, 90, 4, count=T.COUNT_INLINE)  # a mix checked in the fold
 print("compiled")
 '''
 

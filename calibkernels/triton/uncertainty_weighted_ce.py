@@ -98,6 +98,8 @@ label can never produce a plausible-looking loss); the loss launch's last progra
 it counts the mean's divisor) raises a device-side flag, which :mod:`calibkernels._target_checks` turns into a
 ``ValueError`` without stalling the host (``CALIBKERNELS_VALIDATE=async``, the default; ``sync`` raises at once at the
 cost of one synchronisation per call; ``0`` never reads the flag).
+A mix is checked in the same scan (a ``mix_target`` outside ``[0, C)`` on a row whose target is not ignored, a λ
+outside [0, 1] or NaN: that row is NaN too), so a mixed batch costs no check launches of its own.
 
 Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` with ``torch.library.custom_op`` (the same
 schema as the compiled op: in place is its mutable ``grad_out`` argument) and ``register_fake``, so
@@ -222,6 +224,33 @@ def _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index):
 
 
 @triton.jit
+def _mix_chunk(mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid, num_classes):
+    """One chunk of the scan of a mix, beside :func:`_target_chunk`'s: ``(mix_bad, lambda_bad)``, whether each row's
+    ``mix_target`` is not a class index where its target is not ignored (``valid``), and whether its λ is outside
+    [0, 1] or NaN (compared in λ's own dtype; every row, ignored or not, as the host check reads them)."""
+    mix = tl.load(mix_ptr + rows, mask=in_batch & valid, other=0).to(tl.int64)
+    lam = tl.load(lambda_ptr + rows.to(tl.int64) * lambda_stride, mask=in_batch, other=0)
+    return valid & ((mix < 0) | (mix >= num_classes)), in_batch & ~((lam >= 0) & (lam <= 1))
+
+
+@triton.jit
+def _store_target_flag(error_ptr, bad_any, bad_value, first_mix, first_lambda, mix_ptr, num_rows,
+                       CHECK_MIX: tl.constexpr):
+    """The target flag of class indices, ``(code, value)`` (calibkernels._codes.TARGET_FLAG_CODES), from a scan's
+    results: 1 and the largest bad target where a target is bad; else, with a mix (CHECK_MIX), 2 and the first bad
+    row's ``mix_target`` (``first_mix``), or 3 and the first row of a bad λ (``first_lambda``; both ``num_rows``
+    when none is); else 0."""
+    code = bad_any.to(tl.int64)
+    value = bad_value
+    if CHECK_MIX:
+        mix_value = tl.load(mix_ptr + tl.minimum(first_mix, num_rows - 1)).to(tl.int64)
+        code = tl.where(bad_any != 0, code, tl.where(first_mix < num_rows, 2, tl.where(first_lambda < num_rows, 3, 0)))
+        value = tl.where(code == 2, mix_value, tl.where(code == 3, first_lambda, value))
+    tl.store(error_ptr, code)
+    tl.store(error_ptr + 1, value)
+
+
+@triton.jit
 def _count_valid(target_ptr, num_rows, num_classes, ignore_index, BLOCK: tl.constexpr):
     """The number of rows whose class-index target is not ``ignore_index`` (the mean's divisor)."""
     offs = tl.arange(0, BLOCK)
@@ -264,16 +293,18 @@ def _gradient_scale(valid_count_ptr, target_ptr, num_rows, num_classes, ignore_i
 
 @triton.jit
 def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
-            num_rows, num_classes, ignore_index,
+            mix_ptr, lambda_ptr, lambda_stride, num_rows, num_classes, ignore_index,
             REDUCTION: tl.constexpr, COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FOLD_FLAGS: tl.constexpr,
-            BLOCK: tl.constexpr):
+            CHECK_MIX: tl.constexpr, BLOCK: tl.constexpr):
     """The end of every program of a loss launch: the last program to finish its row (a ticket drawn from
     ``counter``) folds the batch, so that the loss launch is the forward's only one:
 
     * REDUCTION mean/sum: ``Σ_i L_i`` over ``row_loss`` in a fixed order (the loss is bitwise reproducible), ÷ the
       mean's divisor (COUNT: ``num_rows``, the non-ignored targets counted here, or ``valid_count``), stored in the
       loss's dtype (all rows ignored: 0, never NaN);
-    * CHECK_TARGETS: the flag of class-index targets, ``(any out of range, the largest such value)``, into ``error``;
+    * CHECK_TARGETS: the flag of class-index targets (:func:`_store_target_flag`) into ``error``: whether a target is
+      out of range (the largest such value), with a mix (CHECK_MIX: ``mix_target`` and λ at ``lambda_ptr + row *
+      lambda_stride``) also whether a ``mix_target`` or λ is bad;
     * FOLD_FLAGS: a dense target's per-row flags into ``error``, ``(any row flagged, the first flagged row)``
       (``num_rows`` when none is), as :func:`calibkernels._validation.first_flagged_row` makes it.
 
@@ -290,6 +321,8 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
         bad_any = tl.zeros((BLOCK,), tl.int32)
         bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
         first = tl.full((BLOCK,), num_rows, tl.int64)
+        first_mix = tl.full((BLOCK,), num_rows, tl.int64)
+        first_lambda = tl.full((BLOCK,), num_rows, tl.int64)
         for start in range(0, num_rows, BLOCK):
             rows = start + offs
             in_batch = rows < num_rows
@@ -300,6 +333,11 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
                 count += valid.to(tl.int32)
                 bad_any = bad_any | bad.to(tl.int32)
                 bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
+                if CHECK_MIX:
+                    mix_bad, lambda_bad = _mix_chunk(mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid,
+                                                     num_classes)
+                    first_mix = tl.minimum(first_mix, tl.where(mix_bad, rows.to(tl.int64), num_rows))
+                    first_lambda = tl.minimum(first_lambda, tl.where(lambda_bad, rows.to(tl.int64), num_rows))
             if FOLD_FLAGS:
                 flagged = tl.load(row_flags_ptr + rows, mask=in_batch, other=0, cache_modifier=".cg") != 0
                 first = tl.minimum(first, tl.where(flagged, rows.to(tl.int64), num_rows))
@@ -309,8 +347,8 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
                 total = total / _mean_divisor(valid_count_ptr, tl.sum(count, 0), num_rows, COUNT)
             tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
         if CHECK_TARGETS:
-            tl.store(error_ptr, tl.max(bad_any, 0).to(tl.int64))
-            tl.store(error_ptr + 1, tl.max(bad_value, 0))
+            _store_target_flag(error_ptr, tl.max(bad_any, 0), tl.max(bad_value, 0), tl.min(first_mix, 0),
+                               tl.min(first_lambda, 0), mix_ptr, num_rows, CHECK_MIX)
         if FOLD_FLAGS:
             first_row = tl.min(first, 0)
             tl.store(error_ptr, (first_row < num_rows).to(tl.int64))
@@ -568,7 +606,8 @@ def _uncertainty_weighted_ce_fwd_kernel(
         WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO, COUNT, FINISH_BLOCK)
     if REDUCTION != _REDUCTION_NONE or CHECK_TARGETS:
         _finish(row_loss_ptr, target_ptr, row_loss_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
-                num_rows, num_classes, ignore_index, REDUCTION, COUNT, CHECK_TARGETS, False, FINISH_BLOCK)
+                target_ptr, row_loss_ptr, 0, num_rows, num_classes, ignore_index, REDUCTION, COUNT, CHECK_TARGETS,
+                False, False, FINISH_BLOCK)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -811,7 +850,10 @@ def _soft_target_ce_fwd_kernel(
             mix_in_range = (mix >= 0) & (mix < num_classes)
             is_bad = is_bad | (is_valid & ((mix < 0) | (mix >= num_classes)))
             safe_mix = tl.where(mix_in_range & in_range, mix, safe_target)
-            lam = tl.load(lambda_ptr + row * lambda_stride).to(tl.float32)
+            lam = tl.load(lambda_ptr + row * lambda_stride)
+            # a λ outside [0, 1] (or NaN) makes the row NaN, as a bad mix_target does; the flag names it
+            is_bad = is_bad | (is_valid & ~((lam >= 0) & (lam <= 1)))
+            lam = lam.to(tl.float32)
             w_target = one_minus_a * lam
             w_mix = one_minus_a * (1.0 - lam)
         else:
@@ -1042,30 +1084,39 @@ def _soft_target_ce_fwd_kernel(
                 _store_gradient(grad_row + offs, grad, col_mask, scale, is_valid, is_bad, "evict_first")
     if REDUCTION != _REDUCTION_NONE or CHECK_TARGETS or DENSE_FLAGS:
         _finish(row_loss_ptr, target_ptr, dense_bad_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
-                num_rows, num_classes, ignore_index, REDUCTION, COUNT, CHECK_TARGETS, DENSE_FLAGS, FINISH_BLOCK)
+                mix_ptr, lambda_ptr, lambda_stride, num_rows, num_classes, ignore_index, REDUCTION, COUNT,
+                CHECK_TARGETS, DENSE_FLAGS, HAS_MIX, FINISH_BLOCK)
 
 
 @triton.jit
 def _uncertainty_weighted_ce_targets_kernel(
-    target_ptr, num_rows, num_classes, ignore_index, valid_count_ptr, error_ptr, BLOCK: tl.constexpr,
+    target_ptr, mix_ptr, lambda_ptr, lambda_stride, num_rows, num_classes, ignore_index, valid_count_ptr, error_ptr,
+    CHECK_MIX: tl.constexpr, BLOCK: tl.constexpr,
 ):
     """One program, before the loss kernel of a batch too large to count its targets in every program (COUNT
-    ``COUNT_LOADED``): the mean's divisor (non-ignored rows) into ``valid_count``, and the out-of-range flag ``error =
-    (any bad, largest bad value)``."""
+    ``COUNT_LOADED``): the mean's divisor (non-ignored rows) into ``valid_count``, and the target flag into ``error``
+    (:func:`_store_target_flag`; with a mix, CHECK_MIX, its values checked too)."""
     MIN_INT64: tl.constexpr = -9223372036854775807
     offs = tl.arange(0, BLOCK)
     count = tl.zeros((BLOCK,), tl.int64)
     bad_any = tl.zeros((BLOCK,), tl.int32)
     bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
+    first_mix = tl.full((BLOCK,), num_rows, tl.int64)
+    first_lambda = tl.full((BLOCK,), num_rows, tl.int64)
     for start in range(0, num_rows, BLOCK):
         rows = start + offs
-        t, valid, bad = _target_chunk(target_ptr, rows, rows < num_rows, num_classes, ignore_index)
+        in_batch = rows < num_rows
+        t, valid, bad = _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index)
         count += valid.to(tl.int64)
         bad_any = bad_any | bad.to(tl.int32)
         bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
+        if CHECK_MIX:
+            mix_bad, lambda_bad = _mix_chunk(mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid, num_classes)
+            first_mix = tl.minimum(first_mix, tl.where(mix_bad, rows.to(tl.int64), num_rows))
+            first_lambda = tl.minimum(first_lambda, tl.where(lambda_bad, rows.to(tl.int64), num_rows))
     tl.store(valid_count_ptr, tl.sum(count, 0))
-    tl.store(error_ptr, tl.max(bad_any, 0).to(tl.int64))
-    tl.store(error_ptr + 1, tl.max(bad_value, 0))
+    _store_target_flag(error_ptr, tl.max(bad_any, 0), tl.max(bad_value, 0), tl.min(first_mix, 0),
+                       tl.min(first_lambda, 0), mix_ptr, num_rows, CHECK_MIX)
 
 
 @triton.jit
@@ -1206,7 +1257,8 @@ def uncertainty_weighted_ce_forward(
     ``logits (N, C)`` with unit column stride and any row stride; ``target (N,)`` int64. ``loss`` is 0-dim for
     mean/sum, ``(N,)`` for none. The gradient is written into ``grad_out`` when given (``(N, C)``, unit column stride,
     e.g. the logits themselves; ``grad`` is then empty), else returned as a new ``(N, C)`` tensor; neither when
-    ``compute_grad`` is false. ``target_flag`` is the device-side ``(any bad target, a bad value)``.
+    ``compute_grad`` is false. ``target_flag`` is the device-side ``(code, value)`` of :func:`_store_target_flag`
+    (a bad target, ``mix_target`` or λ).
     Soft targets (module docstring): ``mix_target (N,)`` int64 with ``mix_lambda`` (``()`` or ``(N,)``),
     ``label_smoothing``, or a floating ``target (N, C)`` (dense: the mean divides by N, and ``target_flag`` is
     ``(any bad row, the first bad row)`` of the kernel's value check, folded by the launch's last program; of float64
@@ -1248,6 +1300,10 @@ def uncertainty_weighted_ce_forward(
         error = V.dense_target_flag(target) if dense and not dense_flags else torch.zeros(2, dtype=torch.int64,
                                                                                            device=device)
         return loss, grad, error
+    # a mix's values are checked with the targets, by the launch that checks those (the first slot of the flag says
+    # which was bad: calibkernels._codes.TARGET_FLAG_CODES)
+    has_mix = mix_target is not None
+    lambda_stride = mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         count, valid_count = COUNT_ROWS, row_loss  # placeholder
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
@@ -1259,8 +1315,9 @@ def uncertainty_weighted_ce_forward(
         counts = torch.empty(3, dtype=torch.int64, device=device)
         error, valid_count = counts[:2], counts[2:]
         _uncertainty_weighted_ce_targets_kernel[(1,)](
-            target, num_rows, num_classes, int(ignore_index), valid_count, error,
-            BLOCK=min(4096, _next_power_of_2(num_rows)), num_warps=4)
+            target, mix_target if has_mix else target, mix_lambda if has_mix else row_loss, lambda_stride,
+            num_rows, num_classes, int(ignore_index), valid_count, error,
+            CHECK_MIX=has_mix, BLOCK=min(4096, _next_power_of_2(num_rows)), num_warps=4)
     else:  # the loss launch counts and checks the targets itself
         count = COUNT_INLINE
         error = torch.empty(2, dtype=torch.int64, device=device)
@@ -1278,12 +1335,10 @@ def uncertainty_weighted_ce_forward(
                 COUNT=count, CHECK_TARGETS=count == COUNT_INLINE, FINISH_BLOCK=_finish_block(num_rows, num_warps),
                 num_warps=num_warps)
     if soft:
-        has_mix = mix_target is not None
         _soft_target_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0),
             target, target.stride(0) if dense else 0,
-            mix_target if has_mix else target, mix_lambda if has_mix else row_loss,
-            mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0,
+            mix_target if has_mix else target, mix_lambda if has_mix else row_loss, lambda_stride,
             *weight_args, *output_args, dense_bad if dense_flags else row_loss, *finish_args,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
             V.dense_row_sum_tolerance(target.dtype),

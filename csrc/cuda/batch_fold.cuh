@@ -28,13 +28,33 @@ using cuda_rows::Params;
 // (bad) and the largest such value (std::numeric_limits<int64_t>::min() when none is).
 struct TargetScan {
   int64_t valid, bad, worst;
-
-  // The op's target flag (2,): whether some target is bad, the largest bad value.
-  __device__ __forceinline__ void store_flag(int64_t* flag) const {
-    flag[0] = bad > 0 ? 1 : 0;
-    flag[1] = worst;
-  }
 };
+
+// A mix's scan (scan_mix): the first row whose mix_target is not a class where its target is not ignore_index, its
+// value, and the first row whose λ is outside [0, 1] or NaN (num_rows where none is).
+struct MixScan {
+  int64_t mix_row, mix_value, lambda_row;
+};
+
+// The op's target flag (2,) of class indices: (TargetFlag, value), the first bad of: a target (the largest bad
+// value), a mix_target (the first bad row's value), a λ (its first bad row); (TargetFlag::None, the scan's `worst`)
+// when none is.
+__device__ __forceinline__ void store_target_flag(int64_t* flag, const TargetScan& scan, const MixScan& mix,
+                                                  int64_t num_rows) {
+  TargetFlag code = TargetFlag::None;
+  int64_t value = scan.worst;
+  if (scan.bad > 0) {
+    code = TargetFlag::Target;
+  } else if (mix.mix_row < num_rows) {
+    code = TargetFlag::MixTarget;
+    value = mix.mix_value;
+  } else if (mix.lambda_row < num_rows) {
+    code = TargetFlag::MixLambda;
+    value = mix.lambda_row;
+  }
+  flag[0] = static_cast<int64_t>(code);
+  flag[1] = value;
+}
 
 template <int kThreads>
 __device__ __forceinline__ TargetScan scan_targets(const int64_t* target, int64_t num_rows, int64_t num_classes,
@@ -58,6 +78,30 @@ __device__ __forceinline__ TargetScan scan_targets(const int64_t* target, int64_
   // group_sum's barrier orders every atomicMax before the reads of `worst`
   const Sums<int64_t, 2> total = group_sum<kThreads>(Sums<int64_t, 2>{{valid, bad}});
   return {total.v[0], total.v[1], check ? static_cast<int64_t>(worst) : std::numeric_limits<int64_t>::min()};
+}
+
+// The scan of a mix by a block of kThreads threads, as the host checks read it: mix_target on the rows whose target
+// is not ignore_index, λ = lambda[i * lambda_stride] on every row (float64 compared as float64). Every thread of the
+// block calls it. Not inlined: its state beside the fold's made ptxas spill in the soft kernels' row code (where
+// registers are capped by the launch bounds); as a call it costs the launch's last block a call and a second read of
+// the targets (from L2), and the other blocks nothing.
+template <int kThreads, typename A>
+__device__ __noinline__ MixScan scan_mix(const int64_t* target, const int64_t* mix, const A* lambda,
+                                         int64_t lambda_stride, int64_t num_rows, int64_t num_classes,
+                                         int64_t ignore_index) {
+  __shared__ long long first_mix, first_lambda;  // atomicMin has no overload for int64_t (long) on LP64
+  if (threadIdx.x == 0) first_mix = first_lambda = static_cast<long long>(num_rows);
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < num_rows; i += kThreads) {
+    const int64_t m = mix[i];
+    if (target[i] != ignore_index && (m < 0 || m >= num_classes)) atomicMin(&first_mix, static_cast<long long>(i));
+    const A lam = lambda[i * lambda_stride];
+    if (!(lam >= A(0) && lam <= A(1))) atomicMin(&first_lambda, static_cast<long long>(i));  // NaN fails both
+  }
+  __syncthreads();
+  const MixScan scan{static_cast<int64_t>(first_mix), 0, static_cast<int64_t>(first_lambda)};
+  __syncthreads();  // every thread has read them before a later call of this block resets them
+  return {scan.mix_row, scan.mix_row < num_rows ? mix[scan.mix_row] : 0, scan.lambda_row};
 }
 
 // The block's count of non-ignored targets where it counts them itself (Params::count_inline), for its rows'
@@ -131,12 +175,15 @@ __device__ __forceinline__ void store_row_loss(const Params<A>& P, int64_t row, 
 // kernel). The last block to finish folds the batch:
 //   * the loss (F.loss): Σ_i L_i over row_loss in a fixed order (thread t takes rows t, t + kThreads, ..., then the
 //     block's tree), so the loss is reproducible bit for bit; ÷ the mean's divisor for the mean;
-//   * count_inline: the targets' flag (any bad target, the largest bad value) into F.target_flag, and the divisor
-//     (the block's inline_count, which a launch without a gradient has not counted before its rows);
+//   * count_inline: the targets' flag (store_target_flag; with a mix, `mix_target` not nullptr, its values checked
+//     too) into F.target_flag, and the divisor (the block's inline_count, which a launch without a gradient has not
+//     counted before its rows);
 //   * row_flags (the soft kernel's, of a dense target; nullptr otherwise): the target's flag into F.target_flag;
 // then resets the ticket counter to 0.
 template <int kThreads, typename scalar_t, typename A>
-__device__ __forceinline__ void finish_rows(const Params<A>& P, const BatchFold& F, const int8_t* row_flags) {
+__device__ __forceinline__ void finish_rows(const Params<A>& P, const BatchFold& F, const int8_t* row_flags,
+                                            const int64_t* mix_target = nullptr, const A* mix_lambda = nullptr,
+                                            int64_t lambda_stride = 0) {
   __shared__ bool last;
   __syncthreads();  // the block's row losses and flags are stored
   if (threadIdx.x == 0) {
@@ -148,8 +195,13 @@ __device__ __forceinline__ void finish_rows(const Params<A>& P, const BatchFold&
   if (!last) return;
   if (P.count_inline) {
     const TargetScan scan = scan_targets<kThreads>(P.target, P.num_rows, P.num_classes, P.ignore_index, true);
+    MixScan mix{P.num_rows, 0, P.num_rows};
+    if (mix_target != nullptr) {  // uniform over the block
+      mix = scan_mix<kThreads>(P.target, mix_target, mix_lambda, lambda_stride, P.num_rows, P.num_classes,
+                               P.ignore_index);
+    }
     if (threadIdx.x == 0) {  // the thread that divides below: the count needs no barrier
-      scan.store_flag(F.target_flag);
+      store_target_flag(F.target_flag, scan, mix, P.num_rows);
       inline_count() = scan.valid;
     }
   }

@@ -974,7 +974,9 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
       return;
     }
     const int64_t mix = SP.mix_target != nullptr ? SP.mix_target[row] : y;
-    if (y < 0 || y >= C || mix < 0 || mix >= C) {  // never used as an index
+    const A lambda = SP.mix_target != nullptr ? SP.mix_lambda[row * SP.lambda_stride] : A(1);
+    // a bad target or mix_target is never used as an index; a λ outside [0, 1] (or NaN) makes the row NaN too
+    if (y < 0 || y >= C || mix < 0 || mix >= C || !(lambda >= A(0) && lambda <= A(1))) {
       fill_row<kGroup>(P, row, lane, grad_row, std::numeric_limits<A>::quiet_NaN());
       return;
     }
@@ -991,7 +993,12 @@ __global__ void __launch_bounds__(kBlockThreads<kGroup>) soft_target_kernel(cons
                                                                                      const BatchFold F) {
   begin_rows<kBlockThreads<kGroup>>(SP.hard);
   soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP);
-  finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard, F, SP.row_flags);
+  if constexpr (std::is_same<target_t, int64_t>::value) {  // class indices: a mix is checked with them
+    finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard, F, SP.row_flags, SP.mix_target, SP.mix_lambda,
+                                                 SP.lambda_stride);
+  } else {  // a dense target has no mix: no scan of one in its kernels (whose rows are short of registers)
+    finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard, F, SP.row_flags);
+  }
 }
 
 // Largest C of each path (float32/float16/bfloat16); float64 has only the warp and streaming paths.

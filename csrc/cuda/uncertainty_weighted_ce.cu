@@ -3,9 +3,10 @@
 // kernels (row_kernels.cuh: the formulas and the launch shapes), the reduction and the backward's in-place scaling.
 // Registered for the CUDA dispatch key.
 //
-// Target policy (the Triton kernel's, see calibkernels/cpp/uncertainty_weighted_ce.py VALIDATE_TARGETS): a target
-// (or, with a mix, a mix_target) outside [0, C) on a row that is not ignore_index is never used as an index; that
-// row's loss and gradient are NaN (so a mean/sum becomes NaN), and the Python wrapper raises ValueError in eager mode.
+// Target policy (the Triton kernel's, see calibkernels/_target_checks.py): a target (or, with a mix, a mix_target)
+// outside [0, C) on a row that is not ignore_index is never used as an index; that row's loss and gradient are NaN
+// (so a mean/sum becomes NaN), as are a row's with a λ outside [0, 1], and the target flag says which (TargetFlag),
+// which the Python wrapper turns into a ValueError in eager mode.
 // A dense target has no ignored rows.
 
 #include <ATen/Dispatch.h>
@@ -55,15 +56,21 @@ constexpr int kReduceThreads = 1024;
 // than a launch of its own (the Triton kernel's INLINE_COUNT_MAX_ROWS).
 constexpr int64_t kInlineCountMaxRows = 1024;
 
-// counts = [the op's target flag: whether some target is neither a class index nor ignore_index, the largest such
-// value (calibkernels._validation.target_flag, without its dozen small torch ops); the mean's divisor: the rows whose
-// target is not ignore_index].
+// counts = [the op's target flag (store_target_flag: a target neither a class index nor ignore_index, with a
+// mix (`mix` not nullptr) a bad mix_target or λ too; calibkernels._validation.target_flag without its dozen small
+// torch ops); the mean's divisor: the rows whose target is not ignore_index]. A: λ's type.
+template <typename A>
 __global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int64_t* target, int64_t num_rows,
                                                                        int64_t num_classes, int64_t ignore_index,
-                                                                       int64_t* counts) {
+                                                                       const int64_t* mix, const A* lambda,
+                                                                       int64_t lambda_stride, int64_t* counts) {
   const TargetScan scan = scan_targets<kReduceThreads>(target, num_rows, num_classes, ignore_index, true);
+  MixScan mix_scan{num_rows, 0, num_rows};
+  if (mix != nullptr) {
+    mix_scan = scan_mix<kReduceThreads>(target, mix, lambda, lambda_stride, num_rows, num_classes, ignore_index);
+  }
   if (threadIdx.x == 0) {
-    scan.store_flag(counts);
+    store_target_flag(counts, scan, mix_scan, num_rows);
     counts[2] = scan.valid;
   }
 }
@@ -180,6 +187,15 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     if (reduced) loss.zero_();
     return {loss, dense ? dense_target_flag(target) : at::zeros({2}, z.options().dtype(at::kLong))};
   }
+  // a mix's values are checked with the targets (TargetScan), by the launch that checks those
+  at::Tensor mixes, lambdas;
+  if (mix_target.has_value()) {
+    mixes = mix_target->contiguous();
+    // () or (N,), read at i * stride. In the accumulation type, where a float64 λ's check sees its float32 value (a
+    // λ a rounding outside [0, 1] is 0 or 1 in the row's sums, which this check then takes as it is).
+    lambdas = mix_lambda->detach().to(acc_dtype);
+  }
+  const int64_t lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
   // The target flag: made by the row launch's last block (class indices without a count launch; a dense target's
   // row flags, where the kernel checks its values), by the count launch (which also counts the mean's divisor before
   // the rows need it), or by device ATen ops (dense targets the kernel does not check).
@@ -192,8 +208,18 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     target_flag = dense_target_flag(target);
   } else if (mean && grad_ptr != nullptr && n > kInlineCountMaxRows) {
     counts = at::empty({3}, t.options());
-    check_targets_kernel<<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, z.size(1),
-                                                           args.ignore_index, counts.mutable_data_ptr<int64_t>());
+    const int64_t* mix = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
+    if (acc_dtype == at::kDouble) {
+      check_targets_kernel<double><<<1, kReduceThreads, 0, stream>>>(
+          t.const_data_ptr<int64_t>(), n, z.size(1), args.ignore_index, mix,
+          lambdas.defined() ? lambdas.const_data_ptr<double>() : nullptr, lambda_stride,
+          counts.mutable_data_ptr<int64_t>());
+    } else {
+      check_targets_kernel<float><<<1, kReduceThreads, 0, stream>>>(
+          t.const_data_ptr<int64_t>(), n, z.size(1), args.ignore_index, mix,
+          lambdas.defined() ? lambdas.const_data_ptr<float>() : nullptr, lambda_stride,
+          counts.mutable_data_ptr<int64_t>());
+    }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     target_flag = counts.slice(0, 0, 2);  // at the buffer's start, as the fake kernel's
   } else {
@@ -203,13 +229,9 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   // a soft row's count of finite logits is an int
   TORCH_CHECK(!args.soft || z.size(1) <= std::numeric_limits<int32_t>::max(),
               "calibkernels::uncertainty_weighted_ce (CUDA): soft targets take at most 2^31 - 1 classes");
-  at::Tensor weights, gammas, mixes, lambdas;
+  at::Tensor weights, gammas;
   if (sample_weight.has_value()) weights = sample_weight->detach().to(acc_dtype).contiguous();
   if (gamma_per_sample.has_value()) gammas = gamma_per_sample->detach().to(acc_dtype).contiguous();
-  if (mix_target.has_value()) {
-    mixes = mix_target->contiguous();
-    lambdas = mix_lambda->detach().to(acc_dtype);  // () or (N,), read at i * stride
-  }
   at::Tensor captured_ticket;
   unsigned int* ticket = launch_ticket(z, stream, captured_ticket);
 
@@ -248,7 +270,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     S.hard = P;
     S.mix_target = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
     S.mix_lambda = lambdas.defined() ? lambdas.const_data_ptr<A>() : nullptr;
-    S.lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
+    S.lambda_stride = lambda_stride;
     S.dense_target = dense ? t.const_data_ptr() : nullptr;
     S.dense_row_stride = dense ? t.stride(0) : 0;
     S.smoothing = static_cast<A>(args.label_smoothing);
@@ -348,7 +370,7 @@ std::pair<int, const char*> cuda_kernels_probe(int device) {
   if (status == cudaSuccess && previous != device) status = cudaSetDevice(device);
   if (status == cudaSuccess) {
     cudaFuncAttributes attributes;
-    status = cudaFuncGetAttributes(&attributes, check_targets_kernel);
+    status = cudaFuncGetAttributes(&attributes, check_targets_kernel<float>);
   }
   (void)cudaGetLastError();  // this probe's own error (none was pending before it), not one for the next launch
   if (previous != device) {
