@@ -124,7 +124,7 @@ import triton.language as tl
 
 from .. import _validation as V
 from .._codes import (DENSE_KERNEL_CHECK_MAX_CLASSES, FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA,
-                      FLSD_MID_THRESHOLD)
+                      FLSD_MID_THRESHOLD, TARGET_FLAG_CODES)
 
 __all__ = [
     "SOFT_TARGETS",
@@ -193,6 +193,9 @@ _COUNT_ROWS, _COUNT_INLINE, _COUNT_LOADED = (tl.constexpr(code) for code in (COU
 # FLSD-53 (Mukhoti et al.): the bands of calibkernels._codes, as in csrc/uncertainty_weighted_ce.h
 _FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA, _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA = (tl.constexpr(v) for v in (
     FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA, FLSD_MID_THRESHOLD, FLSD_MID_GAMMA))
+# the first slot of a class-index target flag (_store_target_flag)
+_FLAG_TARGET, _FLAG_MIX_TARGET, _FLAG_MIX_LAMBDA = (tl.constexpr(TARGET_FLAG_CODES[k]) for k in (
+    "target", "mix_target", "mix_lambda"))
 
 
 
@@ -240,12 +243,13 @@ def _store_target_flag(error_ptr, bad_any, bad_value, first_mix, first_lambda, m
     results: 1 and the largest bad target where a target is bad; else, with a mix (CHECK_MIX), 2 and the first bad
     row's ``mix_target`` (``first_mix``), or 3 and the first row of a bad λ (``first_lambda``; both ``num_rows``
     when none is); else 0."""
-    code = bad_any.to(tl.int64)
+    code = tl.where(bad_any != 0, _FLAG_TARGET, 0).to(tl.int64)
     value = bad_value
     if CHECK_MIX:
         mix_value = tl.load(mix_ptr + tl.minimum(first_mix, num_rows - 1)).to(tl.int64)
-        code = tl.where(bad_any != 0, code, tl.where(first_mix < num_rows, 2, tl.where(first_lambda < num_rows, 3, 0)))
-        value = tl.where(code == 2, mix_value, tl.where(code == 3, first_lambda, value))
+        code = tl.where(bad_any != 0, code, tl.where(first_mix < num_rows, _FLAG_MIX_TARGET,
+                                                     tl.where(first_lambda < num_rows, _FLAG_MIX_LAMBDA, 0)))
+        value = tl.where(code == _FLAG_MIX_TARGET, mix_value, tl.where(code == _FLAG_MIX_LAMBDA, first_lambda, value))
     tl.store(error_ptr, code)
     tl.store(error_ptr + 1, value)
 
