@@ -176,20 +176,35 @@ do_fused() {
 
 # ResNet-50 training throughput on synthetic ImageNet-shaped data (training/README.md, "Synthetic data"): the loss
 # compiled with the model, torch's own ops (the reference backend) against the fused kernels; then a CIFAR-shaped
-# recipe end to end (train, evaluate, temperature, report). img/s of epoch 2 (epoch 1 includes compilation).
-# TRAIN_RUNS picks the runs, TRAIN_EPOCHS their epochs; TRAIN_CIFAR=0 leaves out the CIFAR-shaped recipe.
+# recipe end to end (train, evaluate, temperature, report). img/s of the last epoch (epoch 1 includes compilation),
+# from the epoch's progress line; each throughput run is stopped there, before the evaluation that the last epoch
+# would start (a second compilation, of the model in eval mode, then the test split), and evaluates no earlier epoch.
+# TRAIN_RUNS picks the runs, TRAIN_EPOCHS their epochs, TRAIN_ARGS adds flags to them (later flags win: e.g. a small
+# model for a trial of the stage on a CPU); TRAIN_CIFAR=0 leaves out the CIFAR-shaped recipe.
 do_train() {
+  local epochs=${TRAIN_EPOCHS:-2}
   local r50="$PY -m training.train --recipe imagenet-resnet50-finetune --synthetic --arch tv_resnet50 --batch-size 256
-             --epochs ${TRAIN_EPOCHS:-2} --compile --amp bf16 --channels-last --no-progress"
-  local rc=0 run
+             --epochs $epochs --eval-every $((epochs + 1)) --compile --amp bf16 --channels-last ${TRAIN_ARGS:-}"
+  local rc=0 run log pid line
   : >"$OUT/train-throughput.txt"
   # TRAIN_RUNS: "loss backend" pairs separated by commas (each one a torch.compile of ResNet-50 and its loss)
   local runs
   IFS=, read -r -a runs <<<"${TRAIN_RUNS:-cross_entropy reference,cross_entropy triton,bsce_gra triton,bsce_gra cuda}"
   for run in "${runs[@]}"; do
     set -- $run
-    $r50 --loss "$1" --backend "$2" --output-dir "$OUT/train/r50-$1-$2" >"$OUT/train-r50-$1-$2.log" 2>&1 || rc=$?
-    echo "$1 / $2: $(grep -E '^epoch' "$OUT/train-r50-$1-$2.log" | tail -n 1)" | tee -a "$OUT/train-throughput.txt"
+    log="$OUT/train-r50-$1-$2.log"
+    # stderr is a file, so each epoch ends with one plain progress line: "epoch E/EPOCHS  S steps  loss ... img/s"
+    $r50 --loss "$1" --backend "$2" --output-dir "$OUT/train/r50-$1-$2" >"$log" 2>&1 &
+    pid=$!
+    line=
+    while kill -0 "$pid" 2>/dev/null; do
+      line=$(grep -E "^epoch $epochs/$epochs  [0-9]+ steps .* img/s" "$log" | tail -n 1)
+      if [ -n "$line" ]; then kill -9 "$pid" 2>/dev/null; break; fi
+      sleep 1
+    done
+    wait "$pid" 2>/dev/null
+    [ -n "$line" ] || { line=$(grep -E "^epoch [0-9]+/$epochs  [0-9]+ steps .* img/s" "$log" | tail -n 1); rc=1; }
+    echo "$1 / $2: ${line:-no epoch finished (see $log)}" | tee -a "$OUT/train-throughput.txt"
   done
   if [ "${TRAIN_CIFAR:-1}" != 0 ]; then
     $PY -m training.train --recipe cifar10-resnet50 --synthetic --epochs 2 --amp bf16 --compile --loss bsce_gra \

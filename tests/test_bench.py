@@ -615,19 +615,32 @@ def test_the_lease_script_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_p
 
 
 def test_the_lease_scripts_training_stage_runs_the_runs_it_is_given(tmp_path):
-    """bench/run_on_gpu.sh train with TRAIN_RUNS and TRAIN_CIFAR=0, its Python a stand-in that logs its arguments."""
-    stand_in = tmp_path / "python"
-    stand_in.write_text('#!/bin/sh\necho "$@" >> "$OUT/calls.txt"\necho "epoch 2/2: 100 img/s"\n')
-    stand_in.chmod(0o755)
+    """bench/run_on_gpu.sh train with TRAIN_RUNS and TRAIN_CIFAR=0, its Python a stand-in that logs its arguments:
+    each run is stopped at its last epoch's progress line (on stderr), before the evaluation that would follow, and
+    that line is its result; a run that ends before it fails the stage and says so."""
+    import time
+
+    stand_in = _stand_in_python(tmp_path / "python", """echo "$@" >> "$OUT/calls.txt"
+case "$*" in *"--backend cuda"*) echo "Traceback: no CUDA" >&2; exit 1 ;; esac
+echo "epoch 1/2  100 steps  loss 6.9  lr 0.1  12 img/s  80.0 s" >&2
+echo "epoch    1/2  loss 6.9  train acc 0.10%  12 img/s"
+echo "epoch 2/2  100 steps  loss 6.8  lr 0.1  2500 img/s  10.2 s" >&2
+sleep 60  # the evaluation, which the stage does not wait for
+echo "evaluated" >> "$OUT/calls.txt"
+""")
     out = tmp_path / "out"
-    proc = _run_lease_script(["train"], dict(OUT=str(out), PYTHON=str(stand_in), TRAIN_CIFAR="0",
+    start = time.monotonic()
+    proc = _run_lease_script(["train"], dict(OUT=str(out), PYTHON=stand_in, TRAIN_CIFAR="0",
                                              TRAIN_RUNS="bsce_gra triton,cross_entropy cuda"))
-    assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=0"), proc.stdout + proc.stderr
+    assert time.monotonic() - start < 30, "the stage waited for the evaluation"
+    assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=1"), proc.stdout + proc.stderr
     calls = (out / "calls.txt").read_text().splitlines()
     assert len(calls) == 2 and all("--recipe imagenet-resnet50-finetune" in c for c in calls), calls
+    assert all("--epochs 2 --eval-every 3" in c for c in calls), calls  # no evaluation after epoch 1
     assert "--loss bsce_gra --backend triton" in calls[0] and "--loss cross_entropy --backend cuda" in calls[1]
     assert (out / "train-throughput.txt").read_text().splitlines() == [
-        "bsce_gra / triton: epoch 2/2: 100 img/s", "cross_entropy / cuda: epoch 2/2: 100 img/s"]
+        "bsce_gra / triton: epoch 2/2  100 steps  loss 6.8  lr 0.1  2500 img/s  10.2 s",
+        f"cross_entropy / cuda: no epoch finished (see {out}/train-r50-cross_entropy-cuda.log)"]
 
 
 def test_the_lease_scripts_build_stage_forces_the_device_kernels_and_fails_without_them(tmp_path):
