@@ -2,6 +2,7 @@
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
 #   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [rowsplit] [raise]
+#                            [hostprofile]
 #   (stages run in the order given)
 #
 # PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote but training checkpoints, *.pt) and
@@ -159,6 +160,17 @@ do_rowsplit() {
   $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 1000 4096 10000 32000 128256 262144 --grid-weights \
     2>"$OUT/rowsplit.err"
 }
+# where the host's time of an eager step goes at the classification shapes (whose steps are host-bound): a cProfile of
+# 300 steps per shape and provider (bench/profile_step.py --host-profile), the default call and the CUDA backend
+# beside F.cross_entropy
+do_hostprofile() {
+  $PY -m bench.profile_step --cases 256x1000-bf16-brier 256x1000-bf16-none 8192x1000-bf16-brier 8192x1000-bf16-none \
+    --host-profile \
+    --providers calibkernels calibkernels_cuda torch_cross_entropy >"$OUT/host-profile.txt" 2>&1
+  local rc=$?
+  grep -E "^== host profile|function calls in" "$OUT/host-profile.txt"
+  return $rc
+}
 # soft targets beside hard ones (label smoothing, mixes, dense) on the fused GPU kernels, F.cross_entropy and Liger
 do_soft() {
   $PY -m bench.bench_uncertainty_weighted_ce --device cuda --only-suites cuda-soft-targets --results-dir "$OUT" \
@@ -214,7 +226,8 @@ do_train() {
   return $rc
 }
 
-export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train
+export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train \
+  do_hostprofile
 
 for s in "$@"; do
   case $s in
@@ -228,6 +241,7 @@ for s in "$@"; do
     tune) stage tune do_tune ;;
     rowsplit) stage rowsplit do_rowsplit ;;
     raise) stage raise do_raise ;;
+    hostprofile) stage hostprofile do_hostprofile ;;
     *) echo "unknown stage $s"; exit 2 ;;
   esac
 done

@@ -643,6 +643,26 @@ echo "evaluated" >> "$OUT/calls.txt"
         f"cross_entropy / cuda: no epoch finished (see {out}/train-r50-cross_entropy-cuda.log)"]
 
 
+def test_the_lease_scripts_host_profile_stage_profiles_the_classification_shapes(tmp_path):
+    """bench/run_on_gpu.sh hostprofile: profile_step's cProfile of the default call, the CUDA backend and
+    F.cross_entropy at 256 and 8192 x 1000 bf16, into host-profile.txt, of which it prints the headings."""
+    stand_in = _stand_in_python(tmp_path / "python", """echo "$@" >> "$OUT/calls.txt"
+echo "== host profile: cuda-256x1000-bf16-brier-grad · calibkernels, 300 steps"
+echo "         14400 function calls in 0.5 seconds"
+echo "   ncalls  tottime"
+""")
+    out = tmp_path / "out"
+    proc = _run_lease_script(["hostprofile"], dict(OUT=str(out), PYTHON=stand_in))
+    lines = proc.stdout.strip().splitlines()
+    assert lines[-1].startswith("hostprofile: rc=0"), proc.stdout + proc.stderr
+    assert lines[-3:-1] == ["== host profile: cuda-256x1000-bf16-brier-grad · calibkernels, 300 steps",
+                            "         14400 function calls in 0.5 seconds"], proc.stdout
+    (call,) = (out / "calls.txt").read_text().splitlines()
+    assert call.startswith("-m bench.profile_step --cases 256x1000-bf16-brier 256x1000-bf16-none") and (
+        "--host-profile --providers calibkernels calibkernels_cuda torch_cross_entropy" in call), call
+    assert "ncalls" in (out / "host-profile.txt").read_text()
+
+
 def test_the_lease_scripts_build_stage_forces_the_device_kernels_and_fails_without_them(tmp_path):
     """The build stage compiles with CALIBKERNELS_FORCE_CUDA=1 (setup.py would otherwise build without the CUDA
     kernels where it finds no nvcc) and fails, with one line saying why, when the extension it leaves has none on a
