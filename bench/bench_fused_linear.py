@@ -4,7 +4,8 @@ output layer's loss, ``loss = f(hidden, W, target); loss.backward()``, until ``h
 Providers (each is skipped with the reason where it cannot run):
 
 * ``calibkernels_fused_linear``: :func:`calibkernels.fused_linear_uncertainty_weighted_ce` (default backend and
-  chunk size);
+  chunk size, which its rows' ``config`` records); with ``--chunk-sizes``, ``calibkernels_fused_linear_chunk<K>`` too,
+  the same at chunks of K rows;
 * ``materialized_calibkernels``: ``logits = hidden @ W.T`` then ``ck.uncertainty_weighted_ce(logits, ...,
   inplace=True)`` (the fused op with the gradient written over the logits: the least memory a materialising step
   needs);
@@ -77,10 +78,20 @@ class Skip(Exception):
 
 
 # ------------------------------------------------------------------------------------------------------ providers
-def _fused_linear(case):
+def _fused_linear(case, chunk_size=None):
     def step(hidden, w, target):
-        return ck.fused_linear_uncertainty_weighted_ce(hidden, w, target, weight=case["weight"], mode=case["mode"])
+        return ck.fused_linear_uncertainty_weighted_ce(hidden, w, target, weight=case["weight"], mode=case["mode"],
+                                                       chunk_size=chunk_size)
     return step
+
+
+def chunk_provider(chunk_size: int) -> str:
+    """The name of ``calibkernels_fused_linear`` at another chunk size (``--chunk-sizes``), registered in
+    :data:`PROVIDERS` and :data:`PROVIDER_CONFIG` on first use."""
+    name = f"calibkernels_fused_linear_chunk{chunk_size}"
+    PROVIDERS.setdefault(name, lambda case: _fused_linear(case, chunk_size))
+    PROVIDER_CONFIG.setdefault(name, {"chunk_size": chunk_size})
+    return name
 
 
 def _materialized_calibkernels(case):
@@ -240,6 +251,9 @@ def run_case(case, providers, warmup, reps, max_time_s, memory, base=None):
             results[name] = {"status": _error(exc)}
         if name in PROVIDER_CONFIG:
             results[name]["config"] = dict(PROVIDER_CONFIG[name])
+        elif name == BASE:  # the chunk the default picks for this case
+            results[name]["config"] = {"chunk_size": default_chunk_size(
+                case["n"], case["c"], case["h"], DTYPES[case["dtype"]].itemsize, device)}
     # warm-up (compilation, JIT), and each provider's result for the cross-check
     outputs = {}
     for name, step in list(steps.items()):
@@ -394,12 +408,19 @@ def main(argv=None):
     parser.add_argument("--weights", nargs="+", default=[f"{w}/{m}" for w, m in WEIGHTS],
                         help="weight/mode pairs, e.g. brier/grad none/grad")
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=list(PROVIDERS))
+    parser.add_argument("--chunk-sizes", nargs="+", type=int, default=[], metavar="K",
+                        help="also time calibkernels_fused_linear at chunks of K rows (beside its default chunk)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--reps", type=int, default=None, help="default: 5 on CPU, 20 on CUDA")
     parser.add_argument("--max-time", type=float, default=60.0, help="seconds of timed repetitions per provider")
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--out", help="result stem (default bench/results/fused-linear-<device>-<date>)")
     args = parser.parse_args(argv)
+    if any(k < 1 for k in args.chunk_sizes):
+        parser.error(f"--chunk-sizes must be positive row counts, got {args.chunk_sizes}")
+    if args.chunk_sizes:  # beside the default chunk, in the order given
+        at = args.providers.index(BASE) + 1 if BASE in args.providers else 0
+        args.providers[at:at] = [chunk_provider(k) for k in dict.fromkeys(args.chunk_sizes)]
     n, h, c, dtype = DEFAULT_CASES[args.device]
     n, h, c, dtype = args.n or n, args.h or h, args.c or c, args.dtype or dtype
     reps = args.reps or (5 if args.device == "cpu" else 20)

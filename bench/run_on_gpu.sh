@@ -176,13 +176,15 @@ do_soft() {
   $PY -m bench.bench_uncertainty_weighted_ce --device cuda --only-suites cuda-soft-targets --results-dir "$OUT" \
     2>"$OUT/soft.err"
 }
-# fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy. Not
+# fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy, ours also
+# at chunks of 256 and 2048 rows beside its default (FUSED_CHUNKS; empty: the default only). Not
 # chunked_reference_compiled by default: inductor compiles it for minutes at this size, which a short lease cannot
 # spare (FUSED_ARGS='--providers ... chunked_reference_compiled' adds it; the script measures it last). The
 # script rewrites its results after each case, so a stage stopped at DEADLINE keeps the rows measured so far.
 do_fused() {
+  local chunks=${FUSED_CHUNKS-256 2048}
   $PY -m bench.bench_fused_linear --device cuda --out "$OUT/fused-linear-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")-$(date +%F)" \
-    --providers calibkernels_fused_linear liger_fused_linear_cross_entropy cut_cross_entropy materialized_calibkernels \
+    ${chunks:+--chunk-sizes $chunks} --providers calibkernels_fused_linear liger_fused_linear_cross_entropy cut_cross_entropy materialized_calibkernels \
     materialized_torch ${FUSED_ARGS:-} 2>"$OUT/fused.err"
 }
 

@@ -745,7 +745,8 @@ def test_the_lease_scripts_archive_leaves_out_checkpoints(tmp_path):
 
 def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_path):
     """The fused stage names the fused providers and eager materialised logits, not the torch.compile provider (its
-    compilation took the stage's whole time); FUSED_ARGS comes last, so its --providers replaces the list."""
+    compilation took the stage's whole time), and ours at chunks of 256 and 2048 rows too (FUSED_CHUNKS="": none);
+    FUSED_ARGS comes last, so its --providers replaces the list."""
     stand_in = _stand_in_python(tmp_path / "python", 'if [ "$1" = -c ]; then echo h100; exit 0; fi\n'
                                                      'echo "$@" >> "$OUT/calls.txt"\n')
     out = tmp_path / "out"
@@ -755,6 +756,8 @@ def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_pa
         assert proc.stdout.strip().splitlines()[-1].startswith("fused: rc=0"), proc.stdout + proc.stderr
         call = (out / "calls.txt").read_text().split()
         assert call[:4] == ["-m", "bench.bench_fused_linear", "--device", "cuda"], call
+        at = call.index("--chunk-sizes")  # ours at other chunks beside the default
+        assert call[at + 1:at + 4] == ["256", "2048", "--providers"], call
         last = len(call) - call[::-1].index("--providers")
         providers = call[last:]
         if fused_args:
@@ -762,6 +765,32 @@ def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_pa
         else:
             assert providers == ["calibkernels_fused_linear", "liger_fused_linear_cross_entropy", "cut_cross_entropy",
                                  "materialized_calibkernels", "materialized_torch"], call
+    proc = _run_lease_script(["fused"], dict(OUT=str(out), PYTHON=stand_in, FUSED_CHUNKS=""))
+    assert "--chunk-sizes" not in (out / "calls.txt").read_text().splitlines()[-1], proc.stdout + proc.stderr
+
+
+def test_the_fused_linear_bench_times_other_chunk_sizes_beside_the_default(tmp_path, monkeypatch):
+    """--chunk-sizes adds calibkernels_fused_linear at those chunks, right after the default provider, each row's
+    config naming its chunk (the default's the one default_chunk_size picked), with the same loss and gradient; a
+    chunk that is not a positive row count is one error line and exit status 2."""
+    from bench import bench_fused_linear as B
+    from calibkernels.fused_linear import default_chunk_size
+
+    monkeypatch.setattr(B, "PROVIDERS", dict(B.PROVIDERS))
+    monkeypatch.setattr(B, "PROVIDER_CONFIG", dict(B.PROVIDER_CONFIG))
+    B.main(["--device", "cpu", "--n", "12", "--h", "8", "--c", "20", "--reps", "2", "--warmup", "1", "--no-memory",
+            "--weights", "brier/grad", "--out", str(tmp_path / "fl"), "--chunk-sizes", "5", "12", "5",
+            "--providers", "materialized_calibkernels", "calibkernels_fused_linear"])
+    rows = json.loads((tmp_path / "fl.json").read_text())["results"]
+    assert [(r["provider"], r.get("config")) for r in rows] == [
+        ("materialized_calibkernels", None),
+        ("calibkernels_fused_linear", {"chunk_size": default_chunk_size(12, 20, 8, 4, "cpu")}),
+        ("calibkernels_fused_linear_chunk5", {"chunk_size": 5}),
+        ("calibkernels_fused_linear_chunk12", {"chunk_size": 12})]
+    assert all(r["status"] == "ok" and r["loss_rel_diff"] < 1e-6 and r["grad_hidden_rel_diff"] < 1e-5 for r in rows)
+    with pytest.raises(SystemExit) as exit_info:
+        B.main(["--device", "cpu", "--chunk-sizes", "0"])
+    assert exit_info.value.code == 2
 
 
 def _fused_linear_main(tmp_path, monkeypatch, factories, providers):
