@@ -227,13 +227,18 @@ def _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index):
 
 
 @triton.jit
-def _mix_chunk(mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid, num_classes):
-    """One chunk of the scan of a mix, beside :func:`_target_chunk`'s: ``(mix_bad, lambda_bad)``, whether each row's
-    ``mix_target`` is not a class index where its target is not ignored (``valid``), and whether its λ is outside
-    [0, 1] or NaN (compared in λ's own dtype; every row, ignored or not, as the host check reads them)."""
+def _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid, num_classes):
+    """One chunk of the scan of a mix, beside :func:`_target_chunk`'s: ``first_mix`` and ``first_lambda`` (per lane,
+    ``num_rows`` where none is yet) lowered to the chunk's rows whose ``mix_target`` is not a class index where the
+    target is not ignored (``valid``), and whose λ is outside [0, 1] or NaN (compared in λ's own dtype; every row,
+    ignored or not, as the host check reads them)."""
     mix = tl.load(mix_ptr + rows, mask=in_batch & valid, other=0).to(tl.int64)
     lam = tl.load(lambda_ptr + rows.to(tl.int64) * lambda_stride, mask=in_batch, other=0)
-    return valid & ((mix < 0) | (mix >= num_classes)), in_batch & ~((lam >= 0) & (lam <= 1))
+    mix_bad = valid & ((mix < 0) | (mix >= num_classes))
+    lambda_bad = in_batch & ~((lam >= 0) & (lam <= 1))
+    rows64 = rows.to(tl.int64)
+    return (tl.minimum(first_mix, tl.where(mix_bad, rows64, first_mix)),
+            tl.minimum(first_lambda, tl.where(lambda_bad, rows64, first_lambda)))
 
 
 @triton.jit
@@ -338,10 +343,8 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
                 bad_any = bad_any | bad.to(tl.int32)
                 bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
                 if CHECK_MIX:
-                    mix_bad, lambda_bad = _mix_chunk(mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid,
-                                                     num_classes)
-                    first_mix = tl.minimum(first_mix, tl.where(mix_bad, rows.to(tl.int64), num_rows))
-                    first_lambda = tl.minimum(first_lambda, tl.where(lambda_bad, rows.to(tl.int64), num_rows))
+                    first_mix, first_lambda = _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride,
+                                                         rows, in_batch, valid, num_classes)
             if FOLD_FLAGS:
                 flagged = tl.load(row_flags_ptr + rows, mask=in_batch, other=0, cache_modifier=".cg") != 0
                 first = tl.minimum(first, tl.where(flagged, rows.to(tl.int64), num_rows))
@@ -1115,9 +1118,8 @@ def _uncertainty_weighted_ce_targets_kernel(
         bad_any = bad_any | bad.to(tl.int32)
         bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
         if CHECK_MIX:
-            mix_bad, lambda_bad = _mix_chunk(mix_ptr, lambda_ptr, lambda_stride, rows, in_batch, valid, num_classes)
-            first_mix = tl.minimum(first_mix, tl.where(mix_bad, rows.to(tl.int64), num_rows))
-            first_lambda = tl.minimum(first_lambda, tl.where(lambda_bad, rows.to(tl.int64), num_rows))
+            first_mix, first_lambda = _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride, rows,
+                                                 in_batch, valid, num_classes)
     tl.store(valid_count_ptr, tl.sum(count, 0))
     _store_target_flag(error_ptr, tl.max(bad_any, 0), tl.max(bad_value, 0), tl.min(first_mix, 0),
                        tl.min(first_lambda, 0), mix_ptr, num_rows, CHECK_MIX)
