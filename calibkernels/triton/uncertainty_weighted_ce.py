@@ -196,7 +196,8 @@ _FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA, _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA = (tl
 # the first slot of a class-index target flag (_store_target_flag)
 _FLAG_TARGET, _FLAG_MIX_TARGET, _FLAG_MIX_LAMBDA = (tl.constexpr(TARGET_FLAG_CODES[k]) for k in (
     "target", "mix_target", "mix_lambda"))
-
+# below every target: the running maximum of a scan's bad targets before it has seen one
+_MIN_INT64 = tl.constexpr(-9223372036854775807)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -242,12 +243,39 @@ def _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride, rows
 
 
 @triton.jit
+def _scan_start(num_rows, BLOCK: tl.constexpr):
+    """The per-lane accumulators of a scan of class-index targets before its first chunk (:func:`_scan_chunk`):
+    ``(bad_any, bad_value, first_mix, first_lambda)``, no bad target and no bad mix row."""
+    return (tl.zeros((BLOCK,), tl.int32), tl.full((BLOCK,), _MIN_INT64, tl.int64),
+            tl.full((BLOCK,), num_rows, tl.int64), tl.full((BLOCK,), num_rows, tl.int64))
+
+
+@triton.jit
+def _scan_chunk(count, bad_any, bad_value, first_mix, first_lambda, target_ptr, mix_ptr, lambda_ptr, lambda_stride,
+                rows, in_batch, num_classes, ignore_index, CHECK_MIX: tl.constexpr):
+    """One chunk of the scan of class-index targets that makes the target flag: per lane, ``count`` (in its own
+    dtype) of the rows whose target is not ``ignore_index``, whether a target is out of range (``bad_any``) and the
+    largest such (``bad_value``), and with a mix (CHECK_MIX) the first bad rows of :func:`_mix_chunk`; returned
+    updated, in that order."""
+    t, valid, bad = _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index)
+    count += valid.to(count.dtype)
+    bad_any = bad_any | bad.to(tl.int32)
+    bad_value = tl.maximum(bad_value, tl.where(bad, t, _MIN_INT64))
+    if CHECK_MIX:
+        first_mix, first_lambda = _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride, rows,
+                                             in_batch, valid, num_classes)
+    return count, bad_any, bad_value, first_mix, first_lambda
+
+
+@triton.jit
 def _store_target_flag(error_ptr, bad_any, bad_value, first_mix, first_lambda, mix_ptr, num_rows,
                        CHECK_MIX: tl.constexpr):
     """The target flag of class indices, ``(code, value)`` (calibkernels._codes.TARGET_FLAG_CODES), from a scan's
-    results: 1 and the largest bad target where a target is bad; else, with a mix (CHECK_MIX), 2 and the first bad
-    row's ``mix_target`` (``first_mix``), or 3 and the first row of a bad λ (``first_lambda``; both ``num_rows``
-    when none is); else 0."""
+    per-lane results (:func:`_scan_chunk`): 1 and the largest bad target where a target is bad; else, with a mix
+    (CHECK_MIX), 2 and the first bad row's ``mix_target`` (``first_mix``), or 3 and the first row of a bad λ
+    (``first_lambda``; both ``num_rows`` when none is); else 0."""
+    bad_any, bad_value = tl.max(bad_any, 0), tl.max(bad_value, 0)
+    first_mix, first_lambda = tl.min(first_mix, 0), tl.min(first_lambda, 0)
     code = tl.where(bad_any != 0, _FLAG_TARGET, 0).to(tl.int64)
     value = bad_value
     if CHECK_MIX:
@@ -320,31 +348,23 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
     It then resets ``counter`` to 0 for the next launch on the stream. Each program's threads meet at a barrier before
     its ticket, whose atomic is acquire-release at GPU scope, so the last program sees every row's stores; it reads
     them past L1 (``.cg``)."""
-    MIN_INT64: tl.constexpr = -9223372036854775807
     tl.debug_barrier()
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel")
     if ticket == tl.num_programs(0) - 1:
         offs = tl.arange(0, BLOCK)
         acc = tl.zeros((BLOCK,), tl.float32)
         count = tl.zeros((BLOCK,), tl.int32)
-        bad_any = tl.zeros((BLOCK,), tl.int32)
-        bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
+        bad_any, bad_value, first_mix, first_lambda = _scan_start(num_rows, BLOCK)
         first = tl.full((BLOCK,), num_rows, tl.int64)
-        first_mix = tl.full((BLOCK,), num_rows, tl.int64)
-        first_lambda = tl.full((BLOCK,), num_rows, tl.int64)
         for start in range(0, num_rows, BLOCK):
             rows = start + offs
             in_batch = rows < num_rows
             if REDUCTION != _REDUCTION_NONE:
                 acc += tl.load(row_loss_ptr + rows, mask=in_batch, other=0.0, cache_modifier=".cg")
             if CHECK_TARGETS:
-                t, valid, bad = _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index)
-                count += valid.to(tl.int32)
-                bad_any = bad_any | bad.to(tl.int32)
-                bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
-                if CHECK_MIX:
-                    first_mix, first_lambda = _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride,
-                                                         rows, in_batch, valid, num_classes)
+                count, bad_any, bad_value, first_mix, first_lambda = _scan_chunk(
+                    count, bad_any, bad_value, first_mix, first_lambda, target_ptr, mix_ptr, lambda_ptr,
+                    lambda_stride, rows, in_batch, num_classes, ignore_index, CHECK_MIX)
             if FOLD_FLAGS:
                 flagged = tl.load(row_flags_ptr + rows, mask=in_batch, other=0, cache_modifier=".cg") != 0
                 first = tl.minimum(first, tl.where(flagged, rows.to(tl.int64), num_rows))
@@ -354,8 +374,7 @@ def _finish(row_loss_ptr, target_ptr, row_flags_ptr, valid_count_ptr, loss_ptr, 
                 total = total / _mean_divisor(valid_count_ptr, tl.sum(count, 0), num_rows, COUNT)
             tl.store(loss_ptr, total.to(loss_ptr.dtype.element_ty))
         if CHECK_TARGETS:
-            _store_target_flag(error_ptr, tl.max(bad_any, 0), tl.max(bad_value, 0), tl.min(first_mix, 0),
-                               tl.min(first_lambda, 0), mix_ptr, num_rows, CHECK_MIX)
+            _store_target_flag(error_ptr, bad_any, bad_value, first_mix, first_lambda, mix_ptr, num_rows, CHECK_MIX)
         if FOLD_FLAGS:
             first_row = tl.min(first, 0)
             tl.store(error_ptr, (first_row < num_rows).to(tl.int64))
@@ -1103,26 +1122,16 @@ def _uncertainty_weighted_ce_targets_kernel(
     """One program, before the loss kernel of a batch too large to count its targets in every program (COUNT
     ``COUNT_LOADED``): the mean's divisor (non-ignored rows) into ``valid_count``, and the target flag into ``error``
     (:func:`_store_target_flag`; with a mix, CHECK_MIX, its values checked too)."""
-    MIN_INT64: tl.constexpr = -9223372036854775807
     offs = tl.arange(0, BLOCK)
     count = tl.zeros((BLOCK,), tl.int64)
-    bad_any = tl.zeros((BLOCK,), tl.int32)
-    bad_value = tl.full((BLOCK,), MIN_INT64, tl.int64)
-    first_mix = tl.full((BLOCK,), num_rows, tl.int64)
-    first_lambda = tl.full((BLOCK,), num_rows, tl.int64)
+    bad_any, bad_value, first_mix, first_lambda = _scan_start(num_rows, BLOCK)
     for start in range(0, num_rows, BLOCK):
         rows = start + offs
-        in_batch = rows < num_rows
-        t, valid, bad = _target_chunk(target_ptr, rows, in_batch, num_classes, ignore_index)
-        count += valid.to(tl.int64)
-        bad_any = bad_any | bad.to(tl.int32)
-        bad_value = tl.maximum(bad_value, tl.where(bad, t, MIN_INT64))
-        if CHECK_MIX:
-            first_mix, first_lambda = _mix_chunk(first_mix, first_lambda, mix_ptr, lambda_ptr, lambda_stride, rows,
-                                                 in_batch, valid, num_classes)
+        count, bad_any, bad_value, first_mix, first_lambda = _scan_chunk(
+            count, bad_any, bad_value, first_mix, first_lambda, target_ptr, mix_ptr, lambda_ptr, lambda_stride, rows,
+            rows < num_rows, num_classes, ignore_index, CHECK_MIX)
     tl.store(valid_count_ptr, tl.sum(count, 0))
-    _store_target_flag(error_ptr, tl.max(bad_any, 0), tl.max(bad_value, 0), tl.min(first_mix, 0),
-                       tl.min(first_lambda, 0), mix_ptr, num_rows, CHECK_MIX)
+    _store_target_flag(error_ptr, bad_any, bad_value, first_mix, first_lambda, mix_ptr, num_rows, CHECK_MIX)
 
 
 @triton.jit
