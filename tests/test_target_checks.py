@@ -230,6 +230,9 @@ def test_the_triton_scan_of_the_targets_checks_a_mix(reduction, inline_rows, mon
     assert V.lambda_flag(bad_lam).tolist() == [1, 1]
     assert case(lam=bad_lam)[0] == [3, 1]
     assert case(lam=torch.tensor(float("nan")))[0] == [3, 0]  # one λ for every row
+    near = good_lam.double()
+    near[[2, 5]] = torch.tensor([1 + 1e-12, -1e-300], dtype=torch.float64)  # 1 and -0 in float32: read as float64
+    assert case(lam=near)[0] == [3, 2]
     assert case(mix=bad_mix, lam=bad_lam)[0] == [2, -100]  # the mix_target's check comes first
     bad_target = y.clone()
     bad_target[[2, 5]] = torch.tensor([8, 6])

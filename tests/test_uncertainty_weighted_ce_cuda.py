@@ -499,6 +499,34 @@ def test_the_target_flag_checks_a_mix(rows, lambda_dtype):
 
 
 @needs_gpu
+@pytest.mark.parametrize("backend", ["cuda", "triton"])
+@pytest.mark.parametrize("value", [1 + 1e-12, -1e-300], ids=["just above 1", "just below 0"])
+def test_a_float64_lambda_just_outside_the_unit_interval_raises_beside_float32_logits(backend, value):
+    """A float64 λ a rounding outside [0, 1] is refused by the GPU backends as by the host check, though in the
+    logits' float32 it would be 1 or 0: the CUDA op, whose kernels read λ in float32, makes it NaN first; Triton
+    compares it in float64. The row is NaN and the flag names λ's row."""
+    if backend not in ck.available_backends():
+        pytest.skip(f"{backend} backend not built")
+    z = torch.randn(5, 7, device="cuda")
+    y = torch.randint(0, 7, (5,), device="cuda")
+    lam = torch.full((5,), 0.5, dtype=torch.float64, device="cuda")
+    lam[3] = value
+    kw = dict(mix_target=y.roll(1), mix_lambda=lam)
+    with pytest.raises(ValueError, match="mix_lambda"):
+        ck.uncertainty_weighted_ce(z.cpu(), y.cpu(), mix_target=y.roll(1).cpu(), mix_lambda=lam.cpu())
+    ck.synchronize_target_checks()
+    with pytest.raises(ValueError, match="mix_lambda"):
+        ck.uncertainty_weighted_ce(z, y, backend=backend, **kw)
+        ck.synchronize_target_checks()
+    rows = ck.uncertainty_weighted_ce(z, y, backend=backend, reduction="none", **kw)
+    assert rows.isnan().nonzero().flatten().tolist() == [3]
+    with pytest.raises(ValueError, match="mix_lambda"):
+        ck.synchronize_target_checks()
+    if backend == "cuda":
+        assert _op_flag(z, y, reduction="mean", **kw).tolist() == [K.TARGET_FLAG_CODES["mix_lambda"], 3]
+
+
+@needs_gpu
 def test_eager_calls_take_the_fast_path(monkeypatch):
     """backend="cuda" eager calls go straight to the op's C++ autograd (functional._fast_call), with the same loss,
     gradient and errors as the general path; a bad target raises through the op's own flag."""

@@ -80,9 +80,16 @@ __device__ __forceinline__ TargetScan scan_targets(const int64_t* target, int64_
   return {total.v[0], total.v[1], check ? static_cast<int64_t>(worst) : std::numeric_limits<int64_t>::min()};
 }
 
+// Whether a mix weight λ is outside [0, 1] or NaN (NaN fails both comparisons): the row's NaN (soft_row) and the
+// target flag (scan_mix) test the same condition.
+template <typename A>
+__device__ __forceinline__ bool lambda_out_of_range(A lambda) {
+  return !(lambda >= A(0) && lambda <= A(1));
+}
+
 // The scan of a mix by a block of kThreads threads, as the host checks read it: mix_target on the rows whose target
-// is not ignore_index, λ = lambda[i * lambda_stride] on every row (float64 compared as float64). Every thread of the
-// block calls it. Not inlined: its state beside the fold's made ptxas spill in the soft kernels' row code (where
+// is not ignore_index, λ = lambda[i * lambda_stride] on every row (in the accumulation type, into which the op's
+// wrapper converts a float64 λ so that a value outside [0, 1] stays outside). Every thread of the block calls it. Not inlined: its state beside the fold's made ptxas spill in the soft kernels' row code (where
 // registers are capped by the launch bounds); as a call it costs the launch's last block a call and a second read of
 // the targets (from L2), and the other blocks nothing.
 template <int kThreads, typename A>
@@ -95,8 +102,7 @@ __device__ __noinline__ MixScan scan_mix(const int64_t* target, const int64_t* m
   for (int64_t i = threadIdx.x; i < num_rows; i += kThreads) {
     const int64_t m = mix[i];
     if (target[i] != ignore_index && (m < 0 || m >= num_classes)) atomicMin(&first_mix, static_cast<long long>(i));
-    const A lam = lambda[i * lambda_stride];
-    if (!(lam >= A(0) && lam <= A(1))) atomicMin(&first_lambda, static_cast<long long>(i));  // NaN fails both
+    if (lambda_out_of_range(lambda[i * lambda_stride])) atomicMin(&first_lambda, static_cast<long long>(i));
   }
   __syncthreads();
   const MixScan scan{static_cast<int64_t>(first_mix), 0, static_cast<int64_t>(first_lambda)};

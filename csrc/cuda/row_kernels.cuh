@@ -976,7 +976,7 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
     const int64_t mix = SP.mix_target != nullptr ? SP.mix_target[row] : y;
     const A lambda = SP.mix_target != nullptr ? SP.mix_lambda[row * SP.lambda_stride] : A(1);
     // a bad target or mix_target is never used as an index; a λ outside [0, 1] (or NaN) makes the row NaN too
-    if (y < 0 || y >= C || mix < 0 || mix >= C || !(lambda >= A(0) && lambda <= A(1))) {
+    if (y < 0 || y >= C || mix < 0 || mix >= C || lambda_out_of_range(lambda)) {
       fill_row<kGroup>(P, row, lane, grad_row, std::numeric_limits<A>::quiet_NaN());
       return;
     }

@@ -191,9 +191,15 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   at::Tensor mixes, lambdas;
   if (mix_target.has_value()) {
     mixes = mix_target->contiguous();
-    // () or (N,), read at i * stride. In the accumulation type, where a float64 λ's check sees its float32 value (a
-    // λ a rounding outside [0, 1] is 0 or 1 in the row's sums, which this check then takes as it is).
-    lambdas = mix_lambda->detach().to(acc_dtype);
+    // () or (N,), read at i * stride, in the accumulation type. A float64 λ beside lower-precision logits: a value
+    // just outside [0, 1] (1 + 1e-12) would round into it and pass the kernels' range check, which the host check and
+    // the Triton kernels (comparing λ in its own dtype) fail, so such values become NaN first (a few device ops, on
+    // that pairing only).
+    const at::Tensor lam = mix_lambda->detach();
+    lambdas = (lam.scalar_type() == at::kDouble && acc_dtype != at::kDouble)
+                  ? at::where(lam.ge(0).logical_and_(lam.le(1)), lam, std::numeric_limits<double>::quiet_NaN())
+                        .to(acc_dtype)
+                  : lam.to(acc_dtype);
   }
   const int64_t lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
   // The target flag: made by the row launch's last block (class indices without a count launch; a dense target's
