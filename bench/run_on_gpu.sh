@@ -184,7 +184,8 @@ do_soft() {
 do_fused() {
   local chunks=${FUSED_CHUNKS-256 2048}
   $PY -m bench.bench_fused_linear --device cuda --out "$OUT/fused-linear-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")-$(date +%F)" \
-    ${chunks:+--chunk-sizes $chunks} --providers calibkernels_fused_linear liger_fused_linear_cross_entropy cut_cross_entropy materialized_calibkernels \
+    ${chunks:+--chunk-sizes $chunks} \
+    --providers calibkernels_fused_linear liger_fused_linear_cross_entropy cut_cross_entropy materialized_calibkernels \
     materialized_torch ${FUSED_ARGS:-} 2>"$OUT/fused.err"
 }
 

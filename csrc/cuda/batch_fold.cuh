@@ -89,9 +89,10 @@ __device__ __forceinline__ bool lambda_out_of_range(A lambda) {
 
 // The scan of a mix by a block of kThreads threads, as the host checks read it: mix_target on the rows whose target
 // is not ignore_index, λ = lambda[i * lambda_stride] on every row (in the accumulation type, into which the op's
-// wrapper converts a float64 λ so that a value outside [0, 1] stays outside). Every thread of the block calls it. Not inlined: its state beside the fold's made ptxas spill in the soft kernels' row code (where
-// registers are capped by the launch bounds); as a call it costs the launch's last block a call and a second read of
-// the targets (from L2), and the other blocks nothing.
+// wrapper converts a float64 λ so that a value outside [0, 1] stays outside). Every thread of the block calls it.
+// Not inlined: its state beside the fold's made ptxas spill in the soft kernels' row code (where registers are capped
+// by the launch bounds); as a call it costs the launch's last block a call and a second read of the targets (from
+// L2), and the other blocks nothing.
 template <int kThreads, typename A>
 __device__ __noinline__ MixScan scan_mix(const int64_t* target, const int64_t* mix, const A* lambda,
                                          int64_t lambda_stride, int64_t num_rows, int64_t num_classes,
