@@ -19,8 +19,10 @@ statistic (per row)   local contribution                                        
 ties (dual focal)     ``#{k : z_k = z_j}``                                         SUM   (round 3)
 ====================  ===========================================================  ==================
 
-From them, on every rank: ``lse = m + log d``, ``CE = lse − z_y``, ``p_y = e^{z_y − lse}``, ``1 − p_y = d_¬y / d``
-(no cancellation), ``p_j = e^{z_j − lse}``, ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of docs/losses.md.
+From them, on every rank: ``CE = (m − z_y) + log d``, ``log p_k = (z_k − m) − log d`` (relative to the max, never
+through ``lse = m + log d``, whose rounding is an ulp of ``m``; ``log d = log1p(d_¬y)`` where the target holds the
+max), ``1 − p_y = d_¬y / d`` (no cancellation), ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of
+docs/losses.md.
 The non-ignored row count comes from the (replicated) targets, without communication; ignored rows are 0 whatever
 their logits hold. Before that, one ``all_gather`` of ``(C_r, N)`` and the call's settings (weight, mode, reduction,
 ``ignore_index``, dtype, ``gamma``, ``norm``, which optional tensors are given) gives every rank the block sizes
@@ -38,7 +40,8 @@ Each rank's gradient is its slice of the unsharded gradient, computed locally fr
     focal, flsd   ∂u/∂z_k = γ_i u p_y r_k,          r_k = e^{z_k − m} / d_¬y (k ≠ y),  r_y = −1
     dual focal    ∂u/∂z_k = γ u ∂log B/∂z_k,        B = 1 − p_y + p_j,
                   ∂log B/∂z_y = −p_y,  ∂log B/∂z_k = ((p_y − p_j) p_k + p_j τ_k) / B  (k ≠ y; τ_k = 1/#ties at p_j)
-    brier(_flsd)  ∂u/∂z_k = γ_i u (h_k − p_k H) / S,  h_k = p_k^q (k ≠ y),  h_y = −p_y (1 − p_y)^{q−1},  H = Σ_k h_k
+    brier(_flsd)  ∂u/∂z_k = γ_i S^{γ_i/q − 1} (h_k − p_k H),  h_k = p_k^q (k ≠ y),  h_y = −p_y (1 − p_y)^{q−1},
+                  H = Σ_k h_k  (h_y − p_y H = −p_y S: the target column is −γ_i u p_y)
 
 times ``1 / n_valid`` for ``"mean"``; rows with ``CE = 0`` (saturated) take the limit 0 of the second term, as the
 reference does. Pure PyTorch per rank (float32 compute for half-precision logits, float64 for float64).
@@ -230,10 +233,13 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     dist.all_reduce(second, op=dist.ReduceOp.SUM, group=group)
     d, d_not_y = second[0], second[1]
 
-    log_d = torch.log(d)
-    lse = m + log_d
-    cross_entropy = (lse - z_y).clamp(min=0)
-    log_p_y = (z_y - lse).clamp(max=0)
+    # Everything relative to the row max m rather than through lse = m + log d, whose rounding (an ulp of m) would
+    # be carried into every log-probability: z - m is exact near the max. Where the target holds the max,
+    # d = 1 + d_¬y and log d = log1p(d_¬y), so a confident row's CE keeps its relative precision.
+    shifted_y = z_y - m
+    log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(d))
+    cross_entropy = (log_d - shifted_y).clamp(min=0)
+    log_p_y = (shifted_y - log_d).clamp(max=0)
     log_one_minus = torch.log(d_not_y) - log_d  # log(1 - p_y), -inf when every other class underflows
     gamma_i = gamma  # a float, or (N,) per sample (focal)
     if weight == "none":
@@ -245,7 +251,7 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
             gamma_i = _flsd_gamma(log_p_y, gamma)
         u = _power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
     elif weight == "dual_focal":
-        log_p_j = z_j - lse
+        log_p_j = (z_j - m) - log_d
         log_base = torch.logaddexp(log_one_minus, log_p_j)
         u = _power_of_log(log_base, gamma)
     else:  # brier, brier_flsd: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
@@ -272,25 +278,29 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
         if weight in ("focal", "flsd"):
             share = torch.where(is_target, -torch.ones((), device=device, dtype=dtype),
                                 e / torch.where(d_not_y > 0, d_not_y, torch.ones_like(d_not_y))[:, None])
-            du = (gamma_row * u * p_y)[:, None] * share
+            ce_du = cross_entropy[:, None] * (gamma_row * u * p_y)[:, None] * share
         elif weight == "dual_focal":
             p_j = torch.exp(log_p_j)
             log_b = log_base[:, None]
-            p_over_b = torch.exp(z - lse[:, None] - log_b)
+            p_over_b = torch.exp((z - m[:, None]) - log_d[:, None] - log_b)
             tau = tied.to(dtype) / second[2].clamp(min=1)[:, None]
             pj_over_b = torch.exp(log_p_j[:, None] - log_b)
             dlog_b = torch.where(is_target, -p_y[:, None], (p_y - p_j)[:, None] * p_over_b + pj_over_b * tau)
-            du = (gamma * u)[:, None] * dlog_b
-        else:  # brier, brier_flsd
-            log_s_col = log_s[:, None]
-            log_p = z - lse[:, None]
-            log_h_y = log_p_y + _log_power(log_one_minus, norm - 1.0)
-            h_over_s = torch.where(is_target, -torch.exp(log_h_y[:, None] - log_s_col),
-                                   torch.exp(norm * log_p - log_s_col))
-            big_h_over_s = torch.exp(torch.log(second[2]) - norm * log_d - log_s) - torch.exp(log_h_y - log_s)
-            du = (gamma_row * u)[:, None] * (h_over_s - p * big_h_over_s[:, None])
+            ce_du = cross_entropy[:, None] * (gamma * u)[:, None] * dlog_b
+        else:  # brier, brier_flsd: CE ∂u/∂z_k = c (h_k − p_k H) with c = CE γ_i S^{γ_i/q − 1} (module docstring)
+            # k = y: h_y − p_y H = −p_y S exactly, so that column is −CE γ_i u p_y (no cancellation as p_y → 1)
+            # k ≠ y: p_k^q − p_k H, formed at O(1) magnitudes before c multiplies it (dividing h and H by S instead
+            # overflows where S underflows: a confident row, whose CE is tiny but not 0)
+            log_h_y = log_p_y + _log_power(log_one_minus, norm - 1.0)  # h_y = −p_y (1 − p_y)^{q−1} = −exp(log_h_y)
+            big_h = second[2] / d.pow(norm) - torch.exp(log_h_y)  # H = Σ_{k≠y} p_k^q + h_y
+            bracket = p.pow(norm) - p * big_h[:, None]
+            # c applied as two factors √c: c itself can overflow (log c up to ~115 in float32, S ≥ its smallest
+            # subnormal) where √c and the product do not
+            root_c = torch.exp(0.5 * (torch.log(cross_entropy * gamma_row) + (gamma_row / norm - 1.0) * log_s))
+            ce_du = torch.where(is_target, -(cross_entropy * gamma_row * u * p_y)[:, None],
+                                bracket * root_c[:, None] * root_c[:, None])
         differentiable = valid & (cross_entropy > 0)
-        grad = grad + torch.where(differentiable[:, None], cross_entropy[:, None] * du, zero)
+        grad = grad + torch.where(differentiable[:, None], ce_du, zero)
     grad = torch.where(valid[:, None], grad, zero)
     return row_loss, grad, gamma_factor
 

@@ -114,6 +114,59 @@ for sizes in layouts:
         close(f"{sizes} bf16 {weight} {mode} loss", got.detach().float(), want.detach().bfloat16().float(), 1e-2, 1e-6)
         close(f"{sizes} bf16 {weight} {mode} grad", got_grad.float(), want_grad[:, local_slice], 1e-2, 1e-4)
 
+    # float32 at large logit scales: within the backends' tolerance rule of the float64 reference (4x the float32
+    # reference's own error + 64 ulps of the largest entry). Half the rows have the target at the max (a confident,
+    # tiny CE, whose S can underflow while CE does not), the others are mostly confidently wrong (the Brier
+    # derivative's cancellation times a CE in the hundreds).
+    g = torch.Generator().manual_seed(seed + 1)
+    for scale in (10.0, 100.0, 1000.0):
+        z32 = (scale * torch.randn(16, num_classes, generator=g, dtype=torch.float64)).float()
+        y32 = torch.randint(0, num_classes, (16,), generator=g)
+        y32[:8] = z32[:8].argmax(dim=1)
+        for weight, mode in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "brier_flsd"],
+                                              ["grad", "loss"]):
+            kw = dict(weight=weight, mode=mode, gamma=3.0, reduction="none")
+            results = []
+            for dtype in (torch.float64, torch.float32):
+                full = z32.to(dtype).requires_grad_()
+                want = R.uncertainty_weighted_ce(full, y32, **kw)
+                results.append((want.detach().double(), torch.autograd.grad(want.sum(), full)[0].double()))
+            local = z32[:, local_slice].clone().requires_grad_()
+            got = vocab_parallel(local, y32, **kw)
+            (got_grad,) = torch.autograd.grad(got.sum(), local)
+            if weight == "none":  # a confident row's CE to its relative precision, not to an ulp of the max logit
+                # (CE = log1p(Σ_{k≠y} e^{z_k − z_y}) in float64: the reference's lse − z_y has that ulp, 3e-14 at 200)
+                z64 = z32[:8].double()
+                others = torch.exp(z64 - z64.gather(1, y32[:8, None])).scatter(1, y32[:8, None], 0.0)
+                exact_ce, got_ce = torch.log1p(others.sum(dim=1)), got.detach()[:8].double()
+                normal = exact_ce > 1e-30
+                relative = ((got_ce - exact_ce).abs() / exact_ce)[normal]
+                if relative.numel() and not relative.max().item() <= 1e-5:
+                    failures.append(f"{sizes} float32 scale {scale} confident CE: relative {relative.max().item():.2e}")
+            # the bound's scale is the whole tensor's largest entry (all classes), as for the unsharded backends: a
+            # rank's slice may hold only underflowed classes, where even the float64 reference is off by its ulps.
+            # Brier in "loss" mode adds, per row, 16 ulps of c = CE γ_i S^{γ_i/2 − 1} (the largest over FLSD's γ_i):
+            # a confidently wrong row's derivative is c times a difference of two numbers near 1 (docs/losses.md)
+            cancellation = 0.0
+            if weight in ("brier", "brier_flsd") and mode == "loss":
+                z64 = z32.double()
+                brier = ((z64.softmax(dim=1) - torch.nn.functional.one_hot(y32, num_classes)) ** 2).sum(dim=1)
+                ce = -z64.log_softmax(dim=1).gather(1, y32[:, None])[:, 0]
+                cancellation = 16 * 2.0**-23 * torch.maximum(3 * ce * brier**0.5, 5 * ce * brier**1.5)[:, None]
+            for what, value, exact, low in (("loss", got.detach(), results[0][0], results[1][0]),
+                                            ("grad", got_grad, results[0][1], results[1][1])):
+                scale_of = exact.abs().max().item()
+                if what == "grad":
+                    exact, low = exact[:, local_slice], low[:, local_slice]
+                if exact.numel() == 0:  # a rank without classes: no gradient to compare
+                    continue
+                bound = 4 * (low - exact).abs().max().item() + 64 * 2.0**-23 * scale_of + 1e-30
+                if what == "grad":
+                    bound = bound + cancellation
+                excess = ((value.double() - exact).abs() - bound).max().item()
+                if not excess <= 0:
+                    failures.append(f"{sizes} float32 scale {scale} {weight} {mode} {what}: {excess:.3e} past the bound")
+
     # every row ignored: mean 0, zero gradient
     local = z[:, local_slice].clone().requires_grad_()
     loss = vocab_parallel(local, torch.full_like(y, -100))
