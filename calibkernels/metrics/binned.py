@@ -208,7 +208,7 @@ def mce(inputs, labels, n_bins: int = 15, *, inputs_are: str = "auto", ignore_in
 def nll_sum(prepared: PreparedInputs) -> torch.Tensor:
     """``Σ_i -log p_{i,y_i}`` in float64 (exact ``log_softmax`` for logits; ``inf`` if a given probability is 0)."""
     if prepared.logits is not None:
-        return F.cross_entropy(prepared.logits, prepared.labels, reduction="sum").to(torch.float64)
+        return F.cross_entropy(prepared.logits, prepared.labels, reduction="none").to(torch.float64).sum()
     return -prepared.probs.gather(1, prepared.labels[:, None]).to(torch.float64).log().sum()
 
 
