@@ -183,6 +183,21 @@ def test_confident_rows_keep_relative_precision():
     assert u32.item() == pytest.approx(2 * eps, rel=1e-5, abs=0)
 
 
+def test_cross_entropy_at_large_logits_matches_f_cross_entropy():
+    # CE as logsumexp(z) - z_y carries an ulp of the logits (1.2e-4 near 1000 in float32); -log_softmax subtracts
+    # the row max first, as F.cross_entropy does, so a confident row's CE is off by an ulp of 1 at most
+    g = torch.Generator().manual_seed(0)
+    z = (1000 * torch.randn(64, 100, generator=g, dtype=torch.float64)).float()
+    y = z.argmax(dim=1)
+    y[32:] = torch.randint(0, 100, (32,), generator=g)
+    got = R.uncertainty_weighted_ce(z, y, weight="none", reduction="none")
+    z64 = z.double()
+    exact = -z64.log_softmax(dim=1).gather(1, y[:, None])[:, 0]
+    error = (got.double() - exact).abs()
+    assert (error <= 2.0**-22 * exact.clamp(min=1)).all()  # two ulps of the row's CE (or of 1)
+    assert error[:32].max().item() <= 2.0**-23  # the confident rows: an ulp of 1
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Gradients: GRA exactness, loss mode = autograd through the weight, float64 gradcheck for every loss
 # ----------------------------------------------------------------------------------------------------------------
