@@ -39,6 +39,8 @@ Contracts (docs/losses.md, "Contracts"):
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from . import _target_checks
@@ -89,11 +91,18 @@ def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) 
     with torch.no_grad():
         z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
         valid = target != ignore_index
-        z_y = z.gather(1, torch.where(valid, target, 0)[:, None])[:, 0]
-        log_p_y = (z_y - torch.logsumexp(z, dim=1)).clamp(max=0)
-        log_one_minus = torch.log(-torch.expm1(log_p_y))
+        safe = torch.where(valid, target, 0)[:, None]
+        # relative to the row max, with 1 - p_y = d_¬y / d and, where the target holds the max, CE = log1p(d_¬y):
+        # log p_y = z_y - logsumexp(z) would carry an ulp of the logits into both, all of a confident row's digits
+        shifted = z - z.amax(dim=1, keepdim=True)
+        shifted_y = shifted.gather(1, safe)[:, 0]
+        d_not_y = torch.exp(shifted).scatter(1, safe, 0.0).sum(dim=1)
+        log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(torch.exp(shifted_y) + d_not_y))
+        ce = (log_d - shifted_y).clamp(min=0)
+        # log(1 - p_y): log1p(-p_y) below p_y = 1/2, log d_¬y - log d above (each exact where the other cancels)
+        log_one_minus = torch.where(ce > math.log(2), torch.log1p(-torch.exp(-ce)), torch.log(d_not_y) - log_d)
         g = gamma.to(z.dtype)
-        weighted_ce = torch.exp(g * log_one_minus) * (-log_p_y)
+        weighted_ce = torch.exp(g * log_one_minus) * ce
         factor = torch.where(valid & (weighted_ce != 0), weighted_ce * log_one_minus, 0.0)
         if reduction_code == V.REDUCTION_CODES["mean"]:
             factor = factor / valid.sum().clamp(min=1)

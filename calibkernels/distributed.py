@@ -240,7 +240,10 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(d))
     cross_entropy = (log_d - shifted_y).clamp(min=0)
     log_p_y = (shifted_y - log_d).clamp(max=0)
-    log_one_minus = torch.log(d_not_y) - log_d  # log(1 - p_y), -inf when every other class underflows
+    # log(1 - p_y): log d_¬y − log d from p_y = 1/2 up (-inf when every other class underflows), log1p(−p_y) below,
+    # where that difference cancels and would lose a small p_y
+    log_one_minus = torch.where(cross_entropy > math.log(2.0), torch.log1p(-torch.exp(-cross_entropy)),
+                                torch.log(d_not_y) - log_d)
     gamma_i = gamma  # a float, or (N,) per sample (focal)
     if weight == "none":
         u = torch.ones_like(d)

@@ -60,7 +60,8 @@ def _rows(logits, target, ignore_index, check_values=True):
 
 
 def _cross_entropy_rows(z, safe):
-    return torch.logsumexp(z, dim=1) - z.gather(1, safe[:, None]).squeeze(1)
+    # -log_softmax (the row max subtracted first), as the reference: logsumexp(z) - z_y carries an ulp of the logits
+    return -torch.log_softmax(z, dim=1).gather(1, safe[:, None]).squeeze(1)
 
 
 def _check_finite(name, value, *, minimum=None, positive=False):

@@ -27,7 +27,8 @@ code's form, ``gra_detach="p_j"``: ``(1 - p_y + sg[p_j])^γ · CE`` (only ``p_j`
 Numerics (shared by every weight):
 
 * ``1 - p_y`` is never a difference: it is ``Σ_{k≠y} p_k``, computed in the log domain as
-  ``log(1 - p_y) = logsumexp_{k≠y} log p_k``, so confident rows keep full relative precision.
+  ``log(1 - p_y) = logsumexp_{k≠y} log p_k``, so confident rows keep full relative precision; below ``p_y = 1/2``
+  it is ``log1p(-p_y)``, which keeps a small ``p_y`` that the sum of the others, rounded to 1, would lose.
 * Every power ``x^a`` is taken from ``log x`` (:func:`_power_of_log`): its derivative ``a x^{a-1} dx =
   a x^a d(log x)`` is then finite for every ``a ≥ 0``, including ``a < 1`` at ``x → 0`` (a saturated row, where
   ``1 - p_y`` or a ``p_k`` underflows), where a plain ``pow`` backward gives ``inf · 0 = NaN``. At ``x = 0`` exactly the
@@ -158,14 +159,21 @@ def _power_of_log(log_x, exponent):
     normal = x >= tiny
     positive = log_x > -math.inf
     one = torch.ones((), dtype=log_x.dtype, device=log_x.device)
+    tensor_exponent = isinstance(exponent, torch.Tensor)
     # each branch sees only its own rows' values (1 or 0 elsewhere), so no unselected inf reaches a backward as inf · 0
-    by_pow = torch.where(normal, x, one).pow(exponent)
+    by_pow = torch.where(normal, x, one).pow(exponent.detach() if tensor_exponent else exponent)
     by_exp = torch.exp(exponent * torch.where(positive & ~normal, log_x, torch.zeros_like(one)))
-    if isinstance(exponent, torch.Tensor):
+    if tensor_exponent:
         at_zero = (exponent == 0).to(log_x.dtype)
     else:
         at_zero = one if exponent == 0 else torch.zeros_like(one)
-    return torch.where(normal, by_pow, torch.where(positive, by_exp, at_zero))
+    value = torch.where(normal, by_pow, torch.where(positive, by_exp, at_zero))
+    if tensor_exponent and exponent.requires_grad:
+        # pow's own gradient in the exponent, x^a log x, would recompute log x from the rounded x: 0 for an x that
+        # rounds to 1 (1 - p_y = 1 - 4e-19), where log x = -4e-19. Taken from log_x instead, through a term of value 0
+        slope = torch.where(normal, by_pow * torch.where(normal, log_x, torch.zeros_like(one)), torch.zeros_like(one))
+        value = value + (exponent - exponent.detach()) * slope.detach()
+    return value
 
 
 def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, detach_p_j=False):
@@ -175,7 +183,7 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
     ``DualFocalLossGra``; the gradient still flows through ``p_y``.
 
     Formulas: the module docstring and ``docs/losses.md`` ("The weights"). ``1 - p_y = Σ_{k≠y} p_k`` is taken in the
-    log domain, and every power through :func:`_power_of_log`, so the weight and its gradient stay exact and finite on
+    log domain (``log1p(-p_y)`` below ``p_y = 1/2``), and every power through :func:`_power_of_log`, so the weight and its gradient stay exact and finite on
     saturated rows (``p_y = 1`` to working precision) for every exponent ``≥ 0``.
     """
     if weight == "none":
@@ -187,8 +195,14 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
     log_p = torch.log_softmax(z, dim=-1)
     is_target = F.one_hot(target, z.shape[1]).bool()
     neg_inf = torch.full((), -math.inf, dtype=z.dtype, device=z.device)
-    # log(1 - p_y) = log Σ_{k≠y} p_k: no cancellation as p_y → 1 (-inf for a single class)
-    log_one_minus_p_target = _logsumexp_or_neg_inf(torch.where(is_target, neg_inf, log_p), dim=1)
+    # log(1 - p_y): log Σ_{k≠y} p_k where p_y ≥ 1/2 (no cancellation as p_y → 1; -inf for a single class), and
+    # log1p(-p_y) below, where that sum rounds to 1 and loses a small p_y (p_y is masked to 0 where unused, so that
+    # log1p's derivative stays finite on saturated rows)
+    log_p_y = log_p.gather(1, target[:, None]).squeeze(1)
+    small = log_p_y < -math.log(2.0)
+    log_one_minus_p_target = torch.where(
+        small, torch.log1p(-torch.exp(torch.where(small, log_p_y, neg_inf))),
+        _logsumexp_or_neg_inf(torch.where(is_target, neg_inf, log_p), dim=1))
     if weight == "focal":
         return _power_of_log(log_one_minus_p_target, gamma)
     if weight == "flsd":

@@ -24,6 +24,7 @@
 #include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
+#include <cmath>
 #include <tuple>
 
 #include "uncertainty_weighted_ce.h"
@@ -75,11 +76,19 @@ Tensor gamma_gradient_factor(const Tensor& logits, const Tensor& target, const T
                        ? logits.to(at::kFloat)
                        : logits;
   const Tensor valid = target.ne(ignore_index);
-  const Tensor z_y = z.gather(1, at::where(valid, target, 0).unsqueeze(1)).squeeze(1);
-  const Tensor log_p_y = (z_y - at::logsumexp(z, {1})).clamp_max(0);
-  const Tensor log_one_minus = at::log(-at::expm1(log_p_y));
-  const Tensor weighted_ce = at::exp(gamma.to(z.scalar_type()) * log_one_minus) * log_p_y.neg();
-  Tensor factor = at::where(valid.logical_and(weighted_ce.ne(0)), weighted_ce * log_one_minus, at::zeros_like(z_y));
+  const Tensor safe = at::where(valid, target, 0).unsqueeze(1);
+  // Relative to the row max, with 1 - p_y = d_not_y / d and, where the target holds the max, CE = log1p(d_not_y):
+  // log p_y = z_y - logsumexp(z) would carry an ulp of the logits into both, all of a confident row's digits.
+  const Tensor shifted = z - z.amax({1}, /*keepdim=*/true);
+  const Tensor shifted_y = shifted.gather(1, safe).squeeze(1);
+  const Tensor d_not_y = at::exp(shifted).scatter(1, safe, 0.0).sum(1);
+  const Tensor log_d = at::where(shifted_y.eq(0), at::log1p(d_not_y), at::log(at::exp(shifted_y) + d_not_y));
+  const Tensor ce = (log_d - shifted_y).clamp_min(0);
+  // log(1 - p_y): log1p(-p_y) below p_y = 1/2, log d_not_y - log d above (each exact where the other cancels)
+  const Tensor log_one_minus =
+      at::where(ce.gt(std::log(2.0)), at::log1p(-at::exp(ce.neg())), at::log(d_not_y) - log_d);
+  const Tensor weighted_ce = at::exp(gamma.to(z.scalar_type()) * log_one_minus) * ce;
+  Tensor factor = at::where(valid.logical_and(weighted_ce.ne(0)), weighted_ce * log_one_minus, at::zeros_like(ce));
   if (static_cast<Reduction>(reduction) == Reduction::Mean) factor = factor / valid.sum().clamp_min(1);
   return factor;
 }

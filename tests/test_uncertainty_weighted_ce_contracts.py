@@ -148,6 +148,39 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
 
 
 @pytest.mark.parametrize("backend_device", FUSED)
+@pytest.mark.parametrize("scale", [10.0, 100.0])
+def test_per_sample_gamma_gradient_at_large_logits(backend_device, scale):
+    """The fused backends' dL/dγ_i = u_i CE_i log(1 - p_y) to a few ulps of the row's own terms at logits of scale
+    10 and 100, rows right and wrong: taken from z_y - logsumexp(z) it carried an ulp of the logits (1e-6 absolute at
+    100: all of a confident row's digits), and log(1 - p_y) as log Σ_{k≠y} p_k lost a small p_y. Exact values: the
+    float64 reference, itself checked here against log1p(-p_y) / log Σ_{k≠y} p_k in closed form (pow's gradient in
+    the exponent had recomputed log x from an x rounded to 1). The float32 reference is as precise as
+    F.cross_entropy, an ulp of 1 in absolute terms, not this."""
+    backend, device = backend_device
+    g = torch.Generator().manual_seed(int(scale))
+    z = (scale * torch.randn(64, 50, generator=g, dtype=torch.float64)).float()
+    y = torch.randint(0, 50, (64,), generator=g)
+    y[:32] = z[:32].argmax(dim=1)
+    gamma = (0.5 + 3 * torch.rand(64, generator=g)).to(device).requires_grad_()
+    z, y = z.to(device), y.to(device)
+    loss = ck.uncertainty_weighted_ce(z.clone().requires_grad_(), y, weight="focal", mode="loss", gamma=gamma,
+                                      reduction="sum", backend=backend)
+    (d_gamma,) = torch.autograd.grad(loss, gamma)
+    z64 = z.double()
+    log_p = z64.log_softmax(dim=1)
+    log_p_y = log_p.gather(1, y[:, None])[:, 0]
+    others = torch.logsumexp(log_p.scatter(1, y[:, None], -float("inf")), dim=1)
+    log_one_minus = torch.where(log_p_y < -0.7, torch.log1p(-log_p_y.exp()), others)
+    exact = torch.exp(gamma.detach().double() * log_one_minus) * -log_p_y * log_one_minus
+    g64 = gamma.detach().double().requires_grad_()
+    (reference,) = torch.autograd.grad(R.uncertainty_weighted_ce(z64, y, weight="focal", mode="loss", gamma=g64,
+                                                                 reduction="sum"), g64)
+    torch.testing.assert_close(reference, exact, rtol=1e-12, atol=0)
+    # a few float32 ulps of each row's own O(1) terms, with an absolute floor far below float32's at the largest entry
+    torch.testing.assert_close(d_gamma.double(), exact, rtol=4e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend_device", FUSED)
 def test_per_sample_gamma_in_grad_mode_gets_no_gradient_as_in_the_reference(backend_device):
     backend, device = backend_device
     x = torch.randn(5, 4, device=device, requires_grad=True)
