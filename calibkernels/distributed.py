@@ -438,8 +438,8 @@ def vocab_parallel_uncertainty_weighted_ce(
     rank that fails them, which first tells the others in the call's first collective: they raise a ``ValueError``
     naming that rank instead of waiting for it. Communication per call: one ``all_gather`` of 12 integers, an
     all-reduce (MAX) of ``2N`` integers (``2N`` more per optional tensor) with more than one rank, then all-reduces
-    of ``2N`` (MAX), ``N`` (MAX, dual focal only) and ``2N``–``3N`` numbers (SUM). The targets are checked on the host (a synchronisation on GPU). Double backward
-    is not supported.
+    of ``2N`` (MAX), ``N`` (MAX, dual focal only) and ``2N``–``3N`` numbers (SUM). The targets are checked on the
+    host (a synchronisation on GPU). Double backward is not supported.
     """
     try:
         (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,

@@ -183,8 +183,9 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
     ``DualFocalLossGra``; the gradient still flows through ``p_y``.
 
     Formulas: the module docstring and ``docs/losses.md`` ("The weights"). ``1 - p_y = Σ_{k≠y} p_k`` is taken in the
-    log domain (``log1p(-p_y)`` below ``p_y = 1/2``), and every power through :func:`_power_of_log`, so the weight and its gradient stay exact and finite on
-    saturated rows (``p_y = 1`` to working precision) for every exponent ``≥ 0``.
+    log domain (``log1p(-p_y)`` below ``p_y = 1/2``), and every power through :func:`_power_of_log`, so the weight
+    and its gradient stay exact and finite on saturated rows (``p_y = 1`` to working precision) for every exponent
+    ``≥ 0``.
     """
     if weight == "none":
         return torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
