@@ -85,6 +85,19 @@ def _factor(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     return factor if factor.dtype == grad.dtype else factor.to(grad.dtype)
 
 
+def row_log_terms(shifted_y, d_not_y, d):
+    """``(log d, CE, log(1 - p_y))`` per row from the row's statistics relative to its max ``m``: ``shifted_y = z_y -
+    m``, ``d_not_y = Σ_{k≠y} e^{z_k - m}`` and ``d = e^{z_y - m} + d_not_y``, each to its own relative precision
+    (through ``z_y - logsumexp(z)`` they would carry an ulp of the logits: all of a confident row's digits). Where the
+    target holds the max, ``d = 1 + d_not_y`` and ``log d = log1p(d_not_y)``; ``log(1 - p_y)`` is ``log1p(-p_y)``
+    below ``p_y = 1/2`` and ``log d_not_y - log d`` above (each exact where the other cancels; ``-inf`` when every
+    other class underflows)."""
+    log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(d))
+    ce = (log_d - shifted_y).clamp(min=0)
+    log_one_minus = torch.where(ce > math.log(2.0), torch.log1p(-torch.exp(-ce)), torch.log(d_not_y) - log_d)
+    return log_d, ce, log_one_minus
+
+
 def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) -> torch.Tensor:
     """Per row, ``d(reduced loss)/dγ_i`` for ``grad_output = 1`` of the focal loss ``(1 - p_y)^γ_i · CE_i``:
     ``u_i CE_i log(1 - p_y) · scale`` (scale 1/#valid for mean), 0 on ignored and saturated rows (the limit)."""
@@ -97,10 +110,7 @@ def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) 
         shifted = z - z.amax(dim=1, keepdim=True)
         shifted_y = shifted.gather(1, safe)[:, 0]
         d_not_y = torch.exp(shifted).scatter(1, safe, 0.0).sum(dim=1)
-        log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(torch.exp(shifted_y) + d_not_y))
-        ce = (log_d - shifted_y).clamp(min=0)
-        # log(1 - p_y): log1p(-p_y) below p_y = 1/2, log d_¬y - log d above (each exact where the other cancels)
-        log_one_minus = torch.where(ce > math.log(2), torch.log1p(-torch.exp(-ce)), torch.log(d_not_y) - log_d)
+        _, ce, log_one_minus = row_log_terms(shifted_y, d_not_y, torch.exp(shifted_y) + d_not_y)
         g = gamma.to(z.dtype)
         weighted_ce = torch.exp(g * log_one_minus) * ce
         factor = torch.where(valid & (weighted_ce != 0), weighted_ce * log_one_minus, 0.0)

@@ -234,16 +234,9 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     d, d_not_y = second[0], second[1]
 
     # Everything relative to the row max m rather than through lse = m + log d, whose rounding (an ulp of m) would
-    # be carried into every log-probability: z - m is exact near the max. Where the target holds the max,
-    # d = 1 + d_¬y and log d = log1p(d_¬y), so a confident row's CE keeps its relative precision.
-    shifted_y = z_y - m
-    log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(d))
-    cross_entropy = (log_d - shifted_y).clamp(min=0)
-    log_p_y = (shifted_y - log_d).clamp(max=0)
-    # log(1 - p_y): log d_¬y − log d from p_y = 1/2 up (-inf when every other class underflows), log1p(−p_y) below,
-    # where that difference cancels and would lose a small p_y
-    log_one_minus = torch.where(cross_entropy > math.log(2.0), torch.log1p(-torch.exp(-cross_entropy)),
-                                torch.log(d_not_y) - log_d)
+    # be carried into every log-probability: z - m is exact near the max
+    log_d, cross_entropy, log_one_minus = _autograd.row_log_terms(z_y - m, d_not_y, d)
+    log_p_y = -cross_entropy
     gamma_i = gamma  # a float, or (N,) per sample (focal)
     if weight == "none":
         u = torch.ones_like(d)

@@ -171,7 +171,7 @@ def _power_of_log(log_x, exponent):
     if tensor_exponent and exponent.requires_grad:
         # pow's own gradient in the exponent, x^a log x, would recompute log x from the rounded x: 0 for an x that
         # rounds to 1 (1 - p_y = 1 - 4e-19), where log x = -4e-19. Taken from log_x instead, through a term of value 0
-        slope = torch.where(normal, by_pow * torch.where(normal, log_x, torch.zeros_like(one)), torch.zeros_like(one))
+        slope = by_pow * torch.where(normal, log_x, torch.zeros_like(one))  # by_pow is 1 where x is not normal
         value = value + (exponent - exponent.detach()) * slope.detach()
     return value
 
