@@ -106,7 +106,8 @@ do_test() {
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
     tests/test_soft_targets.py tests/test_target_checks.py tests/test_fused_linear.py \
     tests/test_calibration_posthoc.py tests/test_metrics_bootstrap.py tests/test_metrics_debiased.py \
-    tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
+    tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench_providers.py tests/test_bench_tune_triton.py \
+    ${TEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1
   local rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
