@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [rowsplit] [raise]
-#                            [hostprofile]
+#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [raise] [hostprofile]
 #   (stages run in the order given)
 #
 # PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote but training checkpoints, *.pt) and
@@ -152,15 +151,6 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
-# the CUDA kernel (and past 4096 classes each of its row splits, CALIBKERNELS_CUDA_ROW_CLUSTER: streaming, each
-# thread-block cluster tile the op launches as a cluster; the others are listed as skipped, with the reason) beside a
-# copy and the Triton kernel's default launch, without the Triton launch search; the classification widths (1000,
-# 4096) give backend="auto"'s table the kernels' own times where the row fits on chip. The JSON is rewritten after
-# each class count, so a stage stopped at DEADLINE keeps the rows measured so far (meta.complete false).
-do_rowsplit() {
-  $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 1000 4096 10000 32000 128256 262144 --grid-weights \
-    2>"$OUT/rowsplit.err"
-}
 # where the host's time of an eager step goes at the classification shapes (whose steps are host-bound): a cProfile of
 # 300 steps per shape and provider (bench/profile_step.py --host-profile), the default call and the CUDA backend
 # beside F.cross_entropy
@@ -230,8 +220,7 @@ do_train() {
   return $rc
 }
 
-export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train \
-  do_hostprofile
+export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_soft do_fused do_train do_hostprofile
 
 for s in "$@"; do
   case $s in
@@ -243,7 +232,6 @@ for s in "$@"; do
     fused) stage fused do_fused ;;
     train) stage train do_train ;;
     tune) stage tune do_tune ;;
-    rowsplit) stage rowsplit do_rowsplit ;;
     raise) stage raise do_raise ;;
     hostprofile) stage hostprofile do_hostprofile ;;
     *) echo "unknown stage $s"; exit 2 ;;

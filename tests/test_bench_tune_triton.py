@@ -9,7 +9,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # `bench` lives at the repository root, not installed
 
-from _bench_support import ROOT, assert_prints_help  # noqa: E402
+from _bench_support import assert_prints_help  # noqa: E402
 
 
 def test_tune_triton_prints_its_help():
@@ -61,38 +61,3 @@ def test_an_interrupted_tune_triton_keeps_the_class_counts_measured_so_far(tmp_p
     T.main(["--out", out, "--classes", "1000"])
     data = json.loads(Path(out + ".json").read_text())
     assert data["meta"]["complete"] is True and [row["kind"] for row in data["rows"]] == ["copy", "host"]
-
-
-def test_tune_triton_times_only_the_row_splits_the_cuda_op_launches_as_clusters():
-    """The rowsplit stage labels a time with a cluster tile only where the CUDA op would launch that tile: its limits
-    are those of csrc/cuda/row_kernels.cuh (read here), a tile needing more than 16 CTAs per row is skipped with the
-    reason, and "auto" is timed only where no row split applies (past 4096 classes it streams, as "off" does)."""
-    import re
-
-    from bench import tune_triton as T
-
-    source = (ROOT / "csrc" / "cuda" / "row_kernels.cuh").read_text()
-    assert int(re.search(r"kMaxClusterCtas = (\d+);", source).group(1)) == T.MAX_CLUSTER_CTAS
-    assert re.search(r"kBlock256MaxC = (\d+) \* (\d+);", source).groups() == ("256", "16")
-    assert T.RESIDENT_MAX_CLASSES == 256 * 16
-    tiles = re.findall(r'\{(\d+), (\d+), "(\d+x\d+)"\}', source)
-    assert [name for _, _, name in tiles] == list(T.ROW_SPLITS[1:])
-    assert all(name == f"{t}x{v}" for t, v, name in tiles)
-    assert "cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1" in source  # the fallback mirrored
-    assert "P.num_classes > kBlock256MaxC && launch_row_clusters" in source
-
-    assert T.cluster_ctas(128256, "256x16") == 32 and T.cluster_ctas(65536, "256x16") == 16
-    assert T.cluster_skip_reason(65536, "256x16") is None  # exactly 16 CTAs: a cluster
-    assert "17 CTAs" in T.cluster_skip_reason(65537, "256x16")
-    assert "register-resident" in T.cluster_skip_reason(4096, "512x32")
-    assert T.cluster_skip_reason(4097, "512x32", "bf16", (9, 0)) is None
-    assert "8.0 < 9.0" in T.cluster_skip_reason(32000, "256x16", "fp32", (8, 0))
-    assert "always streams" in T.cluster_skip_reason(32000, "256x16", "fp64")
-    assert T.row_splits_to_time(1000, "bf16", (9, 0)) == T.row_splits_to_time(4096, "bf16", (9, 0)) == [("auto", None)]
-    timed = {c: [split for split, reason in T.row_splits_to_time(c, "bf16", (9, 0)) if reason is None]
-             for c in (10000, 32000, 128256, 262144)}
-    assert timed == {10000: list(T.ROW_SPLITS), 32000: list(T.ROW_SPLITS),
-                     128256: ["off", "256x32", "512x16", "512x32"], 262144: ["off", "512x32"]}
-    skipped = dict(T.row_splits_to_time(262144, "bf16", (9, 0)))
-    assert "64 CTAs" in skipped["256x16"] and "32 CTAs" in skipped["256x32"] and "32 CTAs" in skipped["512x16"]
-    assert all(reason for split, reason in T.row_splits_to_time(32000, "fp32", (8, 0)) if split != "off")
