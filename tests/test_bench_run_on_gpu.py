@@ -1,5 +1,7 @@
-"""bench/run_on_gpu.sh, run from a copy whose GPU work is stood in for (a stand-in Python, or a stage's function
-replaced), so these tests need no GPU."""
+"""bench/run_on_gpu.sh, the script that runs every GPU benchmark and the GPU tests on a GPU machine: its stages are
+run from a copy whose GPU work is stood in for (a stand-in Python, or a stage's function replaced), so these tests
+need no GPU. Checked: the usage, the stage names, DEADLINE (stop starting stages after N seconds), PACK (one
+tarball), and what each stage runs."""
 
 import os
 import subprocess
@@ -9,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run_lease_script(stages, env, stand_ins=(), edits=()):
+def _run_script(stages, env, stand_ins=(), edits=()):
     """bench/run_on_gpu.sh run from a copy whose functions named in ``stand_ins`` ((name, body) pairs) are replaced
     (the real stages need a GPU), with the text edits ``edits`` ((old, new) pairs, each old text present), and which
     installs no wheels."""
@@ -28,16 +30,53 @@ def _run_lease_script(stages, env, stand_ins=(), edits=()):
         fake.unlink()
 
 
-def test_the_lease_script_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_path):
+def _stand_in_python(path, body):
+    """An executable shell script at ``path`` standing in for the script's Python (``$PYTHON``)."""
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_the_usage_names_every_stage_and_option(tmp_path):
+    """--help prints the header of the script (what it runs, its stages, its options) and runs nothing."""
+    proc = subprocess.run(["bash", str(ROOT / "bench" / "run_on_gpu.sh"), "--help"], capture_output=True, text=True,
+                          cwd=tmp_path, timeout=60, env=dict(os.environ, OUT=str(tmp_path / "out")))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.startswith("Run every GPU benchmark (and the GPU tests) on your machine"), proc.stdout
+    for stage in ("build", "test", "quick", "bench", "soft", "fused", "tune", "train", "hostprofile", "raise"):
+        assert f"\n  {stage} " in proc.stdout, stage
+    for option in ("OUT=", "PYTHON=", "DEADLINE=", "PACK=1", "TEST_K=", "TEST_TIMEOUT=", "FUSED_ARGS", "TRAIN_RUNS"):
+        assert option in proc.stdout, option
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_unknown_stage_runs_nothing(tmp_path):
+    """A misspelt stage is named before any stage runs (exit status 2)."""
+    proc = _run_script(["soft", "benhc"], dict(OUT=str(tmp_path)), [("do_soft", 'echo soft-ran')])
+    assert proc.returncode == 2 and "unknown stage benhc" in proc.stdout, proc.stdout + proc.stderr
+    assert "soft-ran" not in proc.stdout
+
+
+def test_without_stages_every_benchmark_runs_after_the_build_and_the_tests(tmp_path):
+    """No stage named: build, test, then every benchmark (bench, fused, tune, train), in that order."""
+    default = ["do_build", "do_test", "do_bench", "do_fused", "do_tune", "do_train"]
+    proc = _run_script([], dict(OUT=str(tmp_path)), [(name, f"echo {name}-ran") for name in default])
+    ran = [line for line in proc.stdout.splitlines() if line.endswith("-ran")]
+    assert ran == [f"{name}-ran" for name in default], proc.stdout + proc.stderr
+    assert [line.split(":")[0] for line in (tmp_path / "summary.txt").read_text().splitlines()] == [
+        "build", "test", "bench", "fused", "tune", "train"]
+
+
+def test_a_stage_running_at_the_deadline_is_stopped_and_the_rest_skipped(tmp_path):
     """bench/run_on_gpu.sh with DEADLINE: the summary still prints, naming the stopped and the skipped stages; a
     `timeout` inside a stage ends by the deadline too; with PACK the output folder holds the archive of everything and
-    the summary. (The name leaves out the words of run_on_gpu.sh's test selection, which would run it there.)"""
+    the summary. """
     import tarfile
 
     # stand-in stages: one that writes with $PY into $OUT and ends in a failing pipeline (whose status the stage must
     # keep, as the build stage's check does), one whose own `timeout` (as the test stage's) outlasts the deadline, one
     # left no time
-    proc = _run_lease_script(["soft", "quick", "bench"],
+    proc = _run_script(["soft", "quick", "bench"],
                              dict(OUT=str(tmp_path), DEADLINE="18", PACK="1", PYTHON=sys.executable),
                              [("do_soft", '$PY -c "print(7 * 6)" > "$OUT/soft.txt"; false | cat'),
                               ("do_quick", 'timeout "$(within_stage 100)" sleep 40'),
@@ -55,7 +94,7 @@ def test_the_lease_script_stops_a_stage_at_its_deadline_and_skips_the_rest(tmp_p
         assert archive.extractfile("./soft.txt").read() == b"42\n"
 
 
-def test_the_lease_scripts_training_stage_runs_the_runs_it_is_given(tmp_path):
+def test_the_training_stage_runs_the_runs_it_is_given(tmp_path):
     """bench/run_on_gpu.sh train with TRAIN_RUNS and TRAIN_CIFAR=0, its Python a stand-in that logs its arguments:
     each run is stopped at its last epoch's progress line (on stderr), before the evaluation that would follow, and
     that line is its result; a run that ends before it fails the stage and says so."""
@@ -71,7 +110,7 @@ echo "evaluated" >> "$OUT/calls.txt"
 """)
     out = tmp_path / "out"
     start = time.monotonic()
-    proc = _run_lease_script(["train"], dict(OUT=str(out), PYTHON=stand_in, TRAIN_CIFAR="0",
+    proc = _run_script(["train"], dict(OUT=str(out), PYTHON=stand_in, TRAIN_CIFAR="0",
                                              TRAIN_RUNS="bsce_gra triton,cross_entropy cuda"))
     assert time.monotonic() - start < 30, "the stage waited for the evaluation"
     assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=1"), proc.stdout + proc.stderr
@@ -84,7 +123,7 @@ echo "evaluated" >> "$OUT/calls.txt"
         f"cross_entropy / cuda: no epoch finished (see {out}/train-r50-cross_entropy-cuda.log)"]
 
 
-def test_the_lease_scripts_host_profile_stage_profiles_the_classification_shapes(tmp_path):
+def test_the_host_profile_stage_profiles_the_classification_shapes(tmp_path):
     """bench/run_on_gpu.sh hostprofile: profile_step's cProfile of the default call, the CUDA backend and
     F.cross_entropy at 256 and 8192 x 1000 bf16, into host-profile.txt, of which it prints the headings."""
     stand_in = _stand_in_python(tmp_path / "python", """echo "$@" >> "$OUT/calls.txt"
@@ -93,7 +132,7 @@ echo "         14400 function calls in 0.5 seconds"
 echo "   ncalls  tottime"
 """)
     out = tmp_path / "out"
-    proc = _run_lease_script(["hostprofile"], dict(OUT=str(out), PYTHON=stand_in))
+    proc = _run_script(["hostprofile"], dict(OUT=str(out), PYTHON=stand_in))
     lines = proc.stdout.strip().splitlines()
     assert lines[-1].startswith("hostprofile: rc=0"), proc.stdout + proc.stderr
     assert lines[-3:-1] == ["== host profile: cuda-256x1000-bf16-brier-grad · calibkernels, 300 steps",
@@ -104,7 +143,7 @@ echo "   ncalls  tottime"
     assert "ncalls" in (out / "host-profile.txt").read_text()
 
 
-def test_the_lease_scripts_build_stage_forces_the_device_kernels_and_fails_without_them(tmp_path):
+def test_the_build_stage_forces_the_device_kernels_and_fails_without_them(tmp_path):
     """The build stage compiles with CALIBKERNELS_FORCE_CUDA=1 (setup.py would otherwise build without the CUDA
     kernels where it finds no nvcc) and fails, with one line saying why, when the extension it leaves has none on a
     machine with a GPU. The stand-in Python answers each of the stage's calls; the copy deletes no build."""
@@ -120,7 +159,7 @@ esac
     keep_the_build = [("rm -rf build calibkernels/_C.*.so calibkernels/_C.prebuilt.json", ": rm")]
     for missing in (1, 0):
         out = tmp_path / f"out{missing}"
-        proc = _run_lease_script(["build"], dict(OUT=str(out), PYTHON=stand_in, KERNELS_MISSING=str(missing)),
+        proc = _run_script(["build"], dict(OUT=str(out), PYTHON=stand_in, KERNELS_MISSING=str(missing)),
                                  edits=keep_the_build)
         lines = proc.stdout.strip().splitlines()
         assert lines[-1].startswith(f"build: rc={missing},"), proc.stdout + proc.stderr
@@ -131,14 +170,7 @@ esac
         assert len(said) == missing, proc.stdout
 
 
-def _stand_in_python(path, body):
-    """An executable shell script at ``path`` standing in for the lease script's Python (``$PYTHON``)."""
-    path.write_text("#!/bin/sh\n" + body)
-    path.chmod(0o755)
-    return str(path)
-
-
-def test_the_lease_scripts_test_stage_stops_pytest_with_sigint_and_keeps_its_summary(tmp_path):
+def test_the_test_stage_stops_pytest_with_sigint_and_keeps_its_summary(tmp_path):
     """The test stage's own timeout (TEST_TIMEOUT) sends SIGINT, on which pytest writes its summary (the failures so
     far, short tracebacks): the log holds it and the stage prints its FAILED lines; a pytest that ignores SIGINT is
     killed TEST_GRACE s later. The stand-in pytest answers SIGINT as pytest does, and notes the signal it got."""
@@ -152,7 +184,7 @@ echo "tests/test_a.py::test_x FAILED"
 while :; do sleep 0.1; done
 """)
     out = tmp_path / "out"
-    proc = _run_lease_script(["test"], dict(OUT=str(out), PYTHON=answers, TEST_TIMEOUT="2", TEST_GRACE="2"))
+    proc = _run_script(["test"], dict(OUT=str(out), PYTHON=answers, TEST_TIMEOUT="2", TEST_GRACE="2"))
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("test: rc=124,") and int(last.split(", ")[1].removesuffix(" s")) < 4, proc.stdout
     assert (out / "signal.txt").read_text() == "INT\n"
@@ -164,19 +196,19 @@ while :; do sleep 0.1; done
     assert "--tb=short" in args and "-rfE" in args, args
 
     deaf = _stand_in_python(tmp_path / "deaf-python", "trap '' INT\nwhile :; do sleep 0.1; done\n")
-    proc = _run_lease_script(["test"], dict(OUT=str(out), PYTHON=deaf, TEST_TIMEOUT="1", TEST_GRACE="2"))
+    proc = _run_script(["test"], dict(OUT=str(out), PYTHON=deaf, TEST_TIMEOUT="1", TEST_GRACE="2"))
     last = proc.stdout.strip().splitlines()[-1]
     assert last.startswith("test: rc=137,") and int(last.split(", ")[1].removesuffix(" s")) < 5, proc.stdout
 
 
-def test_the_lease_scripts_archive_leaves_out_checkpoints(tmp_path):
+def test_the_archive_leaves_out_checkpoints(tmp_path):
     """PACK=1: the training's checkpoints (*.pt, and a partial write of one) stay out of gpu-run.tgz (their gzip
     outlasted a call's limit), and are gone from the output folder with the rest; its logs go in."""
     import tarfile
 
     write = ('mkdir -p "$OUT/train/r50"; echo log > "$OUT/train/r50/log.csv"; echo w > "$OUT/train/r50/checkpoint.pt"'
              '; echo w > "$OUT/train/r50/.checkpoint.pt.x1y2.tmp"')
-    proc = _run_lease_script(["train"], dict(OUT=str(tmp_path), PACK="1"), [("do_train", write)])
+    proc = _run_script(["train"], dict(OUT=str(tmp_path), PACK="1"), [("do_train", write)])
     assert proc.stdout.strip().splitlines()[-1].startswith("train: rc=0"), proc.stdout + proc.stderr
     assert sorted(os.listdir(tmp_path)) == ["gpu-run.tgz", "summary.txt"]
     with tarfile.open(tmp_path / "gpu-run.tgz") as archive:
@@ -184,7 +216,7 @@ def test_the_lease_scripts_archive_leaves_out_checkpoints(tmp_path):
     assert "./train/r50/log.csv" in names and not [n for n in names if ".pt" in n], names
 
 
-def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_path):
+def test_the_fused_stage_leaves_torch_compile_to_fused_args(tmp_path):
     """The fused stage names the fused providers and eager materialised logits, not the torch.compile provider (its
     compilation took the stage's whole time), and ours at chunks of 256 and 2048 rows too (FUSED_CHUNKS="": none);
     FUSED_ARGS comes last, so its --providers replaces the list."""
@@ -193,7 +225,7 @@ def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_pa
     out = tmp_path / "out"
     for fused_args in ("", "--providers calibkernels_fused_linear chunked_reference_compiled"):
         (out / "calls.txt").unlink(missing_ok=True)
-        proc = _run_lease_script(["fused"], dict(OUT=str(out), PYTHON=stand_in, FUSED_ARGS=fused_args))
+        proc = _run_script(["fused"], dict(OUT=str(out), PYTHON=stand_in, FUSED_ARGS=fused_args))
         assert proc.stdout.strip().splitlines()[-1].startswith("fused: rc=0"), proc.stdout + proc.stderr
         call = (out / "calls.txt").read_text().split()
         assert call[:4] == ["-m", "bench.bench_fused_linear", "--device", "cuda"], call
@@ -206,5 +238,5 @@ def test_the_lease_scripts_fused_stage_leaves_torch_compile_to_fused_args(tmp_pa
         else:
             assert providers == ["calibkernels_fused_linear", "liger_fused_linear_cross_entropy", "cut_cross_entropy",
                                  "materialized_calibkernels", "materialized_torch"], call
-    proc = _run_lease_script(["fused"], dict(OUT=str(out), PYTHON=stand_in, FUSED_CHUNKS=""))
+    proc = _run_script(["fused"], dict(OUT=str(out), PYTHON=stand_in, FUSED_CHUNKS=""))
     assert "--chunk-sizes" not in (out / "calls.txt").read_text().splitlines()[-1], proc.stdout + proc.stderr
