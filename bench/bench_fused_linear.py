@@ -20,7 +20,7 @@ Providers (each is skipped with the reason where it cannot run):
   blocks whose softmax values are below a threshold, less work than an exact gradient; the row's ``config`` says
   ``filter_eps``).
 
-Method (as ``bench/harness.py``, whose timing this script does not use): providers of a case are timed
+Method (as the loss bench's, ``bench/timing.py``, whose code this script does not use): providers of a case are timed
 interleaved after warm-up repetitions; the median and the minimum are reported; CUDA times come from CUDA events
 around the step. The providers that compile (``COMPILED``: ``chunked_reference_compiled``, whose warm-up is an
 inductor compilation, minutes at the CUDA case's size) are warmed up and timed after every other provider of every
@@ -64,7 +64,7 @@ import torch
 import torch.nn.functional as F
 
 import calibkernels as ck
-from bench.harness import GIT_DIRTY_SCOPE, package_version
+from bench.machine import GIT_DIRTY_SCOPE, package_version
 from calibkernels import reference as R
 from calibkernels.fused_linear import default_chunk_size
 
@@ -329,7 +329,8 @@ def _meta(device):
     meta = {
         "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-        "calibkernels": ck.__version__, "cpu": cpu, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+        "calibkernels": ck.__version__, "cpu": cpu, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
         "load_average_1min": os.getloadavg()[0] if hasattr(os, "getloadavg") else None, "device": device,
         "git_commit": _git("rev-parse", "--short", "HEAD"), "git_dirty": None if dirty is None else bool(dirty),
         "git_dirty_scope": list(GIT_DIRTY_SCOPE),

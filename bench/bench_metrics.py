@@ -6,9 +6,9 @@ Times ECE (15 equal-width bins, L1), MCE (max), AdaECE (15 equal-count bins) and
 and prints each value next to torchmetrics' where torchmetrics has the metric (ECE: ``norm="l1"``, MCE:
 ``norm="max"``; it has no AdaECE or classwise ECE). torchmetrics is *not* a dependency of calibkernels: install it
 only to run this comparison (``pip install torchmetrics``); without it, only calibkernels' metrics are timed.
-Both libraries receive the same logits and apply the softmax themselves. Timing: bench/harness.py ``time_fn``.
+Both libraries receive the same logits and apply the softmax themselves. Timing: :func:`bench.timing.time_fn`.
 Results: ``metrics-<device type>[-quick]-<device>-<date>.json`` / ``.md`` in bench/results and one history row per
-(shape, metric, provider), as the loss bench writes them (:func:`bench.harness.publish`).
+(shape, metric, provider), as the loss bench writes them (:func:`bench.history.publish`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,10 @@ import sys
 import torch
 
 import calibkernels as ck
-from bench import harness
+from bench.history import add_output_arguments, history_row, output_history, publish
+from bench.machine import machine_info, package_version
+from bench.tables import rows_to_markdown
+from bench.timing import time_fn
 
 # (N, C): CIFAR-100 test set, ImageNet validation subset (the full 50000 × 1000 set on a GPU)
 SHAPES = {"cpu": [(10000, 100), (10000, 1000)], "cuda": [(10000, 100), (50000, 1000)]}
@@ -66,9 +69,10 @@ def history_rows(payload: dict, suite: str, source_file: str) -> list[dict]:
         extra["torchmetrics"] = meta["torchmetrics"]
     if meta.get("git_commit_full"):
         extra["commit_full"] = meta["git_commit_full"]
-    return [harness.history_row(
+    return [history_row(
         meta, suite, source_file, kernel="calibration_metrics",
-        case_id=f"{meta['device']}-{r['n']}x{r['c']}-{r['metric']}", n=r["n"], c=r["c"], dtype="fp32", provider=r["provider"], config={"metric": r["metric"], "n_bins": N_BINS},
+        case_id=f"{meta['device']}-{r['n']}x{r['c']}-{r['metric']}", n=r["n"], c=r["c"], dtype="fp32",
+        provider=r["provider"], config={"metric": r["metric"], "n_bins": N_BINS},
         measure="metric", median_ms=r.get("median_ms"), min_ms=r.get("min_ms"), max_ms=r.get("max_ms"),
         reps=r.get("reps"), value=r.get("value"), status="ok", times_ms=r.get("times_ms"), extra=dict(extra))
         for r in payload["results"]]
@@ -78,7 +82,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m bench.bench_metrics", description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true")
-    harness.add_output_arguments(parser)
+    add_output_arguments(parser)
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
@@ -88,9 +92,9 @@ def main(argv=None):
     have_torchmetrics = importlib.util.find_spec("torchmetrics") is not None
     if not have_torchmetrics:
         print("[bench] torchmetrics is not installed: timing calibkernels' metrics only", file=sys.stderr)
-    meta = harness.machine_info(args.device)
+    meta = machine_info(args.device)
     if have_torchmetrics:
-        meta["torchmetrics"] = harness.package_version("torchmetrics")
+        meta["torchmetrics"] = package_version("torchmetrics")
     records, stopped = [], None
     try:
         for n, c in (QUICK_SHAPES if args.quick else SHAPES)[args.device]:
@@ -104,7 +108,7 @@ def main(argv=None):
                     else:
                         fn = make
                     value = fn(logits, labels)
-                    timing = harness.time_fn(lambda: fn(logits, labels), args.device, warmup=1,
+                    timing = time_fn(lambda: fn(logits, labels), args.device, warmup=1,
                                              reps=5 if args.quick else 10, max_time_s=3.0)
                     records.append(dict(n=n, c=c, metric=metric, provider=provider, value=value,
                                         median_ms=timing.median_ms, min_ms=timing.min_ms, max_ms=timing.max_ms,
@@ -123,12 +127,12 @@ def main(argv=None):
                      "–" if diff is None else f"{100 * diff:.1e}", f"{r['median_ms']:.2f}"])
     table = (f"Machine: {meta.get('gpu') or meta['cpu']} ({meta['torch_threads']} torch threads); torch "
              f"{meta['torch']}; torchmetrics {meta.get('torchmetrics', 'not installed')}; {meta['date']}\n\n"
-             + harness.rows_to_markdown(["N × C", "metric", "provider", "value (%)",
+             + rows_to_markdown(["N × C", "metric", "provider", "value (%)",
                                          "abs. difference to torchmetrics (pp)", "time (ms)"], rows))
     meta["suite"] = suite
-    written = harness.publish({"meta": meta, "results": records}, table, suite=suite,
+    written = publish({"meta": meta, "results": records}, table, suite=suite,
                               rows_of=lambda payload, source: history_rows(payload, suite, source),
-                              results_dir=args.results_dir, out=args.out, history=harness.output_history(args))
+                              results_dir=args.results_dir, out=args.out, history=output_history(args))
     print(table)
     print(f"[bench] wrote {written['json']} and {written['md']}"
           + (f"; appended {len(records)} rows to {written['history']}" if written["history"] else "")

@@ -5,15 +5,18 @@ Two ways to run (see bench/README.md):
     python -m bench.bench_uncertainty_weighted_ce [--device cpu|cuda] [--quick] [--suite NAME]
     pytest bench/ --benchmark-only            # pytest-benchmark, one group per case (never with -n / xdist)
 
-This file only declares what is measured; how it is measured is in bench/harness.py.
+This file only declares what is measured; how it is measured is in the harness (bench/harness.py lists its
+modules).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from bench import harness  # run from the repository root (python -m bench...., pytest bench/)
-from bench.harness import Case, Suite
+# run from the repository root (python -m bench...., pytest bench/)
+from bench.cases import TARGET_KINDS, Case, Suite
+from bench.cli import main, run_pytest_benchmark
+from bench.providers import PROVIDERS
 
 # ---------------------------------------------------------------------------------------------------------------
 # CPU (issue 3)
@@ -32,9 +35,9 @@ def _cpu_cases(weight: str, mode: str = "grad") -> tuple[Case, ...]:
 
 def _soft_target_cases(shapes, dtype: str, device: str, weights=("brier", "none")) -> tuple[Case, ...]:
     """Every target kind (hard, smooth, mix, mix_smooth, dense) of each shape and weight (mode "grad"): a case's kinds
-    are timed together, interleaved (harness.bench_cases)."""
+    are timed together, interleaved (bench.measure.bench_cases)."""
     return tuple(Case(n, c, dtype, weight, "grad", device, target)
-                 for n, c in shapes for weight in weights for target in harness.TARGET_KINDS)
+                 for n, c in shapes for weight in weights for target in TARGET_KINDS)
 
 
 # Soft targets: the compact forms (label smoothing, a per-row mix, both) and the dense (N, C) form against class
@@ -134,14 +137,14 @@ def _pairs():
                 continue
             for case in suite.cases:
                 for name in suite.providers:
-                    if harness.PROVIDERS[name].applies_to(case):
+                    if PROVIDERS[name].applies_to(case):
                         yield pytest.param(case, name, id=f"{case.id}-{name}")
 
 
 @pytest.mark.parametrize(("case", "provider"), list(_pairs()))
 def test_uncertainty_weighted_ce(benchmark, case, provider):
-    harness.run_pytest_benchmark(benchmark, provider, case)
+    run_pytest_benchmark(benchmark, provider, case)
 
 
 if __name__ == "__main__":
-    harness.main(SUITES, QUICK_SUITES, prog="python -m bench.bench_uncertainty_weighted_ce")
+    main(SUITES, QUICK_SUITES, prog="python -m bench.bench_uncertainty_weighted_ce")

@@ -1,11 +1,11 @@
 """The compiled extension built on this machine for another machine's Python and torch, and the check there.
 
-A GPU machine lent for a few minutes should spend them on the GPU, not on nvcc: the CUDA kernels take several minutes
-of a single core to compile. With a virtual environment holding that machine's Python and torch (same versions, same
-CUDA major version; no GPU needed), build here and carry the result over:
+A GPU machine's time is better spent on the GPU than on nvcc: the CUDA kernels take several minutes of a single core to
+compile. With a virtual environment holding that machine's Python and torch (same versions, same CUDA major version;
+no GPU needed), build here and copy the result over:
 
     python -m bench.prebuilt build --python /path/to/venv/bin/python [--archs 9.0]
-    python -m bench.prebuilt check        # on the GPU machine; exit status 0: the carried build is usable
+    python -m bench.prebuilt check        # on the GPU machine; exit status 0: the copied build is usable
 
 ``build`` compiles a copy of the working tree (``setup.py build_ext --inplace``) with that interpreter and puts its
 ``calibkernels/_C<suffix>`` into this tree's ``calibkernels/`` with a stamp, ``calibkernels/_C.prebuilt.json``: the hash
@@ -107,7 +107,7 @@ def build(python: str, archs: str, jobs: int) -> int:
 
 
 def check() -> int:
-    """Exit status 0 when the carried build matches this machine and these sources; otherwise says why (one line)."""
+    """Exit status 0 when the copied build matches this machine and these sources; otherwise says why (one line)."""
     if not STAMP.is_file():
         print("prebuilt: no stamp")
         return 1

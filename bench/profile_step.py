@@ -2,8 +2,8 @@
 
     python -m bench.profile_step --cases 8192x32000-bf16-brier [--providers calibkernels_triton ...] [--out DIR]
 
-For each case × provider: the step of :mod:`bench.harness` (fresh non-leaf logits, forward + ``backward()``) runs
-under ``torch.profiler`` a few times after warm-up; printed are the kernels with their mean device time per step,
+For each case × provider: the loss bench's step (fresh non-leaf logits, forward + ``backward()``, :mod:`bench.timing`)
+runs under ``torch.profiler`` a few times after warm-up; printed are the kernels with their mean device time per step,
 the sum of kernel time per step, the host time to *issue* the step (no synchronisation) and the synchronised wall
 time of one step. When the host time is close to or above the kernel sum, the step is launch-bound and a faster kernel
 will not show in the harness's CUDA-event time. Measures; asserts nothing. A provider that cannot run a case here is
@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.harness import DTYPES, PROVIDERS, Case, build_step, make_inputs, unavailable_reason
+from bench.cases import DTYPES, Case, make_inputs
+from bench.providers import PROVIDERS, build_step, unavailable_reason
 
 DEFAULT_PROVIDERS = ("calibkernels_triton", "calibkernels_triton_inplace", "calibkernels_cuda", "reference_compiled",
                      "torch_cross_entropy", "liger_cross_entropy")

@@ -1,29 +1,61 @@
 #!/usr/bin/env bash
-# One script for a GPU machine: build the extension for that GPU, run the GPU tests, run the benchmarks.
+# Run every GPU benchmark (and the GPU tests) on your machine: build the extension for its GPU, run the tests that
+# involve the GPU, then the benchmarks, and print a short summary of the stages.
 #
-#   bash bench/run_on_gpu.sh [build] [test] [quick] [bench] [soft] [fused] [train] [tune] [rowsplit] [raise]
-#                            [hostprofile]
-#   (stages run in the order given)
+#   bash bench/run_on_gpu.sh [STAGE ...]      # from anywhere; stages run in the order given
+#   bash bench/run_on_gpu.sh --help
 #
-# PACK=1 leaves $OUT holding only gpu-run.tgz (everything the stages wrote but training checkpoints, *.pt) and
-# summary.txt.
-# DEADLINE=<seconds> stops the stage still running then (SIGINT; SIGKILL 10 s later) and skips those after it, so that
-# a command with a wall-clock limit still prints its summary. `build` uses a carried build instead of compiling when
-# `python -m bench.prebuilt check` accepts it (bench/prebuilt.py: built on another machine for this Python, torch and
-# GPU, from these sources). `test` runs the tests that involve the GPU (`-k "cuda or triton or gpu"`; TEST_K= for all
-# of the listed files: their CPU cases are CI's job); TEST_TIMEOUT stops pytest with SIGINT, so that its log still
-# ends with the failures so far (short tracebacks and the summary), and kills it TEST_GRACE (20) s later.
-# `fused` measures the fused providers and eager materialised logits; FUSED_ARGS, appended to its command line, can
-# name others (`--providers ... chunked_reference_compiled`: torch.compile, measured last).
+# Stages (none named: build test bench fused tune train, every benchmark):
+#   build        build calibkernels._C in place for this GPU's compute capability (setup.py build_ext --inplace);
+#                an extension built elsewhere for this machine is used instead when `python -m bench.prebuilt check`
+#                accepts it (bench/prebuilt.py). Fails when the extension has no CUDA kernels; a failed build stops
+#                the run.
+#   test         the test files with GPU cases, their GPU cases only (pytest -k "cuda or triton or gpu")
+#   quick        the loss bench's headline cases and host-step suite (bench_uncertainty_weighted_ce --quick)
+#   bench        the loss bench's full GPU run (all shapes, dtypes, losses, target kinds, the host-step suite)
+#   soft         the loss bench's soft-target suite alone (--only-suites cuda-soft-targets)
+#   fused        the fused linear + loss bench (bench_fused_linear) at 8192 x 4096 x 128256 bf16
+#   tune         the Triton launch-shape sweep, the CUDA op's default launch and whole steps (tune_triton)
+#   train        ResNet-50 training throughput on synthetic data, then a CIFAR-shaped recipe end to end
+#   hostprofile  a cProfile of the host side of eager steps at the classification shapes (profile_step)
+#   raise        a bad argument to each op must raise, not crash the process (raise.txt)
 #
-# Logs and results go to $OUT (default bench/results/gpu-run-<date>); the last lines printed are a short summary.
-# The benches write <suite>-<gpu>-<date>.json/.md and $OUT/history.jsonl (rows naming bench/results/<file>): copy the
-# result files into bench/results/ (git rm the earlier ones of the same suite and GPU) and append $OUT/history.jsonl
-# to bench/results/history.jsonl.
-# Meant for a fresh machine with torch + triton already installed (a lent device, a cloud box): it builds in place
-# (`setup.py build_ext --inplace`, no pip resolution) for the local GPU's compute capability only, and it installs
-# any wheels found in .whl/ (e.g. liger-kernel, for the Liger provider) into /tmp/site.
+# Logs and results go to $OUT (default bench/results/gpu-run-<date>). The benches write <suite>-<gpu>-<date>.json/.md
+# and $OUT/history.jsonl (rows naming bench/results/<file>); to keep them in the repository, copy the result files
+# into bench/results/ (git rm the earlier ones of the same suite and GPU) and append $OUT/history.jsonl to
+# bench/results/history.jsonl.
+#
+# Options (environment variables):
+#   OUT=<dir>            where logs and results go
+#   PYTHON=<python>      the interpreter (default python3; it needs torch and triton)
+#   DEADLINE=<seconds>   stop starting stages after this many seconds: the stage running then is interrupted
+#                        (SIGINT: the benches write what they measured; SIGKILL 10 s later), the later ones are
+#                        skipped, and the summary still prints
+#   PACK=1               pack the results into a tarball: $OUT then holds only gpu-run.tgz (every log and result but
+#                        training checkpoints, *.pt) and summary.txt
+#   MAX_JOBS=<n>         parallel compile jobs of `build` (default 16)
+#   TEST_K=<expr>        pytest -k of `test` (default "cuda or triton or gpu"; empty: every test of the files)
+#   TEST_TIMEOUT=<s>     stop pytest with SIGINT after this long (default 540), so its log still ends with the
+#                        failures so far; TEST_GRACE=<s> (default 20) later it is killed
+#   TEST_WORKERS=<n>     pytest-xdist workers (default 8); TEST_ARGS: more pytest arguments
+#   BENCH_ARGS           more arguments of the loss bench (quick, bench)
+#   FUSED_ARGS           more arguments of `fused`, last, e.g. '--providers calibkernels_fused_linear
+#                        chunked_reference_compiled' (torch.compile, which compiles for minutes at that size)
+#   FUSED_CHUNKS         the chunk sizes `fused` also times ours at (default "256 2048"; empty: the default only)
+#   TRAIN_RUNS           `train`'s "loss backend" pairs, separated by commas; TRAIN_EPOCHS (default 2), TRAIN_ARGS
+#                        (more flags of each run); TRAIN_CIFAR=0 leaves out the CIFAR-shaped recipe
+#
+# Wheels in .whl/ (e.g. liger-kernel, for the Liger provider, on a machine without network access) are installed into
+# /tmp/site first and put on PYTHONPATH.
 set -uo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0 ;;
+esac
+[ $# -eq 0 ] && set -- build test bench fused tune train
+STAGES="build test quick bench soft fused tune train hostprofile raise"
+for s in "$@"; do
+  case " $STAGES " in *" $s "*) ;; *) echo "unknown stage $s (stages: $STAGES)"; exit 2 ;; esac
+done
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/gpu-run-$(date +%F)}"
 mkdir -p "$OUT"
@@ -67,7 +99,7 @@ do_build() {
   local cc
   cc=$($PY -c "import torch; print('%d.%d' % torch.cuda.get_device_capability())")
   local rc=0
-  # a carried build: its stamp matches, and it loads with the CUDA kernels in it
+  # a build made elsewhere for this machine (bench/prebuilt.py): its stamp matches, and it loads with its CUDA kernels
   if $PY -m bench.prebuilt check | tee "$OUT/build.log" \
       && $PY -c "import calibkernels._C as C; assert C.WITH_CUDA" >>"$OUT/build.log" 2>&1; then
     :
@@ -90,8 +122,9 @@ raise SystemExit(0 if C.WITH_CUDA or not torch.cuda.is_available() else 1)" >>"$
 }
 
 do_test() {
-  # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device); the whole suite is
-  # CI's job on a CPU machine. --durations: the slowest tests in the summary, for sizing the stage to a lease
+  # every test file with GPU cases (kernels, soft targets, fused linear, metrics on the device, the bench's providers
+  # and Triton launch shapes); the whole suite is CI's job on a CPU machine. --durations: the slowest tests in the
+  # summary
   local k=${TEST_K-cuda or triton or gpu} select=() grace=${TEST_GRACE:-20} total
   [ -n "$k" ] && select=(-k "$k")
   # SIGINT at the timeout: pytest stops and still writes its summary (the failures so far, their tracebacks), which a
@@ -106,7 +139,8 @@ do_test() {
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
     tests/test_soft_targets.py tests/test_target_checks.py tests/test_fused_linear.py \
     tests/test_calibration_posthoc.py tests/test_metrics_bootstrap.py tests/test_metrics_debiased.py \
-    tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench.py ${TEST_ARGS:-} \
+    tests/test_metrics_smooth_ece.py tests/test_meta.py tests/test_bench_providers.py tests/test_bench_tune_triton.py \
+    ${TEST_ARGS:-} \
     >"$OUT/pytest.log" 2>&1
   local rc=$?
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
@@ -120,8 +154,8 @@ do_test() {
 }
 
 do_raise() {
-  # The open crash of the torch 2.11 host: an error raised by this extension's ops killed the process
-  # (SIGSEGV) instead of raising. Calls each op with a target of the wrong length (a TORCH_CHECK in the shared
+  # An error raised inside this extension's ops must reach Python as an exception: on some hosts (torch builds) it
+  # killed the process (SIGSEGV) instead. Calls each op with a target of the wrong length (a TORCH_CHECK in the shared
   # argument checks), plain, with C++ stack traces on, and under gdb for the native backtrace when gdb is installed.
   local snippet='import torch, calibkernels
 x, t = torch.randn(4, 5), torch.tensor([0, 1, 2])
@@ -151,15 +185,6 @@ for dev in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
 do_quick() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --quick --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/quick.err"; }
 do_bench() { $PY -m bench.bench_uncertainty_weighted_ce --device cuda --results-dir "$OUT" ${BENCH_ARGS:-} 2>"$OUT/bench.err"; }
 do_tune() { $PY -m bench.tune_triton --out "$OUT/tune-triton" 2>"$OUT/tune.err"; }
-# the CUDA kernel (and past 4096 classes each of its row splits, CALIBKERNELS_CUDA_ROW_CLUSTER: streaming, each
-# thread-block cluster tile the op launches as a cluster; the others are listed as skipped, with the reason) beside a
-# copy and the Triton kernel's default launch, without the Triton launch search; the classification widths (1000,
-# 4096) give backend="auto"'s table the kernels' own times where the row fits on chip. The JSON is rewritten after
-# each class count, so a stage stopped at DEADLINE keeps the rows measured so far (meta.complete false).
-do_rowsplit() {
-  $PY -m bench.tune_triton --out "$OUT/tune-row-split" --classes 1000 4096 10000 32000 128256 262144 --grid-weights \
-    2>"$OUT/rowsplit.err"
-}
 # where the host's time of an eager step goes at the classification shapes (whose steps are host-bound): a cProfile of
 # 300 steps per shape and provider (bench/profile_step.py --host-profile), the default call and the CUDA backend
 # beside F.cross_entropy
@@ -178,9 +203,9 @@ do_soft() {
 }
 # fused linear + loss at 8192 x 4096 x 128256 bf16 against materialised logits, Liger and Cut Cross-Entropy, ours also
 # at chunks of 256 and 2048 rows beside its default (FUSED_CHUNKS; empty: the default only). Not
-# chunked_reference_compiled by default: inductor compiles it for minutes at this size, which a short lease cannot
-# spare (FUSED_ARGS='--providers ... chunked_reference_compiled' adds it; the script measures it last). The
-# script rewrites its results after each case, so a stage stopped at DEADLINE keeps the rows measured so far.
+# chunked_reference_compiled by default: inductor compiles it for minutes at this size (FUSED_ARGS='--providers ...
+# chunked_reference_compiled' adds it; the script measures it last). The script rewrites its results after each case,
+# so a stage stopped at DEADLINE keeps the rows measured so far.
 do_fused() {
   local chunks=${FUSED_CHUNKS-256 2048}
   $PY -m bench.bench_fused_linear --device cuda --out "$OUT/fused-linear-$($PY -c "import torch; print(torch.cuda.get_device_name().split()[1].lower())")-$(date +%F)" \
@@ -229,8 +254,7 @@ do_train() {
   return $rc
 }
 
-export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_rowsplit do_soft do_fused do_train \
-  do_hostprofile
+export -f within_stage do_build do_test do_raise do_quick do_bench do_tune do_soft do_fused do_train do_hostprofile
 
 for s in "$@"; do
   case $s in
@@ -242,7 +266,6 @@ for s in "$@"; do
     fused) stage fused do_fused ;;
     train) stage train do_train ;;
     tune) stage tune do_tune ;;
-    rowsplit) stage rowsplit do_rowsplit ;;
     raise) stage raise do_raise ;;
     hostprofile) stage hostprofile do_hostprofile ;;
     *) echo "unknown stage $s"; exit 2 ;;
@@ -250,10 +273,9 @@ for s in "$@"; do
 done
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 if [ -n "${PACK:-}" ]; then
-  # one archive in place of the many logs and result files, for a transfer that returns only a few files (tar's exit
-  # status 1: a file changed while it was read, e.g. a log a stopped stage's process still wrote). Without the
-  # training's checkpoints (*.pt, and their partial writes): about 100 MB each for ResNet-50, no result, and slow
-  # to compress within a call's time limit.
+  # one archive in place of the many logs and result files, to copy off the machine in one piece (tar's exit status
+  # 1: a file changed while it was read, e.g. a log a stopped stage's process still wrote). Without the training's
+  # checkpoints (*.pt, and their partial writes): about 100 MB each for ResNet-50, no result, and slow to compress.
   archive=$(mktemp /tmp/gpu-run.XXXXXX)
   tar -C "$OUT" -czf "$archive" --warning=no-file-changed --exclude='*.pt' --exclude='.*.pt.*.tmp' .
   if [ $? -le 1 ]; then

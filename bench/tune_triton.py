@@ -9,11 +9,7 @@ step around them, so the numbers say what the launch shape costs:
 * the Triton forward (loss and gradient, ``uncertainty_weighted_ce_forward``) for each (path, block, num_warps): at
   the default 8192 rows, more than ``INLINE_COUNT_MAX_ROWS`` (1024), a mean with a gradient is two launches, a
   one-program launch that counts the mean's divisor and then the loss launch, timed together;
-* the CUDA C++ op with its default launch and, past 4096 classes, each row split: the streaming path (``off``, what
-  the default runs there) and each thread-block cluster tile (``CALIBKERNELS_CUDA_ROW_CLUSTER``) that the op
-  launches as a cluster. A tile the op would not launch so (more than 16 CTAs per row, a GPU older than sm_90, or a
-  cluster the device cannot place: the op then streams the row silently) is not timed; its row says why
-  (``skipped``);
+* the CUDA C++ op with its default launch;
 * one whole autograd step (forward + backward through ``calibkernels.uncertainty_weighted_ce``), per target-check
   policy, to see what the Python side and the synchronisation add to the kernel.
 
@@ -75,88 +71,6 @@ def launch_shape(module, path: str, block: int, num_warps: int, num_classes: int
             setattr(module, name, value)
 
 
-# CALIBKERNELS_CUDA_ROW_CLUSTER values besides "auto" (which streams, as "off" does): the CUDA kernel's streaming path
-# and its cluster tile shapes (threads x values per thread)
-ROW_SPLITS = ("off", "256x16", "256x32", "512x16", "512x32")
-# The CUDA op's choice between a cluster tile and the streaming path, as csrc/cuda/row_kernels.cuh makes it
-# (`launch`, `cluster_shape_for`, `cluster_launchable`); tests/test_bench.py checks these against that file.
-RESIDENT_MAX_CLASSES = 256 * 16  # kBlock256MaxC: rows up to this width never reach the choice
-MAX_CLUSTER_CTAS = 16  # kMaxClusterCtas: a tile needing more CTAs per row streams
-CLUSTER_MIN_CAPABILITY = (9, 0)  # thread-block clusters: sm_90 or later (ptxVersion / binaryVersion >= 90)
-CLUSTER_DTYPES = ("fp32", "bf16", "fp16")  # float accumulation; float64 always streams
-
-
-def cluster_ctas(num_classes: int, row_split: str) -> int:
-    """CTAs per row of the tile ``row_split`` (``"<threads>x<values>"``): ``ceil(C / (threads * values))``."""
-    threads, values = (int(v) for v in row_split.split("x"))
-    return -(-num_classes // (threads * values))
-
-
-def cluster_skip_reason(num_classes: int, row_split: str, dtype: str = "fp32", capability=None,
-                        soft_targets: bool = False) -> str | None:
-    """Why the CUDA op would not launch rows of ``num_classes`` as clusters of the tile ``row_split`` but stream them
-    instead (with the tile's name in CALIBKERNELS_CUDA_ROW_CLUSTER), as far as the host can tell; ``None`` when it
-    would. ``capability``: the device's ``(major, minor)`` (``None``: not checked). What the host cannot tell (that
-    the extension was compiled for sm_90, that the device can place such a cluster) the op decides at the launch."""
-    if row_split not in ROW_SPLITS or row_split == "off":
-        return f"{row_split!r} is not a cluster tile"
-    if soft_targets:
-        return "soft targets always stream"
-    if dtype not in CLUSTER_DTYPES:
-        return f"{dtype} always streams"
-    if num_classes <= RESIDENT_MAX_CLASSES:
-        return f"C = {num_classes} <= {RESIDENT_MAX_CLASSES}: the row is register-resident, no split"
-    ctas = cluster_ctas(num_classes, row_split)
-    if ctas > MAX_CLUSTER_CTAS:
-        return f"needs {ctas} CTAs per row > {MAX_CLUSTER_CTAS}: the op streams the row"
-    if capability is not None and tuple(capability) < CLUSTER_MIN_CAPABILITY:
-        return f"compute capability {capability[0]}.{capability[1]} < 9.0: no thread-block clusters"
-    return None
-
-
-def row_splits_to_time(num_classes: int, dtype: str, capability=None) -> list[tuple[str, str | None]]:
-    """``(row_split, skip reason or None)`` for the CUDA op's rows of ``num_classes``: ``"auto"`` (the default
-    launch) where no split applies, else ``"off"`` (the streaming path, which the default runs too, so it is not timed
-    twice) and each cluster tile."""
-    if num_classes <= RESIDENT_MAX_CLASSES:
-        return [("auto", None)]
-    return [("off", None)] + [(split, cluster_skip_reason(num_classes, split, dtype, capability))
-                              for split in ROW_SPLITS if split != "off"]
-
-
-def launched_row_kernel(fn) -> str | None:
-    """Which CUDA row kernel one call of ``fn`` launched: ``"cluster"``, ``"streaming"`` (any other calibkernels row
-    kernel), or ``None`` when the profiler saw neither (or failed)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            fn()
-            torch.cuda.synchronize()
-        names = [event.name for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA]
-    except Exception:  # noqa: BLE001 - the check is a safeguard; without a profiler the row is timed unchecked
-        return None
-    if any("cluster_row_kernel" in name for name in names):
-        return "cluster"
-    if any("uncertainty_weighted_ce_kernel" in name for name in names):
-        return "streaming"
-    return None
-
-
-@contextlib.contextmanager
-def row_split_setting(value: str):
-    """Set CALIBKERNELS_CUDA_ROW_CLUSTER for the CUDA op's launches inside the block (restored on exit)."""
-    saved = os.environ.get("CALIBKERNELS_CUDA_ROW_CLUSTER")
-    os.environ["CALIBKERNELS_CUDA_ROW_CLUSTER"] = value
-    try:
-        yield
-    finally:
-        if saved is None:
-            del os.environ["CALIBKERNELS_CUDA_ROW_CLUSTER"]
-        else:
-            os.environ["CALIBKERNELS_CUDA_ROW_CLUSTER"] = saved
-
-
 def candidate_shapes(num_classes: int, warps: list[int], chunks: list[int]) -> list[tuple[str, int, int]]:
     """``(path, block, num_warps)`` to try for rows of ``num_classes``: the single-read block with every warp count
     that leaves a thread at least one value, and every two-read chunk below ``C`` with warps that give each thread at
@@ -201,7 +115,7 @@ def write_json(out: str | None, header: dict, meta: dict, rows: list[dict], comp
 
 def sweep_class(ctx: dict, args, c: int, record) -> None:
     """Every measurement of rows of ``c`` classes (each dtype and weight): copy, Triton shapes and default, the CUDA
-    op's row splits, whole autograd steps; each row goes to ``record``."""
+    op's default launch, whole autograd steps; each row goes to ``record``."""
     do_bench, ck, codes, tri = ctx["do_bench"], ctx["ck"], ctx["codes"], ctx["tri"]
     dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
     mode, reduction = codes.MODE_CODES["grad"], codes.REDUCTION_CODES["mean"]
@@ -256,22 +170,8 @@ def sweep_class(ctx: dict, args, c: int, record) -> None:
                     return op(logits, target, None, None, code, mode, gamma, norm, ignore_index, reduction, True,
                               None)
 
-                # the .cu's launch chooser (CALIBKERNELS_CUDA_ROW_CLUSTER, read at every launch): its default where
-                # no split applies, else the streaming path (the default there) and each cluster tile it launches
-                for row_split, reason in row_splits_to_time(c, dtype_name, ctx["capability"]):
-                    row = dict(kind="cuda", c=c, dtype=dtype_name, weight=weight, row_split=row_split)
-                    if row_split == "off":
-                        row["default"] = True  # "auto" (and an unset variable) streams these rows too
-                    if reason is not None:
-                        record(**row, skipped=reason)
-                        continue
-                    with row_split_setting(row_split):
-                        if row_split not in ("auto", "off") and launched_row_kernel(cuda_op) == "streaming":
-                            record(**row, skipped="the op streamed the row: the cluster kernel is not launchable "
-                                                  "here (a build without sm_90 code, or no room for the cluster)")
-                            continue
-                        ms = bench(cuda_op)
-                    record(**row, ms=ms, gbs=nbytes / ms / 1e6)
+                ms = bench(cuda_op)
+                record(kind="cuda", c=c, dtype=dtype_name, weight=weight, ms=ms, gbs=nbytes / ms / 1e6)
             # whole autograd step, per target-check policy (async: the default, no host stall; sync: one stall)
             leaf = logits.clone().requires_grad_()
             try:
@@ -340,19 +240,14 @@ def print_table(rows: list[dict]) -> None:
     print("| C | dtype | what | ms | GB/s |")
     print("|---|---|---|--:|--:|")
     for r in rows:
-        if r["kind"] == "triton" or ("ms" not in r and "skipped" not in r):
+        if r["kind"] == "triton" or "ms" not in r:
             continue
         what = r["kind"] + (f" {r['weight']}" if "weight" in r else "") + (f" {r['what']}" if "what" in r else "")
         if r["kind"] == "step":
             what += f" {r['backend']} validate={r['validate']}"
-        elif r["kind"] == "cuda":
-            what += f" row_split={r['row_split']}" + (" (default)" if r.get("default") else "")
         elif r["kind"] == "triton-default":
             what += f" {r['path']} {r['block']}x{r['warps']} best={r['best']}"
-        if "skipped" in r:
-            print(f"| {r['c']} | {r['dtype']} | {what} skipped: {r['skipped']} | – | – |")
-        else:
-            print(f"| {r['c']} | {r['dtype']} | {what} | {r['ms']:.3f} | {r['gbs']:.0f} |")
+        print(f"| {r['c']} | {r['dtype']} | {what} | {r['ms']:.3f} | {r['gbs']:.0f} |")
 
 
 def main(argv=None):
