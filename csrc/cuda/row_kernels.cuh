@@ -26,12 +26,7 @@
 //                 with evict-first loads and stores, so the tiles read last in the first pass (the likeliest still in
 //                 L2) are re-read first and the gradient does not push the row out of L2. Small blocks keep several
 //                 rows in flight per multiprocessor, which hides memory latency better than one register- or
-//                 shared-memory-resident row of a 1024-thread block (on an H200, 256 threads × 16 values per thread
-//                 was the fastest of 256/512 threads × 16/32 values).
-//   * larger C, hard targets, sm_90: the row split across a thread-block cluster of up to 16 CTAs, each holding its
-//                 columns in registers, the statistics combined through distributed shared memory (cluster_row_kernel);
-//                 read once, gradient written once, up to C = 16 × 16384. The streaming path above serves the GPUs and
-//                 builds without clusters, soft targets, float64 and larger C.
+//                 shared-memory-resident row of a 1024-thread block.
 //   float64 (gradcheck/opcheck only) has the two warp paths and, above C = 1024, the streaming path (512 threads).
 // Every path: 16-byte vector loads/stores for a row whose address is 16-byte aligned (a scalar fallback otherwise and
 // for the row's tail), fp32 accumulation for fp16/bf16 (float64 stays float64, for gradcheck), exp2f, int64 offsets,
@@ -60,22 +55,11 @@
 
 #include <ATen/core/Tensor.h>
 #include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include <cooperative_groups.h>
-
-#include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
-#include <iterator>
 #include <limits>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
-#include <utility>
 
 #include "batch_fold.cuh"
 #include "block_reduce.cuh"
@@ -455,95 +439,6 @@ __global__ void __launch_bounds__(kBlockThreads<kGroup>) uncertainty_weighted_ce
   begin_rows<kBlockThreads<kGroup>>(P);
   hard_row<scalar_t, kGroup, kPT, kResident>(P);
   finish_rows<kBlockThreads<kGroup>, scalar_t>(P, F, nullptr);
-}
-
-// ----------------------------------------------------------------------------------------------------------------
-// Rows split across a thread-block cluster (sm_90): one read of the logits and one write of the gradient at any C up
-// to 16 CTAs × the tile, instead of the streaming path's two reads.
-//
-// The row's K = ceil(C / W) CTAs form one cluster (W = kThreads·kPT columns per CTA); CTA r holds columns
-// [r·W, (r+1)·W) in registers (the resident path's Tile at base r·W), reduces its statistics over the block, and
-// writes them to its shared memory. After a cluster barrier, lanes 0..K-1 of each CTA's first warp read the K partial
-// statistics through distributed shared memory and merge them with the warp's butterfly, so every CTA holds the same
-// row statistics bit for bit (the same K values, merged in the same order). A second barrier keeps every CTA's shared
-// memory alive until all remote reads are done; then each CTA writes the gradient of its own columns. z_y is read by
-// every CTA before the first barrier, so in place the target column is overwritten only after all reads of it.
-// ----------------------------------------------------------------------------------------------------------------
-constexpr int kMaxClusterCtas = 16;  // the non-portable cluster size limit of sm_90 (8 is portable)
-
-#if !defined(__CUDA_ARCH__) || __CUDA_ARCH__ >= 900
-template <typename scalar_t, int kThreads, int kPT>
-__device__ __forceinline__ void cluster_row(const Params<float>& P) {
-  namespace cg = cooperative_groups;
-  using A = float;
-  using T = Tile<scalar_t, A, kThreads, kPT>;
-  constexpr int64_t kTileCols = static_cast<int64_t>(kThreads) * kPT;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int ctas = static_cast<int>(cluster.num_blocks());
-  const int rank = static_cast<int>(cluster.block_rank());
-  const int64_t row = static_cast<int64_t>(blockIdx.x) / ctas;  // a 1-D grid of whole clusters, one per row
-  const int t = threadIdx.x;
-  const int64_t base = rank * kTileCols;
-  const int64_t C = P.num_classes;
-  const A q = P.norm;
-  const int64_t y = P.target[row];
-  const bool ignored = y == P.ignore_index;
-  const bool bad = !ignored && (y < 0 || y >= C);
-  scalar_t* grad_row = P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
-
-  if (ignored || bad) {  // uniform over the cluster: no CTA reaches a barrier
-    const A fill = bad ? std::numeric_limits<A>::quiet_NaN() : A(0);
-    if (rank == 0 && t == 0) store_row_loss<scalar_t>(P, row, fill);
-    if (grad_row != nullptr) {
-      const int64_t end = base + kTileCols < C ? base + kTileCols : C;
-      for (int64_t c = base + t; c < end; c += kThreads) grad_row[c] = static_cast<scalar_t>(fill);
-    }
-    return;
-  }
-
-  const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
-  const bool brier = P.weight == static_cast<int>(Weight::Brier);
-  const bool dual = P.weight == static_cast<int>(Weight::DualFocal);
-  const A z_y = static_cast<A>(z_row[y]);
-  A z[kPT];
-  T::load(z_row, aligned16(z_row), base, t, C, z);
-  Stats<A> s = empty_stats<A>();
-  accumulate(z, [&](int e) { return T::column(base, t, e); }, C, y, z_y, q, brier, dual, s);
-  s = group_allreduce<kThreads>(s, q, brier, dual);
-
-  __shared__ Stats<A> block_stats;  // this CTA's share, read by every CTA of the cluster
-  __shared__ Stats<A> row_stats;
-  if (t == 0) block_stats = s;
-  cluster.sync();
-  if (t < 32) {
-    Stats<A> part = t < ctas ? *cluster.map_shared_rank(&block_stats, t) : empty_stats<A>();
-    part = warp_allreduce(part, q, brier, dual);
-    if (t == 0) row_stats = part;
-  }
-  cluster.sync();  // the remote reads are done (a CTA may exit), and row_stats is visible to the whole block
-  const RowCoefs<A> r = row_coefficients(P, row, row_stats, z_y);
-  if (rank == 0 && t == 0) store_row_loss<scalar_t>(P, row, r.loss);
-  if (grad_row == nullptr) return;
-#pragma unroll
-  for (int e = 0; e < kPT; ++e) {
-    const int64_t col = T::column(base, t, e);
-    z[e] = (col == y) ? r.grad_target : grad_element(r, z[e], z_y, q);
-  }
-  T::store(grad_row, aligned16(grad_row), base, t, C, z);
-}
-#endif
-
-// The cluster launch: the block's count (batch_fold.cuh), its share of a row, then the batch's fold in the last
-// block (of the whole grid: the ticket counts blocks, whatever cluster they belong to).
-template <typename scalar_t, int kThreads, int kPT>
-__global__ void __launch_bounds__(kThreads) cluster_row_kernel(const Params<float> P, const BatchFold F) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-  __trap();  // launched only where cudaFuncGetAttributes reports code compiled for sm_90 or later (cluster_launchable)
-#else
-  begin_rows<kThreads>(P);
-  cluster_row<scalar_t, kThreads, kPT>(P);
-  finish_rows<kThreads, scalar_t>(P, F, nullptr);
-#endif
 }
 
 // ----------------------------------------------------------------------------------------------------------------
@@ -1041,140 +936,8 @@ void launch_rows(void (*kernel)(KernelParams, BatchFold), int64_t num_rows, cons
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// Tile shapes of cluster_row_kernel (threads × values per thread, and the name CALIBKERNELS_CUDA_ROW_CLUSTER gives
-// it), smallest first.
-struct ClusterShape {
-  int threads, values;
-  const char* name;
-};
-constexpr ClusterShape kClusterShapes[] = {{256, 16, "256x16"}, {256, 32, "256x32"}, {512, 16, "512x16"},
-                                           {512, 32, "512x32"}};
-constexpr int kPortableClusterCtas = 8;
-
-using ClusterKernel = void (*)(Params<float>, BatchFold);
-
-// The kernel of kClusterShapes[shape_index], instantiated from the table itself (so the two cannot disagree).
-template <typename scalar_t, std::size_t... I>
-ClusterKernel cluster_kernel_of(int shape_index, std::index_sequence<I...>) {
-  static const ClusterKernel kernels[] = {
-      cluster_row_kernel<scalar_t, kClusterShapes[I].threads, kClusterShapes[I].values>...};
-  return kernels[shape_index];
-}
-
-template <typename scalar_t>
-ClusterKernel cluster_kernel(int shape_index) {
-  return cluster_kernel_of<scalar_t>(shape_index, std::make_index_sequence<std::size(kClusterShapes)>{});
-}
-
-int64_t cluster_ctas(int64_t C, const ClusterShape& shape) {
-  const int64_t tile = static_cast<int64_t>(shape.threads) * shape.values;
-  return (C + tile - 1) / tile;
-}
-
-// The tile shape for rows of C classes, or -1 for the streaming path. By default every row streams: on an H100 each
-// cluster tile took 1.3 to 2.7 times the streaming path's time at every C measured (10000 to 262144, bf16 and float32;
-// docs/performance.md, "Rows across a thread-block cluster"), so the cluster kernel runs only when asked for.
-// CALIBKERNELS_CUDA_ROW_CLUSTER (a tuning and testing hook, read on every launch): "auto", "off" or "0" (or unset)
-// streams every row; "<threads>x<values>" (256x16, 256x32, 512x16, 512x32) asks for that shape wherever its cluster
-// has at most 16 CTAs. Only the launches that reach this choice (hard targets, float32 or 16-bit logits, C > 4096)
-// read it, so a malformed value is reported there.
-int cluster_shape_for(int64_t C) {
-  const char* flag = std::getenv("CALIBKERNELS_CUDA_ROW_CLUSTER");
-  if (flag == nullptr || flag[0] == '\0' || std::strcmp(flag, "auto") == 0 || std::strcmp(flag, "off") == 0 ||
-      std::strcmp(flag, "0") == 0) {
-    return -1;
-  }
-  for (int i = 0; i < static_cast<int>(std::size(kClusterShapes)); ++i) {
-    if (std::strcmp(kClusterShapes[i].name, flag) == 0) {
-      return cluster_ctas(C, kClusterShapes[i]) <= kMaxClusterCtas ? i : -1;
-    }
-  }
-  TORCH_CHECK_VALUE(false, "CALIBKERNELS_CUDA_ROW_CLUSTER must be auto, off, 256x16, 256x32, 512x16 or 512x32, "
-                    "got '", flag, "'");
-  return -1;
-}
-
-cudaLaunchConfig_t cluster_config(int64_t blocks, int threads, cudaLaunchAttribute& cluster_dim, int ctas,
-                                  cudaStream_t stream) {
-  cluster_dim.id = cudaLaunchAttributeClusterDimension;
-  cluster_dim.val.clusterDim.x = static_cast<unsigned>(ctas);
-  cluster_dim.val.clusterDim.y = 1;
-  cluster_dim.val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(blocks));
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = 0;
-  config.stream = stream;
-  config.attrs = &cluster_dim;
-  config.numAttrs = 1;
-  return config;
-}
-
-// Whether `kernel` can run as clusters of `ctas` CTAs on the current device: its code was compiled for sm_90 or
-// later (ptxVersion, the __CUDA_ARCH__ it was compiled as: a build for an older architecture holds the trap, even when
-// its machine code was made for sm_90), and at least one such cluster fits (cudaOccupancyMaxActiveClusters). Definite
-// answers are kept per device, kernel and cluster size. Without one (an API call failed, an error of someone else's
-// is pending, or a CUDA graph is being captured, where the queries are not asked) the answer is no, for this launch.
-bool cluster_launchable(ClusterKernel kernel, int threads, int ctas, cudaStream_t stream) {
-  static std::mutex mutex;
-  static std::map<std::tuple<int, const void*, int>, bool> known;
-  const int device = c10::cuda::current_device();
-  const std::lock_guard<std::mutex> lock(mutex);
-  const auto key = std::make_tuple(device, reinterpret_cast<const void*>(kernel), ctas);
-  if (const auto it = known.find(key); it != known.end()) return it->second;
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  if (cudaPeekAtLastError() != cudaSuccess || cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
-      capture != cudaStreamCaptureStatusNone) {
-    return false;
-  }
-  cudaFuncAttributes attributes;
-  if (cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
-    (void)cudaGetLastError();  // this query's own error, not one for the next launch to report
-    return false;
-  }
-  bool ok = attributes.ptxVersion >= 90 && attributes.binaryVersion >= 90;
-  if (ok) {
-    if (ctas > kPortableClusterCtas &&
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    cudaLaunchAttribute cluster_dim;
-    const cudaLaunchConfig_t config = cluster_config(ctas, threads, cluster_dim, ctas, stream);
-    int clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    ok = clusters > 0;
-  }
-  known.emplace(key, ok);
-  return ok;
-}
-
-// Launches the cluster kernel for P's rows when the device and the build allow it; false: use the streaming path.
-template <typename scalar_t>
-bool launch_row_clusters(const Params<float>& P, const BatchFold& F) {
-  const int shape_index = cluster_shape_for(P.num_classes);
-  if (shape_index < 0) return false;
-  const ClusterShape shape = kClusterShapes[shape_index];
-  const int ctas = static_cast<int>(cluster_ctas(P.num_classes, shape));
-  const ClusterKernel kernel = cluster_kernel<scalar_t>(shape_index);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  if (!cluster_launchable(kernel, shape.threads, ctas, stream)) return false;
-  const int64_t blocks = P.num_rows * ctas;
-  TORCH_CHECK(blocks <= std::numeric_limits<int32_t>::max(), "calibkernels::uncertainty_weighted_ce: too many rows");
-  cudaLaunchAttribute cluster_dim;
-  const cudaLaunchConfig_t config = cluster_config(blocks, shape.threads, cluster_dim, ctas, stream);
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, P, F));
-  return true;
-}
-
 template <typename scalar_t, typename A>
 void launch(const Params<A>& P, const BatchFold& F) {
-  if constexpr (std::is_same<A, float>::value) {
-    if (P.num_classes > kBlock256MaxC && launch_row_clusters<scalar_t>(P, F)) return;
-  }
   with_shape<scalar_t>(P.num_classes, [&](auto shape) {
     using S = decltype(shape);
     launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P,
