@@ -197,8 +197,8 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
                             T external, T scale, T* exps, bool stream = false);
 
 // The weight families of compact_soft_row, a template parameter (with the mode, kLoss) so that each row's scalar code
-// holds only its own weight's terms (with the weight chosen at run time, the dead focal and gBS terms of plain CE's
-// rows measured about 9 ns a row on a 2-core Cascade Lake VM, docs/performance.md).
+// holds only its own weight's terms (with the weight chosen at run time, every row would also carry the dead terms of
+// the other families; docs/performance.md).
 enum class SoftFamily {
   Plain,  // none / external: u is a constant of the row
   Focal,  // focal / FLSD: u = (1 - P)^γ

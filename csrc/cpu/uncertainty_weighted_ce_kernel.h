@@ -195,9 +195,9 @@ void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T 
 // once, with m the target logit (or, for rows where that would leave the sums' range, the row max below; see
 // process_row), summed into the accumulators and, when a gradient is written, stored in the gradient row; the
 // gradient sweep then only rescales e_k (p_k = e_k / denom) instead of evaluating a second exponential. The row is in
-// L1/L2 between the sweeps, and exp is what bounds the kernel on a CPU (the two-exponential form was about twice as
-// slow at C = 1000; the online softmax of `accumulate`, which rescales per block, is ≈ 1.7× slower per row without a
-// gradient). `out` may alias `z` (in-place gradient).
+// L1/L2 between the sweeps, and exp is what bounds the kernel on a CPU (so one exponential per element, where the
+// two-sweep form takes two; without a gradient too, the online softmax of `accumulate`, which rescales per block, is
+// the slower form). `out` may alias `z` (in-place gradient).
 template <typename T>
 T row_max(const T* z, int64_t C) {
   using Vec = Vectorized<T>;
@@ -284,8 +284,8 @@ struct RowSpec {
 constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 
 // How far ahead of its loads the exponential sweep prefetches the logits (launch() → process_row): 4 KiB, a row
-// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. At 4096 × 1000 fp32 this
-// made the target-referenced sweep 17–32% faster than a max sweep followed by the exponential sweep (1 and 2 threads).
+// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. With it the
+// target-referenced sweep, the first to read the row, beats a max sweep followed by the exponential sweep.
 constexpr int64_t kPrefetchBytes = 4096;
 
 // Denormal results flushed to zero (MXCSR's FTZ bit) in the calling thread while alive; the thread's own mode is
@@ -320,11 +320,10 @@ inline int64_t row_grain(int64_t c) { return std::max<int64_t>(1, 16384 / c); }
 // Streaming (non-temporal) stores for the out-of-place gradient. A fresh gradient buffer is not in the cache, so an
 // ordinary store first reads each line from DRAM and later writes it back, evicting the logits the sweep still reads;
 // a streaming store writes the line once, without reading it. The row's exponentials then go to a per-thread scratch
-// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where they were faster (fp32, out
-// of place, a training step after a torch.compile'd model, 2 threads, AVX-512): rows of 1–16 KiB,
-// i.e. C = 256…4096 (C = 512: 19%, 1000: 8–15%, 4096: 5.5%, 256: 2% faster); not below (C = 128: 5% slower, the row
-// being mostly scalar work) nor above (C = 8192, 32000: no faster; the scratch row no longer fits L1); and only for
-// gradients of at least 4 MiB, since a smaller one would still be in the cache for whatever reads it next.
+// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where they pay (fp32, out of
+// place, AVX-512; docs/performance.md): rows of 1–16 KiB, i.e. C = 256…4096; not below (the row being mostly scalar
+// work) nor above (the scratch row would not fit L1); and only for gradients of at least 4 MiB, since a smaller one
+// would still be in the cache for whatever reads it next.
 // CALIBKERNELS_CPU_STREAMING_STORES=0 / =1 forces them off / on for every out-of-place float row the AVX-512 path
 // stores: a testing hook (tests/test_uncertainty_weighted_ce_cpu.py compares both forms bit for bit over rows the
 // automatic choice would not stream), not a user setting; read on every call so that one process can test both.
@@ -341,8 +340,8 @@ bool use_streaming_stores(int64_t n, int64_t c, int64_t element_bytes) {
 }
 
 // A row's loss as weight · (ce_offset + log1p(ce_log1p_arg)): rows whose CE logarithm can wait leave it to one
-// vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, which took about 15% of
-// the op at C = 64 in a profile. A row that computed its loss already stores {1, loss, 0}.
+// vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, a large share of the op
+// at small C. A row that computed its loss already stores {1, loss, 0}.
 template <typename T>
 struct RowLoss {
   T weight;
@@ -402,10 +401,9 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
     return row_max(z, C);
   };
   // The exponentials are taken relative to the target logit, e_k = exp(z_k - z_y), rather than to the row max: any
-  // reference point gives the same p_k = e_k / Σ e, and this one needs no max sweep before the exponential sweep
-  // (11% of the three sweeps' time at C = 1000, AVX-512). It is kept only while the sums stay in
-  // range (Σ_{k≠y} e_k ≤ kTargetReferenceLimit, i.e. no column more than ≈ 41 above the target); past that, or for a
-  // non-finite target logit or NaN, the row is done again from its max, as every row used to be.
+  // reference point gives the same p_k = e_k / Σ e, and this one needs no max sweep before the exponential sweep.
+  // It is kept only while the sums stay in range (Σ_{k≠y} e_k ≤ kTargetReferenceLimit, i.e. no column more than ≈ 41
+  // above the target); past that, or for a non-finite target logit or NaN, the row is done again from its max.
   T m = -inf;
   bool target_reference = false;
   if constexpr (kCanStore) {
@@ -593,7 +591,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
                       use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
   // The row loop, instantiated once per row form (`row_fn`) so that the form is chosen once per call, and with the
   // per-call values copied into locals of the chunk: read through the closure's references they were reloaded for
-  // every row (a row's stores may alias them), a cost that showed in profiles at small C.
+  // every row (a row's stores may alias them), a cost that counts at small C.
   auto run_rows = [&](auto row_fn) {
     at::parallel_for(0, n, row_grain(c), [&, row_fn](int64_t begin, int64_t end) {
       const FlushDenormalResults flush_denormals;

@@ -14,9 +14,8 @@
 //
 // Algorithm: n = round(x log2 e), r = x - n ln2 in one FMA (the product n·ln2 is exact inside it, so r is off only
 // by n times the rounding of ln2 to float, ≤ 3e-7 relative for |n| ≤ 150), exp(r) ≈ 1 + r + c2 r² + … + c5 r⁵ on
-// |r| ≤ ln2/2 (Horner, five FMAs), then scaled by 2^n. This replaced Cephes' expf form (a two-FMA reduction and a
-// degree-7 polynomial, ≤ 1.2e-7): three fewer FMAs per vector, 16% faster op alone at C = 1000 (AVX-512) and 20%
-// (AVX2), single thread.
+// |r| ≤ ln2/2 (Horner, five FMAs), then scaled by 2^n: three FMAs per vector fewer than Cephes' expf form (a two-FMA
+// reduction and a degree-7 polynomial, ≤ 1.2e-7), for an error still within a few ulps.
 //   * AVX2: 2^n is added to the exponent bits; x is clamped to [-86, 88] (so 2^n·exp(r) stays a normal number) and
 //     results below exp(-86) ≈ 4.5e-38 (≈ FLT_MIN) are flushed to exactly 0, which also gives exp(-inf) = 0.
 //   * AVX-512: vscalefps scales by 2^n with overflow to inf past exp(88.7) (x is clamped above at 104); results
@@ -30,9 +29,8 @@
 // intrinsics, in functions with internal linkage compiled for avx512f/avx512dq; the rest of the extension stays
 // x86-64-v3, so no inline function of a shared header is ever emitted with AVX-512 instructions (which the linker
 // could pick for a machine without them). They are used only when the CPU has AVX-512 *and* ATen uses it (so
-// ATEN_CPU_CAPABILITY=avx2 turns them off, as it does for ATen's own kernels). On Zen 4 (256-bit datapaths) they
-// are ≈ 1.35× faster than the AVX2 sweeps, which are ≈ 1.15× faster than the same sweeps with exp_u20
-// (2-core microbenchmark of the three sweeps at 4096 × 1000 fp32).
+// ATEN_CPU_CAPABILITY=avx2 turns them off, as it does for ATen's own kernels). They beat the AVX2 sweeps even on
+// cores with 256-bit datapaths, such as Zen 4 (docs/performance.md).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -223,8 +221,8 @@ CALIBKERNELS_AVX512 void rescale_sweep(const float* e, float* out, int64_t C, fl
 // The whole lines are streamed in one run without the exact columns, and the (at most two) lines holding them are
 // streamed again afterwards with the exact values blended in. A later streaming store of a whole line to the same
 // address replaces the earlier one, and no line is read back (an ordinary store into a streamed line would fetch it).
-// Splitting the run at each exact column instead costs a mispredicted loop exit per split: re-streaming measured about
-// 3% faster for class indices and 5% for a mix at 4096 x 1000 fp32 (docs/performance.md).
+// Splitting the run at each exact column instead costs a mispredicted loop exit per split, more than the re-streamed
+// lines (docs/performance.md).
 template <bool kSquare, bool kDelta = false>
 CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha,
                                               float beta, float tau, int64_t target, float target_value,

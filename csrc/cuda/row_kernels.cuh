@@ -36,7 +36,7 @@
 //
 // Soft targets (label_smoothing a, mix_target m with mix_lambda λ, or a floating (N, C) target; the maths is
 // csrc/uncertainty_weights.h's "Soft targets", used as written there) run a second kernel, soft_target_kernel, with
-// the same launch shapes; without them the kernel above runs exactly as before. Per row the target distribution is
+// the same launch shapes, so the hard-target kernel carries no soft-target code. Per row the target distribution is
 //   compact  t_k = c + W_y [k=y] + W_m [k=m],  c = a/C, W_y = (1-a) λ, W_m = (1-a)(1-λ) (m = y: W_y takes both);
 //   dense    t_k = (1-a) T_k + c, T read in its dtype (float32, or the logits' dtype) as the logits are read.
 // Compact rows cost what a hard row does: the logits read once (twice when streamed), the gradient written once, with

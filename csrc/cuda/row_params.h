@@ -1,7 +1,7 @@
 // The parameters of the CUDA row kernels (row_kernels.cuh) as the op's host side (uncertainty_weighted_ce.cu) fills
 // them, and the two launches it calls. Each logits dtype's kernels are instantiated in a translation unit of their
-// own (rows_float.cu, rows_half.cu, rows_bfloat16.cu, rows_double.cu): in one file they made a single nvcc process
-// that took most of the build's time, which a parallel build (MAX_JOBS) now splits four ways.
+// own (rows_float.cu, rows_half.cu, rows_bfloat16.cu, rows_double.cu), so that a parallel build (MAX_JOBS) compiles
+// them side by side instead of in one long nvcc process.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -44,9 +44,9 @@ struct Params {
   bool loss_in_logits_dtype;  // the op's losses in the logits' type (rounded once, from A)
 };
 
-// Params stays within 128 bytes: past that, nvcc (13.0, sm_90) reads the kernel argument through its address and no
-// longer makes the specialised copies of the streaming path's column loops (β = 0, q = 2, no ties): its SASS then
-// issues 16-45% more instructions per 4096-column tile of a row, by weight and dtype.
+// Params stays within 128 bytes: past that, nvcc reads the kernel argument through its address and makes none of the
+// specialised copies of the streaming path's column loops (β = 0, q = 2, no ties), so every tile runs the general
+// loop's extra instructions.
 static_assert(sizeof(Params<float>) <= 128 && sizeof(Params<double>) <= 128,
               "Params past 128 bytes loses the column loops' specialised copies: put new fields in BatchFold");
 
