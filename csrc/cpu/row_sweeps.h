@@ -139,8 +139,8 @@ template <typename T, PowQ kPow, bool kTies>
 void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T beta, T q, T tau, T z_j, T c_j) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
-  const Vec m_vec(m), log_denom_vec(log_denom), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau), zj_vec(z_j), cj_vec(c_j),
-      zero(T(0));
+  const Vec m_vec(m), log_denom_vec(log_denom), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau),
+      zj_vec(z_j), cj_vec(c_j), zero(T(0));
   auto grad = [&](const Vec& x) {
     const Vec shifted = (x - m_vec) - log_denom_vec;
     const Vec p = exp_nonpositive(shifted);

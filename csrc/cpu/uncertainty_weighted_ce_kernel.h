@@ -3,7 +3,8 @@
 // FMA for the whole translation unit, plus the AVX-512 sweeps of vec_exp.h behind target attributes), which define
 // CPU_CAPABILITY and CALIBKERNELS_ISA (the namespace of their entry point, see kernel_entry.h) before including it.
 //
-// Fused CPU kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in ../uncertainty_weighted_ce.h).
+// Fused CPU kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in
+// ../uncertainty_weighted_ce.h).
 //
 //   L_i = u_i · CE_i,  CE_i = logsumexp(z_i) - z_{i,y_i},  u_i ∈ {1, (1-p_y)^γ, (1-p_y)^γ_i (FLSD), (1-p_y+p_j)^γ,
 //   ‖p - e_y‖_q^γ (gBS), w_i (external)}; mode "grad" (GRA, BSCE-GRA paper Eq. 11) detaches u_i, mode "loss"
@@ -58,7 +59,7 @@ namespace {
 
 template <typename T>
 struct RowSpec {
-  Weight weight;       // the weight's formula (weight_formula: FLSD's rows are focal rows, BrierFlsd's Brier rows)
+  Weight weight;  // the weight's formula (weight_formula: FLSD's rows are focal rows, BrierFlsd's Brier rows)
   Mode mode;
   T gamma;
   T q;
@@ -295,8 +296,8 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
         if constexpr (kWide) {
           if (streamed) {
-            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value,
-                                                  y, scale * g_y);
+            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value, y,
+                                                  scale * g_y);
           } else {
             avx512::rescale_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
           }
@@ -371,8 +372,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   const bool square = spec.weight == Weight::Brier;
   // streaming stores as for hard rows (use_streaming_stores): float rows out of place, on the AVX-512 sweeps
   const bool stream = (compact || dense_ptr != nullptr) && !kWiden && std::is_same_v<acc_t, float> &&
-                      CALIBKERNELS_HAVE_AVX512_SWEEPS &&
-                      avx512 && grad_ptr != nullptr &&
+                      CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512 && grad_ptr != nullptr &&
                       static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
                       use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
   // The row loop, instantiated once per row form (`row_fn`) so that the form is chosen once per call, and with the
@@ -429,8 +429,8 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
           parts[i] = row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0);
           if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
         } else {
-          parts[i] = row_fn(z_row, grad_row, tg, gamma, ext, exps,
-                            kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
+          parts[i] =
+              row_fn(z_row, grad_row, tg, gamma, ext, exps, kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
         }
       }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
@@ -568,23 +568,22 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
           const acc_t ext = weights ? weights[i] : acc_t(1);
           if constexpr (kWiden) {
             at::vec::convert(z_row, scratch.data(), classes);
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
-                                                                classes, y, row_spec, gamma, ext, row_scale, 0,
-                                                                exp_ptr, false);
+            parts[i] =
+                process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, classes,
+                                                         y, row_spec, gamma, ext, row_scale, 0, exp_ptr, false);
             if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, classes, y, row_spec, gamma, ext,
-                                                                row_scale,
-                                                                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                                                                exp_ptr, row_stream);
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
+                z_row, grad_row, classes, y, row_spec, gamma, ext, row_scale,
+                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream);
           }
         }
-  #if CALIBKERNELS_HAVE_AVX512_SWEEPS
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
         // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
         if constexpr (kCanStream) {
           if (stream) avx512::stream_fence();
         }
-  #endif
+#endif
         finish_row_losses(parts, loss_ptr, begin, end);
       });
     };
@@ -621,8 +620,8 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
 }  // namespace
 
 at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
-                      const std::optional<at::Tensor>& sample_weight,
-                      const std::optional<at::Tensor>& gamma_per_sample, const KernelArgs& args, bool avx512) {
+                      const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
+                      const KernelArgs& args, bool avx512) {
   // the dtype was checked by the caller (no AT_DISPATCH: its error message would be one more c10 template emitted
   // out of line in this translation unit, see kernel_avx2.cpp)
   auto run = [&](auto tag) {

@@ -35,8 +35,7 @@ __device__ __forceinline__ void hard_row(const Params<Acc<scalar_t>>& P) {
   const int64_t y = P.target[row];
   const bool ignored = y == P.ignore_index;
   const bool bad = !ignored && (y < 0 || y >= C);
-  scalar_t* grad_row =
-      P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
+  scalar_t* grad_row = P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
 
   if (ignored || bad) {  // no read of the logits at all; `y` is never used as an index
     fill_row<kGroup>(P, row, t, grad_row, bad ? std::numeric_limits<A>::quiet_NaN() : A(0));
@@ -90,8 +89,8 @@ __device__ __forceinline__ void hard_row(const Params<Acc<scalar_t>>& P) {
 
 // The hard-target launch: the block's count (batch_fold.cuh), its rows, then the batch's fold in the last block.
 template <typename scalar_t, int kGroup, int kPT, bool kResident>
-__global__ void __launch_bounds__(kBlockThreads<kGroup>) uncertainty_weighted_ce_kernel(const Params<Acc<scalar_t>> P,
-                                                                                         const BatchFold F) {
+__global__ void __launch_bounds__(kBlockThreads<kGroup>)
+    uncertainty_weighted_ce_kernel(const Params<Acc<scalar_t>> P, const BatchFold F) {
   begin_rows<kBlockThreads<kGroup>>(P);
   hard_row<scalar_t, kGroup, kPT, kResident>(P);
   finish_rows<kBlockThreads<kGroup>, scalar_t>(P, F, nullptr);

@@ -109,8 +109,7 @@ template <typename scalar_t, typename A>
 void launch(const Params<A>& P, const BatchFold& F) {
   with_shape<scalar_t>(P.num_classes, [&](auto shape) {
     using S = decltype(shape);
-    launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P,
-                           F);
+    launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P, F);
   });
 }
 
@@ -119,8 +118,8 @@ template <typename scalar_t, typename target_t, typename A>
 void launch_soft(const SoftParams<A>& SP, const BatchFold& F) {
   with_shape<scalar_t>(SP.hard.num_classes, [&](auto shape) {
     using S = decltype(shape);
-    launch_rows<S::kGroup>(soft_target_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>,
-                           SP.hard.num_rows, SP, F);
+    launch_rows<S::kGroup>(soft_target_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>, SP.hard.num_rows,
+                           SP, F);
   });
 }
 
@@ -140,15 +139,15 @@ void launch_dense(const SoftParams<A>& SP, const BatchFold& F, at::ScalarType ta
 }  // namespace calibkernels
 
 // The two launches for logits of type T (row_params.h), each defined once: the whole of rows_<dtype>.cu.
-#define CALIBKERNELS_CUDA_ROWS_FOR(T)                                                                                \
-  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P, const BatchFold& F) {     \
-    launch<T>(P, F);                                                                                                 \
-  }                                                                                                                  \
-  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP, const BatchFold& F,     \
-                                                    at::ScalarType dense_dtype) {                                    \
-    if (SP.dense_target != nullptr) {                                                                                \
-      launch_dense<T>(SP, F, dense_dtype);                                                                           \
-    } else {                                                                                                         \
-      launch_soft<T, int64_t>(SP, F);                                                                                \
-    }                                                                                                                \
+#define CALIBKERNELS_CUDA_ROWS_FOR(T)                                                                            \
+  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P, const BatchFold& F) {    \
+    launch<T>(P, F);                                                                                             \
+  }                                                                                                              \
+  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP, const BatchFold& F, \
+                                                    at::ScalarType dense_dtype) {                                \
+    if (SP.dense_target != nullptr) {                                                                            \
+      launch_dense<T>(SP, F, dense_dtype);                                                                       \
+    } else {                                                                                                     \
+      launch_soft<T, int64_t>(SP, F);                                                                            \
+    }                                                                                                            \
   }

@@ -25,17 +25,17 @@ struct Params {
   void* grad;                 // nullptr: no gradient (inference)
   int64_t grad_row_stride;
   const int64_t* target;
-  const A* sample_weight;     // (N,) or nullptr
-  const A* gamma_per_sample;  // (N,) or nullptr
-  const int64_t* valid_count; // 0-dim, the count launch's (a large batch's mean with a gradient); nullptr: see
-                              // count_inline, else every row counts (a dense target)
-  void* row_loss;           // (N,) A, or the logits' type for reduction "none" with loss_in_logits_dtype
+  const A* sample_weight;      // (N,) or nullptr
+  const A* gamma_per_sample;   // (N,) or nullptr
+  const int64_t* valid_count;  // 0-dim, the count launch's (a large batch's mean with a gradient); nullptr: see
+                               // count_inline, else every row counts (a dense target)
+  void* row_loss;              // (N,) A, or the logits' type for reduction "none" with loss_in_logits_dtype
   int64_t num_rows;
   int64_t num_classes;
   int64_t ignore_index;
   A gamma;
   A norm;
-  int weight;          // the weight's formula (weight_formula of the op's code), which the kernels branch on
+  int weight;  // the weight's formula (weight_formula of the op's code), which the kernels branch on
   int mode;
   int reduction;
   bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule of the op's code) instead of `gamma`
@@ -53,25 +53,25 @@ static_assert(sizeof(Params<float>) <= 128 && sizeof(Params<double>) <= 128,
 // The batch's fold by the launch's last block (batch_fold.cuh), which makes the row launch the forward's only one;
 // a kernel argument of its own, beside Params.
 struct BatchFold {
-  unsigned int* ticket;   // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
-  void* loss;             // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
-                          // reduction "none" (the rows' losses are the result)
-  int64_t* target_flag;   // (2,): the op's target flag, made by the last block (count_inline or a dense target's row
-                          // flags); or nullptr where the count launch or host-side ATen ops made it
+  unsigned int* ticket;  // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
+  void* loss;            // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
+                         // reduction "none" (the rows' losses are the result)
+  int64_t* target_flag;  // (2,): the op's target flag, made by the last block (count_inline or a dense target's row
+                         // flags); or nullptr where the count launch or host-side ATen ops made it
 };
 
 template <typename A>
 struct SoftParams {
-  Params<A> hard;              // `target` holds the class indices (compact form); nullptr with a dense target
-  const int64_t* mix_target;   // (N,), or nullptr: no mix (λ = 1, m = y)
-  const A* mix_lambda;         // λ of row i at mix_lambda[i * lambda_stride] (stride 0: one λ for every row)
+  Params<A> hard;             // `target` holds the class indices (compact form); nullptr with a dense target
+  const int64_t* mix_target;  // (N,), or nullptr: no mix (λ = 1, m = y)
+  const A* mix_lambda;        // λ of row i at mix_lambda[i * lambda_stride] (stride 0: one λ for every row)
   int64_t lambda_stride;
-  const void* dense_target;    // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
-  int64_t dense_row_stride;    // elements
-  A smoothing;                 // a
-  A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
-  int8_t* row_flags;           // (N,): a dense target's row flags, 1 where a row fails its value check (written by
-                               // the rows, folded into BatchFold::target_flag by the last block), or nullptr
+  const void* dense_target;  // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
+  int64_t dense_row_stride;  // elements
+  A smoothing;               // a
+  A dense_tolerance;         // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
+  int8_t* row_flags;         // (N,): a dense target's row flags, 1 where a row fails its value check (written by
+                             // the rows, folded into BatchFold::target_flag by the last block), or nullptr
 };
 
 // A logits dtype as an overload tag: the launches of each dtype are plain functions, each defined once, in the

@@ -253,7 +253,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   const A q = P.norm;
   const bool loss_mode = P.mode == static_cast<int>(Mode::Loss);
   A m = s.m, d_others = s.d, sq_others = s.sq;
-  if (!(z_y <= m)) {  // the target is the row max (or the only finite class): move the max to it
+  if (!(z_y <= m)) {          // the target is the row max (or the only finite class): move the max to it
     if (m != neg_inf<A>()) {  // else the other columns' sums are 0, or NaN from a NaN logit: kept as they are
       d_others *= exp_(m - z_y);
       sq_others *= exp_(q * (m - z_y));
@@ -264,7 +264,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   const A d = e_y + d_others;
   const A log_d = log_(d);
   const A p_y = e_y / d;
-  const A omp = d_others / d;  // 1 - p_y without cancellation
+  const A omp = d_others / d;                                // 1 - p_y without cancellation
   const A ce = class_ce(p_y, e_y, d_others, m, z_y, log_d);  // CE = -log p_y
 
   const auto weight = static_cast<Weight>(P.weight);

@@ -92,8 +92,13 @@ __device__ __forceinline__ void accumulate_soft(const A (&z)[kPT], ColumnOf colu
                                                 int64_t mix, A z_y, A top, A q, bool squares, bool offsets,
                                                 SoftStats<A>& s) {
   const A r_before = reference_point(s.base.m, top);
-  accumulate(z, [&](int e) { const int64_t col = column_of(e); return col == mix ? y : col; }, C, y, z_y, q, squares,
-             false, s.base);
+  accumulate(
+      z,
+      [&](int e) {
+        const int64_t col = column_of(e);
+        return col == mix ? y : col;
+      },
+      C, y, z_y, q, squares, false, s.base);
   if (!offsets) return;
   const A r = reference_point(s.base.m, top);
   s.offsets = moved_offsets(s.offsets, s.count, r_before, r);
@@ -126,8 +131,8 @@ struct TargetTile {
   static_assert(V * sizeof(target_t) % 16 == 0, "a logits vector's target columns must be whole 16-byte vectors");
 
   template <bool kLast = false>
-  __device__ __forceinline__ static void load(const target_t* row, bool aligned, int64_t base, int t, int64_t C,
-                                              A keep, A add, A (&out)[kPT], TargetCheck<A>* check = nullptr) {
+  __device__ __forceinline__ static void load(const target_t* row, bool aligned, int64_t base, int t, int64_t C, A keep,
+                                              A add, A (&out)[kPT], TargetCheck<A>* check = nullptr) {
     TargetCheck<A> tile;  // the tile's own sum first: a streamed row's running sum then takes one add per tile
 #pragma unroll
     for (int j = 0; j < kPT / V; ++j) {
@@ -205,9 +210,8 @@ __device__ __forceinline__ SoftCoefficients<A> soft_row_coefficients(const Param
   r.gamma = row_gamma(P, row, band);
   r.q = P.norm;
   r.external = static_cast<Weight>(P.weight) == Weight::External ? P.sample_weight[row] : A(1);
-  const SoftCoefficients<A> cf = soft_weight_coefficients(static_cast<Weight>(P.weight),
-                                                          P.mode == static_cast<int>(Mode::Loss), r,
-                                                          r.q == A(2));
+  const SoftCoefficients<A> cf =
+      soft_weight_coefficients(static_cast<Weight>(P.weight), P.mode == static_cast<int>(Mode::Loss), r, r.q == A(2));
   if (lane == 0) store_row_loss<scalar_t>(P, row, cf.u * r.ce);
   return cf;
 }
@@ -216,8 +220,8 @@ __device__ __forceinline__ SoftCoefficients<A> soft_row_coefficients(const Param
 // other than y and m, plus smoothing's offsets; z_y and z_m come from one load each. gBS with q ≠ 2 adds a pass for
 // S and H over those columns (from registers, or over the L2-resident row when streamed).
 template <typename scalar_t, int kGroup, int kPT, bool kResident, typename A>
-__device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_t row, int lane, int64_t y,
-                                                 int64_t mix, scalar_t* grad_row) {
+__device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_t row, int lane, int64_t y, int64_t mix,
+                                                 scalar_t* grad_row) {
   using T = Tile<scalar_t, A, kGroup, kPT>;
   constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
   const Params<A>& P = SP.hard;
@@ -244,8 +248,8 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
   A z[kPT];
   for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
     T::load(z_row, in_aligned, base, lane, C, z);
-    accumulate_soft(z, [&](int e) { return T::column(base, lane, e); }, C, y, mix, z_y, top, q, brier && square,
-                    c != A(0), s);
+    accumulate_soft(
+        z, [&](int e) { return T::column(base, lane, e); }, C, y, mix, z_y, top, q, brier && square, c != A(0), s);
   });
   if constexpr (kGroup == 32) __syncwarp();  // every read of the row (z_y, z_m included) before any write
   s = soft_allreduce<kGroup>(s, q, brier && square, top);
@@ -312,9 +316,9 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
 
   const A omP = (W_y * omp_y + W_m * omp_m) + spread;
   const A P_row = (W_y * p_y + W_m * p_m) + c;
-  const SoftCoefficients<A> cf = soft_row_coefficients<scalar_t>(
-      P, row, lane, SoftRowQuantities<A>{omP, P_row, ce, A(0), q, A(1), S, H},
-      [&] { return soft_flsd_band_probability(z_y, z_m, M + log_d, w_y, w_m, c); });
+  const SoftCoefficients<A> cf =
+      soft_row_coefficients<scalar_t>(P, row, lane, SoftRowQuantities<A>{omP, P_row, ce, A(0), q, A(1), S, H},
+                                      [&] { return soft_flsd_band_probability(z_y, z_m, M + log_d, w_y, w_m, c); });
   if (grad_row == nullptr) return;
 
   const A scale = gradient_scale(P);
@@ -326,8 +330,8 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
 #pragma unroll
     for (int e = 0; e < kPT; ++e) {
       const A p = exp_((z[e] - M) - log_d);
-      const A g = general ? soft_gradient_element(cf, p, c, p - c, q)
-                          : p * (uc.alpha + uc.beta * (p - uc.tau)) + uc.delta;
+      const A g =
+          general ? soft_gradient_element(cf, p, c, p - c, q) : p * (uc.alpha + uc.beta * (p - uc.tau)) + uc.delta;
       z[e] = g * scale;
     }
     T::store(grad_row, out_aligned, base, lane, C, z);
@@ -403,18 +407,18 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
     const A off = r.v[kCheckSum] - A(1);
     SP.row_flags[row] = (off < A(0) ? -off : off) <= SP.dense_tolerance ? 0 : 1;  // NaN: flagged
   }
-  const A rest = r.v[kRest];                    // 1 - p_max of a unique max
+  const A rest = r.v[kRest];  // 1 - p_max of a unique max
   const A t_max = r.v[kTargetAtMax];
-  const A d_max = (A(1) - t_max) - rest;        // its p - t
+  const A d_max = (A(1) - t_max) - rest;  // its p - t
   A omP = r.v[kOneMinusP], S = r.v[kS], H = r.v[kH];
   if (unique_max) {
     omP += t_max * rest;
     if (brier) add_brier_terms(exp_(-log_d), d_max, q, square, S, H);  // p_max as the gradient pass computes it
   }
   const A ce = r.v[kGap] + r.v[kTargetSum] * log_d;
-  const SoftCoefficients<A> cf = soft_row_coefficients<scalar_t>(
-      P, row, lane, SoftRowQuantities<A>{omP, r.v[kP], ce, A(0), q, A(1), S, H},
-      [&] { return static_cast<float>(r.v[kP]); });
+  const SoftCoefficients<A> cf =
+      soft_row_coefficients<scalar_t>(P, row, lane, SoftRowQuantities<A>{omP, r.v[kP], ce, A(0), q, A(1), S, H},
+                                      [&] { return static_cast<float>(r.v[kP]); });
   if (grad_row == nullptr) return;
 
   const A scale = gradient_scale(P);
@@ -445,8 +449,7 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
   const int lane = kGroup == 32 ? (threadIdx.x & 31) : threadIdx.x;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + (kGroup == 32 ? (threadIdx.x >> 5) : 0);
   if (row >= P.num_rows) return;  // uniform over the row's group
-  scalar_t* grad_row =
-      P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
+  scalar_t* grad_row = P.grad != nullptr ? static_cast<scalar_t*>(P.grad) + row * P.grad_row_stride : nullptr;
   if constexpr (std::is_same<target_t, int64_t>::value) {
     const int64_t C = P.num_classes;
     const int64_t y = P.target[row];
@@ -470,8 +473,8 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
 // The soft-target launch: the block's count (batch_fold.cuh: class indices), its rows, then the batch's fold in the
 // last block (a dense target's row flags included).
 template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
-__global__ void __launch_bounds__(kBlockThreads<kGroup>) soft_target_kernel(const SoftParams<Acc<scalar_t>> SP,
-                                                                                     const BatchFold F) {
+__global__ void __launch_bounds__(kBlockThreads<kGroup>)
+    soft_target_kernel(const SoftParams<Acc<scalar_t>> SP, const BatchFold F) {
   begin_rows<kBlockThreads<kGroup>>(SP.hard);
   soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP);
   if constexpr (std::is_same<target_t, int64_t>::value) {  // class indices: a mix is checked with them
