@@ -1,4 +1,4 @@
-"""The CUDA C++ kernels (``csrc/cuda/``: the op, its row kernels in ``row_kernels.cuh``), backend ``"cuda"``.
+"""The CUDA C++ kernels (``csrc/cuda/``: the op, its row kernels launched from ``row_kernels.cuh``), backend ``"cuda"``.
 
 * Everywhere: a build made with a CUDA toolkit (``calibkernels._C.WITH_CUDA``) registers the CUDA kernels of the op
   and of the backward's scaling,
