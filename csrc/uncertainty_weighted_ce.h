@@ -132,8 +132,8 @@ inline void check_arguments(const char* op, const at::Tensor& logits, const at::
     TORCH_CHECK(target.sizes() == logits.sizes(), op, "a dense (probability) target must have the logits' shape ",
                 logits.sizes(), ", got ", target.sizes());
   } else {
-    TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (",
-                logits.size(0), ",), got ", target.sizes());
+    TORCH_CHECK(target.dim() == 1 && target.size(0) == logits.size(0), op, "target must have shape (", logits.size(0),
+                ",), got ", target.sizes());
     TORCH_CHECK(target.scalar_type() == at::kLong, op, "target must be int64 (or a floating dense target), got ",
                 target.scalar_type());
   }
@@ -145,8 +145,7 @@ inline void check_arguments(const char* op, const at::Tensor& logits, const at::
   for (const auto* opt : {&sample_weight, &gamma_per_sample}) {
     if (opt->has_value()) {
       const at::Tensor& t = opt->value();
-      TORCH_CHECK(t.device() == logits.device() && t.is_floating_point() && t.dim() == 1 &&
-                      t.size(0) == logits.size(0),
+      TORCH_CHECK(t.device() == logits.device() && t.is_floating_point() && t.dim() == 1 && t.size(0) == logits.size(0),
                   op, "per-sample tensors must be floating point tensors of shape (", logits.size(0), ",) on ",
                   logits.device(), ", got ", t.scalar_type(), " ", t.sizes(), " on ", t.device());
     }
@@ -169,15 +168,15 @@ inline bool check_soft_arguments(const char* op, const at::Tensor& logits, const
   if (mix_target.has_value()) {
     TORCH_CHECK(!dense, op, "mix_target mixes class-index targets, not a dense target");
     const at::Tensor& m = *mix_target;
-    TORCH_CHECK(m.device() == logits.device() && m.scalar_type() == at::kLong && m.dim() == 1 &&
-                    m.size(0) == logits.size(0),
-                op, "mix_target must be an int64 tensor of shape (", logits.size(0), ",) on ", logits.device(),
-                ", got ", m.scalar_type(), " ", m.sizes(), " on ", m.device());
+    TORCH_CHECK(
+        m.device() == logits.device() && m.scalar_type() == at::kLong && m.dim() == 1 && m.size(0) == logits.size(0),
+        op, "mix_target must be an int64 tensor of shape (", logits.size(0), ",) on ", logits.device(), ", got ",
+        m.scalar_type(), " ", m.sizes(), " on ", m.device());
     const at::Tensor& l = *mix_lambda;
     TORCH_CHECK(l.device() == logits.device() && l.is_floating_point() &&
                     (l.dim() == 0 || (l.dim() == 1 && l.size(0) == logits.size(0))),
-                op, "mix_lambda must be a floating tensor of shape () or (", logits.size(0), ",) on ",
-                logits.device(), ", got ", l.scalar_type(), " ", l.sizes(), " on ", l.device());
+                op, "mix_lambda must be a floating tensor of shape () or (", logits.size(0), ",) on ", logits.device(),
+                ", got ", l.scalar_type(), " ", l.sizes(), " on ", l.device());
   }
   TORCH_CHECK(label_smoothing >= 0.0 && label_smoothing <= 1.0, op, "label_smoothing must be in [0, 1], got ",
               label_smoothing);
@@ -191,13 +190,13 @@ inline bool check_soft_arguments(const char* op, const at::Tensor& logits, const
 // not partially overlap them, nor have elements that share memory (an expanded tensor): rows written at once would
 // overwrite each other, and in place overwrite logits another row has still to read.
 inline void check_grad_out(const char* op, const at::Tensor& logits, const at::Tensor& grad_out) {
-  TORCH_CHECK_VALUE(grad_out.sizes() == logits.sizes(), op, "grad_out must have the logits' shape ",
-                    logits.sizes(), ", got ", grad_out.sizes());
+  TORCH_CHECK_VALUE(grad_out.sizes() == logits.sizes(), op, "grad_out must have the logits' shape ", logits.sizes(),
+                    ", got ", grad_out.sizes());
   TORCH_CHECK_VALUE(grad_out.scalar_type() == logits.scalar_type() && grad_out.device() == logits.device(), op,
-                    "grad_out must have the logits' dtype and device (", logits.scalar_type(), " on ",
-                    logits.device(), "), got ", grad_out.scalar_type(), " on ", grad_out.device());
-  const bool same_view = grad_out.is_same(logits) ||
-                         (grad_out.data_ptr() == logits.data_ptr() && grad_out.strides() == logits.strides());
+                    "grad_out must have the logits' dtype and device (", logits.scalar_type(), " on ", logits.device(),
+                    "), got ", grad_out.scalar_type(), " on ", grad_out.device());
+  const bool same_view =
+      grad_out.is_same(logits) || (grad_out.data_ptr() == logits.data_ptr() && grad_out.strides() == logits.strides());
   TORCH_CHECK_VALUE(same_view || !grad_out.is_alias_of(logits) ||
                         at::get_overlap_status(grad_out, logits) == at::MemOverlapStatus::No,
                     op, "grad_out partially overlaps the logits; pass the logits themselves or a separate buffer");

@@ -100,8 +100,8 @@ struct WeightCoefficients {
 // The weight u and the gradient coefficients of the file header (for grad_output = 1, unscaled). `fold_linear`:
 // q = 1 and the caller applies no β term (p_k^{q-1} = 1 is folded into α).
 template <typename A>
-C10_HOST_DEVICE inline WeightCoefficients<A> weight_coefficients(Weight weight, bool loss_mode, const RowQuantities<A>& r,
-                                                                 bool fold_linear) {
+C10_HOST_DEVICE inline WeightCoefficients<A> weight_coefficients(Weight weight, bool loss_mode,
+                                                                 const RowQuantities<A>& r, bool fold_linear) {
   WeightCoefficients<A> c;
   const A omp = r.one_minus_p_y;
   switch (weight) {
@@ -166,7 +166,6 @@ C10_HOST_DEVICE inline A gradient_element(const WeightCoefficients<A>& c, A p, A
   return g;
 }
 
-
 // ---------------------------------------------------------------------------------------------------------------------
 // Soft targets (docs/losses.md, "Soft targets"): a target distribution t per row, Σ_k t_k = 1, given compactly as
 //     t_k = c + w_y [k = y] + w_m [k = m]      (c = a/C, w_y = (1-a) λ, w_m = (1-a)(1-λ); m may equal y)
@@ -176,8 +175,8 @@ C10_HOST_DEVICE inline A gradient_element(const WeightCoefficients<A>& c, A p, A
 //   g_k = u (p_k - t_k) + L_k, the "loss"-mode term (0 in mode "grad"):
 //     focal / FLSD   L_k = -A p_k (t_k - P),               A = CE γ (1-P)^{γ-1}
 //     gBS, q = 2     L_k = β p_k ((p_k - t_k) - τ),        β = CE γ S^{γ/2-1}, τ = Σ_j p_j² - P
-//     gBS, any q     L_k = K p_k (h_k - H),                K = CE (γ/q) S^{γ/q-1}, h_k = q |p_k - t_k|^{q-1} sign(p_k - t_k),
-//                                                          H = Σ_j h_j p_j
+//     gBS, any q     L_k = K p_k (h_k - H),                K = CE (γ/q) S^{γ/q-1}, H = Σ_j h_j p_j,
+//                                                          h_k = q |p_k - t_k|^{q-1} sign(p_k - t_k)
 // (dS/dz_k = p_k (h_k - H) and dP/dz_k = p_k (t_k - P)). Dual focal has no soft form: the kernels refuse it.
 // ---------------------------------------------------------------------------------------------------------------------
 
@@ -199,9 +198,9 @@ struct SoftCoefficients {
   A u = 1;
   A focal = 0;  // A of focal / FLSD
   A P = 0;
-  A beta = 0;   // β of gBS with q = 2
+  A beta = 0;  // β of gBS with q = 2
   A tau = 0;
-  A k = 0;      // K of gBS with any other q
+  A k = 0;  // K of gBS with any other q
   A H = 0;
 };
 

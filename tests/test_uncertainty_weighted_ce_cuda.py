@@ -1,13 +1,12 @@
-"""The CUDA C++ kernels (``csrc/cuda/``: the op, its row kernels in ``row_kernels.cuh``), backend ``"cuda"``.
+"""The CUDA C++ kernels (``csrc/cuda/``: the op, its row kernels launched from ``row_kernels.cuh``), backend ``"cuda"``.
 
 * Everywhere: a build made with a CUDA toolkit (``calibkernels._C.WITH_CUDA``) registers the CUDA kernels of the op
   and of the backward's scaling,
   and a build without one registers none (so a silently skipped ``.cu`` cannot pass for a CUDA build). Set
   ``CALIBKERNELS_EXPECT_CUDA=1`` (CI with nvcc) to also require that the build compiled the CUDA kernels.
 * On a GPU machine (skipped otherwise): values and gradients against the float64 reference on every kernel shape —
-  warp per row (C ≤ 1024), block per row with the row in registers (C ≤ 4096), the streaming path
-  (C > 4096; 4096-column tiles, statistics pass then gradient pass) and, on sm_90, rows split across a thread-block
-  cluster (C > 4096, each tile shape, chosen with ``CALIBKERNELS_CUDA_ROW_CLUSTER``) — each with 16-byte vector and
+  warp per row (C ≤ 1024), block per row with the row in registers (C ≤ 4096) and the streaming path
+  (C > 4096; 4096-column tiles, statistics pass then gradient pass) — each with 16-byte vector and
   scalar (misaligned) accesses; strided and misaligned rows with sentinels around them
   (an out-of-bounds read shows as a wrong value, an out-of-bounds write as a changed sentinel); out-of-range targets;
   dual-focal ties; in place (``grad_out`` = the logits); no host synchronisation (CUDA-graph capture, sync debug
@@ -20,7 +19,6 @@ on ``("cuda", "cuda")`` too.
 
 import math
 import os
-import warnings
 
 import numpy as np
 import pytest
@@ -851,15 +849,12 @@ def test_without_gradient_no_buffer_is_written():
 
 
 @needs_gpu
-# 32000: the streaming path (the default) and, on sm_90, the cluster path when asked for
-@pytest.mark.parametrize(("c", "row_split"), [(1000, "auto"), (32000, "auto"), (32000, "256x16")])
-def test_no_host_synchronisation_and_cuda_graph_capture(c, row_split, monkeypatch):
-    monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", row_split)
+# 32000: the streaming path
+@pytest.mark.parametrize("c", [1000, 32000])
+def test_no_host_synchronisation_and_cuda_graph_capture(c):
     n = 64
     z = _logits(n, c)
     y = _targets(n, c)
-    if row_split != "auto" and torch.cuda.get_device_capability() >= (9, 0):  # the kernel the capture will hold
-        assert any("cluster_row_kernel" in name for name in _kernel_names(z, y))
     expected_loss, expected_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -1025,39 +1020,15 @@ def test_auto_on_cuda_runs_the_kernel_its_table_names(c, target_kind):
         torch.testing.assert_close(actual, wanted)
 
 
-# CALIBKERNELS_CUDA_ROW_CLUSTER (the .cu's launch chooser): threads x values per thread of the cluster kernel's tile
-CLUSTER_TILES = {"256x16": 4096, "256x32": 8192, "512x16": 8192, "512x32": 16384}
-
-
-def _expects_cluster(row_split, c):
-    """Whether the row-split (thread-block cluster) kernel runs for rows of c classes: on sm_90 or later, above the
-    register-resident block's 4096 columns, within 16 CTAs of the tile asked for; "auto" (the default) streams, as
-    "off" does."""
-    if torch.cuda.get_device_capability() < (9, 0) or row_split in ("off", "auto") or c <= 4096:
-        return False
-    return -(-c // CLUSTER_TILES[row_split]) <= 16
-
-
 @needs_gpu
-@pytest.mark.parametrize("row_split", ["off", "auto", *CLUSTER_TILES])
-def test_large_rows_against_reference(row_split, monkeypatch):
-    """C > 4096: the streaming path ("off", and "auto", the default) and the rows split across a thread-block cluster
-    (sm_90; each tile shape): aligned and misaligned rows (a slice from column 1, with sentinels around it), ignored
-    and -inf rows, fp32 and bf16, in place. The kernel that ran is checked by name."""
-    monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", row_split)
+def test_large_rows_against_reference():
+    """C > 4096, the streaming path: aligned and misaligned rows (a slice from column 1, with sentinels around it),
+    ignored and -inf rows, fp32 and bf16, in place. The kernel that ran is checked by name."""
     n = 6
-    # one mostly-padding tile; several tiles; a ragged tail; exactly 8 tiles of 16384; 16 CTAs of 16384 (fp32 only)
+    # one mostly-padding tile; several tiles; a ragged tail; 32 tiles of 4096; 64 tiles (fp32 only)
     for c in (4097, 32000, 70000, 131072, 262144):
         names = _kernel_names(*_streaming_rows(n, c, torch.float32, None)[1:])
-        cluster = any("cluster_row_kernel" in name for name in names)
-        expected = _expects_cluster(row_split, c)
-        if expected and not cluster and -(-c // CLUSTER_TILES[row_split]) > 8:
-            # more than the portable 8 CTAs: cudaOccupancyMaxActiveClusters may find no room (a GPC with too few
-            # free multiprocessors), and the row streams
-            warnings.warn(f"C={c}, {row_split}: a non-portable cluster could not be placed; the row streamed")
-        else:
-            assert cluster == expected, f"C={c}: {sorted(names)}"
-        assert cluster or any("uncertainty_weighted_ce_kernel" in name for name in names), sorted(names)
+        assert any("uncertainty_weighted_ce_kernel" in name for name in names), sorted(names)
         for dtype in (torch.float32,) if c == 262144 else (torch.float32, torch.bfloat16):
             for column_offset in (None, 0, 1):
                 buffer, logits, y = _streaming_rows(n, c, dtype, column_offset)
@@ -1071,8 +1042,8 @@ def test_large_rows_against_reference(row_split, monkeypatch):
                 torch.testing.assert_close(loss_only, _op(logits, y, **kw)[0], rtol=0, atol=0)
                 if buffer is None:
                     continue
-                # In place, on aligned (vector) and misaligned rows: each thread (each CTA of a cluster) overwrites
-                # only what it read itself, after every read of the target column.
+                # In place, on aligned (vector) and misaligned rows: each thread overwrites only what it read itself,
+                # after every read of the target column.
                 exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, weight="brier", mode="grad")
                 low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
                 outside = torch.ones_like(buffer, dtype=torch.bool)
@@ -1081,10 +1052,3 @@ def test_large_rows_against_reference(row_split, monkeypatch):
                 assert torch.all(buffer[outside] == 7.0), f"C={c} {dtype}: the in-place op wrote outside the logits"
                 assert_within_reference_error(loss, exact_loss, low_loss, dtype, "in-place loss")
                 assert_within_reference_error(logits, exact_grad, low_grad, dtype, "in-place gradient")
-
-
-@needs_gpu
-def test_row_cluster_setting_is_checked(monkeypatch):
-    monkeypatch.setenv("CALIBKERNELS_CUDA_ROW_CLUSTER", "1024x8")
-    with pytest.raises(ValueError, match="CALIBKERNELS_CUDA_ROW_CLUSTER"):
-        _op(_logits(2, 5000), _targets(2, 5000, ignore=False))

@@ -3,9 +3,9 @@
 // Why: the gradient of a large loss is one N×C buffer per step (16 MB at 4096 × 1000 fp32, 131 MB at 1024 × 32000).
 // glibc serves a request of that size from a fresh mmap, or from heap pages it has trimmed back to the OS since the
 // previous buffer was freed, so every step page-faults its whole gradient in again: one minor fault per 4 KiB page,
-// 32000 per step at 1024 × 32000 fp32, where they made the out-of-place step 3.8× the in-place one (2-core VM;
-// docs/performance.md). This cache keeps the last freed buffers (at most kMaxBlocks, each at least kMinBytes) and hands
-// one back for a request of the same byte size, as PyTorch's CUDA caching allocator does for every GPU tensor.
+// 32000 per step at 1024 × 32000 fp32, which can take longer than the step's own work (docs/performance.md).
+// This cache keeps the last freed buffers (at most kMaxBlocks, each at least kMinBytes) and hands one back for a
+// request of the same byte size, as PyTorch's CUDA caching allocator does for every GPU tensor.
 // Memory: at most kMaxBlocks buffers stay reserved between steps (the buffer a training step needs anyway);
 // `torch.ops.calibkernels.release_cpu_gradient_cache()` frees them, and CALIBKERNELS_CPU_GRAD_CACHE=0 turns the
 // cache off. While a gradient tensor lives, its bytes are reported to the profiler's memory records like any CPU

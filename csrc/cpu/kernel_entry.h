@@ -16,12 +16,12 @@ namespace calibkernels {
 // caller's, alive for the call.
 struct SoftTargetArgs {
   bool active = false;
-  const at::Tensor* dense = nullptr;  // (N, C) probabilities, contiguous, in the accumulation dtype
-  const int64_t* mix = nullptr;       // (N,) partner classes
-  const float* lambda_float = nullptr;    // λ of row i at lambda_*[i * lambda_stride], float32 or float64
+  const at::Tensor* dense = nullptr;    // (N, C) probabilities, contiguous, in the accumulation dtype
+  const int64_t* mix = nullptr;         // (N,) partner classes
+  const float* lambda_float = nullptr;  // λ of row i at lambda_*[i * lambda_stride], float32 or float64
   const double* lambda_double = nullptr;
   int64_t lambda_stride = 0;
-  double smoothing = 0;               // a
+  double smoothing = 0;  // a
   // dense: the rows' value check (soft::flag_dense_target) sets *dense_invalid when a row may fail it
   std::atomic<bool>* dense_invalid = nullptr;
   double dense_flag_tolerance = 0;
@@ -44,12 +44,12 @@ struct KernelArgs {
 // CPU). The caller has checked the arguments and targets.
 // dense_target_may_fail: the kernel's dense-target flag (soft::flag_dense_target) as a pass of its own over a
 // contiguous (N, C) float32/float64 target, rows in parallel; true when some row may fail the exact check.
-#define CALIBKERNELS_DECLARE_RUN_KERNEL(isa)                                                                       \
-  namespace isa {                                                                                                  \
-  at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,        \
-                        const std::optional<at::Tensor>& sample_weight,                                            \
-                        const std::optional<at::Tensor>& gamma_per_sample, const KernelArgs& args, bool avx512);   \
-  bool dense_target_may_fail(const at::Tensor& dense, double tolerance);                                          \
+#define CALIBKERNELS_DECLARE_RUN_KERNEL(isa)                                                                     \
+  namespace isa {                                                                                                \
+  at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,      \
+                        const std::optional<at::Tensor>& sample_weight,                                          \
+                        const std::optional<at::Tensor>& gamma_per_sample, const KernelArgs& args, bool avx512); \
+  bool dense_target_may_fail(const at::Tensor& dense, double tolerance);                                         \
   }
 CALIBKERNELS_DECLARE_RUN_KERNEL(isa_default)
 CALIBKERNELS_DECLARE_RUN_KERNEL(isa_avx2)

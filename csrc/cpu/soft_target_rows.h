@@ -101,8 +101,9 @@ void for_columns_except(int64_t C, int64_t a, int64_t b, F&& f) {
 
 template <typename T>
 Vectorized<T> load_masked(const T* p, int64_t count, T fill) {
-  return count == Vectorized<T>::size() ? Vectorized<T>::loadu(p)
-                                        : Vectorized<T>::set(Vectorized<T>(fill), Vectorized<T>::loadu(p, count), count);
+  return count == Vectorized<T>::size()
+             ? Vectorized<T>::loadu(p)
+             : Vectorized<T>::set(Vectorized<T>(fill), Vectorized<T>::loadu(p, count), count);
 }
 
 // The row's CE, P = <t, p>, 1 - P and the FLSD band from a compact row's sums: the exponentials e_y, e_m relative to
@@ -122,8 +123,8 @@ struct CompactRow {
 };
 
 template <typename T>
-inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m,
-                                                                T ref, const CompactSums<T>& s) {
+inline __attribute__((always_inline)) CompactRow<T> compact_row(const RowTarget<T>& tg, int64_t C, T z_y, T z_m, T ref,
+                                                                const CompactSums<T>& s) {
   CompactRow<T> r;
   const bool mixed = tg.m != tg.y;
   // from the sweep's sum rather than e_m + rest: the division, which everything after it waits for, starts one add
@@ -197,8 +198,8 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
                             T external, T scale, T* exps, bool stream = false);
 
 // The weight families of compact_soft_row, a template parameter (with the mode, kLoss) so that each row's scalar code
-// holds only its own weight's terms (with the weight chosen at run time, the dead focal and gBS terms of plain CE's
-// rows measured about 9 ns a row on a 2-core Cascade Lake VM, docs/performance.md).
+// holds only its own weight's terms (with the weight chosen at run time, every row would also carry the dead terms of
+// the other families; docs/performance.md).
 enum class SoftFamily {
   Plain,  // none / external: u is a constant of the row
   Focal,  // focal / FLSD: u = (1 - P)^γ
@@ -306,10 +307,10 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   if (grad != nullptr) {
     // plain, and every family in mode "grad": soft_uniform_columns with A = β = τ = 0, whose u + 0 · (P - t) is
     // u + 0 (P ≥ t = c here, so the product is +0, and u = -0 gives +0 as before)
-    const UniformColumnCoefficients<T> uc = kFamily == SoftFamily::Plain || !kLoss
-                                                ? UniformColumnCoefficients<T>{coefs.u + T(0), T(0), tg.c,
-                                                                               -coefs.u * tg.c}
-                                                : soft_uniform_columns(coefs, tg.c);
+    const UniformColumnCoefficients<T> uc =
+        kFamily == SoftFamily::Plain || !kLoss
+            ? UniformColumnCoefficients<T>{coefs.u + T(0), T(0), tg.c, -coefs.u * tg.c}
+            : soft_uniform_columns(coefs, tg.c);
     // column y without cancellation when p_y → 1: t_y - P = w_y (1 - p_y) ∓ w_m p_m, and (p_y - t_y) - τ =
     // p_y (1 - p_y) - Σ_{k≠y} p_k² - (t_y - P) (τ = Σ p² - P), where the generic form subtracts numbers near 1 and
     // the loss mode multiplies the difference by β = CE γ S^{γ/2-1}
@@ -322,9 +323,9 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       if constexpr (kSquare && kLoss) g += coefs.beta * p * (p * one_minus_p - others_sq_e * inv * inv - t_minus_P);
       return g * scale;
     };
-    const T g_y = exact_column(cr.p_y, cr.one_minus_p_y, cr.d_y,
-                               tg.w_y * cr.one_minus_p_y + (mixed ? -tg.w_m * cr.p_m : tg.w_m * cr.one_minus_p_y),
-                               sum_sq_others);
+    const T g_y =
+        exact_column(cr.p_y, cr.one_minus_p_y, cr.d_y,
+                     tg.w_y * cr.one_minus_p_y + (mixed ? -tg.w_m * cr.p_m : tg.w_m * cr.one_minus_p_y), sum_sq_others);
     const T g_m = !mixed ? g_y
                          : exact_column(cr.p_m, cr.one_minus_p_m, cr.d_m, tg.w_m * cr.one_minus_p_m - tg.w_y * cr.p_y,
                                         std::max(T(0), rest_sq) + e_y * e_y);
@@ -418,7 +419,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       avx512::DenseSums sums;
       auto sweep = [&](auto square_tag, auto smooth_tag) {
         avx512::dense_exp_sweep<decltype(square_tag)::value, decltype(smooth_tag)::value>(z, tg.dense, tg.keep, tg.c,
-                                                                                           exps, C, ref, sums);
+                                                                                          exps, C, ref, sums);
       };
       auto with_smoothing = [&](auto square_tag) {
         if (tg.c > T(0)) {
@@ -572,9 +573,9 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       if constexpr (kWide) {
         if (!general) {
           auto write = [&](auto stream_tag) {
-            avx512::dense_gradient_sweep<decltype(stream_tag)::value>(
-                exps, tg.dense, tg.keep, tg.c, grad, C, inv_denom, coefs.u, coefs.u * (t_total - T(1)), coefs.focal,
-                coefs.P, coefs.beta, coefs.tau, scale);
+            avx512::dense_gradient_sweep<decltype(stream_tag)::value>(exps, tg.dense, tg.keep, tg.c, grad, C, inv_denom,
+                                                                      coefs.u, coefs.u * (t_total - T(1)), coefs.focal,
+                                                                      coefs.P, coefs.beta, coefs.tau, scale);
           };
           if (stream) {
             write(std::true_type{});

@@ -100,16 +100,22 @@ int64_t check_targets(const at::Tensor& target, int64_t num_classes, int64_t ign
   return valid;  // not reached: the loop raises for the row the first pass found
 }
 
-KernelArgs check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
-                const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma,
-                double norm, int64_t ignore_index, int64_t reduction, const std::optional<at::Tensor>& mix_target,
-                const std::optional<at::Tensor>& mix_lambda, double label_smoothing) {
+KernelArgs check_args(const at::Tensor& logits, const at::Tensor& target,
+                      const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
+                      int64_t weight, int64_t mode, double gamma, double norm, int64_t ignore_index, int64_t reduction,
+                      const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda,
+                      double label_smoothing) {
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   TORCH_CHECK(logits.device().is_cpu() && target.device().is_cpu(), op, "expected CPU tensors");
   check_arguments(op, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, reduction);
   const bool soft = check_soft_arguments(op, logits, target, mix_target, mix_lambda, label_smoothing, weight);
-  KernelArgs args{static_cast<Weight>(weight), static_cast<Mode>(mode), gamma, norm, ignore_index,
-                  static_cast<Reduction>(reduction), check_targets(target, logits.size(1), ignore_index, mix_target)};
+  KernelArgs args{static_cast<Weight>(weight),
+                  static_cast<Mode>(mode),
+                  gamma,
+                  norm,
+                  ignore_index,
+                  static_cast<Reduction>(reduction),
+                  check_targets(target, logits.size(1), ignore_index, mix_target)};
   args.soft.active = soft;
   args.soft.smoothing = label_smoothing;
   return args;
@@ -186,8 +192,8 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
     // is a column of a Dirichlet's); a plain loop checks the range (a copy or a few ATen ops on N values would cost
     // a few percent of the whole op at classification shapes)
     const auto dtype = mix_lambda->scalar_type();
-    held.lambda = dtype == at::kFloat || dtype == at::kDouble ? mix_lambda->detach()
-                                                                : mix_lambda->detach().to(at::kFloat);
+    held.lambda =
+        dtype == at::kFloat || dtype == at::kDouble ? mix_lambda->detach() : mix_lambda->detach().to(at::kFloat);
     const int64_t count = held.lambda.numel();
     const int64_t stride = held.lambda.dim() == 0 ? 0 : held.lambda.stride(0);
     auto check_range = [&](const auto* lam) {
@@ -212,7 +218,6 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
   }
   return held;
 }
-
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
     const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
@@ -254,11 +259,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   });
   void* grad_ptr = compute_grad ? dest.data_ptr() : nullptr;
   const int64_t grad_stride = compute_grad ? dest.stride(0) : 0;
-  at::Tensor loss =
-      isa == CpuIsa::Default
-          ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args, false)
-          : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight, gamma_per_sample, args,
-                                 isa == CpuIsa::Avx512);
+  at::Tensor loss = isa == CpuIsa::Default ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight,
+                                                                     gamma_per_sample, args, false)
+                                           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight,
+                                                                  gamma_per_sample, args, isa == CpuIsa::Avx512);
   if (dense_invalid.load()) check_dense_target_values(t);
   if (loss_in_logits_dtype && loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
   // no flag: every bad target value has raised above

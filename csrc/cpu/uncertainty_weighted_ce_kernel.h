@@ -3,15 +3,16 @@
 // FMA for the whole translation unit, plus the AVX-512 sweeps of vec_exp.h behind target attributes), which define
 // CPU_CAPABILITY and CALIBKERNELS_ISA (the namespace of their entry point, see kernel_entry.h) before including it.
 //
-// Fused CPU kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in ../uncertainty_weighted_ce.h).
+// Fused CPU kernel of the uncertainty-weighted cross-entropy family (formulas: docs/losses.md; contract in
+// ../uncertainty_weighted_ce.h).
 //
 //   L_i = u_i · CE_i,  CE_i = logsumexp(z_i) - z_{i,y_i},  u_i ∈ {1, (1-p_y)^γ, (1-p_y)^γ_i (FLSD), (1-p_y+p_j)^γ,
 //   ‖p - e_y‖_q^γ (gBS), w_i (external)}; mode "grad" (GRA, BSCE-GRA paper Eq. 11) detaches u_i, mode "loss"
 //   differentiates through it.
 //
 // One row at a time, rows in parallel (at::parallel_for). The common weights (none, focal, FLSD, external, gBS with
-// q = 1 or 2) take the one-exponential path (exp_store_sweep + rescale_sweep, described at row_max below); the others
-// make two sweeps over a row that stays in L1/L2 between them:
+// q = 1 or 2) take the one-exponential path (exp_store_sweep + rescale_sweep, described at row_max in row_sweeps.h);
+// the others make two sweeps over a row that stays in L1/L2 between them:
 //   1. reduction sweep: online softmax (running max m, Σ exp(z-m)) block by block, with the target column excluded
 //      so that Σ_{k≠y} p_k and Σ_{k≠y} p_k^q (the gBS accumulator S_q, rescaled by exp(-qΔm) when m moves) come
 //      out without the cancellation of "1 - p_y" or "S_q - p_y^q"; the dual-focal p_j is a second max sweep;
@@ -20,6 +21,8 @@
 //      scalar fix-up of g_y; α, β, τ, c_J and g_y are per-row scalars from csrc/uncertainty_weights.h (docs/losses.md).
 // fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
 // float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
+// The sweeps are in row_sweeps.h (generic) and vec_exp.h (AVX-512), the soft-target rows in soft_target_rows.h; this
+// file holds a hard row (process_row) and the launch over a batch.
 
 #if !defined(CPU_CAPABILITY) || !defined(CALIBKERNELS_ISA)
 #error "include csrc/cpu/uncertainty_weighted_ce_kernel.h from a kernel_<isa>.cpp that defines CPU_CAPABILITY"
@@ -47,232 +50,16 @@
 #include "uncertainty_weighted_ce.h"
 #include "uncertainty_weights.h"
 #include "cpu/kernel_entry.h"
+#include "cpu/row_sweeps.h"
 #include "cpu/vec_exp.h"
 
 namespace calibkernels {
 namespace CALIBKERNELS_ISA {
 namespace {
 
-
-using at::vec::Vectorized;
-
-// How the gradient sweep needs p_k^q (the gBS weight in "loss" mode): not at all, p², p, or exp(q (z - lse)).
-enum class PowQ { None, Square, Linear, General };
-
-template <typename T>
-T horizontal_sum(const Vectorized<T>& v) {
-  alignas(64) T lanes[Vectorized<T>::size()];
-  v.store(lanes);
-  T total = 0;
-  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) total += lanes[i];
-  return total;
-}
-
-template <typename T>
-T horizontal_max(const Vectorized<T>& v) {
-  alignas(64) T lanes[Vectorized<T>::size()];
-  v.store(lanes);
-  T best = lanes[0];
-  for (int64_t i = 1; i < Vectorized<T>::size(); ++i) best = std::max(best, lanes[i]);
-  return best;
-}
-
-// Running state of the online softmax over the non-target columns.
-template <typename T>
-struct OnlineSoftmax {
-  T max = -std::numeric_limits<T>::infinity();
-  Vectorized<T> sum{T(0)};        // Σ exp(z_k - max)
-  Vectorized<T> sum_pow_q{T(0)};  // Σ exp(q (z_k - max))   (gBS only)
-};
-
-// Fold z[lo, hi) into the online softmax, one cache-sized block at a time: the block's max is taken first, the
-// accumulators are rescaled once if it moved the running max, then the block's exponentials are summed (one exp
-// per element; a per-element online update would need two).
-template <typename T, PowQ kPow>
-void accumulate(const T* z, int64_t lo, int64_t hi, T q, OnlineSoftmax<T>& acc) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  constexpr int64_t kBlock = 64 * W;
-  const T neg_inf = -std::numeric_limits<T>::infinity();
-  for (int64_t begin = lo; begin < hi; begin += kBlock) {
-    const int64_t end = std::min(begin + kBlock, hi);
-    Vec block_max(neg_inf);
-    int64_t k = begin;
-    for (; k + W <= end; k += W) block_max = at::vec::maximum(block_max, Vec::loadu(z + k));
-    if (k < end) block_max = at::vec::maximum(block_max, Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
-    const T new_max = horizontal_max(block_max);
-    if (new_max > acc.max) {
-      const T shift = acc.max - new_max;  // -inf on the first finite block: the sums are still 0
-      acc.sum = acc.sum * Vec(std::exp(shift));
-      if constexpr (kPow == PowQ::Square) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(2 * shift));
-      if constexpr (kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q * Vec(std::exp(q * shift));
-      acc.max = new_max;
-    }
-    // Only -inf or NaN so far: the terms are taken against 0 instead (exp(-inf - -inf) would be NaN), so that -inf
-    // adds 0 and a NaN logit, which the max skips, still makes the sum (and the row) NaN.
-    const Vec max_vec(acc.max == neg_inf ? T(0) : acc.max);
-    const Vec q_vec(q);
-    // Per-block partial sums, added to the running sums once per block: two-level summation keeps the rounding
-    // error at O((block + C/block) eps) instead of O(C/W eps) for C in the 10^5 range.
-    Vec block_sum(T(0)), block_sum_pow_q(T(0));
-    auto add = [&](const Vec& x) {
-      const Vec shifted = x - max_vec;
-      const Vec e = exp_nonpositive(shifted);
-      block_sum = block_sum + e;
-      if constexpr (kPow == PowQ::Square) block_sum_pow_q = at::vec::fmadd(e, e, block_sum_pow_q);
-      if constexpr (kPow == PowQ::General) block_sum_pow_q = block_sum_pow_q + exp_nonpositive(shifted * q_vec);
-    };
-    for (k = begin; k + W <= end; k += W) add(Vec::loadu(z + k));
-    if (k < end) add(Vec::set(Vec(neg_inf), Vec::loadu(z + k, end - k), end - k));
-    acc.sum = acc.sum + block_sum;
-    if constexpr (kPow == PowQ::Square || kPow == PowQ::General) acc.sum_pow_q = acc.sum_pow_q + block_sum_pow_q;
-  }
-}
-
-// max{z_k : z_k < z_y} (-inf if none) and, if wanted, how many columns attain it (the reference's amax splits its
-// gradient evenly between tied maxima).
-template <typename T>
-T max_below(const T* z, int64_t C, T z_target) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec neg_inf(-std::numeric_limits<T>::infinity());
-  const Vec zy(z_target);
-  Vec best = neg_inf;
-  int64_t k = 0;
-  for (; k + W <= C; k += W) {
-    const Vec x = Vec::loadu(z + k);
-    best = at::vec::maximum(best, Vec::blendv(neg_inf, x, x < zy));
-  }
-  if (k < C) {
-    const Vec x = Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k);
-    best = at::vec::maximum(best, Vec::blendv(neg_inf, x, x < zy));
-  }
-  return horizontal_max(best);
-}
-
-template <typename T>
-int64_t count_equal(const T* z, int64_t C, T value) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec v(value), one(T(1)), zero(T(0));
-  Vec count = zero;  // exact in float up to 2^24 hits per lane
-  int64_t k = 0;
-  for (; k + W <= C; k += W) count = count + Vec::blendv(zero, one, Vec::loadu(z + k) == v);
-  T total = horizontal_sum(count);
-  for (; k < C; ++k) total += (z[k] == value) ? T(1) : T(0);
-  return static_cast<int64_t>(total);
-}
-
-// g_k = p_k (α + β (p_k^{q-1} - τ)) + [z_k == z_j] c_J with p_k = exp((z_k - m) - log d): the max is subtracted
-// first (exact for the classes that matter), where exp(z_k - lse) would carry lse's rounding, ulp(m), into every
-// p_k (~1e-5 relative for logits of a few hundred, then multiplied by CE in "loss" mode). The gBS term keeps the
-// difference p_k^{q-1} - τ per element (it cancels exactly for a one-hot p; folding it into α would amplify the
-// rounding of α by CE·K). `out` may alias `z` (in-place gradient): each vector is loaded before it is overwritten.
-template <typename T, PowQ kPow, bool kTies>
-void gradient_sweep(const T* z, T* out, int64_t C, T m, T log_denom, T alpha, T beta, T q, T tau, T z_j, T c_j) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec m_vec(m), log_denom_vec(log_denom), alpha_vec(alpha), beta_vec(beta), qm1_vec(q - 1), tau_vec(tau), zj_vec(z_j), cj_vec(c_j),
-      zero(T(0));
-  auto grad = [&](const Vec& x) {
-    const Vec shifted = (x - m_vec) - log_denom_vec;
-    const Vec p = exp_nonpositive(shifted);
-    Vec coef = alpha_vec;
-    if constexpr (kPow == PowQ::Square) coef = at::vec::fmadd(beta_vec, p - tau_vec, coef);
-    if constexpr (kPow == PowQ::General) coef = at::vec::fmadd(beta_vec, (shifted * qm1_vec).exp_u20() - tau_vec, coef);
-    Vec g = p * coef;
-    // where p_k underflows to 0, p_k^{q-1} (q < 1) can overflow: 0 · inf. The term is p_k^q, whose limit is 0.
-    if constexpr (kPow == PowQ::General) g = Vec::blendv(g, zero, p == zero);
-    if constexpr (kTies) g = g + Vec::blendv(zero, cj_vec, x == zj_vec);
-    return g;
-  };
-  int64_t k = 0;
-  for (; k + W <= C; k += W) grad(Vec::loadu(z + k)).store(out + k);
-  if (k < C) grad(Vec::loadu(z + k, C - k)).store(out + k, C - k);
-}
-
-// The one-exponential path (used whenever the gradient sweep needs nothing but p_k): e_k = exp(z_k - m) is computed
-// once, with m the target logit (or, for rows where that would leave the sums' range, the row max below; see
-// process_row), summed into the accumulators and, when a gradient is written, stored in the gradient row; the
-// gradient sweep then only rescales e_k (p_k = e_k / denom) instead of evaluating a second exponential. The row is in
-// L1/L2 between the sweeps, and exp is what bounds the kernel on a CPU (the two-exponential form was about twice as
-// slow at C = 1000; the online softmax of `accumulate`, which rescales per block, is ≈ 1.7× slower per row without a
-// gradient). `out` may alias `z` (in-place gradient).
-template <typename T>
-T row_max(const T* z, int64_t C) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec neg_inf(-std::numeric_limits<T>::infinity());
-  Vec best = neg_inf;
-  int64_t k = 0;
-  for (; k + W <= C; k += W) best = at::vec::maximum(best, Vec::loadu(z + k));
-  if (k < C) best = at::vec::maximum(best, Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k));
-  return horizontal_max(best);
-}
-
-// out[k] = exp(z[k] - m) for k in [lo, hi) (kStore; nothing is written otherwise); returns Σ exp(z[k] - m) and
-// (kSquare) Σ exp(z[k] - m)², block-wise two-level sums. Prefetches z[k + ahead] along the way (0: nothing new).
-// kShift (soft targets with label smoothing): also adds Σ (z[k] - m) over [lo, hi) to *shift_sum.
-template <typename T, bool kSquare, bool kStore, bool kShift = false>
-void exp_store_sweep(const T* z, T* out, int64_t lo, int64_t hi, T m, T& sum, T& sum_sq, int64_t ahead,
-                     T* shift_sum = nullptr) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  constexpr int64_t kBlock = 64 * W;
-  const Vec max_vec(m);
-  Vec total(T(0)), total_sq(T(0)), shifts(T(0));
-  for (int64_t begin = lo; begin < hi; begin += kBlock) {
-    const int64_t end = std::min(begin + kBlock, hi);
-    Vec block(T(0)), block_sq(T(0));
-    int64_t k = begin;
-    for (; k + W <= end; k += W) {
-      __builtin_prefetch(z + k + ahead);
-      const Vec shifted = Vec::loadu(z + k) - max_vec;
-      if constexpr (kShift) shifts = shifts + shifted;
-      const Vec e = exp_nonpositive(shifted);
-      if constexpr (kStore) e.store(out + k);
-      block = block + e;
-      if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
-    }
-    if (k < end) {
-      const int64_t rest = end - k;
-      // lanes past `rest` are loaded as 0 by loadu(ptr, count); mask them out of the sums
-      const Vec shifted = Vec::loadu(z + k, rest) - max_vec;
-      if constexpr (kShift) shifts = shifts + Vec::set(Vec(T(0)), shifted, rest);
-      const Vec e = Vec::set(Vec(T(0)), exp_nonpositive(shifted), rest);
-      if constexpr (kStore) e.store(out + k, rest);
-      block = block + e;
-      if constexpr (kSquare) block_sq = at::vec::fmadd(e, e, block_sq);
-    }
-    total = total + block;
-    if constexpr (kSquare) total_sq = total_sq + block_sq;
-  }
-  sum += horizontal_sum(total);
-  if constexpr (kSquare) sum_sq += horizontal_sum(total_sq);
-  if constexpr (kShift) *shift_sum += horizontal_sum(shifts);
-}
-
-// out_k = g_k = p_k (α + β (p_k - τ)) with p_k = e_k · inv_denom, from the stored exponentials `e` (out may be e);
-// plus δ (kDelta: soft targets' constant target columns).
-template <typename T, bool kSquare, bool kDelta = false>
-void rescale_sweep(const T* e, T* out, int64_t C, T inv_denom, T alpha, T beta, T tau, T delta = T(0)) {
-  using Vec = Vectorized<T>;
-  constexpr int64_t W = Vec::size();
-  const Vec inv_vec(inv_denom), alpha_vec(alpha), beta_vec(beta), tau_vec(tau), delta_vec(delta);
-  auto grad = [&](const Vec& x) {
-    const Vec p = x * inv_vec;
-    const Vec coef = kSquare ? at::vec::fmadd(beta_vec, p - tau_vec, alpha_vec) : alpha_vec;
-    if constexpr (kDelta) return at::vec::fmadd(p, coef, delta_vec);
-    return p * coef;
-  };
-  int64_t k = 0;
-  for (; k + W <= C; k += W) grad(Vec::loadu(e + k)).store(out + k);
-  if (k < C) grad(Vec::loadu(e + k, C - k)).store(out + k, C - k);
-}
-
 template <typename T>
 struct RowSpec {
-  Weight weight;       // the weight's formula (weight_formula: FLSD's rows are focal rows, BrierFlsd's Brier rows)
+  Weight weight;  // the weight's formula (weight_formula: FLSD's rows are focal rows, BrierFlsd's Brier rows)
   Mode mode;
   T gamma;
   T q;
@@ -284,8 +71,8 @@ struct RowSpec {
 constexpr double kTargetReferenceLimit = 1152921504606846976.0;  // 2^60
 
 // How far ahead of its loads the exponential sweep prefetches the logits (launch() → process_row): 4 KiB, a row
-// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. At 4096 × 1000 fp32 this
-// made the target-referenced sweep 17–32% faster than a max sweep followed by the exponential sweep (1 and 2 threads).
+// ahead at C = 1000 fp32, and ≈ 60 exponentials (≈ 1000 cycles) of lead time on longer rows. With it the
+// target-referenced sweep, the first to read the row, beats a max sweep followed by the exponential sweep.
 constexpr int64_t kPrefetchBytes = 4096;
 
 // Denormal results flushed to zero (MXCSR's FTZ bit) in the calling thread while alive; the thread's own mode is
@@ -320,11 +107,10 @@ inline int64_t row_grain(int64_t c) { return std::max<int64_t>(1, 16384 / c); }
 // Streaming (non-temporal) stores for the out-of-place gradient. A fresh gradient buffer is not in the cache, so an
 // ordinary store first reads each line from DRAM and later writes it back, evicting the logits the sweep still reads;
 // a streaming store writes the line once, without reading it. The row's exponentials then go to a per-thread scratch
-// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where they were faster (fp32, out
-// of place, a training step after a torch.compile'd model, 2 threads, AVX-512): rows of 1–16 KiB,
-// i.e. C = 256…4096 (C = 512: 19%, 1000: 8–15%, 4096: 5.5%, 256: 2% faster); not below (C = 128: 5% slower, the row
-// being mostly scalar work) nor above (C = 8192, 32000: no faster; the scratch row no longer fits L1); and only for
-// gradients of at least 4 MiB, since a smaller one would still be in the cache for whatever reads it next.
+// row instead (launch) and the rescaling sweep streams the gradient out of it. Used where they pay (fp32, out of
+// place, AVX-512; docs/performance.md): rows of 1–16 KiB, i.e. C = 256…4096; not below (the row being mostly scalar
+// work) nor above (the scratch row would not fit L1); and only for gradients of at least 4 MiB, since a smaller one
+// would still be in the cache for whatever reads it next.
 // CALIBKERNELS_CPU_STREAMING_STORES=0 / =1 forces them off / on for every out-of-place float row the AVX-512 path
 // stores: a testing hook (tests/test_uncertainty_weighted_ce_cpu.py compares both forms bit for bit over rows the
 // automatic choice would not stream), not a user setting; read on every call so that one process can test both.
@@ -341,8 +127,8 @@ bool use_streaming_stores(int64_t n, int64_t c, int64_t element_bytes) {
 }
 
 // A row's loss as weight · (ce_offset + log1p(ce_log1p_arg)): rows whose CE logarithm can wait leave it to one
-// vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, which took about 15% of
-// the op at C = 64 in a profile. A row that computed its loss already stores {1, loss, 0}.
+// vectorised pass over a chunk of rows (finish_row_losses) instead of a scalar log per row, a large share of the op
+// at small C. A row that computed its loss already stores {1, loss, 0}.
 template <typename T>
 struct RowLoss {
   T weight;
@@ -402,10 +188,9 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
     return row_max(z, C);
   };
   // The exponentials are taken relative to the target logit, e_k = exp(z_k - z_y), rather than to the row max: any
-  // reference point gives the same p_k = e_k / Σ e, and this one needs no max sweep before the exponential sweep
-  // (11% of the three sweeps' time at C = 1000, AVX-512). It is kept only while the sums stay in
-  // range (Σ_{k≠y} e_k ≤ kTargetReferenceLimit, i.e. no column more than ≈ 41 above the target); past that, or for a
-  // non-finite target logit or NaN, the row is done again from its max, as every row used to be.
+  // reference point gives the same p_k = e_k / Σ e, and this one needs no max sweep before the exponential sweep.
+  // It is kept only while the sums stay in range (Σ_{k≠y} e_k ≤ kTargetReferenceLimit, i.e. no column more than ≈ 41
+  // above the target); past that, or for a non-finite target logit or NaN, the row is done again from its max.
   T m = -inf;
   bool target_reference = false;
   if constexpr (kCanStore) {
@@ -511,8 +296,8 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
         if constexpr (kWide) {
           if (streamed) {
-            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value,
-                                                  y, scale * g_y);
+            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value, y,
+                                                  scale * g_y);
           } else {
             avx512::rescale_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
           }
@@ -587,13 +372,12 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   const bool square = spec.weight == Weight::Brier;
   // streaming stores as for hard rows (use_streaming_stores): float rows out of place, on the AVX-512 sweeps
   const bool stream = (compact || dense_ptr != nullptr) && !kWiden && std::is_same_v<acc_t, float> &&
-                      CALIBKERNELS_HAVE_AVX512_SWEEPS &&
-                      avx512 && grad_ptr != nullptr &&
+                      CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512 && grad_ptr != nullptr &&
                       static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
                       use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
   // The row loop, instantiated once per row form (`row_fn`) so that the form is chosen once per call, and with the
   // per-call values copied into locals of the chunk: read through the closure's references they were reloaded for
-  // every row (a row's stores may alias them), a cost that showed in profiles at small C.
+  // every row (a row's stores may alias them), a cost that counts at small C.
   auto run_rows = [&](auto row_fn) {
     at::parallel_for(0, n, row_grain(c), [&, row_fn](int64_t begin, int64_t end) {
       const FlushDenormalResults flush_denormals;
@@ -645,8 +429,8 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
           parts[i] = row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0);
           if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
         } else {
-          parts[i] = row_fn(z_row, grad_row, tg, gamma, ext, exps,
-                            kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
+          parts[i] =
+              row_fn(z_row, grad_row, tg, gamma, ext, exps, kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
         }
       }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
@@ -784,23 +568,22 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
           const acc_t ext = weights ? weights[i] : acc_t(1);
           if constexpr (kWiden) {
             at::vec::convert(z_row, scratch.data(), classes);
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
-                                                                classes, y, row_spec, gamma, ext, row_scale, 0,
-                                                                exp_ptr, false);
+            parts[i] =
+                process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, classes,
+                                                         y, row_spec, gamma, ext, row_scale, 0, exp_ptr, false);
             if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(z_row, grad_row, classes, y, row_spec, gamma, ext,
-                                                                row_scale,
-                                                                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                                                                exp_ptr, row_stream);
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
+                z_row, grad_row, classes, y, row_spec, gamma, ext, row_scale,
+                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream);
           }
         }
-  #if CALIBKERNELS_HAVE_AVX512_SWEEPS
+#if CALIBKERNELS_HAVE_AVX512_SWEEPS
         // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
         if constexpr (kCanStream) {
           if (stream) avx512::stream_fence();
         }
-  #endif
+#endif
         finish_row_losses(parts, loss_ptr, begin, end);
       });
     };
@@ -837,8 +620,8 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
 }  // namespace
 
 at::Tensor run_kernel(const at::Tensor& z, void* grad_ptr, int64_t grad_stride, const at::Tensor& target,
-                      const std::optional<at::Tensor>& sample_weight,
-                      const std::optional<at::Tensor>& gamma_per_sample, const KernelArgs& args, bool avx512) {
+                      const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
+                      const KernelArgs& args, bool avx512) {
   // the dtype was checked by the caller (no AT_DISPATCH: its error message would be one more c10 template emitted
   // out of line in this translation unit, see kernel_avx2.cpp)
   auto run = [&](auto tag) {

@@ -14,9 +14,8 @@
 //
 // Algorithm: n = round(x log2 e), r = x - n ln2 in one FMA (the product n·ln2 is exact inside it, so r is off only
 // by n times the rounding of ln2 to float, ≤ 3e-7 relative for |n| ≤ 150), exp(r) ≈ 1 + r + c2 r² + … + c5 r⁵ on
-// |r| ≤ ln2/2 (Horner, five FMAs), then scaled by 2^n. This replaced Cephes' expf form (a two-FMA reduction and a
-// degree-7 polynomial, ≤ 1.2e-7): three fewer FMAs per vector, 16% faster op alone at C = 1000 (AVX-512) and 20%
-// (AVX2), single thread.
+// |r| ≤ ln2/2 (Horner, five FMAs), then scaled by 2^n: three FMAs per vector fewer than Cephes' expf form (a two-FMA
+// reduction and a degree-7 polynomial, ≤ 1.2e-7), for an error still within a few ulps.
 //   * AVX2: 2^n is added to the exponent bits; x is clamped to [-86, 88] (so 2^n·exp(r) stays a normal number) and
 //     results below exp(-86) ≈ 4.5e-38 (≈ FLT_MIN) are flushed to exactly 0, which also gives exp(-inf) = 0.
 //   * AVX-512: vscalefps scales by 2^n with overflow to inf past exp(88.7) (x is clamped above at 104); results
@@ -30,9 +29,8 @@
 // intrinsics, in functions with internal linkage compiled for avx512f/avx512dq; the rest of the extension stays
 // x86-64-v3, so no inline function of a shared header is ever emitted with AVX-512 instructions (which the linker
 // could pick for a machine without them). They are used only when the CPU has AVX-512 *and* ATen uses it (so
-// ATEN_CPU_CAPABILITY=avx2 turns them off, as it does for ATen's own kernels). On Zen 4 (256-bit datapaths) they
-// are ≈ 1.35× faster than the AVX2 sweeps, which are ≈ 1.15× faster than the same sweeps with exp_u20
-// (2-core microbenchmark of the three sweeps at 4096 × 1000 fp32).
+// ATEN_CPU_CAPABILITY=avx2 turns them off, as it does for ATen's own kernels). They beat the AVX2 sweeps even on
+// cores with 256-bit datapaths, such as Zen 4 (docs/performance.md).
 #pragma once
 
 #include <ATen/cpu/vec/vec.h>
@@ -77,7 +75,8 @@ inline at::vec::Vectorized<float> exp_nonpositive(const at::vec::Vectorized<floa
   // NaN in the second operand is returned as is. The upper clamp keeps 2^n in the exponent field for the positive
   // arguments of target-referenced rows (exp(88) ≈ 1.7e38 is past their range check, so it decides nothing).
   const __m256 x = _mm256_min_ps(_mm256_set1_ps(88.0f), _mm256_max_ps(lowest, x_in));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 n =
+      _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(kLn2), x);
   __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(kExpC5), r, _mm256_set1_ps(kExpC4));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(kExpC3));
@@ -100,9 +99,7 @@ constexpr int64_t kWidth = 16;
 // O((block + C/block) eps) for C in the 10^5 range.
 constexpr int64_t kBlock = 64 * kWidth;
 
-CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) {
-  return static_cast<__mmask16>((1u << count) - 1u);
-}
+CALIBKERNELS_AVX512 inline __mmask16 tail_mask(int64_t count) { return static_cast<__mmask16>((1u << count) - 1u); }
 
 // kBelowMax: x is z - max z of its row, so the upper clamp has nothing to do and is left out (a NaN in the row may
 // lose the max and leave a positive x; that row's sums are NaN anyway).
@@ -119,7 +116,8 @@ CALIBKERNELS_AVX512 inline __m512 exp_nonpositive(__m512 x) {
   // returns NaN from its second operand.
   const __mmask16 keep = _mm512_cmp_ps_mask(x, _mm512_set1_ps(-86.0f), _CMP_NLT_UQ);
   if constexpr (!kBelowMax) x = _mm512_min_ps(_mm512_set1_ps(104.0f), x);
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m512 n =
+      _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 r = _mm512_maskz_fnmadd_ps(keep, n, _mm512_set1_ps(kLn2), x);
   __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(kExpC5), r, _mm512_set1_ps(kExpC4));
   p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(kExpC3));
@@ -202,8 +200,8 @@ CALIBKERNELS_AVX512 inline __m512 gradient_of_exponential(__m512 e, __m512 inv_d
 template <bool kSquare, bool kDelta = false>
 CALIBKERNELS_AVX512 void rescale_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha, float beta,
                                        float tau, float delta = 0.0f) {
-  const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
-               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), delta_vec = _mm512_set1_ps(delta);
+  const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha), beta_vec = _mm512_set1_ps(beta),
+               tau_vec = _mm512_set1_ps(tau), delta_vec = _mm512_set1_ps(delta);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
     return gradient_of_exponential<kSquare, kDelta>(x, inv_vec, alpha_vec, beta_vec, tau_vec, delta_vec);
   };
@@ -223,14 +221,14 @@ CALIBKERNELS_AVX512 void rescale_sweep(const float* e, float* out, int64_t C, fl
 // The whole lines are streamed in one run without the exact columns, and the (at most two) lines holding them are
 // streamed again afterwards with the exact values blended in. A later streaming store of a whole line to the same
 // address replaces the earlier one, and no line is read back (an ordinary store into a streamed line would fetch it).
-// Splitting the run at each exact column instead costs a mispredicted loop exit per split: re-streaming measured about
-// 3% faster for class indices and 5% for a mix at 4096 x 1000 fp32 (docs/performance.md).
+// Splitting the run at each exact column instead costs a mispredicted loop exit per split, more than the re-streamed
+// lines (docs/performance.md).
 template <bool kSquare, bool kDelta = false>
 CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_t C, float inv_denom, float alpha,
                                               float beta, float tau, int64_t target, float target_value,
                                               float delta = 0.0f, int64_t second = -1, float second_value = 0.0f) {
-  const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha),
-               beta_vec = _mm512_set1_ps(beta), tau_vec = _mm512_set1_ps(tau), target_vec = _mm512_set1_ps(target_value),
+  const __m512 inv_vec = _mm512_set1_ps(inv_denom), alpha_vec = _mm512_set1_ps(alpha), beta_vec = _mm512_set1_ps(beta),
+               tau_vec = _mm512_set1_ps(tau), target_vec = _mm512_set1_ps(target_value),
                delta_vec = _mm512_set1_ps(delta), second_vec = _mm512_set1_ps(second_value);
   auto grad = [&](__m512 x) CALIBKERNELS_AVX512 {
     return gradient_of_exponential<kSquare, kDelta>(x, inv_vec, alpha_vec, beta_vec, tau_vec, delta_vec);
@@ -276,7 +274,7 @@ CALIBKERNELS_AVX512 void rescale_stream_sweep(const float* e, float* out, int64_
 // Dense soft targets, t_k = keep · T_k + c (soft_target_rows.h): the row's sums over [0, C) in one sweep.
 struct DenseSums {
   float e = 0, t = 0, tz = 0, te = 0, ee = 0, tt = 0;  // Σ e, Σ t, Σ_{t>0} t (z - m), Σ t e, Σ e², Σ t²
-  float given = 0;         // Σ T_k of the target as given (before smoothing), for its value check
+  float given = 0;          // Σ T_k of the target as given (before smoothing), for its value check
   bool not_nonneg = false;  // some T_k < 0 or NaN
 };
 
@@ -353,9 +351,9 @@ CALIBKERNELS_AVX512 void dense_exp_sweep(const float* z, const float* target, fl
 // whose rounding where p ≈ t is that of u p, what p - t carries from p's own rounding.
 // kStream: streaming stores for the 64-byte lines wholly inside the row, as rescale_stream_sweep (callers fence).
 template <bool kStream>
-CALIBKERNELS_AVX512 inline void dense_gradient_sweep(const float* e, const float* target, float keep, float c, float* out,
-                                                     int64_t C, float inv_denom, float u, float excess, float focal,
-                                                     float P, float beta, float tau, float scale) {
+CALIBKERNELS_AVX512 inline void dense_gradient_sweep(const float* e, const float* target, float keep, float c,
+                                                     float* out, int64_t C, float inv_denom, float u, float excess,
+                                                     float focal, float P, float beta, float tau, float scale) {
   const __m512 inv_vec = _mm512_set1_ps(inv_denom), keep_vec = _mm512_set1_ps(keep), c_vec = _mm512_set1_ps(c),
                own_vec = _mm512_set1_ps(scale * (u + excess)), u_vec = _mm512_set1_ps(scale * u),
                focal_vec = _mm512_set1_ps(scale * focal), P_vec = _mm512_set1_ps(P),

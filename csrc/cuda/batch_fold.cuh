@@ -60,7 +60,7 @@ template <int kThreads>
 __device__ __forceinline__ TargetScan scan_targets(const int64_t* target, int64_t num_rows, int64_t num_classes,
                                                    int64_t ignore_index, bool check) {
   __shared__ long long worst;  // atomicMax has no overload for int64_t (long) on LP64
-  if (check) {  // uniform over the block
+  if (check) {                 // uniform over the block
     if (threadIdx.x == 0) worst = std::numeric_limits<long long>::min();
     __syncthreads();
   }

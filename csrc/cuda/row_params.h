@@ -1,7 +1,7 @@
 // The parameters of the CUDA row kernels (row_kernels.cuh) as the op's host side (uncertainty_weighted_ce.cu) fills
 // them, and the two launches it calls. Each logits dtype's kernels are instantiated in a translation unit of their
-// own (rows_float.cu, rows_half.cu, rows_bfloat16.cu, rows_double.cu): in one file they made a single nvcc process
-// that took most of the build's time, which a parallel build (MAX_JOBS) now splits four ways.
+// own (rows_float.cu, rows_half.cu, rows_bfloat16.cu, rows_double.cu), so that a parallel build (MAX_JOBS) compiles
+// them side by side instead of in one long nvcc process.
 #pragma once
 
 #include <c10/core/ScalarType.h>
@@ -25,17 +25,17 @@ struct Params {
   void* grad;                 // nullptr: no gradient (inference)
   int64_t grad_row_stride;
   const int64_t* target;
-  const A* sample_weight;     // (N,) or nullptr
-  const A* gamma_per_sample;  // (N,) or nullptr
-  const int64_t* valid_count; // 0-dim, the count launch's (a large batch's mean with a gradient); nullptr: see
-                              // count_inline, else every row counts (a dense target)
-  void* row_loss;           // (N,) A, or the logits' type for reduction "none" with loss_in_logits_dtype
+  const A* sample_weight;      // (N,) or nullptr
+  const A* gamma_per_sample;   // (N,) or nullptr
+  const int64_t* valid_count;  // 0-dim, the count launch's (a large batch's mean with a gradient); nullptr: see
+                               // count_inline, else every row counts (a dense target)
+  void* row_loss;              // (N,) A, or the logits' type for reduction "none" with loss_in_logits_dtype
   int64_t num_rows;
   int64_t num_classes;
   int64_t ignore_index;
   A gamma;
   A norm;
-  int weight;          // the weight's formula (weight_formula of the op's code), which the kernels branch on
+  int weight;  // the weight's formula (weight_formula of the op's code), which the kernels branch on
   int mode;
   int reduction;
   bool flsd_schedule;  // γ_i from FLSD-53's band (uses_flsd_schedule of the op's code) instead of `gamma`
@@ -44,34 +44,34 @@ struct Params {
   bool loss_in_logits_dtype;  // the op's losses in the logits' type (rounded once, from A)
 };
 
-// Params stays within 128 bytes: past that, nvcc (13.0, sm_90) reads the kernel argument through its address and no
-// longer makes the specialised copies of the streaming path's column loops (β = 0, q = 2, no ties): its SASS then
-// issues 16-45% more instructions per 4096-column tile of a row, by weight and dtype.
+// Params stays within 128 bytes: past that, nvcc reads the kernel argument through its address and makes none of the
+// specialised copies of the streaming path's column loops (β = 0, q = 2, no ties), so every tile runs the general
+// loop's extra instructions.
 static_assert(sizeof(Params<float>) <= 128 && sizeof(Params<double>) <= 128,
               "Params past 128 bytes loses the column loops' specialised copies: put new fields in BatchFold");
 
 // The batch's fold by the launch's last block (batch_fold.cuh), which makes the row launch the forward's only one;
 // a kernel argument of its own, beside Params.
 struct BatchFold {
-  unsigned int* ticket;   // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
-  void* loss;             // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
-                          // reduction "none" (the rows' losses are the result)
-  int64_t* target_flag;   // (2,): the op's target flag, made by the last block (count_inline or a dense target's row
-                          // flags); or nullptr where the count launch or host-side ATen ops made it
+  unsigned int* ticket;  // the launch's ticket counter: 0 before the launch, and reset to 0 by the last block
+  void* loss;            // 0-dim, the mean or sum (A, or the logits' type with loss_in_logits_dtype); nullptr for
+                         // reduction "none" (the rows' losses are the result)
+  int64_t* target_flag;  // (2,): the op's target flag, made by the last block (count_inline or a dense target's row
+                         // flags); or nullptr where the count launch or host-side ATen ops made it
 };
 
 template <typename A>
 struct SoftParams {
-  Params<A> hard;              // `target` holds the class indices (compact form); nullptr with a dense target
-  const int64_t* mix_target;   // (N,), or nullptr: no mix (λ = 1, m = y)
-  const A* mix_lambda;         // λ of row i at mix_lambda[i * lambda_stride] (stride 0: one λ for every row)
+  Params<A> hard;             // `target` holds the class indices (compact form); nullptr with a dense target
+  const int64_t* mix_target;  // (N,), or nullptr: no mix (λ = 1, m = y)
+  const A* mix_lambda;        // λ of row i at mix_lambda[i * lambda_stride] (stride 0: one λ for every row)
   int64_t lambda_stride;
-  const void* dense_target;    // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
-  int64_t dense_row_stride;    // elements
-  A smoothing;                 // a
-  A dense_tolerance;           // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
-  int8_t* row_flags;           // (N,): a dense target's row flags, 1 where a row fails its value check (written by
-                               // the rows, folded into BatchFold::target_flag by the last block), or nullptr
+  const void* dense_target;  // (N, C) in the kernel's target_t, columns contiguous; nullptr for class indices
+  int64_t dense_row_stride;  // elements
+  A smoothing;               // a
+  A dense_tolerance;         // how far a row's sum may be off 1 (dense_row_sum_tolerance of the target's dtype)
+  int8_t* row_flags;         // (N,): a dense target's row flags, 1 where a row fails its value check (written by
+                             // the rows, folded into BatchFold::target_flag by the last block), or nullptr
 };
 
 // A logits dtype as an overload tag: the launches of each dtype are plain functions, each defined once, in the

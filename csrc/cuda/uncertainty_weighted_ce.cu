@@ -60,10 +60,9 @@ constexpr int64_t kInlineCountMaxRows = 1024;
 // mix (`mix` not nullptr) a bad mix_target or λ too; calibkernels._validation.target_flag without its dozen small
 // torch ops); the mean's divisor: the rows whose target is not ignore_index]. A: λ's type.
 template <typename A>
-__global__ void __launch_bounds__(kReduceThreads) check_targets_kernel(const int64_t* target, int64_t num_rows,
-                                                                       int64_t num_classes, int64_t ignore_index,
-                                                                       const int64_t* mix, const A* lambda,
-                                                                       int64_t lambda_stride, int64_t* counts) {
+__global__ void __launch_bounds__(kReduceThreads)
+    check_targets_kernel(const int64_t* target, int64_t num_rows, int64_t num_classes, int64_t ignore_index,
+                         const int64_t* mix, const A* lambda, int64_t lambda_stride, int64_t* counts) {
   const TargetScan scan = scan_targets<kReduceThreads>(target, num_rows, num_classes, ignore_index, true);
   MixScan mix_scan{num_rows, 0, num_rows};
   if (mix != nullptr) {
@@ -109,7 +108,7 @@ unsigned int* launch_ticket(const at::Tensor& like, cudaStream_t stream, at::Ten
 struct Args {
   int64_t weight, mode, reduction, ignore_index;
   double gamma, norm;
-  bool soft = false;             // check_soft_arguments: the soft-target kernel
+  bool soft = false;  // check_soft_arguments: the soft-target kernel
   double label_smoothing = 0.0;
   bool loss_in_logits_dtype = false;
 };
@@ -196,10 +195,10 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     // the Triton kernels (comparing λ in its own dtype) fail, so such values become NaN first (a few device ops, on
     // that pairing only).
     const at::Tensor lam = mix_lambda->detach();
-    lambdas = (lam.scalar_type() == at::kDouble && acc_dtype != at::kDouble)
-                  ? at::where(lam.ge(0).logical_and_(lam.le(1)), lam, std::numeric_limits<double>::quiet_NaN())
-                        .to(acc_dtype)
-                  : lam.to(acc_dtype);
+    lambdas =
+        (lam.scalar_type() == at::kDouble && acc_dtype != at::kDouble)
+            ? at::where(lam.ge(0).logical_and_(lam.le(1)), lam, std::numeric_limits<double>::quiet_NaN()).to(acc_dtype)
+            : lam.to(acc_dtype);
   }
   const int64_t lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
   // The target flag: made by the row launch's last block (class indices without a count launch; a dense target's
@@ -216,15 +215,15 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     counts = at::empty({3}, t.options());
     const int64_t* mix = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
     if (acc_dtype == at::kDouble) {
-      check_targets_kernel<double><<<1, kReduceThreads, 0, stream>>>(
-          t.const_data_ptr<int64_t>(), n, z.size(1), args.ignore_index, mix,
-          lambdas.defined() ? lambdas.const_data_ptr<double>() : nullptr, lambda_stride,
-          counts.mutable_data_ptr<int64_t>());
+      check_targets_kernel<double>
+          <<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, z.size(1), args.ignore_index, mix,
+                                             lambdas.defined() ? lambdas.const_data_ptr<double>() : nullptr,
+                                             lambda_stride, counts.mutable_data_ptr<int64_t>());
     } else {
-      check_targets_kernel<float><<<1, kReduceThreads, 0, stream>>>(
-          t.const_data_ptr<int64_t>(), n, z.size(1), args.ignore_index, mix,
-          lambdas.defined() ? lambdas.const_data_ptr<float>() : nullptr, lambda_stride,
-          counts.mutable_data_ptr<int64_t>());
+      check_targets_kernel<float>
+          <<<1, kReduceThreads, 0, stream>>>(t.const_data_ptr<int64_t>(), n, z.size(1), args.ignore_index, mix,
+                                             lambdas.defined() ? lambdas.const_data_ptr<float>() : nullptr,
+                                             lambda_stride, counts.mutable_data_ptr<int64_t>());
     }
     C10_CUDA_KERNEL_LAUNCH_CHECK();
     target_flag = counts.slice(0, 0, 2);  // at the buffer's start, as the fake kernel's
@@ -293,8 +292,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
     int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
     const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
     bool loss_in_logits_dtype) {
-  Args args = check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                         reduction);
+  Args args =
+      check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
   args.soft = check_soft_arguments(op, logits, target, mix_target, mix_lambda, label_smoothing, weight);
   args.label_smoothing = label_smoothing;
@@ -318,9 +317,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
 // 16-bit loss), read as it is, without a cast's launch. The product is taken in the accumulation type: float64 stays
 // float64 (a factor such as 1 + 1e-12 is not 1, and the gradient keeps its digits).
 template <typename scalar_t, typename factor_t>
-__global__ void __launch_bounds__(256) scale_grad_kernel(scalar_t* grad, int64_t num_rows, int64_t num_classes,
-                                                         int64_t row_stride, const factor_t* factor,
-                                                         int64_t factor_stride) {
+__global__ void __launch_bounds__(256)
+    scale_grad_kernel(scalar_t* grad, int64_t num_rows, int64_t num_classes, int64_t row_stride, const factor_t* factor,
+                      int64_t factor_stride) {
   using A = cuda_rows::Acc<scalar_t>;
   if (factor_stride == 0 && static_cast<A>(*factor) == A(1)) return;
   for (int64_t row = blockIdx.x; row < num_rows; row += gridDim.x) {
@@ -335,10 +334,12 @@ __global__ void __launch_bounds__(256) scale_grad_kernel(scalar_t* grad, int64_t
 
 void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor& grad_output) {
   const char* op = "calibkernels::uncertainty_weighted_ce_scale_grad_ (CUDA): ";
-  TORCH_CHECK(grad.is_cuda() && grad_output.device() == grad.device(), op, "expected grad and grad_output on the same "
-              "CUDA device, got ", grad.device(), " and ", grad_output.device());
-  TORCH_CHECK(grad.dim() == 2 && (grad.size(1) <= 1 || grad.stride(1) == 1), op, "expected a 2-D gradient with unit "
-              "column stride, got shape ", grad.sizes(), " and strides ", grad.strides());
+  TORCH_CHECK(grad.is_cuda() && grad_output.device() == grad.device(), op,
+              "expected grad and grad_output on the same CUDA device, got ", grad.device(), " and ",
+              grad_output.device());
+  TORCH_CHECK(grad.dim() == 2 && (grad.size(1) <= 1 || grad.stride(1) == 1), op,
+              "expected a 2-D gradient with unit column stride, got shape ", grad.sizes(), " and strides ",
+              grad.strides());
   TORCH_CHECK(grad_output.numel() == 1 || (grad_output.dim() == 1 && grad_output.size(0) == grad.size(0)), op,
               "grad_output must be a scalar or have one entry per row, got shape ", grad_output.sizes());
   if (grad.numel() == 0) return;
@@ -349,17 +350,18 @@ void uncertainty_weighted_ce_scale_grad_cuda(at::Tensor& grad, const at::Tensor&
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, grad.get_device()));
   const int64_t blocks = std::min<int64_t>(grad.size(0), 4 * static_cast<int64_t>(sms > 0 ? sms : 1));
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "uncertainty_weighted_ce_scale_grad", [&] {
-    const auto launch_with = [&](const auto* factor_ptr) {
-      scale_grad_kernel<<<static_cast<unsigned>(blocks), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
-          grad.mutable_data_ptr<scalar_t>(), grad.size(0), grad.size(1), grad.stride(0), factor_ptr, factor_stride);
-    };
-    if (factor.scalar_type() == at::kFloat) {
-      launch_with(factor.const_data_ptr<float>());
-    } else {
-      launch_with(factor.const_data_ptr<scalar_t>());
-    }
-  });
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, grad.scalar_type(), "uncertainty_weighted_ce_scale_grad", [&] {
+        const auto launch_with = [&](const auto* factor_ptr) {
+          scale_grad_kernel<<<static_cast<unsigned>(blocks), 256, 0, c10::cuda::getCurrentCUDAStream()>>>(
+              grad.mutable_data_ptr<scalar_t>(), grad.size(0), grad.size(1), grad.stride(0), factor_ptr, factor_stride);
+        };
+        if (factor.scalar_type() == at::kFloat) {
+          launch_with(factor.const_data_ptr<float>());
+        } else {
+          launch_with(factor.const_data_ptr<scalar_t>());
+        }
+      });
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
