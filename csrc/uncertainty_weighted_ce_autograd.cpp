@@ -43,9 +43,8 @@ using OpSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tens
                                                        double, bool);
 
 const c10::TypedOperatorHandle<OpSignature>& fused_op() {
-  static const auto handle = c10::Dispatcher::singleton()
-                                 .findSchemaOrThrow("calibkernels::uncertainty_weighted_ce", "")
-                                 .typed<OpSignature>();
+  static const auto handle =
+      c10::Dispatcher::singleton().findSchemaOrThrow("calibkernels::uncertainty_weighted_ce", "").typed<OpSignature>();
   return handle;
 }
 
@@ -72,9 +71,8 @@ std::optional<Tensor> detached_or_none(const Tensor& t) {
 Tensor gamma_gradient_factor(const Tensor& logits, const Tensor& target, const Tensor& gamma, int64_t ignore_index,
                              int64_t reduction) {
   const at::NoGradGuard no_grad;
-  const Tensor z = (logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16)
-                       ? logits.to(at::kFloat)
-                       : logits;
+  const Tensor z =
+      (logits.scalar_type() == at::kHalf || logits.scalar_type() == at::kBFloat16) ? logits.to(at::kFloat) : logits;
   const Tensor valid = target.ne(ignore_index);
   const Tensor safe = at::where(valid, target, 0).unsqueeze(1);
   // Relative to the row max, with 1 - p_y = d_not_y / d and, where the target holds the max, CE = log1p(d_not_y):
@@ -85,8 +83,7 @@ Tensor gamma_gradient_factor(const Tensor& logits, const Tensor& target, const T
   const Tensor log_d = at::where(shifted_y.eq(0), at::log1p(d_not_y), at::log(at::exp(shifted_y) + d_not_y));
   const Tensor ce = (log_d - shifted_y).clamp_min(0);
   // log(1 - p_y): log1p(-p_y) below p_y = 1/2, log d_not_y - log d above (each exact where the other cancels)
-  const Tensor log_one_minus =
-      at::where(ce.gt(std::log(2.0)), at::log1p(-at::exp(ce.neg())), at::log(d_not_y) - log_d);
+  const Tensor log_one_minus = at::where(ce.gt(std::log(2.0)), at::log1p(-at::exp(ce.neg())), at::log(d_not_y) - log_d);
   const Tensor weighted_ce = at::exp(gamma.to(z.scalar_type()) * log_one_minus) * ce;
   Tensor factor = at::where(valid.logical_and(weighted_ce.ne(0)), weighted_ce * log_one_minus, at::zeros_like(ce));
   if (static_cast<Reduction>(reduction) == Reduction::Mean) factor = factor / valid.sum().clamp_min(1);
@@ -101,11 +98,16 @@ bool is_plain(const Tensor& t) {
 // grad_output == 1, read without a dispatcher round trip (item()): the usual loss.backward()
 bool scalar_is_one(const Tensor& t) {
   switch (t.scalar_type()) {
-    case at::kFloat: return *t.const_data_ptr<float>() == 1.0f;
-    case at::kDouble: return *t.const_data_ptr<double>() == 1.0;
-    case at::kHalf: return static_cast<float>(*t.const_data_ptr<at::Half>()) == 1.0f;
-    case at::kBFloat16: return static_cast<float>(*t.const_data_ptr<at::BFloat16>()) == 1.0f;
-    default: return t.item<double>() == 1.0;
+    case at::kFloat:
+      return *t.const_data_ptr<float>() == 1.0f;
+    case at::kDouble:
+      return *t.const_data_ptr<double>() == 1.0;
+    case at::kHalf:
+      return static_cast<float>(*t.const_data_ptr<at::Half>()) == 1.0f;
+    case at::kBFloat16:
+      return static_cast<float>(*t.const_data_ptr<at::BFloat16>()) == 1.0f;
+    default:
+      return t.item<double>() == 1.0;
   }
 }
 
@@ -140,8 +142,8 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target,
                                const Tensor& sample_weight, const Tensor& gamma_per_sample, int64_t weight,
                                int64_t mode, double gamma, double norm, int64_t ignore_index, int64_t reduction,
-                               bool inplace, const Tensor& mix_target, const Tensor& mix_lambda,
-                               double label_smoothing, bool loss_in_logits_dtype) {
+                               bool inplace, const Tensor& mix_target, const Tensor& mix_lambda, double label_smoothing,
+                               bool loss_in_logits_dtype) {
     const bool logits_grad = ctx->needs_input_grad(0);
     Tensor gamma_factor;
     if (!gamma_per_sample.is_same(absent()) && ctx->needs_input_grad(3) && static_cast<Mode>(mode) == Mode::Loss) {
@@ -155,11 +157,10 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
     Tensor loss, grad, target_flag;
     {
       const at::AutoDispatchBelowADInplaceOrView below;
-      std::tie(loss, grad, target_flag) =
-          fused_op().call(logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight,
-                          mode, gamma, norm, ignore_index, reduction, logits_grad,
-                          write_logits ? std::optional<Tensor>(logits) : std::nullopt, detached_or_none(mix_target),
-                          detached_or_none(mix_lambda), label_smoothing, loss_in_logits_dtype);
+      std::tie(loss, grad, target_flag) = fused_op().call(
+          logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight, mode, gamma,
+          norm, ignore_index, reduction, logits_grad, write_logits ? std::optional<Tensor>(logits) : std::nullopt,
+          detached_or_none(mix_target), detached_or_none(mix_lambda), label_smoothing, loss_in_logits_dtype);
     }
     Tensor saved = grad;
     if (write_logits) {
@@ -206,11 +207,11 @@ std::tuple<Tensor, Tensor, Tensor> autograd_call(
   TORCH_CHECK_VALUE(!inplace || grad_out->is_same(logits),
                     "calibkernels::uncertainty_weighted_ce: with logits that require grad, grad_out must be the "
                     "logits themselves (in place) or None");
-  auto outputs = FusedLoss::apply(logits, target, sample_weight.has_value() ? *sample_weight : absent(),
-                                  gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm, ignore_index,
-                                  reduction, inplace, mix_target.has_value() ? *mix_target : absent(),
-                                  mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing,
-                                  loss_in_logits_dtype);
+  auto outputs =
+      FusedLoss::apply(logits, target, sample_weight.has_value() ? *sample_weight : absent(),
+                       gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm,
+                       ignore_index, reduction, inplace, mix_target.has_value() ? *mix_target : absent(),
+                       mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing, loss_in_logits_dtype);
   return {outputs[0], outputs[1], outputs[2]};
 }
 
@@ -264,8 +265,8 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
     } else {
       const double lam = PyFloat_AsDouble(lambda_obj);
       if (lam == -1.0 && PyErr_Occurred()) return nullptr;
-      mix_lambda = at::scalar_tensor(lam, logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble
-                                                                                                      : at::kFloat));
+      mix_lambda = at::scalar_tensor(
+          lam, logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
     }
   }
   const bool compute_grad = at::GradMode::is_enabled() && logits.requires_grad();
@@ -281,8 +282,8 @@ PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
     } else {
       // the op's autograd directly (what the dispatcher would call for plain tensors)
       std::tie(loss, std::ignore, target_flag) =
-          autograd_call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index,
-                        reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
+          autograd_call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index, reduction,
+                        compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
     }
   }
   PyObject* loss_obj = THPVariable_Wrap(std::move(loss));
