@@ -52,96 +52,89 @@ from ._row_helpers import (_BRIER, _BRIER_FLSD, _DUAL_FOCAL, _EXTERNAL, _FLSD, _
 
 
 @triton.jit
-def _uncertainty_weighted_ce_row(
-    row,
-    logits_ptr, logits_row_stride,
-    target_ptr, sample_weight_ptr, gamma_ptr,
-    row_loss_ptr, grad_ptr, grad_row_stride,
-    valid_count_ptr,
-    num_rows, num_classes, gamma, norm, ignore_index,
-    WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
-    COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
-    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
-    COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr,
-):
-    """Row loss ``u_i CE_i`` of row ``row`` (int64; stored in ``row_loss``'s dtype) and, if COMPUTE_GRAD, its
-    gradient of the reduced loss (the mean's divisor from COUNT, :func:`_gradient_scale`)."""
+def _hard_single_read_statistics(logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA: tl.constexpr,
+                                 NORM_IS_TWO: tl.constexpr):
+    """The statistics of a row held in one block: ``(z, mask, e, is_target_col, m_safe, d_¬y, Σ_{k≠y} e^{q(z-m)},
+    below, max{z < z_y}, n_ties)`` with ``e = e^{z - m}`` and ``below = z < z_y``; the gBS sum only for the Brier
+    weight, the last three only for dual focal (otherwise stand-ins that are never read)."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
-    LN2: tl.constexpr = 0.6931471805599453
-    # the weight's formula and whether its γ follows FLSD-53's bands (weight_formula / uses_flsd_schedule of
-    # csrc/uncertainty_weighted_ce.h): FLSD's rows are focal rows, Brier-FLSD's Brier rows
-    FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
-    FLSD_SCHEDULE: tl.constexpr = WEIGHT == _FLSD or WEIGHT == _BRIER_FLSD
+    col_mask = cols < num_classes
+    z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
+    m = tl.max(z, 0)
+    m_safe = tl.where(m == NEG_INF, 0.0, m)  # an all -inf row must not produce inf - inf
+    e = tl.exp2((z - m_safe) * LOG2E)
+    is_target_col = cols == safe_target
+    e_others = tl.where(is_target_col, 0.0, e)
+    d_others = tl.sum(e_others, 0)
+    sum_q_others = d_others
+    below = col_mask
+    z_below_max = m_safe
+    n_ties = d_others
+    if FORMULA == _BRIER:
+        if NORM_IS_TWO:
+            sum_q_others = tl.sum(e_others * e_others, 0)
+        else:
+            sum_q_others = tl.sum(tl.where(is_target_col, 0.0, tl.exp2((z - m_safe) * (norm * LOG2E))), 0)
+    if FORMULA == _DUAL_FOCAL:
+        below = z < z_target
+        z_below_max = tl.max(tl.where(below, z, NEG_INF), 0)
+        n_ties = tl.sum(tl.where(below & (z == z_below_max), 1.0, 0.0), 0)
+    return z, col_mask, e, is_target_col, m_safe, d_others, sum_q_others, below, z_below_max, n_ties
 
-    logits_row = logits_ptr + row * logits_row_stride
-    target = tl.load(target_ptr + row).to(tl.int64)
-    is_valid = target != ignore_index
-    in_range = (target >= 0) & (target < num_classes)
-    is_bad = is_valid & (target < 0) | is_valid & (target >= num_classes)
-    # out-of-range targets read class 0 (never out of bounds); their row is poisoned with NaN below
-    safe_target = tl.where(in_range, target, 0)
-    z_target = tl.load(logits_row + safe_target).to(tl.float32)
-    cols = tl.arange(0, BLOCK)
 
-    # ---- statistics: running max m, d_¬y = Σ_{k≠y} e^{z-m}, gBS Σ_{k≠y} e^{q(z-m)}, dual focal's max{z < z_y} ----
-    # Only non-target sums are accumulated: d = d_¬y + e^{z_y-m} is formed once at the end, so 1 - p_y = d_¬y / d
-    # never cancels and each chunk costs one reduction less. For q = 2 (the default) e^{q(z-m)} = e², no second exp.
-    if SINGLE_READ:
-        col_mask = cols < num_classes
-        z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
-        m = tl.max(z, 0)
-        m_safe = tl.where(m == NEG_INF, 0.0, m)  # an all -inf row must not produce inf - inf
-        e = tl.exp2((z - m_safe) * LOG2E)
-        is_target_col = cols == safe_target
-        e_others = tl.where(is_target_col, 0.0, e)
-        d_others = tl.sum(e_others, 0)
+@triton.jit
+def _hard_streamed_statistics(logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA: tl.constexpr,
+                              BLOCK: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+    """The statistics pass of a row read in chunks of BLOCK classes, with the online max: ``(m_safe, d_¬y,
+    Σ_{k≠y} e^{q(z-m)}, max{z < z_y}, n_ties)``, the gBS sum only for the Brier weight, the last two only for dual
+    focal.
+
+    Scalar running sums, reduced per chunk, not per-lane sums reduced once after the loop: two more BLOCK-wide live
+    vectors cost occupancy, which this memory-bound loop needs more than it needs fewer block reductions
+    (docs/performance.md)."""
+    NEG_INF: tl.constexpr = float("-inf")
+    LOG2E: tl.constexpr = 1.4426950408889634
+    m_safe = tl.full((), 0.0, tl.float32)
+    m = tl.full((), NEG_INF, tl.float32)
+    d_others = tl.full((), 0.0, tl.float32)
+    sum_q_others = tl.full((), 0.0, tl.float32)
+    z_below_max = tl.full((), NEG_INF, tl.float32)
+    n_ties = tl.full((), 0.0, tl.float32)
+    for start in range(0, num_classes, BLOCK):
+        offs = start + cols
+        z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
+        e_others = tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * LOG2E))
+        d_others = d_others * rescale + tl.sum(e_others, 0)
         if FORMULA == _BRIER:
             if NORM_IS_TWO:
-                sum_q_others = tl.sum(e_others * e_others, 0)
+                sum_q_others = sum_q_others * (rescale * rescale) + tl.sum(e_others * e_others, 0)
             else:
-                sum_q_others = tl.sum(tl.where(is_target_col, 0.0, tl.exp2((z - m_safe) * (norm * LOG2E))), 0)
+                sum_q_others = sum_q_others * tl.exp2((m - m_new_safe) * (norm * LOG2E)) + tl.sum(
+                    tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * (norm * LOG2E))), 0)
         if FORMULA == _DUAL_FOCAL:
             below = z < z_target
-            z_below_max = tl.max(tl.where(below, z, NEG_INF), 0)
-            n_ties = tl.sum(tl.where(below & (z == z_below_max), 1.0, 0.0), 0)
-    else:
-        # Scalar running sums, reduced per chunk, not per-lane sums reduced once after the loop: two more BLOCK-wide
-        # live vectors cost occupancy, which this memory-bound loop needs more than it needs fewer block reductions
-        # (docs/performance.md).
-        m_safe = tl.full((), 0.0, tl.float32)
-        m = tl.full((), NEG_INF, tl.float32)
-        d_others = tl.full((), 0.0, tl.float32)
-        sum_q_others = tl.full((), 0.0, tl.float32)
-        z_below_max = tl.full((), NEG_INF, tl.float32)
-        n_ties = tl.full((), 0.0, tl.float32)
-        for start in range(0, num_classes, BLOCK):
-            offs = start + cols
-            z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
-            e_others = tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * LOG2E))
-            d_others = d_others * rescale + tl.sum(e_others, 0)
-            if FORMULA == _BRIER:
-                if NORM_IS_TWO:
-                    sum_q_others = sum_q_others * (rescale * rescale) + tl.sum(e_others * e_others, 0)
-                else:
-                    sum_q_others = sum_q_others * tl.exp2((m - m_new_safe) * (norm * LOG2E)) + tl.sum(
-                        tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * (norm * LOG2E))), 0)
-            if FORMULA == _DUAL_FOCAL:
-                below = z < z_target
-                chunk_max = tl.max(tl.where(below, z, NEG_INF), 0)
-                chunk_ties = tl.sum(tl.where(below & (z == chunk_max), 1.0, 0.0), 0)
-                n_ties = tl.where(chunk_max > z_below_max, chunk_ties,
-                                  tl.where(chunk_max == z_below_max, n_ties + chunk_ties, n_ties))
-                z_below_max = tl.maximum(z_below_max, chunk_max)
-            m = m_new
-            m_safe = m_new_safe
+            chunk_max = tl.max(tl.where(below, z, NEG_INF), 0)
+            chunk_ties = tl.sum(tl.where(below & (z == chunk_max), 1.0, 0.0), 0)
+            n_ties = tl.where(chunk_max > z_below_max, chunk_ties,
+                              tl.where(chunk_max == z_below_max, n_ties + chunk_ties, n_ties))
+            z_below_max = tl.maximum(z_below_max, chunk_max)
+        m = m_new
+        m_safe = m_new_safe
+    return m_safe, d_others, sum_q_others, z_below_max, n_ties
+
+
+@triton.jit
+def _hard_cross_entropy(z_target, d_others, m_safe):
+    """``(d, log2 d, p_y, CE, 1 - p_y)`` of a row from its statistics, with ``d = d_¬y + e^{z_y - m}``.
+
+    Probabilities as p_k = 2^{(z_k - m) log2 e - log2 d}: the max is subtracted first, so z_k - m is exact for the
+    classes that matter; 2^{(z_k - lse) log2 e} would carry the rounding of lse = m + ln d, an error of ulp(m) in the
+    exponent (~1e-5 relative in p_k for logits of a few hundred), which a loss-mode gradient multiplies by CE."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    LN2: tl.constexpr = 0.6931471805599453
     e_target = tl.exp2((z_target - m_safe) * LOG2E)
     d = d_others + e_target
-
-    # ---- per-row scalars -------------------------------------------------------------------------------------------
-    # Probabilities as p_k = 2^{(z_k - m) log2 e - log2 d}: the max is subtracted first, so z_k - m is exact for the
-    # classes that matter; 2^{(z_k - lse) log2 e} would carry the rounding of lse = m + ln d, an error of ulp(m) in
-    # the exponent (~1e-5 relative in p_k for logits of a few hundred), which a loss-mode gradient multiplies by CE.
     log2_d = tl.log2(d)
     p_target = tl.exp2((z_target - m_safe) * LOG2E - log2_d)
     # Confident rows: CE = -log p_y = log1p(d_¬y / e^{z_y - m}); log(d) with d ≈ 1 would keep only the rounding of d.
@@ -151,10 +144,26 @@ def _uncertainty_weighted_ce_row(
     log1p_odds = tl.where(one_plus == 1.0, odds_against, tl.log(one_plus) * odds_against / (one_plus - 1.0))
     cross_entropy = tl.where(p_target > 0.5, log1p_odds, (m_safe - z_target) + log2_d * LN2)
     one_minus_p = d_others / d  # = 1 - p_y without cancellation
-    # gradient: grad_k = coef_p p_k + coef_tie τ_k + coef_h (p_k^q - p_k H) for k ≠ y;
-    #           grad_y = -coef_p (1-p_y) + extra_y
+    return d, log2_d, p_target, cross_entropy, one_minus_p
+
+
+@triton.jit
+def _hard_weight(row, cross_entropy, one_minus_p, p_target, z_target, m_safe, d, log2_d, z_below_max, n_ties,
+                 sum_q_others, sample_weight_ptr, gamma_ptr, gamma, norm, FORMULA: tl.constexpr,
+                 FLSD_SCHEDULE: tl.constexpr, MODE: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
+                 NORM_IS_TWO: tl.constexpr):
+    """``(u, coef_p, extra_y, coef_tie, coef_h, h_sum)``: the weight and the coefficients of its row's gradient,
+
+        grad_k = coef_p p_k + coef_tie τ_k + coef_h (p_k^q - p_k H)   (k ≠ y),   grad_y = -coef_p (1-p_y) + extra_y,
+
+    with ``h_sum = H``; ``coef_tie`` only for dual focal and ``coef_h``, ``h_sum`` only for the Brier weight, in loss
+    mode (otherwise 0, never read). Under FLSD_SCHEDULE γ is FLSD's γ_i."""
+    LOG2E: tl.constexpr = 1.4426950408889634
     coef_p = 1.0
     extra_y = 0.0
+    coef_tie = 0.0
+    coef_h = 0.0
+    h_sum = 0.0
     # Loss mode on a saturated row (1 - p_y = 0, so CE = 0): the CE du/dz terms tend to 0 for every gamma > 0, while
     # du alone is infinite for gamma below 1 (focal, dual focal) or below q (Brier); 0 · inf would give NaN.
     saturated = one_minus_p == 0.0
@@ -206,7 +215,115 @@ def _uncertainty_weighted_ce_row(
             h_sum = tl.where(saturated, 0.0, p_q_others - p_target * _pow(one_minus_p, norm - 1.0))
             coef_h = cross_entropy * du
             extra_y = -coef_h * p_target * brier_q  # du/dz_y = -γ S^{γ/q-1} p_y S, cancellation-free
+    return u, coef_p, extra_y, coef_tie, coef_h, h_sum
 
+
+@triton.jit
+def _store_hard_gradient(grad_row, offs, grad, is_target_col, grad_target, scale, col_mask, is_valid, is_bad,
+                         EVICTION: tl.constexpr):
+    """A block of the gradient row: ``grad · scale`` off the target column, ``grad_target`` on it, 0 on an ignored row
+    and NaN on a row with a bad target, stored in the gradient's dtype."""
+    grad = tl.where(is_target_col, grad_target, grad * scale)
+    grad = tl.where(is_valid, grad, 0.0)
+    grad = tl.where(is_bad, float("nan"), grad)
+    tl.store(grad_row + offs, grad.to(grad_row.dtype.element_ty), mask=col_mask, eviction_policy=EVICTION)
+
+
+@triton.jit
+def _hard_single_read_gradient(grad_row, cols, col_mask, z, e, is_target_col, below, z_below_max, m_safe, log2_d,
+                               inv_d, coef_p, coef_tie, coef_h, h_sum, grad_target, scale, is_valid, is_bad, norm,
+                               FORMULA: tl.constexpr, MODE: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+    """The gradient row of a row held in one block, from the statistics pass's ``e`` and the weight's coefficients
+    (:func:`_hard_weight`)."""
+    LOG2E: tl.constexpr = 1.4426950408889634
+    p = e * inv_d
+    grad = coef_p * p
+    if FORMULA == _DUAL_FOCAL and MODE == _LOSS_MODE:
+        grad += tl.where(below & (z == z_below_max), coef_tie, 0.0)
+    if FORMULA == _BRIER and MODE == _LOSS_MODE:
+        if NORM_IS_TWO:
+            grad += coef_h * (p * p - p * h_sum)
+        else:
+            grad += coef_h * (tl.exp2(((z - m_safe) * LOG2E - log2_d) * norm) - p * h_sum)
+    _store_hard_gradient(grad_row, cols, grad, is_target_col, grad_target, scale, col_mask, is_valid, is_bad, "")
+
+
+@triton.jit
+def _hard_streamed_gradient(grad_row, logits_row, cols, num_classes, safe_target, z_target, z_below_max, m_safe,
+                            log2_d, coef_p, coef_tie, coef_h, h_sum, grad_target, scale, is_valid, is_bad, norm,
+                            FORMULA: tl.constexpr, MODE: tl.constexpr, BLOCK: tl.constexpr,
+                            NORM_IS_TWO: tl.constexpr):
+    """The gradient pass of a row read in chunks of BLOCK classes: the second read of the logits, last chunk first
+    (the chunks read most recently are the likeliest still in L2), with the weight's coefficients
+    (:func:`_hard_weight`)."""
+    NEG_INF: tl.constexpr = float("-inf")
+    LOG2E: tl.constexpr = 1.4426950408889634
+    num_chunks = tl.cdiv(num_classes, BLOCK)
+    for chunk in range(0, num_chunks):
+        offs = (num_chunks - 1 - chunk) * BLOCK + cols
+        col_mask = offs < num_classes
+        z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_first")
+        z = z.to(tl.float32)
+        log2_p = (z - m_safe) * LOG2E - log2_d
+        p = tl.exp2(log2_p)
+        grad = coef_p * p
+        if FORMULA == _DUAL_FOCAL and MODE == _LOSS_MODE:
+            grad += tl.where((z < z_target) & (z == z_below_max), coef_tie, 0.0)
+        if FORMULA == _BRIER and MODE == _LOSS_MODE:
+            if NORM_IS_TWO:
+                grad += coef_h * (p * p - p * h_sum)
+            else:
+                grad += coef_h * (tl.exp2(log2_p * norm) - p * h_sum)
+        _store_hard_gradient(grad_row, offs, grad, offs == safe_target, grad_target, scale, col_mask, is_valid,
+                             is_bad, "evict_first")
+
+
+@triton.jit
+def _uncertainty_weighted_ce_row(
+    row,
+    logits_ptr, logits_row_stride,
+    target_ptr, sample_weight_ptr, gamma_ptr,
+    row_loss_ptr, grad_ptr, grad_row_stride,
+    valid_count_ptr,
+    num_rows, num_classes, gamma, norm, ignore_index,
+    WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
+    COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
+    BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
+    COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+):
+    """Row loss ``u_i CE_i`` of row ``row`` (int64; stored in ``row_loss``'s dtype) and, if COMPUTE_GRAD, its
+    gradient of the reduced loss (the mean's divisor from COUNT, :func:`_gradient_scale`)."""
+    # the weight's formula and whether its γ follows FLSD-53's bands (weight_formula / uses_flsd_schedule of
+    # csrc/uncertainty_weighted_ce.h): FLSD's rows are focal rows, Brier-FLSD's Brier rows
+    FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
+    FLSD_SCHEDULE: tl.constexpr = WEIGHT == _FLSD or WEIGHT == _BRIER_FLSD
+
+    logits_row = logits_ptr + row * logits_row_stride
+    target = tl.load(target_ptr + row).to(tl.int64)
+    is_valid = target != ignore_index
+    in_range = (target >= 0) & (target < num_classes)
+    is_bad = is_valid & (target < 0) | is_valid & (target >= num_classes)
+    # out-of-range targets read class 0 (never out of bounds); their row is poisoned with NaN below
+    safe_target = tl.where(in_range, target, 0)
+    z_target = tl.load(logits_row + safe_target).to(tl.float32)
+    cols = tl.arange(0, BLOCK)
+
+    # ---- statistics: running max m, d_¬y = Σ_{k≠y} e^{z-m}, gBS Σ_{k≠y} e^{q(z-m)}, dual focal's max{z < z_y} ----
+    # Only non-target sums are accumulated: d = d_¬y + e^{z_y-m} is formed once at the end, so 1 - p_y = d_¬y / d
+    # never cancels and each chunk costs one reduction less. For q = 2 (the default) e^{q(z-m)} = e², no second exp.
+    if SINGLE_READ:
+        z, col_mask, e, is_target_col, m_safe, d_others, sum_q_others, below, z_below_max, n_ties = (
+            _hard_single_read_statistics(logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA,
+                                         NORM_IS_TWO))
+    else:
+        m_safe, d_others, sum_q_others, z_below_max, n_ties = _hard_streamed_statistics(
+            logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA, BLOCK, NORM_IS_TWO)
+
+    # ---- per-row scalars: CE, the weight and its gradient's coefficients, the row loss -------------------------------
+    d, log2_d, p_target, cross_entropy, one_minus_p = _hard_cross_entropy(z_target, d_others, m_safe)
+    u, coef_p, extra_y, coef_tie, coef_h, h_sum = _hard_weight(
+        row, cross_entropy, one_minus_p, p_target, z_target, m_safe, d, log2_d, z_below_max, n_ties, sum_q_others,
+        sample_weight_ptr, gamma_ptr, gamma, norm, FORMULA, FLSD_SCHEDULE, MODE, PER_SAMPLE_GAMMA, NORM_IS_TWO)
     _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad)
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
@@ -217,42 +334,13 @@ def _uncertainty_weighted_ce_row(
         grad_row = grad_ptr + row * grad_row_stride
         inv_d = 1.0 / d
         if SINGLE_READ:
-            p = e * inv_d
-            grad = coef_p * p
-            if FORMULA == _DUAL_FOCAL and MODE == _LOSS_MODE:
-                grad += tl.where(below & (z == z_below_max), coef_tie, 0.0)
-            if FORMULA == _BRIER and MODE == _LOSS_MODE:
-                if NORM_IS_TWO:
-                    grad += coef_h * (p * p - p * h_sum)
-                else:
-                    grad += coef_h * (tl.exp2(((z - m_safe) * LOG2E - log2_d) * norm) - p * h_sum)
-            grad = tl.where(is_target_col, grad_target, grad * scale)
-            grad = tl.where(is_valid, grad, 0.0)
-            grad = tl.where(is_bad, float("nan"), grad)
-            tl.store(grad_row + cols, grad.to(grad_ptr.dtype.element_ty), mask=col_mask)
+            _hard_single_read_gradient(grad_row, cols, col_mask, z, e, is_target_col, below, z_below_max, m_safe,
+                                       log2_d, inv_d, coef_p, coef_tie, coef_h, h_sum, grad_target, scale, is_valid,
+                                       is_bad, norm, FORMULA, MODE, NORM_IS_TWO)
         else:
-            # last chunk first: the chunks read most recently are the likeliest still in L2
-            num_chunks = tl.cdiv(num_classes, BLOCK)
-            for chunk in range(0, num_chunks):
-                offs = (num_chunks - 1 - chunk) * BLOCK + cols
-                col_mask = offs < num_classes
-                z = tl.load(logits_row + offs, mask=col_mask, other=NEG_INF, eviction_policy="evict_first")
-                z = z.to(tl.float32)
-                log2_p = (z - m_safe) * LOG2E - log2_d
-                p = tl.exp2(log2_p)
-                grad = coef_p * p
-                if FORMULA == _DUAL_FOCAL and MODE == _LOSS_MODE:
-                    grad += tl.where((z < z_target) & (z == z_below_max), coef_tie, 0.0)
-                if FORMULA == _BRIER and MODE == _LOSS_MODE:
-                    if NORM_IS_TWO:
-                        grad += coef_h * (p * p - p * h_sum)
-                    else:
-                        grad += coef_h * (tl.exp2(log2_p * norm) - p * h_sum)
-                grad = tl.where(offs == safe_target, grad_target, grad * scale)
-                grad = tl.where(is_valid, grad, 0.0)
-                grad = tl.where(is_bad, float("nan"), grad)
-                tl.store(grad_row + offs, grad.to(grad_ptr.dtype.element_ty), mask=col_mask,
-                         eviction_policy="evict_first")
+            _hard_streamed_gradient(grad_row, logits_row, cols, num_classes, safe_target, z_target, z_below_max,
+                                    m_safe, log2_d, coef_p, coef_tie, coef_h, h_sum, grad_target, scale, is_valid,
+                                    is_bad, norm, FORMULA, MODE, BLOCK, NORM_IS_TWO)
 
 
 @triton.jit
