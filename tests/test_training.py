@@ -20,6 +20,7 @@ import torch
 
 from training import checkpoint as ckpt_utils
 from training import evaluate as evaluate_cli
+from training import loop as training_loop
 from training import train
 from training.data import DataError, build_datasets
 from training.distributed import UnpaddedDistributedSampler
@@ -395,7 +396,7 @@ def test_sigterm_mid_epoch_saves_and_resume_matches_uninterrupted(tmp_path, monk
         criterion.forward = forward_then_maybe_signal
         return criterion
 
-    monkeypatch.setattr(train, "build_criterion", build_and_signal)
+    monkeypatch.setattr(training_loop, "build_criterion", build_and_signal)  # where run_training looks it up
     out = tmp_path / "interrupted"
     # Exit code 143 = 128 + SIGTERM, after the checkpoint is saved: a scheduler tells a preempted run from a finished
     # one.
@@ -404,7 +405,7 @@ def test_sigterm_mid_epoch_saves_and_resume_matches_uninterrupted(tmp_path, monk
     saved = _state(out / "checkpoint.pt")
     assert (saved["epoch"], saved["batches_done"]) == (0, 3)
     assert signal.getsignal(signal.SIGTERM) is not None  # handler restored, process alive
-    monkeypatch.setattr(train, "build_criterion", real_build)
+    monkeypatch.setattr(training_loop, "build_criterion", real_build)
     run_main(common + ["--output-dir", str(out), "--resume", str(out / "checkpoint.pt")])
     _assert_same_training_state(_state(tmp_path / "full" / "checkpoint.pt"), _state(out / "checkpoint.pt"))
 
