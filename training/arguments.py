@@ -222,7 +222,7 @@ def resolve_run_config(args) -> argparse.Namespace:
     if (mixing or args.label_smoothing) and args.method != "standard":
         raise ValueError("--label-smoothing, --mixup-alpha and --cutmix-alpha need --method standard")
     if args.method != "standard":
-        from . import meta as meta_module
+        from . import meta_learning as meta_module
 
         meta_module.check_meta_args(args)
     for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every", "synthetic_size"):
@@ -328,7 +328,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the first pass only reads --method; a help request answered there would list no --meta-* option
     known, _ = parser.parse_known_args([arg for arg in argv if arg not in ("-h", "--help")])
     if known.method != "standard":
-        from . import meta as meta_module
+        from . import meta_learning as meta_module
 
         meta_module.add_meta_args(parser)
     args = parser.parse_args(argv)

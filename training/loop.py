@@ -194,7 +194,7 @@ def _build_training(run: TrainingRun) -> None:
 
     meta_module = None
     if args.method != "standard":
-        from . import meta as meta_module  # imported only when chosen
+        from . import meta_learning as meta_module  # imported only when chosen
 
         if run.splits.meta is None:
             raise ValueError(f"--method {args.method} needs a meta split: pass --meta-fraction > 0")
