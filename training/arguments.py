@@ -40,6 +40,12 @@ _DERIVED = {"num_classes", "model_kwargs", "reduction", "clip_grad_norm", "expli
 # They fix the model or the data splits, so a resumed run cannot change them.
 _FIXED_BY_CHECKPOINT = ("recipe", "arch", "loss", "method", "seed", "image_size", "meta_fraction", "synthetic",
                         "synthetic_size")
+# What a run without --loss, --compare or --resume trains (--method standard): cross-entropy against the calibration
+# losses, each over the default 3 seeds, reported side by side (training/README.md, "The first run").
+DEFAULT_COMPARISON = "cross_entropy,bsce_gra,flsd"
+# The loss of a single run that names none: --method meta-* (which trains its own focal loss and records this name)
+# and a --resume of a checkpoint written without --loss.
+DEFAULT_LOSS = "bsce_gra"
 # Training images of a --synthetic epoch when --synthetic-size is not given: this many full batches.
 SYNTHETIC_BATCHES = 100
 
@@ -54,18 +60,22 @@ class CliArgumentParser(argparse.ArgumentParser):
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = CliArgumentParser(
-        description="Train a calibrated classifier (calibkernels training recipes); with no arguments, trains the "
-                    "embedded `digits` demo with BSCE-GRA on the CPU and prints its pre-T / post-T calibration.",
+        description="Train a calibrated classifier (calibkernels training recipes). With no arguments, trains the "
+                    f"embedded `digits` recipe on the CPU with each loss of {DEFAULT_COMPARISON} over 3 seeds and "
+                    "prints their pre-T / post-T calibration side by side; --loss NAME trains one loss.",
         add_help=add_help, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--recipe", default="digits", choices=list(RECIPES), metavar="NAME",
                         help="training recipe (see --list-recipes)")
     parser.add_argument("--list-recipes", action="store_true", help="print the recipes and exit")
-    parser.add_argument("--loss", default="bsce_gra",
-                        help="loss registry name with optional hyperparameters, NAME[:KEY=VALUE[:KEY=VALUE…]], e.g. "
-                             f"focal_loss:gamma=2 or bsce_gra:gamma=4:norm=2; names: {', '.join(ck.losses.names())}")
+    parser.add_argument("--loss", default=DEFAULT_LOSS,
+                        help="train this one loss: a registry name with optional hyperparameters, "
+                             "NAME[:KEY=VALUE[:KEY=VALUE…]], e.g. focal_loss:gamma=2 or bsce_gra:gamma=4:norm=2; "
+                             f"names: {', '.join(ck.losses.names())}. Without --loss, --compare and --resume, the run "
+                             f"is --compare {DEFAULT_COMPARISON}")
     parser.add_argument("--compare", default=None, metavar="LOSS1,LOSS2,…",
-                        help="train each loss (same syntax as --loss) with the same seed; write a side-by-side table "
-                             "and one figure overlaying their reliability diagrams")
+                        help="train each loss (same syntax as --loss) with the same seeds; print one side-by-side "
+                             "table (mean ± std over the seeds), write it and one figure overlaying their reliability "
+                             f"diagrams (default without --loss: {DEFAULT_COMPARISON})")
     parser.add_argument("--method", default="standard", choices=METHODS,
                         help="standard training, or meta-regularisation (γ-Net) with a SECE / DECE meta objective")
     parser.add_argument("--backend", default="auto", choices=["auto", "reference", "cpu", "triton", "cuda"],
@@ -144,12 +154,14 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                                "to --epochs")
     schedule.add_argument("--ce-warmup-epochs", type=int, default=None, metavar="K",
                           help="train with cross-entropy for the first K epochs, then with --loss")
-    parser.add_argument("--log-every", type=int, default=None,
-                        help="print an epoch summary line every this many epochs (default: about 15 lines per run)")
+    parser.add_argument("--log-every", type=int, default=None, metavar="N",
+                        help="without a progress bar, print every N-th evaluation's line and the last (default: "
+                             "every evaluation's; --eval-every sets how often a run evaluates)")
     parser.add_argument("--tensorboard", action="store_true",
                         help="also log to TensorBoard (<output-dir>/tb; needs the tensorboard package)")
     parser.add_argument("--no-progress", action="store_true",
-                        help="no progress output (a bar on a terminal, else one stderr line per epoch)")
+                        help="no progress bar on a terminal: one line per evaluation instead, as in a log (stdout "
+                             "not a terminal)")
     return parser
 
 
@@ -336,6 +348,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     # what it overwrites is what the command line gave.
     given = parser.parse_args(argv, namespace=argparse.Namespace(**{key: _UNSET for key in vars(args)}))
     args.explicit = sorted(key for key, value in vars(given).items() if value is not _UNSET)
+    if (args.method == "standard" and args.compare is None and args.resume is None and not args.list_recipes
+            and "loss" not in args.explicit):
+        args.compare = DEFAULT_COMPARISON
     return args
 
 

@@ -19,7 +19,6 @@ import calibkernels as ck
 
 from . import distributed as dist_utils
 from . import soft_targets
-from .progress import EpochProgress
 
 # --amp's autocast dtypes
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, None: None}
@@ -112,7 +111,7 @@ def compiled_forward_and_loss(fullgraph: bool):
 
 def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: StopRequest,
                     first_step: int = 0, meta=None, meta_iterator=None, ema=None,
-                    step_forward=forward_and_loss, global_step: int = 0) -> dict:
+                    step_forward=forward_and_loss, global_step: int = 0, progress=None) -> dict:
     """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
 
     With ``args.mixup_alpha`` / ``args.cutmix_alpha`` each batch is mixed with its reversal: compact form
@@ -122,7 +121,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     ``global_step`` (the steps of the epochs before) keeps the count across epochs, so an epoch shorter than
     ``model_ema_steps`` still updates it and no epoch's last steps are skipped; during the warm-up epochs it keeps
     copying the weights (torchvision's reference does the same). ``step_forward``: the step's forward and loss
-    (:func:`forward_and_loss`, or with ``--compile`` :func:`compiled_forward_and_loss`).
+    (:func:`forward_and_loss`, or with ``--compile`` :func:`compiled_forward_and_loss`). ``progress``: a
+    :class:`training.progress.RunProgress` told of every step (or None).
 
     Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted", "lr", "global_step"}``
     where ``loss`` is the mean per-sample training loss, merged over DDP ranks, ``lr`` the learning rate this epoch
@@ -140,8 +140,6 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     step = first_step
     lr = optimizer.param_groups[0]["lr"]
     start = time.perf_counter()
-    progress = EpochProgress(f"epoch {epoch + 1}/{args.epochs}", total_steps, first_step,
-                              enabled=not args.no_progress and dist_utils.is_main_process())
     mixup_alpha, cutmix_alpha = getattr(args, "mixup_alpha", 0.0), getattr(args, "cutmix_alpha", 0.0)
     mixing = mixup_alpha > 0 or cutmix_alpha > 0
     dense_mixer = None
@@ -193,11 +191,9 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
             correct += (logits.detach().argmax(dim=1) == targets).sum()
         samples += images.shape[0]
         step += 1
-        if progress.bar is not None and (step % 10 == 0 or step == total_steps):
-            elapsed = time.perf_counter() - start
-            progress.bar.set_postfix(loss=f"{loss_sum.item() / samples:.4f}", lr=f"{lr:.3g}",
-                                     img_s=f"{samples * dist_utils.world_size() / max(elapsed, 1e-9):.0f}")
-        progress.update()
+        if progress is not None and progress.bar is not None:
+            # the running loss only every 10th step: reading it waits for the device
+            progress.step(loss_sum.item() / samples if step % 10 == 0 or step == total_steps else None, lr)
         if stop.requested():
             break
     if device.type == "cuda":
@@ -211,8 +207,6 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     stats = {"loss": totals[0].item() / n, "accuracy": totals[1].item() / n, "samples": int(totals[2].item()),
              "images_per_s": totals[2].item() / max(elapsed, 1e-9), "steps_done": step,
              "interrupted": bool(stop) and step < total_steps, "lr": lr, "global_step": global_step}
-    progress.close(f"{step - first_step} steps  loss {stats['loss']:.4f}  lr {lr:.3g}  "
-                   f"{stats['images_per_s']:.0f} img/s  {elapsed:.1f} s")
     return stats
 
 

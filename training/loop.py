@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import time
 from pathlib import Path
 
 import torch
@@ -28,7 +29,7 @@ from .data import build_datasets
 from .epoch import (AMP_DTYPES, MetaBatches, ResumableDistributedSampler, StopRequest, TrainingInterrupted, evaluate,
                     compiled_forward_and_loss, forward_and_loss, train_one_epoch)
 from .models import build_model
-from .progress import EpochLog, truncate_log
+from .progress import EpochLog, RunProgress, truncate_log
 from .recipes import get_recipe
 from .report import calibration_report, collect_logits, format_report, save_report
 
@@ -333,12 +334,15 @@ def _evaluate_epoch(run: TrainingRun, epoch: int) -> tuple[dict, dict]:
     return val, val_ema
 
 
-def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | None) -> bool:
-    """The epochs from ``run.start_epoch`` on, each followed by its checkpoint and log row. Returns whether the run
-    reached its last epoch (False when ``--stop-after`` stopped it); raises :class:`TrainingInterrupted` once a
-    signalled run has saved its checkpoint."""
+def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | None, label: str | None = None) -> bool:
+    """The epochs from ``run.start_epoch`` on, each followed by its checkpoint and log row, with a progress bar or
+    one line per evaluation (:class:`training.progress.RunProgress`). Returns whether the run reached its last epoch
+    (False when ``--stop-after`` stopped it); raises :class:`TrainingInterrupted` once a signalled run has saved its
+    checkpoint."""
     args = run.args
-    log_every = args.log_every or max(1, math.ceil(args.epochs / 15))
+    steps_per_epoch = min(len(run.train_loader), args.max_steps_per_epoch or len(run.train_loader))
+    progress = RunProgress(args.epochs, steps_per_epoch, run.start_epoch, run.first_step, label=label,
+                           enabled=run.main_process, bar=not args.no_progress, log_every=args.log_every or 1)
     stop = StopRequest().install()
     epochs_this_run = 0
     try:
@@ -350,10 +354,12 @@ def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | Non
             stats = train_one_epoch(run.train_model, run.schedule.criterion_for(epoch), run.optimizer,
                                     run.train_loader, run.device, epoch, args, run.scaler, stop,
                                     first_step=run.first_step, meta=run.meta, meta_iterator=run.meta_iterator,
-                                    ema=run.ema, step_forward=run.step_forward, global_step=run.global_step)
+                                    ema=run.ema, step_forward=run.step_forward, global_step=run.global_step,
+                                    progress=progress)
             run.first_step, run.global_step = 0, stats["global_step"]
             run.train_sampler.skip = 0
             if stats["interrupted"]:
+                progress.close()
                 if run.main_process:
                     save_checkpoint(run.checkpoint(epoch, stats["steps_done"], run.global_step), run.checkpoint_path)
                     print(f"{stop.signal_name}: saved {run.checkpoint_path} at epoch {epoch + 1}, batch "
@@ -364,15 +370,10 @@ def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | Non
             if run.main_process:
                 log.write(_log_row(run, epoch, stats, val, val_ema))
                 save_checkpoint(run.checkpoint(epoch + 1, 0, run.global_step), run.checkpoint_path)
-                if (epoch + 1) % log_every == 0 or epoch + 1 == args.epochs or epoch == run.start_epoch:
-                    summary = (f"epoch {epoch + 1:4d}/{args.epochs}  loss {stats['loss']:.4f}  "
-                               f"train acc {100 * stats['accuracy']:.2f}%  {stats['images_per_s']:.0f} img/s")
-                    if val:
-                        summary += (f"  val acc {100 * val['accuracy']:.2f}%  val ECE {100 * val['ece']:.2f}%  "
-                                    f"val NLL {val['nll']:.4f}")
-                    print(summary, flush=True)
+            progress.epoch_done(epoch, stats, val)
             if stop.requested() or (args.stop_after is not None and epochs_this_run >= args.stop_after
                                     and epoch + 1 < args.epochs):
+                progress.close()
                 if run.main_process:
                     why = stop.signal_name or f"--stop-after {args.stop_after}"
                     print(f"{why}: stopped after epoch {epoch + 1}; continue with --resume {run.checkpoint_path}",
@@ -381,13 +382,15 @@ def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | Non
                     raise TrainingInterrupted(stop.signal_name, stop.signum)
                 return False
     finally:
+        progress.close()
         stop.restore()
     return True
 
 
-def _final_report(run: TrainingRun) -> dict | None:
-    """Fit T on the validation split and report the test split pre-T / post-T (and the EMA's); rank 0 prints and
-    saves it and returns ``{"report", "test_logits", "test_labels"[, "report_ema"]}``, the other ranks ``None``."""
+def _final_report(run: TrainingRun, label: str | None = None, started: float | None = None) -> dict | None:
+    """Fit T on the validation split and report the test split pre-T / post-T (and the EMA's); rank 0 saves it,
+    prints it (a comparison's member, ``label``, prints one summary line instead of the table) and returns
+    ``{"report", "test_logits", "test_labels"[, "report_ema"]}``, the other ranks ``None``."""
     args, device = run.args, run.device
     _sync_buffers(run.model_without_ddp)
     amp_dtype = AMP_DTYPES[args.amp]
@@ -409,9 +412,15 @@ def _final_report(run: TrainingRun) -> dict | None:
         title += " (synthetic data)"
     output_dir = run.output_dir
     report = save_report(report, test_logits, test_labels, output_dir, title=title)
-    print(format_report(report, title=f"== {title}: test calibration =="))
-    print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "
-          f"{output_dir / 'reliability_post_T.png'}, {output_dir / 'log.csv'}, {run.checkpoint_path}")
+    if label is None:
+        print(format_report(report, title=f"== {title}: test calibration =="))
+        print(f"wrote {output_dir / 'report.json'}, {output_dir / 'reliability_pre_T.png'}, "
+              f"{output_dir / 'reliability_post_T.png'}, {output_dir / 'log.csv'}, {run.checkpoint_path}")
+    else:
+        pre, post = report["pre_T"], report["post_T"]
+        took = f", {time.perf_counter() - started:.0f} s" if started is not None else ""
+        print(f"{label}: test accuracy {100 * pre['accuracy']:.2f}%, ECE {100 * pre['ece']:.2f}% pre-T, "
+              f"{100 * post['ece']:.2f}% post-T (T = {report['temperature']:.2f}){took}", flush=True)
     result = {"report": report, "test_logits": test_logits, "test_labels": test_labels}
     if ema_logits is not None:
         result["report_ema"] = _report_ema(ema_logits, report, args, output_dir / "ema", title)
@@ -431,15 +440,17 @@ def _report_ema(ema_logits, report, args, output_dir: Path, title: str):
     return ema_report
 
 
-def run_training(args, checkpoint: dict | None = None) -> dict | None:
+def run_training(args, checkpoint: dict | None = None, label: str | None = None) -> dict | None:
     """Train one loss per ``args`` (resolved by :func:`training.arguments.resolve_run_config`; with ``--resume``,
     from ``checkpoint``, whose settings :func:`training.arguments.args_from_checkpoint` merged into ``args``); return
     the calibration report with the test logits on rank 0 (``None`` elsewhere, or when ``--stop-after`` stopped the
-    run before its last epoch).
+    run before its last epoch). ``label`` names a member of a comparison or of a series of seeds: it starts the run's
+    lines, and the run ends with one summary line instead of its report table (the report files are the same).
 
     Raises :class:`training.epoch.TrainingInterrupted` after saving a checkpoint when SIGTERM/SIGINT stopped the run.
     The output folder is created only once the data, the model and the checkpoint have loaded, so a failed start
     leaves none."""
+    started = time.perf_counter()
     recipe = get_recipe(args.recipe)
     if args.image_size is not None:
         recipe = dataclasses.replace(recipe, image_size=args.image_size)
@@ -462,10 +473,10 @@ def run_training(args, checkpoint: dict | None = None) -> dict | None:
         run.output_dir.mkdir(parents=True, exist_ok=True)
         log = EpochLog(run.output_dir, args.tensorboard, append=bool(args.resume))
         (run.output_dir / "args.json").write_text(json.dumps(vars(args), indent=2, default=str))
-        print(_describe_run(run))
+        print(f"{label}: {_describe_run(run)}" if label else _describe_run(run), flush=True)
     try:
-        finished = _train_epochs(run, checkpoint, log)
+        finished = _train_epochs(run, checkpoint, log, label)
     finally:
         if log is not None:
             log.close()
-    return _final_report(run) if finished else None
+    return _final_report(run, label, started) if finished else None

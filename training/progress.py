@@ -1,5 +1,5 @@
-"""What a run shows and writes while it trains: the per-epoch progress on stderr and the per-epoch log files
-(``log.csv``, ``log.jsonl``, TensorBoard)."""
+"""What a run shows and writes while it trains: a progress bar on a terminal or one line per evaluation in a log
+(:class:`RunProgress`), and the per-epoch log files (``log.csv``, ``log.jsonl``, TensorBoard; :class:`EpochLog`)."""
 
 from __future__ import annotations
 
@@ -9,31 +9,72 @@ import sys
 from pathlib import Path
 
 
-class EpochProgress:
-    """Progress of one epoch on stderr: a tqdm bar when stderr is a terminal; otherwise (a log file, a pipe, CI) no
-    bar, whose redraws would fill the log, but one plain line when the epoch ends."""
+def format_loss(value: float) -> str:
+    """A training loss with three significant digits, in exponent form when small (``3.2e-05``): an over-fitted
+    run's loss is far below the ``0.0000`` a fixed number of decimals would print."""
+    return f"{value:.3g}"
 
-    def __init__(self, desc: str, total: int, initial: int, enabled: bool):
-        self.desc, self.enabled, self.bar = desc, enabled, None
-        if enabled and _stderr_is_a_terminal():
+
+def _is_a_terminal(stream) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
+
+
+class RunProgress:
+    """What one run shows while it trains, on ``stream`` (stdout).
+
+    On a terminal: one tqdm bar over the run's optimiser steps, whose postfix carries the running training loss, the
+    lr and, after each evaluation, the validation accuracy and ECE; it is removed when the run ends. Elsewhere (a log
+    file, a pipe, CI), or with ``bar=False`` (``--no-progress``): no bar, whose redraws would fill a log, but one line
+    per evaluation (every ``log_every``-th evaluation, and always the last epoch's), none for the epochs in between.
+    ``label`` (a comparison's member) starts each line and names the bar. Only rank 0 shows anything (``enabled``).
+    """
+
+    def __init__(self, epochs: int, steps_per_epoch: int, start_epoch: int = 0, first_step: int = 0, *,
+                 label: str | None = None, enabled: bool = True, bar: bool = True, log_every: int = 1, stream=None):
+        self.epochs, self.label, self.log_every = epochs, label, max(1, int(log_every))
+        self.enabled, self.stream = enabled, stream if stream is not None else sys.stdout
+        self.evaluations = 0
+        self._postfix = {"loss": "", "lr": "", "val": ""}
+        self.bar = None
+        if enabled and bar and _is_a_terminal(self.stream):
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total, initial=initial, desc=desc, leave=False, dynamic_ncols=True)
+            self.bar = tqdm(total=epochs * steps_per_epoch, initial=start_epoch * steps_per_epoch + first_step,
+                            desc=label or "training", file=self.stream, leave=False, dynamic_ncols=True,
+                            unit="step")
 
-    def update(self) -> None:
+    def step(self, mean_loss: float | None = None, lr: float | None = None) -> None:
+        """One optimiser step done; ``mean_loss`` (the epoch's running mean per sample) and ``lr`` when known."""
+        if self.bar is None:
+            return
+        if mean_loss is not None:
+            self._postfix.update(loss=f"loss {format_loss(mean_loss)}", lr=f"lr {lr:.3g}")
+            self.bar.set_postfix_str("  ".join(text for text in self._postfix.values() if text), refresh=False)
+        self.bar.update(1)
+
+    def epoch_done(self, epoch: int, stats: dict, val: dict) -> None:
+        """After epoch ``epoch`` (0-based) with its training ``stats`` and, on an evaluation epoch, the validation
+        metrics ``val`` (empty otherwise)."""
         if self.bar is not None:
-            self.bar.update(1)
+            self.bar.set_description(f"{self.label or 'training'} (epoch {epoch + 1}/{self.epochs})", refresh=False)
+            if val:
+                self._postfix["val"] = f"val acc {100 * val['accuracy']:.1f}% ECE {100 * val['ece']:.2f}%"
+            return
+        if not self.enabled or not val:
+            return
+        self.evaluations += 1
+        if self.evaluations % self.log_every and epoch + 1 != self.epochs:
+            return
+        line = (f"epoch {epoch + 1:{len(str(self.epochs))}d}/{self.epochs}  train loss {format_loss(stats['loss'])}  "
+                f"acc {100 * stats['accuracy']:.2f}%  lr {stats['lr']:.3g}  {stats['images_per_s']:.0f} img/s  "
+                f"val acc {100 * val['accuracy']:.2f}%  ECE {100 * val['ece']:.2f}%  NLL {val['nll']:.4g}")
+        print(f"{self.label}  {line}" if self.label else line, file=self.stream, flush=True)
 
-    def close(self, summary: str) -> None:
+    def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-        elif self.enabled:
-            print(f"{self.desc}  {summary}", file=sys.stderr, flush=True)
-
-
-def _stderr_is_a_terminal() -> bool:
-    isatty = getattr(sys.stderr, "isatty", None)
-    return bool(isatty and isatty())
+            self.bar = None
 
 
 class EpochLog:

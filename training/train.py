@@ -1,12 +1,13 @@
 """Train a classifier with a calibration loss, then report its calibration before and after temperature scaling.
 
-    python -m training.train                         # the embedded `digits` demo with BSCE-GRA, CPU, one seed
-    python -m training.train --compare cross_entropy,bsce_gra,flsd   # 3 seeds each: mean ± std
-    python -m training.train --seeds 3               # one loss, 3 seeds: mean ± std
+    python -m training.train                         # digits: cross-entropy, BSCE-GRA and FLSD-53, 3 seeds each
+    python -m training.train --loss bsce_gra         # one loss, one seed
+    python -m training.train --loss bsce_gra --seeds 3   # one loss, 3 seeds: mean ± std
+    python -m training.train --compare cross_entropy,focal_loss:gamma=3,flsd   # 3 seeds each: mean ± std
     python -m training.train --recipe cifar10-resnet50 --loss bsce_gra --data-root ~/data --output-dir runs/c10
     torchrun --nproc_per_node=4 -m training.train --recipe cifar100-wrn26-10 --loss flsd --data-root ~/data
     python -m training.train --list-recipes
-    python -m training.train --recipe cifar10-resnet110 --synthetic   # random CIFAR-shaped images, no data set
+    python -m training.train --recipe cifar10-resnet110 --loss bsce_gra --synthetic   # random CIFAR-shaped images
 
 The command line is :mod:`training.arguments` (parser, checks, ``--resume``'s settings) and :mod:`training.criterion`
 (the loss spec); one run is :func:`training.loop.run_training`, its epochs :mod:`training.epoch`, its progress and log
@@ -108,28 +109,32 @@ def _run_comparison(args, seeds: list[int]) -> dict | None:
         for spec in specs}
     reports, outputs = {}, {}
     start = time.perf_counter()
-    for index, spec in enumerate(specs):
+    if dist_utils.is_main_process():
+        seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}"
+        print(f"{args.recipe}: {', '.join(specs)}; {seed_text} ({len(specs) * len(seeds)} runs) in {base}", flush=True)
+    runs_done = 0
+    for spec in specs:
         results = []
         for seed, run_args in zip(seeds, members[spec]):
-            if dist_utils.is_main_process() and len(seeds) > 1:
-                print(f"\n-- --compare: loss {index + 1}/{len(specs)} {spec}, seed {seed} "
-                      f"({len(seeds)} seeds) --", flush=True)
-            results.append(run_training(run_args))
+            runs_done += 1
+            label = f"[{runs_done}/{len(specs) * len(seeds)}] {spec} seed {seed}"
+            results.append(run_training(run_args, label=label))
         if all(result is not None for result in results):
             if len(seeds) > 1:
-                reports[spec] = _save_aggregate(results, base / loss_tag(spec), f"{args.recipe} {spec}")
+                reports[spec] = _save_aggregate(results, base / loss_tag(spec), f"{args.recipe} {spec}", show=False)
                 outputs[spec] = [(r["test_logits"], r["test_labels"]) for r in results]
             else:
                 reports[spec] = results[0]["report"]
                 outputs[spec] = (results[0]["test_logits"], results[0]["test_labels"])
     if dist_utils.is_main_process() and len(reports) == len(specs):
         saved = save_comparison(reports, outputs, base, n_bins=args.n_bins, title=args.recipe)
-        seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"seeds {seeds[0]}-{seeds[-1]}, mean ± std"
-        print(f"\n== {args.recipe}: {len(specs)} losses, {seed_text}, test split "
-              f"(ECE-type metrics and accuracy in %) ==")
+        seed_text = f"seed {seeds[0]}" if len(seeds) == 1 else f"mean ± std over seeds {seeds[0]}-{seeds[-1]}"
+        print(f"\n== {args.recipe}: test split ({reports[specs[0]]['n_test']} samples), {seed_text}; T fitted for ECE "
+              f"on the validation split; accuracy and ECE-type metrics in % ==")
         print(saved["table"])
-        print(f"wrote {base / 'comparison.md'}, {base / 'comparison.json'}, {saved['figure']} "
-              f"({time.perf_counter() - start:.0f} s)")
+        print(f"wrote {base / 'comparison.md'}, {base / 'comparison.json'}, {saved['figure']}, and each run's "
+              f"report, reliability diagrams, log and checkpoint in {base}/<loss>/"
+              f"{'seed<s>/' if len(seeds) > 1 else ''} ({time.perf_counter() - start:.0f} s)", flush=True)
         return {"reports": reports, **saved}
     return None
 
@@ -149,13 +154,15 @@ def _seed_dir(base: Path, seed: int, count: int) -> Path:
     return base if count == 1 else base / f"seed{seed}"
 
 
-def _save_aggregate(results: list[dict], output_dir: Path, title: str) -> dict:
-    """Aggregate the seeds' reports (mean ± std), print the table and write it as ``output_dir/report.json``."""
+def _save_aggregate(results: list[dict], output_dir: Path, title: str, show: bool = True) -> dict:
+    """Aggregate the seeds' reports (mean ± std) and write them as ``output_dir/report.json``; ``show``: print the
+    table too."""
     report = aggregate_reports([result["report"] for result in results])
     output_dir.mkdir(parents=True, exist_ok=True)
     (output_dir / "report.json").write_text(json.dumps(report, indent=2))
-    print(format_aggregate(report, title=f"== {title}: test calibration over {len(results)} seeds =="))
-    print(f"wrote {output_dir / 'report.json'}", flush=True)
+    if show:
+        print(format_aggregate(report, title=f"== {title}: test calibration over {len(results)} seeds =="))
+        print(f"wrote {output_dir / 'report.json'}", flush=True)
     return report
 
 
@@ -168,9 +175,7 @@ def _run_seeds(args, seeds: list[int]) -> dict | None:
                for seed in seeds]
     results = []
     for seed, run_args in zip(seeds, members):
-        if dist_utils.is_main_process():
-            print(f"\n-- seed {seed} ({len(results) + 1}/{len(seeds)}) --", flush=True)
-        results.append(run_training(run_args))
+        results.append(run_training(run_args, label=f"[{len(results) + 1}/{len(seeds)}] seed {seed}"))
     if not dist_utils.is_main_process() or any(result is None for result in results):
         return None
     title = f"{args.recipe} {args.loss if args.method == 'standard' else args.method}"
