@@ -11,7 +11,7 @@ For features ``x ∈ R^{b×d}`` (the backbone's penultimate layer), with learnab
 
 The γs feed the focal loss ``-(1 - p_t)^{γ_i} log p_t`` (``calibkernels.uncertainty_weighted_ce(..., weight="focal",
 gamma=γ)``); the γ-Net's parameters φ = (A, W) are meta-learned to lower a differentiable calibration error (SECE or
-DECE, :mod:`calibkernels.metrics.smooth`) on held-out data (``training/meta.py``).
+DECE, :mod:`calibkernels.metrics.smooth`) on held-out data (``training/meta_learning.py``).
 
 k, τ and the initialisation are not published; the choices here are documented on :class:`GammaNet`.
 """
@@ -54,7 +54,7 @@ class GammaNet(nn.Module):
 
     The γ-Net should be fed *detached* features (``gamma_net(features.detach())``): its training signal is the
     meta-validation calibration error, and letting that gradient into the backbone would make the backbone learn to
-    produce features that give convenient γs instead of features that classify (``training/meta.py`` does so).
+    produce features that give convenient γs instead of features that classify (``training/meta_learning.py`` does so).
 
     Shapes: input ``(N, d)`` (or ``(..., d)``), output ``(N,)`` (or ``(...)``), in the input's dtype.
     """

@@ -20,6 +20,7 @@ import torch
 
 from training import checkpoint as ckpt_utils
 from training import evaluate as evaluate_cli
+from training import loop as training_loop
 from training import train
 from training.data import DataError, build_datasets
 from training.distributed import UnpaddedDistributedSampler
@@ -309,7 +310,7 @@ def test_end_to_end_on_each_on_disk_format(tmp_path, fmt):
 # -------------------------------------------------------------------------------- digits: trains, reports, evaluates
 def test_digits_recipe_trains_reports_and_evaluate_reproduces_the_report(tmp_path, capsys):
     out = tmp_path / "digits"
-    result = run_main(["--epochs", "40", "--output-dir", str(out)] + FAST)
+    result = run_main(["--loss", "bsce_gra", "--epochs", "40", "--output-dir", str(out)] + FAST)
     printed = capsys.readouterr().out
     assert "pre-T" in printed and "post-T" in printed and "ECE %" in printed
     report = json.loads((out / "report.json").read_text())
@@ -395,7 +396,7 @@ def test_sigterm_mid_epoch_saves_and_resume_matches_uninterrupted(tmp_path, monk
         criterion.forward = forward_then_maybe_signal
         return criterion
 
-    monkeypatch.setattr(train, "build_criterion", build_and_signal)
+    monkeypatch.setattr(training_loop, "build_criterion", build_and_signal)  # where run_training looks it up
     out = tmp_path / "interrupted"
     # Exit code 143 = 128 + SIGTERM, after the checkpoint is saved: a scheduler tells a preempted run from a finished
     # one.
@@ -404,13 +405,14 @@ def test_sigterm_mid_epoch_saves_and_resume_matches_uninterrupted(tmp_path, monk
     saved = _state(out / "checkpoint.pt")
     assert (saved["epoch"], saved["batches_done"]) == (0, 3)
     assert signal.getsignal(signal.SIGTERM) is not None  # handler restored, process alive
-    monkeypatch.setattr(train, "build_criterion", real_build)
+    monkeypatch.setattr(training_loop, "build_criterion", real_build)
     run_main(common + ["--output-dir", str(out), "--resume", str(out / "checkpoint.pt")])
     _assert_same_training_state(_state(tmp_path / "full" / "checkpoint.pt"), _state(out / "checkpoint.pt"))
 
 
 def test_resume_rejects_a_checkpoint_of_another_run(tmp_path):
-    run_main(["--epochs", "1", "--max-steps-per-epoch", "1", "--output-dir", str(tmp_path / "a")] + FAST)
+    run_main(["--loss", "bsce_gra", "--epochs", "1", "--max-steps-per-epoch", "1", "--output-dir", str(tmp_path / "a")]
+             + FAST)
     with pytest.raises(ValueError, match="loss"):
         run_main(["--epochs", "2", "--loss", "cross_entropy", "--output-dir", str(tmp_path / "a"),
                   "--resume", str(tmp_path / "a" / "checkpoint.pt")] + FAST)
@@ -434,8 +436,8 @@ def test_checkpoint_is_written_atomically(tmp_path, monkeypatch):
 
 # ----------------------------------------------------------------------------------------------- compile, amp, ddp
 def test_amp_bf16_and_channels_last_on_cpu(tmp_path):
-    result = run_main(["--amp", "bf16", "--channels-last", "--epochs", "1", "--max-steps-per-epoch", "2",
-                       "--output-dir", str(tmp_path / "bf16")] + FAST)
+    result = run_main(["--loss", "bsce_gra", "--amp", "bf16", "--channels-last", "--epochs", "1",
+                       "--max-steps-per-epoch", "2", "--output-dir", str(tmp_path / "bf16")] + FAST)
     assert result["test_logits"].dtype == torch.float32
     assert all(np.isfinite(v) for v in result["report"]["pre_T"].values())
 
@@ -515,7 +517,7 @@ def test_two_process_gloo_ddp_run_reports_exactly_what_one_process_evaluates(tmp
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training.train",
-           "--epochs", "2", "--max-steps-per-epoch", "2", "--eval-every", "1", "--output-dir", str(out)] + FAST
+           "--loss", "bsce_gra", "--epochs", "2", "--max-steps-per-epoch", "2", "--eval-every", "1", "--output-dir", str(out)] + FAST
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -1,7 +1,7 @@
 """The training command line as a user and a batch scheduler meet it: every error is one ``error:`` line on stderr with
 exit code 2 and leaves no run folder behind, ``--resume`` honours the flags given on its command line, a missing
-``train`` extra is named, and progress written to a file is one line per epoch (SIGTERM's exit code 143 is checked by
-tests/test_training.py's SIGTERM test).
+``train`` extra is named, progress is a bar on a terminal and one line per evaluation in a log (SIGTERM's exit code 143
+is checked by tests/test_training.py's SIGTERM test).
 
 Runs are one or two optimiser steps of the embedded ``digits`` recipe (its small CNN, one thread).
 """
@@ -9,6 +9,7 @@ Runs are one or two optimiser steps of the embedded ``digits`` recipe (its small
 from __future__ import annotations
 
 import csv
+import io
 import os
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import torch
 
 from training import checkpoint as ckpt_utils
 from training import train
+from training.progress import RunProgress, format_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = ["--no-progress", "--workers", "0", "--threads", "1"]
@@ -38,7 +40,7 @@ def _log_rows(output_dir: Path) -> list[dict]:
 
 def _stopped_run(output_dir: Path, *extra) -> Path:
     """A digits run of 2 epochs (one step each) stopped after its first epoch; returns its checkpoint."""
-    assert train.cli(["--epochs", "2", "--max-steps-per-epoch", "1", "--stop-after", "1",
+    assert train.cli(["--loss", "bsce_gra", "--epochs", "2", "--max-steps-per-epoch", "1", "--stop-after", "1",
                       "--output-dir", str(output_dir), *extra] + FAST) == 0
     return output_dir / "checkpoint.pt"
 
@@ -77,9 +79,9 @@ def test_resume_with_a_new_lr_during_the_warmup_scales_every_phase(tmp_path):
 
 
 def test_resume_with_more_epochs_re_times_the_cosine_after_the_warmup(tmp_path):
-    run = ["--recipe", "imagenet-resnet50-finetune-tvnew", "--synthetic", "--arch", "small_cnn", "--image-size", "8",
-           "--synthetic-size", "64", "--batch-size", "32", "--max-steps-per-epoch", "1", "--warmup-epochs", "1",
-           "--output-dir", str(tmp_path / "run")] + FAST
+    run = ["--loss", "bsce_gra", "--recipe", "imagenet-resnet50-finetune-tvnew", "--synthetic", "--arch", "small_cnn",
+           "--image-size", "8", "--synthetic-size", "64", "--batch-size", "32", "--max-steps-per-epoch", "1",
+           "--warmup-epochs", "1", "--output-dir", str(tmp_path / "run")] + FAST
     assert train.cli(run + ["--epochs", "4", "--stop-after", "2"]) == 0
     assert train.cli(["--resume", str(tmp_path / "run" / "checkpoint.pt"), "--epochs", "8"] + FAST) == 0
     lrs = [float(row["lr"]) for row in _log_rows(tmp_path / "run")]
@@ -222,7 +224,8 @@ def test_unreadable_pretrained_weights_are_one_error_line(tmp_path, capsys, cont
 
 
 def test_a_new_run_in_an_old_folder_starts_new_logs(tmp_path):
-    run = ["--epochs", "1", "--max-steps-per-epoch", "1", "--output-dir", str(tmp_path / "run")] + FAST
+    run = ["--loss", "bsce_gra", "--epochs", "1", "--max-steps-per-epoch", "1", "--output-dir", str(tmp_path / "run")]
+    run += FAST
     assert train.cli(run + ["--model-ema"]) == 0
     assert train.cli(run) == 0  # other options, other columns
     rows = _log_rows(tmp_path / "run")
@@ -265,19 +268,66 @@ def test_a_backend_that_cannot_run_on_the_device_is_one_error_line(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
-def test_progress_to_a_file_is_one_line_per_epoch(tmp_path):
-    err_path = tmp_path / "stderr.txt"
-    with err_path.open("w") as err:
-        result = _run(["-m", "training.train", "--epochs", "3", "--max-steps-per-epoch", "2", "--workers", "0",
-                       "--output-dir", str(tmp_path / "run")], tmp_path, stdout=subprocess.PIPE, stderr=err,
-                      text=True)
-    text = err_path.read_bytes().decode()  # not read_text(): it would turn "\r" into "\n"
-    assert result.returncode == 0, text
-    assert "\r" not in text and "\x1b" not in text  # no bar redrawn in place, no terminal escapes
-    lines = [line for line in text.splitlines() if line.strip()]
-    progress = [line for line in lines if line.startswith("epoch ")]
-    assert [line.split()[1] for line in progress] == ["1/3", "2/3", "3/3"], text
-    assert len(lines) <= 2 * 3, text
+def test_progress_in_a_log_is_one_line_per_evaluation(tmp_path):
+    """stdout a file: no bar, one line per evaluation (epochs 2 and 4 of 4 with --eval-every 2), none per epoch,
+    nothing on stderr; the training loss with significant digits, not a fixed number of decimals."""
+    out_path, err_path = tmp_path / "stdout.txt", tmp_path / "stderr.txt"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        result = _run(["-m", "training.train", "--loss", "cross_entropy", "--epochs", "4", "--eval-every", "2",
+                       "--max-steps-per-epoch", "2", "--workers", "0", "--output-dir", str(tmp_path / "run")],
+                      tmp_path, stdout=out, stderr=err)
+    text, errors = out_path.read_bytes().decode(), err_path.read_bytes().decode()  # bytes: keep any "\r"
+    assert result.returncode == 0, text + errors
+    assert "\r" not in text + errors and "\x1b" not in text + errors  # no bar redrawn in place, no escapes
+    progress = [line for line in text.splitlines() if line.startswith("epoch ")]
+    assert [line.split()[1] for line in progress] == ["2/4", "4/4"], text
+    for line in progress:
+        loss = line.split("train loss ")[1].split()[0]
+        assert float(loss) > 0 and loss == format_loss(float(loss)), line  # three significant digits
+    assert "epoch" not in errors, errors
+
+
+class _Terminal(io.StringIO):
+    def isatty(self):
+        return True
+
+
+STATS = {"loss": 3.2e-05, "accuracy": 1.0, "lr": 0.05, "images_per_s": 1000.0}
+VAL = {"accuracy": 0.9, "ece": 0.031, "nll": 0.25}
+
+
+def test_run_progress_on_a_terminal_is_one_bar_and_no_lines():
+    stream = _Terminal()
+    progress = RunProgress(4, 3, label="cross_entropy seed 0", stream=stream)
+    assert progress.bar is not None
+    for epoch in range(4):
+        for _ in range(3):
+            progress.step(STATS["loss"], STATS["lr"])
+        progress.epoch_done(epoch, STATS, VAL if epoch % 2 else {})
+    progress.bar.refresh()
+    text = stream.getvalue()
+    progress.close()
+    assert "\r" in text and "cross_entropy seed 0" in text and "loss 3.2e-05" in text and "ECE 3.10%" in text
+    assert "train loss" not in text  # no log lines under the bar
+
+
+def test_run_progress_in_a_log_prints_every_nth_evaluation_and_the_last():
+    stream = io.StringIO()
+    progress = RunProgress(7, 3, label="[2/9] bsce_gra seed 1", stream=stream, log_every=2)
+    assert progress.bar is None
+    for epoch in range(7):
+        progress.step(1.0, 0.05)
+        progress.epoch_done(epoch, STATS, VAL if epoch in (0, 2, 4, 6) else {})
+    lines = stream.getvalue().splitlines()
+    assert [line.split("epoch ")[1].split()[0] for line in lines] == ["3/7", "7/7"]  # evaluations 2 and 4 (last)
+    assert all(line.startswith("[2/9] bsce_gra seed 1  epoch") for line in lines)
+    assert "train loss 3.2e-05" in lines[0] and "ECE 3.10%" in lines[0]
+    assert RunProgress(7, 3, stream=_Terminal(), bar=False).bar is None  # --no-progress: lines, as in a log
+
+
+def test_losses_print_with_significant_digits():
+    assert [format_loss(value) for value in (3.2e-05, 1.23456, 0.000123456, 12.5)] == ["3.2e-05", "1.23",
+                                                                                       "0.000123", "12.5"]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])

@@ -1,6 +1,7 @@
-"""The `digits` demo's multi-seed reporting (training/train.py ``--seeds``, training/report.py ``aggregate_reports``):
-each loss is trained once per seed and the report holds mean ± sample std of T and of every metric, pre-T and post-T.
-Runs are 2 epochs of the embedded recipe, a few seconds each."""
+"""The `digits` demo: the default run (``python -m training.train`` with no loss compares cross-entropy with the
+calibration losses over 3 seeds), its step-decay schedule, and the multi-seed reporting (training/train.py ``--seeds``,
+training/report.py ``aggregate_reports``): each loss is trained once per seed and the report holds mean ± sample std of
+T and of every metric, pre-T and post-T. Runs are 2 epochs of the embedded recipe, a few seconds each."""
 
 from __future__ import annotations
 
@@ -8,13 +9,15 @@ import json
 import statistics
 
 import pytest
+import torch
 
 pytest.importorskip("sklearn")
 pytest.importorskip("matplotlib")
 
-from training import train  # noqa: E402
+from training import soft_targets, train  # noqa: E402
+from training.arguments import DEFAULT_COMPARISON  # noqa: E402
 from training.recipes import get_recipe  # noqa: E402
-from training.report import METRICS, aggregate_reports  # noqa: E402
+from training.report import COMPARISON_METRICS, METRICS, aggregate_reports  # noqa: E402
 
 FAST = ["--no-progress", "--workers", "0", "--threads", "1", "--epochs", "2"]
 
@@ -80,3 +83,60 @@ def test_digits_recipe_uses_the_papers_optimiser_settings():
     assert (recipe.optimizer, recipe.momentum, recipe.weight_decay) == ("sgd", 0.9, 5e-4)
     assert (recipe.reduction, recipe.clip_grad_norm) == ("sum", 2.0)
     assert (recipe.train_subset, recipe.lr, recipe.epochs) == (200, 0.05, 300)
+
+
+def test_the_first_run_compares_the_default_losses_over_three_seeds(tmp_path, capsys):
+    """`python -m training.train` with no loss, at 2 epochs of one step: one table (per loss, pre-T and post-T rows of
+    accuracy, ECE, AdaECE, classwise ECE, NLL, Brier and T, mean ± std), the overlaid reliability diagrams and the
+    report files of every loss and run."""
+    losses = DEFAULT_COMPARISON.split(",")
+    assert losses[0] == "cross_entropy" and "bsce_gra" in losses
+    out = tmp_path / "first"
+    args = train.parse_args(["--max-steps-per-epoch", "1", "--output-dir", str(out)] + FAST)
+    assert args.compare == DEFAULT_COMPARISON
+    assert train.parse_args(["--loss", "cross_entropy"]).compare is None  # --loss X still trains one loss
+    result = train.main(args)
+    printed = capsys.readouterr().out
+
+    table = result["table"]
+    assert table in printed and printed.count("Accuracy %") == 1  # one table, no per-run ones
+    header, _, *rows = table.splitlines()
+    assert header.split()[:2] == ["loss", "T"]
+    for key in COMPARISON_METRICS:
+        assert METRICS[key][0] in header
+    for index, loss in enumerate(losses):
+        pre, post = rows[2 * index], rows[2 * index + 1]
+        assert pre.split()[:2] == [loss, "pre-T"] and post.split()[0] == "post-T"
+        assert pre.count("±") == len(COMPARISON_METRICS) and post.count("±") == len(COMPARISON_METRICS) + 1  # and T
+    assert "3 seeds" in rows[-1]
+
+    figure = out / "comparison_reliability.png"
+    assert result["figure"] == str(figure) and figure.read_bytes().startswith(b"\x89PNG")
+    saved = json.loads((out / "comparison.json").read_text())
+    assert list(saved) == list(result["reports"]) == losses
+    assert (out / "comparison.md").read_text().strip("`\n") == table
+    for loss in losses:
+        assert saved[loss]["seeds"] == [0, 1, 2]
+        assert json.loads((out / loss / "report.json").read_text())["n_seeds"] == 3
+        for seed in (0, 1, 2):
+            run = out / loss / f"seed{seed}"
+            for name in ("report.json", "reliability_pre_T.png", "reliability_post_T.png", "log.csv", "checkpoint.pt"):
+                assert (run / name).is_file(), run / name
+            assert json.loads((run / "report.json").read_text())["loss"] == loss
+
+
+def test_digits_recipe_decays_the_lr_in_steps_at_the_papers_fractions():
+    """The papers' CIFAR schedule, ×0.1 at epochs 150 and 250 of 350, scaled to the recipe's 300 epochs."""
+    recipe = get_recipe("digits")
+    assert recipe.scheduler == "multistep" and recipe.milestones == (129, 214)
+    assert [round(recipe.epochs * m / 350) for m in get_recipe("cifar10-resnet110").milestones] == [129, 214]
+    parameter = torch.zeros(1, requires_grad=True)
+    optimizer = torch.optim.SGD([parameter], lr=recipe.lr)
+    scheduler = soft_targets.make_scheduler(optimizer, recipe.scheduler, recipe.epochs, recipe.milestones)
+    lrs = []
+    for _ in range(recipe.epochs):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert lrs[:129] == [0.05] * 129
+    assert lrs[129:214] == pytest.approx([0.005] * 85) and lrs[214:] == pytest.approx([0.0005] * 86)

@@ -28,7 +28,7 @@ def run_main(argv):
 
 
 @pytest.mark.parametrize("extra", [
-    ["--label-smoothing", "0.1", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0"],
+    ["--label-smoothing", "0.1", "--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--loss", "bsce_gra"],
     ["--mixup-alpha", "0.4", "--mix-dense", "--loss", "cross_entropy"],
     ["--cutmix-alpha", "1.0", "--loss", "focal_loss_gra"],
 ])
@@ -47,9 +47,9 @@ def test_soft_target_flags_parse_and_train(tmp_path, extra):
 
 def test_model_ema_is_evaluated_and_reported_pre_and_post_temperature(tmp_path):
     out = tmp_path / "ema"
-    result = run_main(["--epochs", "2", "--max-steps-per-epoch", "3", "--model-ema", "--model-ema-steps", "1",
-                       "--warmup-epochs", "1", "--label-smoothing", "0.1", "--eval-every", "1",
-                       "--output-dir", str(out)] + FAST)
+    result = run_main(["--loss", "bsce_gra", "--epochs", "2", "--max-steps-per-epoch", "3", "--model-ema",
+                       "--model-ema-steps", "1", "--warmup-epochs", "1", "--label-smoothing", "0.1",
+                       "--eval-every", "1", "--output-dir", str(out)] + FAST)
     ema_report = result["report_ema"]
     assert ema_report["model"] == "ema"
     assert {"pre_T", "post_T", "temperature"} <= set(ema_report)
@@ -66,7 +66,8 @@ def test_model_ema_is_evaluated_and_reported_pre_and_post_temperature(tmp_path):
 def test_ema_counts_optimizer_steps_across_epochs_and_resumes_the_count(tmp_path):
     """Epochs of 2 steps with an update every 3 steps: the 3rd and 6th steps of the run update the EMA, whichever
     epoch they fall in, and a run stopped after its first epoch and resumed updates it at the same steps."""
-    common = ["--epochs", "3", "--max-steps-per-epoch", "2", "--model-ema", "--model-ema-steps", "3"] + FAST
+    common = ["--loss", "bsce_gra", "--epochs", "3", "--max-steps-per-epoch", "2", "--model-ema", "--model-ema-steps",
+              "3"] + FAST
     run_main(common + ["--output-dir", str(tmp_path / "full")])
     run_main(common + ["--output-dir", str(tmp_path / "split"), "--stop-after", "1"])
     run_main(common + ["--output-dir", str(tmp_path / "split"), "--resume", str(tmp_path / "split" / "checkpoint.pt")])
@@ -116,8 +117,8 @@ def test_linear_warmup_learning_rates(scheduler):
 
 def test_warmup_flag_reaches_the_optimizer(tmp_path):
     out = tmp_path / "w"
-    run_main(["--epochs", "3", "--max-steps-per-epoch", "1", "--warmup-epochs", "2", "--warmup-decay", "0.1",
-              "--lr", "0.05", "--output-dir", str(out)] + FAST)
+    run_main(["--loss", "bsce_gra", "--epochs", "3", "--max-steps-per-epoch", "1", "--warmup-epochs", "2",
+              "--warmup-decay", "0.1", "--lr", "0.05", "--output-dir", str(out)] + FAST)
     rows = [json.loads(line) for line in (out / "log.jsonl").read_text().splitlines()]
     # the log records the lr each epoch trained at: the warm-up's 0.1·lr and (0.1 + 0.9/2)·lr, then lr
     assert [row["lr"] for row in rows] == pytest.approx([0.05 * 0.1, 0.05 * 0.55, 0.05])

@@ -136,9 +136,9 @@ def test_run_says_how_many_classes_a_small_pool_holds(tmp_path, capsys, monkeypa
     """A pool smaller than the number of classes (ImageNet's 1000 at 224 px: 111 images) holds only that many of
     them; the run's first line says so instead of claiming images of every class."""
     monkeypatch.setattr(data, "SYNTHETIC_POOL_BYTES", 30 * 4 * 3 * 4 * 4)  # 30 images of 3 x 4 x 4
-    assert train.cli(["--recipe", "cifar100-resnet110", "--arch", "small_cnn", "--synthetic", "--image-size", "4",
-                      "--synthetic-size", "40", "--batch-size", "20", "--output-dir", str(tmp_path / "run")]
-                     + FAST) == 0
+    assert train.cli(["--loss", "bsce_gra", "--recipe", "cifar100-resnet110", "--arch", "small_cnn", "--synthetic",
+                      "--image-size", "4", "--synthetic-size", "40", "--batch-size", "20",
+                      "--output-dir", str(tmp_path / "run")] + FAST) == 0
     assert "(3x4x4, 100 classes, images of 30 of them" in capsys.readouterr().out
     recipe = dataclasses.replace(get_recipe("cifar100-resnet110"), image_size=4)
     for pool in (build_datasets(recipe, None, 0, synthetic_size=400).train, build_datasets(recipe, None, 1,
@@ -148,9 +148,9 @@ def test_run_says_how_many_classes_a_small_pool_holds(tmp_path, capsys, monkeypa
 
 def test_resume_keeps_synthetic_data(tmp_path, capsys):
     out_dir = tmp_path / "run"
-    assert train.cli(["--synthetic", "--synthetic-size", "20", "--batch-size", "10", "--epochs", "2",
-                      "--max-steps-per-epoch", "1", "--stop-after", "1", "--no-progress", "--threads", "1",
-                      "--output-dir", str(out_dir)]) == 0
+    assert train.cli(["--loss", "bsce_gra", "--synthetic", "--synthetic-size", "20", "--batch-size", "10",
+                      "--epochs", "2", "--max-steps-per-epoch", "1", "--stop-after", "1", "--no-progress",
+                      "--threads", "1", "--output-dir", str(out_dir)]) == 0
     capsys.readouterr()
     assert train.cli(["--resume", str(out_dir / "checkpoint.pt"), "--no-progress", "--threads", "1"]) == 0
     assert "synthetic digits-shaped images (1x8x8, 10 classes" in capsys.readouterr().out
@@ -163,7 +163,7 @@ def test_evaluate_re_reads_the_synthetic_images_of_a_checkpoint(tmp_path, capsys
     from training import evaluate
 
     out_dir = tmp_path / "run"
-    assert train.cli(["--synthetic", "--synthetic-size", "20", "--batch-size", "10", *FAST,
+    assert train.cli(["--loss", "bsce_gra", "--synthetic", "--synthetic-size", "20", "--batch-size", "10", *FAST,
                       "--output-dir", str(out_dir)]) == 0
     trained = json.loads((out_dir / "report.json").read_text())
     capsys.readouterr()
@@ -181,7 +181,7 @@ def test_bad_synthetic_arguments_are_one_error_line_and_leave_no_run_folder(tmp_
     out = tmp_path / "runs" / "x"
     if case == "resume-real-run":
         real = tmp_path / "real"
-        assert train.cli(["--output-dir", str(real)] + FAST) == 0  # digits, its own data
+        assert train.cli(["--loss", "bsce_gra", "--output-dir", str(real)] + FAST) == 0  # digits, its own data
         capsys.readouterr()
     argv = {
         "size-without-synthetic": ["--synthetic-size", "100"],

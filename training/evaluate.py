@@ -42,9 +42,9 @@ def posthoc_names(text: str) -> tuple:
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    from .train import _ArgumentParser  # usage errors are one ``error:`` line, as training.train's
+    from .arguments import CliArgumentParser  # usage errors are one ``error:`` line, as training.train's
 
-    parser = _ArgumentParser(description=__doc__.splitlines()[0], add_help=add_help,
+    parser = CliArgumentParser(description=__doc__.splitlines()[0], add_help=add_help,
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint.pt written by training.train")
     parser.add_argument("--data-root", default=None, help="dataset folder (default: the one the run used)")
@@ -76,7 +76,7 @@ def rebuild_splits(saved: dict, data_root=None, seed: int | None = None):
 
 
 def main(args) -> dict:
-    from .train import check_device
+    from .arguments import check_device
 
     check_device(args.device)
     device = torch.device(args.device)
@@ -106,13 +106,13 @@ def main(args) -> dict:
 
 def cli(argv=None) -> int:
     """Exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument, device, data path or checkpoint."""
-    from .train import _error
+    from .arguments import print_error
 
     args = get_args_parser().parse_args(argv)
     try:
         main(args)
     except (DataError, ValueError, OSError) as exc:
-        return _error(exc)
+        return print_error(exc)
     return 0
 
 

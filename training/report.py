@@ -24,7 +24,8 @@ import calibkernels as ck
 from . import distributed as dist_utils
 
 __all__ = ["collect_logits", "calibration_metrics", "calibration_report", "format_report", "save_report",
-           "format_comparison", "save_comparison", "aggregate_reports", "METRICS", "POSTHOC", "posthoc_metrics"]
+           "format_comparison", "save_comparison", "aggregate_reports", "METRICS", "COMPARISON_METRICS", "POSTHOC",
+           "posthoc_metrics"]
 
 # metric key -> (label, shown as a percentage)
 METRICS = {
@@ -212,24 +213,33 @@ def _reliability_curve(logits: torch.Tensor, labels: torch.Tensor, n_bins: int):
     return bins["confidence"][keep].tolist(), bins["accuracy"][keep].tolist()
 
 
+# The metrics of the comparison table, in its column order (report.json and comparison.json hold MCE too).
+COMPARISON_METRICS = ("accuracy", "ece", "adaece", "classwise_ece", "nll", "brier")
+
+
 def format_comparison(reports: dict[str, dict]) -> str:
-    """Side-by-side table: one row per loss, pre-T / post-T columns for the key metrics; for aggregated reports
-    (:func:`aggregate_reports`) every cell is ``mean ± std`` over the seeds."""
-    keys = ("accuracy", "ece", "adaece", "classwise_ece", "mce", "nll", "brier")
-    aggregated = any("pre_T_std" in rep for rep in reports.values())
-    width, t_width = (36, 11) if aggregated else (22, 5)
-    header = f"{'loss':22s} {'T':>{t_width}s} " + " ".join(f"{METRICS[k][0]:>{width}s}" for k in keys)
-    sub = f"{'':22s} {'':>{t_width}s} " + " ".join(f"{'pre-T / post-T':>{width}s}" for _ in keys)
-    lines = [header, sub, "-" * len(header)]
+    """Side-by-side table of several losses: two rows per loss, pre-T and post-T (the post-T row carries the fitted
+    T), one column per metric of :data:`COMPARISON_METRICS`; for aggregated reports (:func:`aggregate_reports`)
+    every cell is ``mean ± std`` over the seeds. Columns are as wide as their widest cell."""
+    rows = []
     for loss, rep in reports.items():
-        cells = " ".join(f"{_cell_pm(k, rep, 'pre_T') + ' / ' + _cell_pm(k, rep, 'post_T'):>{width}s}" for k in keys)
         temperature = f"{rep['temperature']:.2f}"
         if "temperature_std" in rep:
             temperature += f" ± {rep['temperature_std']:.2f}"
-        lines.append(f"{loss:22s} {temperature:>{t_width}s} {cells}")
-    if aggregated:
+        for tag, stage, t_cell in (("pre_T", "pre-T", ""), ("post_T", "post-T", temperature)):
+            rows.append([loss if tag == "pre_T" else "", stage, t_cell]
+                        + [_cell_pm(key, rep, tag) for key in COMPARISON_METRICS])
+    header = ["loss", "", "T"] + [METRICS[key][0] for key in COMPARISON_METRICS]
+    widths = [max(len(row[i]) for row in [header, *rows]) for i in range(len(header))]
+
+    def line(cells):
+        return "  ".join(cell.ljust(width) if i < 2 else cell.rjust(width)
+                         for i, (cell, width) in enumerate(zip(cells, widths))).rstrip()
+
+    lines = [line(header), "-" * len(line(header))] + [line(row) for row in rows]
+    if any("pre_T_std" in rep for rep in reports.values()):
         seeds = next(iter(reports.values()))["seeds"]
-        lines.append(f"mean ± sample std over {len(seeds)} seeds {seeds}; ECE-type metrics and accuracy in %")
+        lines.append(f"mean ± sample std over {len(seeds)} seeds {seeds}; accuracy and ECE-type metrics in %")
     return "\n".join(lines)
 
 

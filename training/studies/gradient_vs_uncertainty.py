@@ -258,9 +258,9 @@ def format_table(result) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..train import _ArgumentParser  # usage errors are one ``error:`` line, as training.train's
+    from ..arguments import CliArgumentParser  # usage errors are one ``error:`` line, as training.train's
 
-    parser = _ArgumentParser(
+    parser = CliArgumentParser(
         prog="python -m training.studies.gradient_vs_uncertainty",
         description="Per-sample last-layer gradient norm against Brier score for CE, FL, DFL and BSCE-GRA on trained "
                     "checkpoints (BSCE-GRA paper Fig. 4), and focal loss's gradient weight g(p, γ) (Fig. 1).",
@@ -303,7 +303,7 @@ def main(argv=None) -> dict:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     from ..checkpoint import load_model_from_checkpoint
-    from ..train import check_device
+    from ..arguments import check_device
 
     check_device(args.device)
     # Every checkpoint and its data are loaded before anything is written: a bad one stops the study up front.
@@ -353,12 +353,12 @@ def cli(argv=None) -> int:
     """Command-line entry point: exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument,
     checkpoint or data path."""
     from ..data import DataError
-    from ..train import _error
+    from ..arguments import print_error
 
     try:
         main(argv)
     except (DataError, ValueError, OSError) as exc:
-        return _error(exc)
+        return print_error(exc)
     return 0
 
 

@@ -298,9 +298,9 @@ def save_scatter(path, arrays, summary, seed, error_norm):
 # CLI
 # --------------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..train import _ArgumentParser  # usage errors are one ``error:`` line, as training.train's
+    from ..arguments import CliArgumentParser  # usage errors are one ``error:`` line, as training.train's
 
-    parser = _ArgumentParser(
+    parser = CliArgumentParser(
         prog="python -m training.studies.toy_posterior",
         description="BSCE-GRA paper §4.3 toy study: Pearson correlation between the true per-sample calibration "
                     "error ‖p* - p‖ (known posterior of 2-D Gaussian classes) and the focal, dual-focal and "
@@ -398,12 +398,12 @@ def _run_study(args, argv) -> dict:
 
 def cli(argv=None) -> int:
     """Command-line entry point: exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument."""
-    from ..train import _error
+    from ..arguments import print_error
 
     try:
         main(argv)
     except (ValueError, OSError) as exc:
-        return _error(exc)
+        return print_error(exc)
     return 0
 
 

@@ -1,9 +1,9 @@
 """Meta-regularised calibration (Wang & Golebiowski, "Towards Unbiased Calibration using Meta-Regularization";
 docs/papers.md).
 
-``--method meta-sece`` / ``--method meta-dece`` train any recipe with a focal loss whose exponent is predicted per sample
-by a γ-Net (:class:`calibkernels.GammaNet`, parameters φ) from the penultimate features, while φ is meta-learned to
-lower a differentiable calibration error (SECE or DECE, :mod:`calibkernels.metrics.smooth`) on a held-out
+``--method meta-sece`` / ``--method meta-dece`` train any recipe with a focal loss whose exponent is predicted per
+sample by a γ-Net (:class:`calibkernels.GammaNet`, parameters φ) from the penultimate features, while φ is meta-learned
+to lower a differentiable calibration error (SECE or DECE, :mod:`calibkernels.metrics.smooth`) on a held-out
 meta-validation split. One step of the slides' Algorithm 1, as :meth:`MetaRegularizer.train_step` runs it:
 
 1. training batch ``(x_t, y_t)``: features ``h_t = f(x_t)``, logits ``z_t = g_θc(h_t)``, ``γ = f^γ_φ(sg[h_t])``;
@@ -66,8 +66,9 @@ META_DEFAULTS = {
     "meta_dece_t_b": DECE_DEFAULT_T_B,
 }
 
-# Keys of train.py's loss_kwargs that configure the θ step here. The focal loss's own hyper-parameters (gamma, weight,
-# mode, norm) are accepted and ignored: under meta-regularisation γ comes from the γ-Net and the loss is always focal.
+# Keys of the training loop's loss_kwargs that configure the θ step here. The focal loss's own hyper-parameters
+# (gamma, weight, mode, norm) are accepted and ignored: under meta-regularisation γ comes from the γ-Net and the loss is
+# always focal.
 _STEP_KEYS = {"reduction", "ignore_index", "backend", "max_grad_norm", "loss_scale", "amp_dtype", "scaler"}
 _IGNORED_LOSS_KEYS = {"gamma", "weight", "mode", "norm", "name", "loss"}
 _CLIP_ALIASES = ("clip_grad_norm", "grad_clip", "clip")
@@ -282,7 +283,7 @@ class MetaRegularizer:
         clipping of the θ step; aliases ``clip_grad_norm``, ``grad_clip``, ``clip``). The focal hyper-parameters
         (``gamma`` …) are ignored: γ comes from the γ-Net. Other keys raise ``ValueError``.
 
-        train.py's extra keys: ``loss_scale`` (multiplies the loss before backward; DDP sum reduction),
+        the training loop's extra keys: ``loss_scale`` (multiplies the loss before backward; DDP sum reduction),
         ``amp_dtype`` (autocast dtype of the model forward, or None) and ``scaler`` (a ``torch.amp.GradScaler``).
 
         Returns floats: ``loss`` (the θ-step loss), ``meta_loss`` (the look-ahead SECE/DECE before the φ step),
@@ -290,7 +291,7 @@ class MetaRegularizer:
         plus ``logits`` (the detached training-batch logits, for running accuracy).
         """
         options = self._step_options(loss_kwargs)
-        network, classifier = self.network, self.network.classifier
+        classifier = self.network.classifier
         self.model.train()
         self.gamma_net.train()
 

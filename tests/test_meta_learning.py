@@ -1,4 +1,5 @@
-"""Meta-regularised calibration: the γ-Net, the per-sample-γ focal loss, the meta step (training/meta.py), end to end."""
+"""Meta-regularised calibration: the γ-Net, the per-sample-γ focal loss, the meta step (training/meta_learning.py),
+end to end."""
 
 import argparse
 import copy
@@ -10,8 +11,7 @@ from torch import nn
 
 import calibkernels as ck
 from calibkernels import GammaNet
-from calibkernels.metrics.smooth import sece
-from training.meta import META_DEFAULTS, MetaRegularizer, add_meta_args, focal_loss_with_gamma_grad
+from training.meta_learning import META_DEFAULTS, MetaRegularizer, add_meta_args, focal_loss_with_gamma_grad
 
 
 class TinyNet(nn.Module):
