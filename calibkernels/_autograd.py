@@ -1,6 +1,6 @@
 """The autograd of the fused loss: one contract, two implementations of it.
 
-Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight, mode,
+Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode,
 gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
 label_smoothing=0.0, *, loss_dtype=None) -> (loss, grad, target_flag)`` (the soft-target arguments only where the
 backend's module sets ``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
@@ -124,7 +124,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
     reduced loss in one kernel; the backward scales that gradient by ``grad_output``."""
 
     @staticmethod
-    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+    def forward(ctx, logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
                 reduction, inplace, backend, mix_target=None, mix_lambda=None, label_smoothing=0.0, loss_dtype=None):
         from . import _backends  # a cycle at import time; resolved once the package is loaded
 
@@ -133,8 +133,8 @@ class UncertaintyWeightedCE(torch.autograd.Function):
         if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == V.MODE_CODES["loss"]:
             # read the logits before an in-place kernel overwrites them
             gamma_factor = _gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
-        loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                                          ignore_index, reduction, True, logits if inplace else None,
+        loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma,
+                                          norm, ignore_index, reduction, True, logits if inplace else None,
                                           *_soft_arguments(mix_target, mix_lambda, label_smoothing),
                                           loss_dtype=loss_dtype)
         if flag is not None:
@@ -208,18 +208,18 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
             lam = V.lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
         soft = (inputs.mix_target, lam, inputs.label_smoothing)
     return run_rows(backend, inputs.logits, inputs.target, inputs.sample_weight, inputs.gamma,
-                    V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
+                    V.WEIGHT_CODES[inputs.uncertainty], V.MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
                     V.REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
 
 
-def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, weight: int, mode: int,
-             norm: float, ignore_index: int, reduction: int, soft: tuple = (), inplace: bool = False,
+def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, uncertainty: int,
+             mode: int, norm: float, ignore_index: int, reduction: int, soft: tuple = (), inplace: bool = False,
              batch_shape: tuple | None = None) -> torch.Tensor:
     """:func:`run` on arguments already checked and flattened: ``logits (N, C)``, the target as the backends take it,
-    the weight, mode and reduction as codes, ``gamma`` a number or a per-sample tensor, ``soft`` the backend's
-    soft-target arguments ``(mix_target, mix_lambda tensor, label_smoothing)`` or ``()``; a ``reduction="none"``
-    loss reshaped to ``batch_shape``. :func:`calibkernels.functional.uncertainty_weighted_ce` calls it directly for
-    the common eager Triton call, whose arguments it has checked itself."""
+    the uncertainty weight, mode and reduction as codes, ``gamma`` a number or a per-sample tensor, ``soft`` the
+    backend's soft-target arguments ``(mix_target, mix_lambda tensor, label_smoothing)`` or ``()``; a
+    ``reduction="none"`` loss reshaped to ``batch_shape``. :func:`calibkernels.functional.uncertainty_weighted_ce`
+    calls it directly for the common eager Triton call, whose arguments it has checked itself."""
     from . import _backends
 
     grad_enabled = torch.is_grad_enabled()
@@ -237,7 +237,7 @@ def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_we
             "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
             "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() them)"
         )
-    codes = (weight, mode, gamma_value, norm, ignore_index, reduction)
+    codes = (uncertainty, mode, gamma_value, norm, ignore_index, reduction)
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
     module = _backends.module(backend)
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel

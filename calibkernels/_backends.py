@@ -181,7 +181,7 @@ def run(backend: str, inputs: V.LossInputs, inplace: bool):
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
         return _reference_loss(inputs)
-    if inputs.soft and inputs.weight == "dual_focal":
+    if inputs.soft and inputs.uncertainty == "dual_focal":
         inputs = _one_hot_for_dual_focal(inputs)  # one-hot targets given in a soft form, or the reference's ValueError
     if inputs.soft and not getattr(module(backend), "SOFT_TARGETS", False):  # resolve_soft_targets checked it
         raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets: use "

@@ -21,8 +21,25 @@ def _check_choice(kind: str, value, choices) -> None:
         raise ValueError(f"unknown {kind} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
 
 
-def check_weight(weight: str) -> None:
-    _check_choice("weight", weight, tuple(WEIGHT_CODES))
+def check_uncertainty(uncertainty: str) -> None:
+    """``uncertainty``: the name of the uncertainty weight ``u(p, y)`` (:data:`WEIGHT_CODES`)."""
+    _check_choice("uncertainty", uncertainty, tuple(WEIGHT_CODES))
+
+
+def check_class_weight(weight) -> None:
+    """``weight`` is reserved for ``F.cross_entropy``'s per-class ``(C,)`` tensor, not supported yet: only ``None``
+    passes. A string is an uncertainty weight given under its former keyword (``TypeError`` naming
+    ``uncertainty=``); a tensor raises ``NotImplementedError``."""
+    if weight is None:
+        return
+    if isinstance(weight, str):
+        raise TypeError(f"weight is F.cross_entropy's per-class weight tensor; the uncertainty weight is now "
+                        f"uncertainty={weight!r}")
+    if isinstance(weight, torch.Tensor):
+        raise NotImplementedError("per-class weights are not supported yet: pass weight=None (the uncertainty weight "
+                                  "is uncertainty=)")
+    raise TypeError(f"weight must be None (per-class weight tensors are not supported yet), got "
+                    f"{type(weight).__name__}")
 
 
 def check_mode(mode: str) -> None:
@@ -164,17 +181,18 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
     return logits2d, target1d, batch_shape
 
 
-def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
+def check_sample_weight(sample_weight, uncertainty: str, target_shape, device, *,
                         check_values: bool = True) -> torch.Tensor | None:
-    """``sample_weight`` is required by, and only allowed with, ``weight="external"``; returned flattened. Its
+    """``sample_weight`` is required by, and only allowed with, ``uncertainty="external"``; returned flattened. Its
     values (finite, ``>= 0``) are read on the host, or with ``check_values=False`` flagged on the device and queued
     (:func:`finite_nonnegative_flag`, :mod:`calibkernels._target_checks`)."""
-    if weight != "external":
+    if uncertainty != "external":
         if sample_weight is not None:
-            raise ValueError(f"sample_weight is only used with weight='external', not weight={weight!r}")
+            raise ValueError(f"sample_weight is only used with uncertainty='external', not "
+                             f"uncertainty={uncertainty!r}")
         return None
     if sample_weight is None:
-        raise ValueError("weight='external' needs a sample_weight tensor of the target's shape")
+        raise ValueError("uncertainty='external' needs a sample_weight tensor of the target's shape")
     if not isinstance(sample_weight, torch.Tensor):
         raise TypeError(f"sample_weight must be a torch.Tensor, got {type(sample_weight).__name__}")
     if not sample_weight.is_floating_point():
@@ -189,13 +207,13 @@ def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
     return sample_weight.reshape(-1)
 
 
-def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_values: bool = True):
+def check_per_sample_gamma(gamma, uncertainty: str, target_shape, device, *, check_values: bool = True):
     """A tensor gamma (one exponent per row, e.g. from a γ-Net) is flattened; only the focal weight accepts it. Its
     values (finite, ``>= 0``) are read on the host, or with ``check_values=False`` flagged on the device and queued."""
     if not isinstance(gamma, torch.Tensor):
         return float(gamma)
-    if weight != "focal":
-        raise ValueError(f"a per-sample gamma tensor is only supported with weight='focal', not {weight!r}")
+    if uncertainty != "focal":
+        raise ValueError(f"a per-sample gamma tensor is only supported with uncertainty='focal', not {uncertainty!r}")
     if tuple(gamma.shape) != tuple(target_shape):
         raise ValueError(f"per-sample gamma shape {tuple(gamma.shape)} does not match target shape {tuple(target_shape)}")
     if gamma.device != device:
@@ -479,11 +497,11 @@ class LossInputs:
 
     logits: torch.Tensor  # (N, C), any float dtype, rows may be strided
     target: torch.Tensor  # (N,) int64
-    weight: str
+    uncertainty: str  # the uncertainty weight's name (WEIGHT_CODES)
     mode: str
     gamma: float | torch.Tensor  # scalar, or (N,) per-sample (focal only)
     norm: float
-    sample_weight: torch.Tensor | None  # (N,) for weight="external"
+    sample_weight: torch.Tensor | None  # (N,) for uncertainty="external"
     reduction: str
     ignore_index: int
     batch_shape: tuple  # leading shape of the input, to reshape reduction="none" results
@@ -504,11 +522,12 @@ def check_loss_inputs(
     logits,
     target,
     *,
-    weight="brier",
+    uncertainty="brier",
     mode="grad",
     gamma=4.0,
     norm=2.0,
     sample_weight=None,
+    weight=None,
     reduction="mean",
     ignore_index=-100,
     check_values: bool = True,
@@ -533,7 +552,8 @@ def check_loss_inputs(
     A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
     ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
     """
-    check_weight(weight)
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
     check_mode(mode)
     check_reduction(reduction)
     check_ignore_index(ignore_index)  # for a dense target too, which has no row to ignore
@@ -556,15 +576,16 @@ def check_loss_inputs(
         target2d = check_dense_target(logits, target, ignore_index, check_values=not kernel_checks_dense)
         logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
         batch_shape = tuple(logits.shape[:-1])
-        sample_weight = check_sample_weight(sample_weight, weight, batch_shape, logits.device,
+        sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, logits.device,
                                             check_values=check_values)
-        gamma = check_per_sample_gamma(gamma, weight, batch_shape, logits.device, check_values=check_values)
-        return LossInputs(logits2d, target2d, weight, mode, gamma, float(norm), sample_weight, reduction,
+        gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, logits.device, check_values=check_values)
+        return LossInputs(logits2d, target2d, uncertainty, mode, gamma, float(norm), sample_weight, reduction,
                           ignore_index, batch_shape, label_smoothing=smoothing, dense=True)
     logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
                                                          check_values=check_values)
-    sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device, check_values=check_values)
-    gamma = check_per_sample_gamma(gamma, weight, target.shape, logits.device, check_values=check_values)
+    sample_weight = check_sample_weight(sample_weight, uncertainty, target.shape, logits.device,
+                                        check_values=check_values)
+    gamma = check_per_sample_gamma(gamma, uncertainty, target.shape, logits.device, check_values=check_values)
     mix1d = lam = None
     if mix_target is not None:
         num_classes = logits.shape[-1]
@@ -583,6 +604,6 @@ def check_loss_inputs(
             target1d = torch.where(target1d == ignore_index, target1d, mix1d)
             mix1d = lam = None
     return LossInputs(
-        logits2d, target1d, weight, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape,
+        logits2d, target1d, uncertainty, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape,
         label_smoothing=smoothing, mix_target=mix1d, mix_lambda=lam,
     )

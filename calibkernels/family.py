@@ -5,7 +5,7 @@ Each loss has a readable reference function (pure PyTorch, any device and dtype,
 that runs the fused kernel wherever the loss is a per-sample weight on cross-entropy:
 
 * ``bsce_adaptive_gra`` (:func:`bsce_adaptive_gra_loss`; the module is ``calibkernels.losses.AdaptiveBSCEGRA``, the
-  fused op's ``weight="brier_flsd"``): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for p_y < 0.2 / < 0.5 /
+  fused op's ``uncertainty="brier_flsd"``): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for p_y < 0.2 / < 0.5 /
   otherwise (the official BSCE-GRA code's ``BSCELossAdaptiveGra``).
 * ``adafocal`` (:class:`AdaFocalLoss`): ``-(1 - p_y)^{γ_b} log p_y``, or ``-(1 + p_y)^{|γ_b|} log p_y`` when
   γ_b < 0, with γ_b the exponent of the sample's p_y bin, updated from the validation set's calibration.
@@ -105,7 +105,7 @@ def bsce_adaptive_gamma(z, target, gamma):
 def _adaptive_brier_weight(z, safe, gamma, norm):
     """``sg[‖p - e_y‖_q^{γ_i}]`` per row of ``z`` (compute dtype), in the log domain like every Brier weight."""
     z = z.detach()
-    return R.uncertainty_weight(z, safe, weight="brier", gamma=bsce_adaptive_gamma(z, safe, gamma), norm=norm)
+    return R.uncertainty_weight(z, safe, uncertainty="brier", gamma=bsce_adaptive_gamma(z, safe, gamma), norm=norm)
 
 
 def _check_gamma_norm(gamma, norm):
@@ -122,7 +122,7 @@ def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="me
 
     The official BSCE-GRA code's ``BSCELossAdaptiveGra``: the FLSD-53 exponent schedule on the generalised Brier
     weight, which is detached (GRA). Class-index targets only. Written apart from the fused op's
-    ``weight="brier_flsd"`` (``calibkernels.losses.AdaptiveBSCEGRA``), which the tests check against it.
+    ``uncertainty="brier_flsd"`` (``calibkernels.losses.AdaptiveBSCEGRA``), which the tests check against it.
     """
     gamma, norm = _check_gamma_norm(gamma, norm)
     V.check_reduction(reduction)
@@ -177,7 +177,7 @@ def adafocal_loss(logits, target, gamma, *, reduction="mean", ignore_index=-100)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     gamma = _check_adafocal_gamma(gamma, target, z)
     ce = _cross_entropy_rows(z, safe)
-    focal = R.uncertainty_weight(z, safe, weight="focal", gamma=gamma.clamp_min(0), norm=2.0)
+    focal = R.uncertainty_weight(z, safe, uncertainty="focal", gamma=gamma.clamp_min(0), norm=2.0)
     inverse = torch.exp(gamma.abs() * torch.log1p(torch.exp(-ce)))  # (1 + p_y)^{|γ|}, p_y = exp(-CE)
     per_row = torch.where(gamma < 0, inverse, focal) * ce
     return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
@@ -289,10 +289,10 @@ class AdaFocalLoss(nn.Module):
             return adafocal_loss(logits, target, gamma, reduction=self.reduction, ignore_index=self.ignore_index)
         if bool((self.gamma >= 0).all()):  # the table lives on the host: no device synchronisation
             return F_ck.uncertainty_weighted_ce(
-                logits, target, weight="focal", mode="loss", gamma=gamma.to(torch.float32),
+                logits, target, uncertainty="focal", mode="loss", gamma=gamma.to(torch.float32),
                 reduction=self.reduction, ignore_index=self.ignore_index, backend=self.backend)
         focal = F_ck.uncertainty_weighted_ce(
-            logits, target, weight="focal", mode="loss", gamma=gamma.clamp_min(0).to(torch.float32),
+            logits, target, uncertainty="focal", mode="loss", gamma=gamma.clamp_min(0).to(torch.float32),
             reduction="none", ignore_index=self.ignore_index, backend=self.backend)
         valid, z, safe, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
         ce = _cross_entropy_rows(z, safe)
@@ -368,7 +368,7 @@ class MDCALoss(nn.Module):
     def forward(self, logits, target):
         valid, z, safe, _ = _rows(logits, target, self.ignore_index, check_values=False)
         if self.base is None:
-            base_value = F_ck.uncertainty_weighted_ce(logits, target, weight="none", reduction=self.reduction,
+            base_value = F_ck.uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
                                                       ignore_index=self.ignore_index, backend=self.backend)
         else:
             base_value = self.base(logits, target)
@@ -417,7 +417,7 @@ class MbLSLoss(nn.Module):
         if self.backend == "reference":
             return mbls_loss(logits, target, margin=self.margin, lam=self.lam, reduction=self.reduction,
                              ignore_index=self.ignore_index)
-        ce = F_ck.uncertainty_weighted_ce(logits, target, weight="none", reduction=self.reduction,
+        ce = F_ck.uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
                                           ignore_index=self.ignore_index, backend=self.backend)
         valid, z, _, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
         penalty = R._reduce(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)

@@ -8,7 +8,7 @@ Every registry name accepts exactly the hyper-parameters its loss uses: a name g
 >>> import calibkernels as ck
 >>> criterion = ck.losses.build("bsce_gra", gamma=4.0, reduction="sum")
 >>> criterion
-UncertaintyWeightedCE(weight='brier', mode='grad', gamma=4.0, norm=2.0, reduction='sum', backend='auto')
+UncertaintyWeightedCE(uncertainty='brier', mode='grad', gamma=4.0, norm=2.0, reduction='sum', backend='auto')
 """
 
 from __future__ import annotations
@@ -41,20 +41,22 @@ class UncertaintyWeightedCE(nn.Module):
 
     ``forward(logits (..., C), target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None)``:
     ``target`` is ``(...)`` int64 class indices or a floating ``(..., C)`` probability tensor; ``sample_weight`` only
-    with ``weight="external"``; a per-sample ``gamma`` tensor only with ``weight="focal"``; ``mix_target`` (int64,
-    the target's shape) and ``mix_lambda`` (a number or one per row) give ``t = λ e_target + (1 - λ) e_mix_target``
-    (mixup / cutmix). ``label_smoothing`` (α) smooths every target: ``t <- (1 - α) t + α / C`` (docs/losses.md,
-    "Soft targets"); dual focal refuses soft targets.
+    with ``uncertainty="external"``; a per-sample ``gamma`` tensor only with ``uncertainty="focal"``; ``mix_target``
+    (int64, the target's shape) and ``mix_lambda`` (a number or one per row) give
+    ``t = λ e_target + (1 - λ) e_mix_target`` (mixup / cutmix). ``label_smoothing`` (α) smooths every target:
+    ``t <- (1 - α) t + α / C`` (docs/losses.md, "Soft targets"); dual focal refuses soft targets. ``weight`` is
+    reserved for per-class weights (``None``; see :func:`calibkernels.uncertainty_weighted_ce`).
 
-    ``gra_detach="p_j"`` (``weight="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
+    ``gra_detach="p_j"`` (``uncertainty="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
     ``DualFocalLossGra``, ``(1 - p_y + sg[p_j])^γ · CE``; the fused kernels implement the default ``"weight"``
     (``sg[u] · CE``) only, so this form runs the reference (``backend`` must be ``"auto"`` or ``"reference"``).
     """
 
-    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight"):
+    def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight", *, weight=None):
         super().__init__()
-        V.check_weight(weight)
+        V.check_class_weight(weight)
+        V.check_uncertainty(uncertainty)
         V.check_mode(mode)
         _check_gamma_and_norm(gamma, norm)
         V.check_reduction(reduction)
@@ -62,41 +64,42 @@ class UncertaintyWeightedCE(nn.Module):
         V.check_ignore_index(ignore_index)
         if not isinstance(inplace, bool):
             raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
-        _reference.check_gra_detach(gra_detach, weight=weight, mode=mode)
+        _reference.check_gra_detach(gra_detach, uncertainty=uncertainty, mode=mode)
         if gra_detach == "p_j" and backend not in ("auto", "reference"):
             raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) has no fused kernel: use "
                              f"backend='auto' or 'reference', not {backend!r}")
         self.gra_detach = gra_detach
         label_smoothing = V.check_label_smoothing(label_smoothing)
-        if weight == "dual_focal" and label_smoothing != 0.0:
-            raise ValueError(f"weight='dual_focal' with label_smoothing={label_smoothing}: "
+        if uncertainty == "dual_focal" and label_smoothing != 0.0:
+            raise ValueError(f"uncertainty='dual_focal' with label_smoothing={label_smoothing}: "
                              f"{_reference._DUAL_FOCAL_SOFT}")
-        self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
+        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, float(gamma), float(norm)
         self.reduction, self.ignore_index, self.backend, self.inplace = reduction, ignore_index, backend, inplace
         self.label_smoothing = label_smoothing
 
     def forward(self, logits, target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None):
         if self.gra_detach != "weight":
             return _reference.uncertainty_weighted_ce(
-                logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
+                logits, target, uncertainty=self.uncertainty, mode=self.mode,
+                gamma=self.gamma if gamma is None else gamma,
                 norm=self.norm, sample_weight=sample_weight, reduction=self.reduction,
                 ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, mix_target=mix_target,
                 mix_lambda=mix_lambda, gra_detach=self.gra_detach)
         return F_ck.uncertainty_weighted_ce(
-            logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
+            logits, target, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, inplace=self.inplace, label_smoothing=self.label_smoothing, mix_target=mix_target,
             mix_lambda=mix_lambda,
         )
 
     def _weight_repr(self) -> list:
-        """The weight's part of :meth:`extra_repr` (weight, mode and its hyperparameters)."""
-        parts = [f"weight={self.weight!r}"]
-        if self.weight not in ("none", "external"):
+        """The uncertainty weight's part of :meth:`extra_repr` (uncertainty, mode and its hyperparameters)."""
+        parts = [f"uncertainty={self.uncertainty!r}"]
+        if self.uncertainty not in ("none", "external"):
             parts.append(f"mode={self.mode!r}")
-        if self.weight in ("focal", "flsd", "dual_focal", "brier", "brier_flsd"):
+        if self.uncertainty in ("focal", "flsd", "dual_focal", "brier", "brier_flsd"):
             parts.append(f"gamma={self.gamma}")
-        if self.weight in ("brier", "brier_flsd"):
+        if self.uncertainty in ("brier", "brier_flsd"):
             parts.append(f"norm={self.norm}")
         return parts
 
@@ -115,15 +118,16 @@ class UncertaintyWeightedCE(nn.Module):
 class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
     """Drop-in for timm's ``SoftTargetCrossEntropy``: ``forward(x (..., C), target (..., C))`` with dense
     probability targets (what ``timm.data.Mixup`` produces, smoothing included), returning
-    ``mean_i u_i · (-Σ_k t_ik log p_ik)``; ``ignore_index`` applies to class-index targets only. ``weight="none"``
-    is timm's loss; the default is BSCE-GRA (``weight="brier"``, ``mode="grad"``, γ = 4, q = 2). Class-index targets are accepted too (an evaluation loader).
+    ``mean_i u_i · (-Σ_k t_ik log p_ik)``; ``ignore_index`` applies to class-index targets only.
+    ``uncertainty="none"`` is timm's loss; the default is BSCE-GRA (``uncertainty="brier"``, ``mode="grad"``, γ = 4,
+    q = 2). Class-index targets are accepted too (an evaluation loader).
     Registry: ``soft_target_bsce_gra`` and ``soft_target_cross_entropy`` (docs/losses.md, "Soft targets").
     """
 
-    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", label_smoothing=0.0):
-        super().__init__(weight=weight, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
-                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing)
+    def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", label_smoothing=0.0, *, weight=None):
+        super().__init__(uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
+                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing, weight=weight)
 
     def forward(self, x, target):
         return super().forward(x, target)
@@ -132,15 +136,15 @@ class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
 class AdaptiveBSCEGRA(UncertaintyWeightedCE):
     """BSCE-GRA with the official BSCE-GRA code's adaptive exponent (``BSCELossAdaptiveGra``), registry name
     ``bsce_adaptive_gra``: ``sg[‖p - t‖_q^{γ_i}] · CE`` with γ_i = 5 where the target's probability (``<t, p>`` for
-    soft targets) is below 0.2, 3 below 0.5, else ``gamma`` (FLSD-53's bands, decided as for ``weight="flsd"``).
+    soft targets) is below 0.2, 3 below 0.5, else ``gamma`` (FLSD-53's bands, decided as for ``uncertainty="flsd"``).
 
-    The fused op's ``weight="brier_flsd"`` in grad mode: each kernel picks γ_i from the row statistics it already
+    The fused op's ``uncertainty="brier_flsd"`` in grad mode: each kernel picks γ_i from the row statistics it already
     has, so the loss costs what BSCE-GRA costs. Reference: :func:`calibkernels.family.bsce_adaptive_gra_loss`.
     """
 
     def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto", inplace=False,
                  label_smoothing=0.0):
-        super().__init__(weight="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
+        super().__init__(uncertainty="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
                          ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing)
 
     def _weight_repr(self) -> list:
@@ -246,15 +250,15 @@ _COMMON = ("reduction", "ignore_index", "backend")  # every loss
 _FUSED = _COMMON + ("inplace", "label_smoothing")  # losses with a fused kernel (UncertaintyWeightedCE)
 
 
-def _uwce(weight, mode, extra=(), **defaults):
+def _uwce(uncertainty, mode, extra=(), **defaults):
     def make(**hp):
-        return UncertaintyWeightedCE(weight=weight, mode=mode, **hp)
+        return UncertaintyWeightedCE(uncertainty=uncertainty, mode=mode, **hp)
     return _Factory(make, tuple(defaults) + tuple(extra) + _FUSED, **defaults)
 
 
-def _soft_target(weight, mode, **defaults):
+def _soft_target(uncertainty, mode, **defaults):
     def make(**hp):
-        return SoftTargetUncertaintyWeightedCE(weight=weight, mode=mode, **hp)
+        return SoftTargetUncertaintyWeightedCE(uncertainty=uncertainty, mode=mode, **hp)
     return _Factory(make, tuple(defaults) + _COMMON + ("label_smoothing",), **defaults)
 
 

@@ -107,7 +107,7 @@ def test_bsce_adaptive_gra_fused_float32_matches_reference():
 @pytest.mark.parametrize("mode", ("grad", "loss"))
 def test_brier_flsd_soft_targets_use_the_band_of_t_dot_p(mode):
     """Soft targets (smoothing, a mix): γ_i comes from <t, p>'s band and the weight is ‖p - t‖_q^{γ_i}, written out
-    here in float64; every backend agrees (the module is the fused op's weight="brier_flsd")."""
+    here in float64; every backend agrees (the module is the fused op's uncertainty="brier_flsd")."""
     z, y = _inputs(12, 5, seed=5, scale=3.0)
     z = torch.cat([z, _banded_logits()[0][:3, :4].repeat(1, 2)[:, :5]])
     y = torch.cat([y, torch.tensor([0, 0, 0])])
@@ -131,7 +131,7 @@ def test_brier_flsd_soft_targets_use_the_band_of_t_dot_p(mode):
     expected = weighted(xr).sum() / valid.sum()
     expected.backward()
     for backend, dtype, tol in _fused_backends():
-        module = ck.losses.UncertaintyWeightedCE(weight="brier_flsd", mode=mode, gamma=gamma, norm=norm,
+        module = ck.losses.UncertaintyWeightedCE(uncertainty="brier_flsd", mode=mode, gamma=gamma, norm=norm,
                                                  backend=backend, label_smoothing=a)
         modules = [module]
         if mode == "grad":
@@ -397,7 +397,7 @@ def test_mdca_spec_with_a_base_and_its_hyperparameters():
     from training.train import build_criterion
 
     module = build_criterion("mdca:beta=1:base=focal_loss:gamma=1", "sum", "auto")
-    assert module.base.weight == "focal" and module.base.gamma == 1.0 and module.base.reduction == "sum"
+    assert module.base.uncertainty == "focal" and module.base.gamma == 1.0 and module.base.reduction == "sum"
 
 
 @pytest.mark.parametrize("name", ["bsce_adaptive_gra", "adafocal", "mdca", "mbls"])

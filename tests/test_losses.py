@@ -124,7 +124,7 @@ def test_modules_reject_a_gamma_that_is_not_finite_and_non_negative(name, gamma)
     with pytest.raises(ValueError, match="gamma"):
         ck.losses.build(name, gamma=gamma)
     with pytest.raises(ValueError, match="gamma"):
-        ck.losses.UncertaintyWeightedCE(weight="focal", gamma=gamma)
+        ck.losses.UncertaintyWeightedCE(uncertainty="focal", gamma=gamma)
 
 
 @pytest.mark.parametrize("norm", [float("nan"), float("inf"), 0.0])

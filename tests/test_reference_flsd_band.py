@@ -23,7 +23,7 @@ BANDS = band_choices(GAMMA)
 
 
 def _flsd_weight(logits, target, gamma=GAMMA):
-    return R.uncertainty_weight(logits.to(R._compute_dtype(logits.dtype)), target, weight="flsd", gamma=gamma,
+    return R.uncertainty_weight(logits.to(R._compute_dtype(logits.dtype)), target, uncertainty="flsd", gamma=gamma,
                                 norm=2.0)
 
 
