@@ -44,7 +44,8 @@ import math
 import torch
 
 from . import _target_checks
-from . import _validation as V
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._validation import LossInputs, expanded, lambda_tensor
 
 __all__ = ["UncertaintyWeightedCE", "run", "run_rows", "scale_saved_gradient", "is_plain_eager",
            "raise_if_create_graph"]
@@ -114,7 +115,7 @@ def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) 
         g = gamma.to(z.dtype)
         weighted_ce = torch.exp(g * log_one_minus) * ce
         factor = torch.where(valid & (weighted_ce != 0), weighted_ce * log_one_minus, 0.0)
-        if reduction_code == V.REDUCTION_CODES["mean"]:
+        if reduction_code == REDUCTION_CODES["mean"]:
             factor = factor / valid.sum().clamp(min=1)
         return factor
 
@@ -130,7 +131,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
 
         module = _backends.module(backend)
         gamma_factor = None
-        if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == V.MODE_CODES["loss"]:
+        if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == MODE_CODES["loss"]:
             # read the logits before an in-place kernel overwrites them
             gamma_factor = _gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
         loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma,
@@ -199,17 +200,17 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
     return base is not None and base.is_leaf and base.requires_grad
 
 
-def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
+def run(backend: str, inputs: LossInputs, inplace: bool) -> torch.Tensor:
     """The loss of validated ``inputs`` through compiled backend ``backend``, in the logits' dtype and batch shape."""
     soft = ()
     if inputs.soft:
         lam = inputs.mix_lambda
         if lam is not None:
-            lam = V.lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
+            lam = lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
         soft = (inputs.mix_target, lam, inputs.label_smoothing)
     return run_rows(backend, inputs.logits, inputs.target, inputs.sample_weight, inputs.gamma,
-                    V.WEIGHT_CODES[inputs.uncertainty], V.MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
-                    V.REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
+                    WEIGHT_CODES[inputs.uncertainty], MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
+                    REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
 
 
 def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, uncertainty: int,
@@ -232,7 +233,7 @@ def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_we
             "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
             "use inplace=False"
         )
-    if inplace and compute_grad and V.expanded(logits):
+    if inplace and compute_grad and expanded(logits):
         raise ValueError(
             "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
             "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() them)"
@@ -257,6 +258,6 @@ def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_we
                                        loss_dtype=logits.dtype)
     if flag is not None:
         _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
-    if batch_shape is not None and reduction == V.REDUCTION_CODES["none"] and loss.shape != batch_shape:
+    if batch_shape is not None and reduction == REDUCTION_CODES["none"] and loss.shape != batch_shape:
         loss = loss.reshape(batch_shape)
     return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

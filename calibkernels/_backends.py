@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from . import _autograd
-from . import _validation as V
+from ._validation import LossInputs, check_backend
 from .reference import _one_hot_for_dual_focal
 from .reference import _uncertainty_weighted_ce as _reference_loss
 
@@ -88,7 +88,7 @@ _warned_fallback: set[str] = set()
 @torch.compiler.assume_constant_result
 def resolve(backend: str, device: torch.device) -> str:
     """Pick the backend that will run; a named backend that cannot run raises, it never silently substitutes."""
-    V.check_backend(backend)
+    check_backend(backend)
     if backend != "auto":
         reason = unavailable_reason(backend, device)
         if reason is not None:
@@ -177,7 +177,7 @@ def module(name: str):
     return _loaded_modules[name][0] if name in _loaded_modules else _module(name)[0]
 
 
-def run(backend: str, inputs: V.LossInputs, inplace: bool):
+def run(backend: str, inputs: LossInputs, inplace: bool):
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
         return _reference_loss(inputs)

@@ -29,15 +29,13 @@ import warnings
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
-from . import _validation as V
+from ._validation import check_ignore_index, is_number
 from .metrics._inputs import check_logits, check_n_bins, check_positive_int, compute_dtype, labelled_rows
 from .metrics.binned import bin_sums, calibration_error_from_sums, equal_width_edges
 
 __all__ = [
     "DEFAULT_GRID_STEP",
-    "TemperatureScaler",
     "ece_over_temperatures",
     "evaluate_temperature_scaling",
     "fit_temperature",
@@ -61,7 +59,7 @@ def temperature_grid(start: float = DEFAULT_GRID_START, stop: float = DEFAULT_GR
     (``TypeError`` for non-numbers).
     """
     for name, value in (("start", start), ("stop", stop), ("step", step)):
-        if not V.is_number(value):
+        if not is_number(value):
             raise TypeError(f"temperature grid {name} must be a number, got {type(value).__name__}")
     if not (step > 0 and start > 0 and stop >= start and math.isfinite(stop) and math.isfinite(step)):
         raise ValueError(f"temperature grid needs finite 0 < start <= stop and step > 0, got {start}, {stop}, {step}")
@@ -86,7 +84,7 @@ def _check_logits_labels(logits, labels, ignore_index: int = -100):
         raise TypeError(f"logits must be floating point, got {logits.dtype}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
-    V.check_ignore_index(ignore_index)
+    check_ignore_index(ignore_index)
     if logits.dim() < 2 or tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"expected logits (..., C) and labels (...), got {tuple(logits.shape)} and "
                          f"{tuple(labels.shape)}")
@@ -115,7 +113,9 @@ def _outside_stacklevel() -> int:
     return level
 
 
-def _check_grid(grid) -> torch.Tensor:
+def check_grid(grid) -> torch.Tensor:
+    """A grid of temperatures as a 1-D float64 CPU tensor (``None``: :func:`temperature_grid`'s default); every
+    temperature positive and finite."""
     if grid is None:
         return temperature_grid()
     try:
@@ -147,7 +147,7 @@ def ece_over_temperatures(logits, labels, temperatures, n_bins: int = 15, *,
     check_n_bins(n_bins)
     check_positive_int(chunk_elements, "chunk_elements")
     z, y = _check_logits_labels(logits, labels, ignore_index)
-    temperatures = _check_grid(temperatures)
+    temperatures = check_grid(temperatures)
     num_samples, num_classes = z.shape
     edges = equal_width_edges(n_bins, dtype=z.dtype, device=z.device)
     max_logit, prediction = z.max(dim=1)
@@ -242,55 +242,10 @@ def fit_temperature(logits, labels, objective: str = "ece", grid=None, n_bins: i
     z, y = _check_logits_labels(logits, labels, ignore_index)
     if objective == "nll":
         return _fit_nll_temperature(z, y)
-    temperatures = _check_grid(grid)
+    temperatures = check_grid(grid)
     errors = ece_over_temperatures(z, y, temperatures, n_bins, chunk_elements=chunk_elements)
     best = temperatures[errors == errors.min()].min()
     return float(best)
-
-
-class TemperatureScaler(nn.Module):
-    """``forward(logits) = logits / T`` with a fitted scalar temperature (a buffer, so it is saved in ``state_dict``).
-
-    >>> scaler = TemperatureScaler().fit(val_logits, val_labels, objective="ece")   # doctest: +SKIP
-    >>> probs = scaler(test_logits).softmax(-1)                                     # doctest: +SKIP
-    """
-
-    temperature: torch.Tensor
-
-    def __init__(self, temperature: float = 1.0):
-        super().__init__()
-        if not V.is_number(temperature):
-            raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be positive and finite, got {temperature}")
-        self.register_buffer("temperature", torch.tensor(float(temperature), dtype=torch.float64))
-
-    def fit(self, logits, labels, objective: str = "ece", grid=None, n_bins: int = 15, *,
-            ignore_index: int = -100) -> "TemperatureScaler":
-        """Fit ``T`` with :func:`fit_temperature` (same checks: ``+inf`` / NaN logits raise; rows labelled
-        ``ignore_index`` are left out) and store it.
-
-        Returns ``self``. ``forward`` is the elementwise ``logits / T``: it keeps ``-inf`` (masked) logits ``-inf``.
-        """
-        self.temperature.fill_(fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins,
-                                               ignore_index=ignore_index))
-        return self
-
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # a checkpoint's T must be one the constructor and fit could have made: positive and finite
-        value = state_dict.get(prefix + "temperature")
-        if isinstance(value, torch.Tensor) and value.numel() == 1:
-            t = float(value)
-            if not (t > 0 and math.isfinite(t)):
-                raise ValueError(f"temperature must be positive and finite, got {t} in the state_dict")
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
-    def forward(self, logits: torch.Tensor) -> torch.Tensor:
-        """``logits / T`` (no checks here, to keep inference free of host syncs)."""
-        return logits / self.temperature
-
-    def extra_repr(self) -> str:
-        return f"temperature={float(self.temperature):.4g}"
 
 
 def evaluate_temperature_scaling(calibration_logits, calibration_labels, test_logits, test_labels,

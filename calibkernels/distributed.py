@@ -56,8 +56,10 @@ import zlib
 import torch
 
 from . import _autograd
-from . import _validation as V
-from ._codes import FLSD_LOW_GAMMA, FLSD_MID_GAMMA
+from ._codes import FLSD_LOW_GAMMA, FLSD_MID_GAMMA, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._validation import (check_class_weight, check_gamma, check_ignore_index, check_mode, check_norm,
+                          check_per_sample_gamma, check_reduction, check_sample_weight, check_uncertainty,
+                          out_of_range_message, out_of_range_targets)
 from .reference import _FLSD_LOW_THRESHOLD_F32, _FLSD_MID_THRESHOLD_F32, _power_of_log
 
 __all__ = ["vocab_parallel_uncertainty_weighted_ce"]
@@ -100,7 +102,7 @@ def _settings_row(uncertainty, mode, reduction, ignore_index, dtype, gamma_value
     (Brier weights), a CRC of the dtype's name (stable across processes) and whether the two optional tensors are
     given."""
     uses_gamma = uncertainty not in ("none", "external") and gamma_tensor is None
-    return [V.WEIGHT_CODES[uncertainty], V.MODE_CODES[mode], V.REDUCTION_CODES[reduction], ignore_index,
+    return [WEIGHT_CODES[uncertainty], MODE_CODES[mode], REDUCTION_CODES[reduction], ignore_index,
             zlib.crc32(str(dtype).encode()), _float_bits(gamma_value) if uses_gamma else 0,
             _float_bits(norm) if uncertainty in ("brier", "brier_flsd") else 0, int(sample_weight is not None),
             int(gamma_tensor is not None)]
@@ -353,12 +355,12 @@ def _reduce(row_loss, target, reduction, ignore_index):
 def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction,
                      ignore_index):
     """The checks that need no other rank (types, shapes, names, values), and what the call needs from them."""
-    V.check_class_weight(weight)
-    V.check_uncertainty(uncertainty)
-    V.check_mode(mode)
-    V.check_reduction(reduction)
-    V.check_gamma(gamma)
-    V.check_norm(norm)
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
+    check_mode(mode)
+    check_reduction(reduction)
+    check_gamma(gamma)
+    check_norm(norm)
     if not isinstance(local_logits, torch.Tensor):
         raise TypeError(f"local_logits must be a torch.Tensor, got {type(local_logits).__name__}")
     if not isinstance(target, torch.Tensor):
@@ -375,7 +377,7 @@ def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sampl
                          f"{tuple(local_logits.shape)}: expected {tuple(local_logits.shape[:-1])}")
     if target.device != local_logits.device:
         raise ValueError(f"target is on {target.device} but local_logits are on {local_logits.device}")
-    V.check_ignore_index(ignore_index)
+    check_ignore_index(ignore_index)
     batch_shape = tuple(target.shape)
     num_local = local_logits.shape[-1]
     logits2d = local_logits.reshape(math.prod(batch_shape), num_local)  # -1 is ambiguous for an empty block
@@ -383,8 +385,8 @@ def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sampl
         raise ValueError("empty batch: local_logits have no rows")
     target1d = target.reshape(-1).long()
     device = local_logits.device
-    sample_weight = V.check_sample_weight(sample_weight, uncertainty, batch_shape, device)
-    gamma = V.check_per_sample_gamma(gamma, uncertainty, batch_shape, device)
+    sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, device)
+    gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, device)
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
 
@@ -445,9 +447,9 @@ def vocab_parallel_uncertainty_weighted_ce(
         _share_refusal(local_logits, group)  # the other ranks raise too, in the collective they are waiting in
         raise
     offset, num_classes = _block_layout(num_local, target1d, group, device, settings, row_tensors)
-    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
+    bad = out_of_range_targets(target1d, num_classes, ignore_index)
     if bool(bad.any()):
-        raise ValueError(V.out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
+        raise ValueError(out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
 

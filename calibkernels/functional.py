@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import _autograd, _backends, _target_checks
-from . import _validation as V
 from . import reference as _reference
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._validation import INT64_MAX, INT64_MIN, check_loss_inputs, soft_target_request
 
 __all__ = ["uncertainty_weighted_ce", "bsce_gra_loss", "brier_loss", "label_smoothing_loss", "mmce_loss"]
 
@@ -71,7 +72,7 @@ def uncertainty_weighted_ce(
             if loss is not None:
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
-    soft = V.soft_target_request(target, label_smoothing, mix_target, mix_lambda)
+    soft = soft_target_request(target, label_smoothing, mix_target, mix_lambda)
     # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
     gamma_needs_grad = (soft and mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
                         and torch.is_grad_enabled())
@@ -94,7 +95,7 @@ def uncertainty_weighted_ce(
     if not host_check and _autograd.is_plain_eager(logits):
         # before this call queues flags of its own: what poll raises belongs to an earlier call
         _target_checks.poll()
-    inputs = V.check_loss_inputs(
+    inputs = check_loss_inputs(
         logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         weight=weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
@@ -158,9 +159,9 @@ def _fast_call(logits, target, uncertainty, mode, gamma, norm, reduction, ignore
     a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA and Triton kernels flag them on the device
     for :mod:`calibkernels._target_checks`, as the general path does on a GPU. ``inplace``: as the general path,
     which refuses logits that are a leaf requiring grad, or a view of one."""
-    uncertainty_code = V.WEIGHT_CODES.get(uncertainty) if type(uncertainty) is str else None
-    mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
-    reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
+    uncertainty_code = WEIGHT_CODES.get(uncertainty) if type(uncertainty) is str else None
+    mode_code = MODE_CODES.get(mode) if type(mode) is str else None
+    reduction_code = REDUCTION_CODES.get(reduction) if type(reduction) is str else None
     dense = target.is_floating_point()
     on_gpu = logits.is_cuda
     if type(backend) is not str or (on_gpu and torch._C._len_torch_dispatch_stack() != 0):
@@ -203,7 +204,7 @@ def _fast_call(logits, target, uncertainty, mode, gamma, norm, reduction, ignore
     if on_gpu:
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
     if triton:
-        if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        if not INT64_MIN <= ignore_index <= INT64_MAX:
             return None  # the general path's ValueError: a Triton kernel would take a wider int as uint64
         return _autograd.run_rows("triton", logits, target, None, gamma, uncertainty_code, mode_code, norm,
                                   ignore_index, reduction_code, soft, inplace)
@@ -220,7 +221,6 @@ def _fast_call(logits, target, uncertainty, mode, gamma, norm, reduction, ignore
 
 
 _INF = float("inf")
-_INT64_MIN, _INT64_MAX = V.INT64_MIN, V.INT64_MAX
 _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # (on CUDA, on the CPU, backend, CUDA device index or -1) -> whether _fast_call serves that backend there (per GPU:
 # a build may hold no code for one of several); filled on first use

@@ -39,8 +39,12 @@ import torch
 from torch import nn
 
 from . import _autograd, _backends, _target_checks
-from . import _validation as V
-from .family import common_repr
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._validation import (LossInputs, check_backend, check_class_weight, check_dense_target, check_gamma,
+                          check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,
+                          check_per_sample_gamma, check_reduction, check_sample_weight, check_target_values,
+                          check_uncertainty, device_target_flag, lambda_tensor, soft_target_request)
+from .more_losses import common_repr
 from .reference import _DUAL_FOCAL_SOFT, _check_number, _one_hot_for_dual_focal
 from .reference import _uncertainty_weighted_ce as _reference_loss
 
@@ -177,7 +181,7 @@ def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore
     row, the first bad row)`` of a dense target's values."""
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    _target_checks.submit(V.device_target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index,
+    _target_checks.submit(device_target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index,
                           _autograd._dense_dtype(target1d))
 
 
@@ -210,10 +214,10 @@ def _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index):
             target1d = torch.where(target1d == ignore_index, target1d, mix1d)
         mix1d = lam = None
     if uncertainty == "dual_focal" and (mix1d is not None or target1d.is_floating_point()):
-        inputs = V.LossInputs(logits=None, target=target1d, uncertainty=uncertainty, mode="grad", gamma=0.0, norm=2.0,
-                              sample_weight=None, reduction="none", ignore_index=ignore_index,
-                              batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
-                              dense=target1d.is_floating_point())
+        inputs = LossInputs(logits=None, target=target1d, uncertainty=uncertainty, mode="grad", gamma=0.0, norm=2.0,
+                            sample_weight=None, reduction="none", ignore_index=ignore_index,
+                            batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
+                            dense=target1d.is_floating_point())
         target1d, mix1d, lam = _one_hot_for_dual_focal(inputs).target, None, None
     return target1d, mix1d, lam
 
@@ -232,11 +236,11 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
         g = None if gamma is None else gamma.detach()
 
         def rows(zc, g):
-            inputs = V.LossInputs(logits=zc, target=target, uncertainty=spec.uncertainty, mode=spec.mode,
-                                  gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
-                                  reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
-                                  label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
-                                  dense=spec.dense)
+            inputs = LossInputs(logits=zc, target=target, uncertainty=spec.uncertainty, mode=spec.mode,
+                                gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
+                                reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
+                                label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
+                                dense=spec.dense)
             return _reference_loss(inputs)
 
         if not (compute_grad or gamma_grad):
@@ -254,11 +258,11 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
     gamma_factor = None
     if gamma_grad:  # read the logits before the kernel overwrites them
         gamma_factor = _autograd._gamma_gradient_factor(z, target, gamma, spec.ignore_index,
-                                                        V.REDUCTION_CODES["sum"])
+                                                        REDUCTION_CODES["sum"])
     soft = (mix_target, mix_lambda, spec.label_smoothing) if mix_target is not None else spec.soft_arguments
     row_loss, _, _ = module.forward(
-        z, target, sample_weight, gamma, V.WEIGHT_CODES[spec.uncertainty], V.MODE_CODES[spec.mode], spec.gamma,
-        spec.norm, spec.ignore_index, V.REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft)
+        z, target, sample_weight, gamma, WEIGHT_CODES[spec.uncertainty], MODE_CODES[spec.mode], spec.gamma,
+        spec.norm, spec.ignore_index, REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft)
     return row_loss, (z if compute_grad else None), gamma_factor
 
 
@@ -480,17 +484,17 @@ def fused_linear_uncertainty_weighted_ce(
     gradient raises ``RuntimeError``). With ``backend="reference"`` each chunk runs the pure-PyTorch reference and
     ``torch.autograd.grad``.
     """
-    V.check_class_weight(weight)
-    V.check_uncertainty(uncertainty)
-    V.check_mode(mode)
-    V.check_reduction(reduction)
-    V.check_gamma(gamma)
-    V.check_norm(norm)
-    V.check_backend(backend)
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
+    check_mode(mode)
+    check_reduction(reduction)
+    check_gamma(gamma)
+    check_norm(norm)
+    check_backend(backend)
     chunk_size = _check_chunk_size(chunk_size)
-    V.check_ignore_index(ignore_index)
-    smoothing = V.check_label_smoothing(label_smoothing)
-    soft = V.soft_target_request(target, smoothing, mix_target, mix_lambda)
+    check_ignore_index(ignore_index)
+    smoothing = check_label_smoothing(label_smoothing)
+    soft = soft_target_request(target, smoothing, mix_target, mix_lambda)
     hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
     num_rows, hidden_size = hidden2d.shape
     num_classes = linear_weight.shape[0]
@@ -516,18 +520,18 @@ def fused_linear_uncertainty_weighted_ce(
             raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself")
         if not torch.compiler.is_compiling():
             # on a GPU the values of plain eager calls are flagged on the device below (no synchronisation)
-            V.check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
-                                 check_values=host_check or not _autograd.is_plain_eager(hidden2d))
+            check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
+                               check_values=host_check or not _autograd.is_plain_eager(hidden2d))
     elif host_check and not torch.compiler.is_compiling():
-        V.check_target_values(target1d, num_classes, ignore_index)
+        check_target_values(target1d, num_classes, ignore_index)
     if mix_target is not None:
         # on a GPU the mix's values are flagged on the device (no synchronisation); the kernel flags the targets
-        mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
-                                 check_values=host_check)
-    sample_weight = V.check_sample_weight(sample_weight, uncertainty, batch_shape, device, check_values=host_check)
+        mix1d, lam = check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
+                               check_values=host_check)
+    sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, device, check_values=host_check)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
-    gamma = V.check_per_sample_gamma(gamma, uncertainty, batch_shape, device, check_values=host_check)
+    gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, device, check_values=host_check)
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
     if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
@@ -538,7 +542,7 @@ def fused_linear_uncertainty_weighted_ce(
     target1d, mix1d, lam = _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index)
     dense = target1d.is_floating_point()
     if mix1d is not None:
-        lam = V.lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
+        lam = lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():
         _probe_out_dtype_addmm(device, hidden.dtype)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(
@@ -578,19 +582,19 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
                  backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None):
         super().__init__()
-        V.check_class_weight(weight)
-        V.check_uncertainty(uncertainty)
-        V.check_mode(mode)
-        V.check_gamma(gamma)
+        check_class_weight(weight)
+        check_uncertainty(uncertainty)
+        check_mode(mode)
+        check_gamma(gamma)
         if isinstance(gamma, torch.Tensor):
             raise TypeError("a module's gamma is a number; use the functional form for a per-sample gamma tensor")
         _check_number("gamma", gamma)
-        V.check_norm(norm)
-        V.check_reduction(reduction)
-        V.check_backend(backend)
-        V.check_ignore_index(ignore_index)
+        check_norm(norm)
+        check_reduction(reduction)
+        check_backend(backend)
+        check_ignore_index(ignore_index)
         chunk_size = _check_chunk_size(chunk_size)
-        self.label_smoothing = V.check_label_smoothing(label_smoothing)
+        self.label_smoothing = check_label_smoothing(label_smoothing)
         self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, float(gamma), float(norm)
         self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size
 

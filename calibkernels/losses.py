@@ -16,11 +16,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import _validation as V
-from . import family as _family
-from . import functional as F_ck
+from . import more_losses
 from . import reference as _reference
-from .family import AdaFocalLoss, MbLSLoss, MDCALoss
+from ._validation import (check_backend, check_class_weight, check_gamma, check_ignore_index, check_label_smoothing,
+                          check_mode, check_norm, check_reduction, check_uncertainty, is_number)
+from .functional import uncertainty_weighted_ce
+from .more_losses import AdaFocalLoss, MbLSLoss, MDCALoss, common_repr
 
 __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss",
            "AdaptiveBSCEGRA", "AdaFocalLoss", "MDCALoss", "MbLSLoss", "build", "names", "REGISTRY"]
@@ -28,11 +29,11 @@ __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLos
 
 def _check_gamma_and_norm(gamma, norm):
     """γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)."""
-    V.check_gamma(gamma)
+    check_gamma(gamma)
     if isinstance(gamma, torch.Tensor):
         raise TypeError("a module's gamma is a number; pass a per-sample gamma tensor to forward(..., gamma=...)")
     _reference._check_number("gamma", gamma)
-    V.check_norm(norm)
+    check_norm(norm)
     _reference._check_number("norm", norm, positive=True)
 
 
@@ -55,13 +56,13 @@ class UncertaintyWeightedCE(nn.Module):
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
                  backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight", *, weight=None):
         super().__init__()
-        V.check_class_weight(weight)
-        V.check_uncertainty(uncertainty)
-        V.check_mode(mode)
+        check_class_weight(weight)
+        check_uncertainty(uncertainty)
+        check_mode(mode)
         _check_gamma_and_norm(gamma, norm)
-        V.check_reduction(reduction)
-        V.check_backend(backend)
-        V.check_ignore_index(ignore_index)
+        check_reduction(reduction)
+        check_backend(backend)
+        check_ignore_index(ignore_index)
         if not isinstance(inplace, bool):
             raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
         _reference.check_gra_detach(gra_detach, uncertainty=uncertainty, mode=mode)
@@ -69,7 +70,7 @@ class UncertaintyWeightedCE(nn.Module):
             raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) has no fused kernel: use "
                              f"backend='auto' or 'reference', not {backend!r}")
         self.gra_detach = gra_detach
-        label_smoothing = V.check_label_smoothing(label_smoothing)
+        label_smoothing = check_label_smoothing(label_smoothing)
         if uncertainty == "dual_focal" and label_smoothing != 0.0:
             raise ValueError(f"uncertainty='dual_focal' with label_smoothing={label_smoothing}: "
                              f"{_reference._DUAL_FOCAL_SOFT}")
@@ -85,7 +86,7 @@ class UncertaintyWeightedCE(nn.Module):
                 norm=self.norm, sample_weight=sample_weight, reduction=self.reduction,
                 ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, mix_target=mix_target,
                 mix_lambda=mix_lambda, gra_detach=self.gra_detach)
-        return F_ck.uncertainty_weighted_ce(
+        return uncertainty_weighted_ce(
             logits, target, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, inplace=self.inplace, label_smoothing=self.label_smoothing, mix_target=mix_target,
@@ -109,7 +110,7 @@ class UncertaintyWeightedCE(nn.Module):
             parts.append(f"gra_detach={self.gra_detach!r}")
         if self.label_smoothing:
             parts.append(f"label_smoothing={self.label_smoothing}")
-        parts.append(_family.common_repr(self.reduction, self.ignore_index, self.backend))
+        parts.append(common_repr(self.reduction, self.ignore_index, self.backend))
         if self.inplace:
             parts.append("inplace=True")
         return ", ".join(parts)
@@ -139,7 +140,7 @@ class AdaptiveBSCEGRA(UncertaintyWeightedCE):
     soft targets) is below 0.2, 3 below 0.5, else ``gamma`` (FLSD-53's bands, decided as for ``uncertainty="flsd"``).
 
     The fused op's ``uncertainty="brier_flsd"`` in grad mode: each kernel picks γ_i from the row statistics it already
-    has, so the loss costs what BSCE-GRA costs. Reference: :func:`calibkernels.family.bsce_adaptive_gra_loss`.
+    has, so the loss costs what BSCE-GRA costs. Reference: :func:`calibkernels.more_losses.bsce_adaptive_gra_loss`.
     """
 
     def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto", inplace=False,
@@ -153,7 +154,7 @@ class AdaptiveBSCEGRA(UncertaintyWeightedCE):
 
 def _check_reference_only_backend(loss_name, backend):
     """Losses without a fused kernel run the reference; naming a kernel backend for them is an error, not a fallback."""
-    V.check_backend(backend)
+    check_backend(backend)
     if backend not in ("auto", "reference"):
         raise ValueError(f"{loss_name} has no fused kernel: use backend='auto' or 'reference', not {backend!r}")
     return backend
@@ -164,8 +165,8 @@ class BrierLoss(nn.Module):
 
     def __init__(self, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
-        V.check_reduction(reduction)
-        V.check_ignore_index(ignore_index)
+        check_reduction(reduction)
+        check_ignore_index(ignore_index)
         self.reduction, self.ignore_index = reduction, ignore_index
         self.backend = _check_reference_only_backend("brier_loss", backend)
 
@@ -173,7 +174,7 @@ class BrierLoss(nn.Module):
         return _reference.brier_loss(logits, target, reduction=self.reduction, ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return _family.common_repr(self.reduction, self.ignore_index)
+        return common_repr(self.reduction, self.ignore_index)
 
 
 class LabelSmoothingCE(nn.Module):
@@ -182,9 +183,9 @@ class LabelSmoothingCE(nn.Module):
     def __init__(self, alpha=0.05, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         self.backend = _check_reference_only_backend("label_smoothing", backend)
-        V.check_reduction(reduction)
-        V.check_ignore_index(ignore_index)
-        if not V.is_number(alpha):
+        check_reduction(reduction)
+        check_ignore_index(ignore_index)
+        if not is_number(alpha):
             raise TypeError(f"label smoothing alpha must be a number in [0, 1], got {type(alpha).__name__}")
         if not 0.0 <= alpha <= 1.0:  # also refuses NaN
             raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")
@@ -195,7 +196,7 @@ class LabelSmoothingCE(nn.Module):
                                                ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return f"alpha={self.alpha}, {_family.common_repr(self.reduction, self.ignore_index)}"
+        return f"alpha={self.alpha}, {common_repr(self.reduction, self.ignore_index)}"
 
 
 class MMCELoss(nn.Module):
@@ -210,10 +211,10 @@ class MMCELoss(nn.Module):
         super().__init__()
         self.form = _reference.check_mmce_form(form)
         self.backend = _check_reference_only_backend("mmce", backend)
-        V.check_reduction(reduction)
+        check_reduction(reduction)
         if reduction == "none":
             raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
-        V.check_ignore_index(ignore_index)
+        check_ignore_index(ignore_index)
         _reference.check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
         self.lam, self.weighted, self.bandwidth = float(lam), bool(weighted), float(bandwidth)
         self.reduction, self.ignore_index = reduction, ignore_index
@@ -226,7 +227,7 @@ class MMCELoss(nn.Module):
     def extra_repr(self):
         form = f", form={self.form!r}" if self.form != "kumar" else ""
         return (f"lam={self.lam}, weighted={self.weighted}, bandwidth={self.bandwidth}{form}, "
-                f"{_family.common_repr(self.reduction, self.ignore_index)}")
+                f"{common_repr(self.reduction, self.ignore_index)}")
 
 
 class _Factory:
@@ -312,9 +313,9 @@ REGISTRY = {
     "mmce_weighted": _mmce(weighted=True),
     "soft_target_cross_entropy": _soft_target("none", "grad"),
     "soft_target_bsce_gra": _soft_target("brier", "grad", gamma=4.0, norm=2.0),
-    # the rest of the family (calibkernels/family.py; docs/losses.md, "More losses")
+    # the losses beyond the fused family (calibkernels/more_losses.py; docs/losses.md, "More losses")
     "bsce_adaptive_gra": _Factory(AdaptiveBSCEGRA, ("gamma", "norm") + _FUSED, gamma=3.0, norm=2.0),
-    "adafocal": _Factory(AdaFocalLoss, tuple(_family.ADAFOCAL_DEFAULTS) + _COMMON),
+    "adafocal": _Factory(AdaFocalLoss, tuple(more_losses.ADAFOCAL_DEFAULTS) + _COMMON),
     "mdca": _MDCAFactory(),
     "mbls": _Factory(MbLSLoss, ("margin", "lam") + _COMMON),
 }

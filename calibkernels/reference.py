@@ -53,8 +53,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from . import _validation as V
 from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
+from ._validation import LossInputs, check_backend, check_logits_target, check_loss_inputs, check_reduction, is_number
 
 __all__ = [
     "uncertainty_weight",
@@ -279,10 +279,10 @@ def uncertainty_weighted_ce(
     Returns:
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
-    V.check_backend(backend)
+    check_backend(backend)
     if backend not in ("reference", "auto"):
         raise ValueError(f"calibkernels.reference only runs backend='reference', not {backend!r}")
-    inputs = V.check_loss_inputs(
+    inputs = check_loss_inputs(
         logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
         mix_target=mix_target, mix_lambda=mix_lambda,
@@ -306,7 +306,7 @@ def check_gra_detach(gra_detach, *, uncertainty, mode):
     return gra_detach
 
 
-def _uncertainty_weighted_ce(inputs: V.LossInputs, detach_p_j=False):
+def _uncertainty_weighted_ce(inputs: LossInputs, detach_p_j=False):
     """The reference on already-validated inputs (what the ``"reference"`` backend runs); ``detach_p_j``: dual
     focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole)."""
     if inputs.soft:
@@ -324,7 +324,7 @@ def _uncertainty_weighted_ce(inputs: V.LossInputs, detach_p_j=False):
         sample_weight=sample_weight, detach_p_j=detach_p_j), detach_weight=not detach_p_j)
 
 
-def _weighted_reduced(inputs: V.LossInputs, valid, cross_entropy, weight_of, detach_weight=True):
+def _weighted_reduced(inputs: LossInputs, valid, cross_entropy, weight_of, detach_weight=True):
     """``reduce(u · CE)`` with ``u = weight_of(sample_weight with ignored rows zeroed)``, detached in grad mode
     (unless ``detach_weight=False``: the weight then detaches what it must itself)."""
     sample_weight = inputs.sample_weight
@@ -343,7 +343,7 @@ _DUAL_FOCAL_SOFT = ("dual focal has no published soft-target form (its p_j, the 
                     "soft targets")
 
 
-def _one_hot_for_dual_focal(inputs: V.LossInputs) -> V.LossInputs:
+def _one_hot_for_dual_focal(inputs: LossInputs) -> LossInputs:
     """Dual focal accepts only truly one-hot targets: a mix whose λ is 0 or 1 on every row, or a dense target whose
     rows are one-hot, is turned into class indices; anything else (smoothing, a proper mix) raises ``ValueError``."""
     if inputs.label_smoothing != 0.0:
@@ -475,7 +475,7 @@ def _soft_flsd_gamma(z, t, gamma, flsd_band=None):
     return _flsd_band(p_band, gamma, zd.dtype)
 
 
-def _soft_target_ce(inputs: V.LossInputs):
+def _soft_target_ce(inputs: LossInputs):
     """``L_i = u_i · CE_i`` with ``CE_i = -Σ_k t_ik log p_ik`` for validated soft-target inputs."""
     logits = inputs.logits
     if inputs.dense:
@@ -511,8 +511,8 @@ def bsce_gra_loss(logits, target, *, gamma=4.0, norm=2.0, reduction="mean", igno
 
 def brier_loss(logits, target, *, reduction="mean", ignore_index=-100):
     """Brier loss ``Σ_k (p_k - e_{y,k})²`` per sample (Brier 1950; a proper scoring rule, not CE-weighted)."""
-    V.check_reduction(reduction)
-    logits2d, target1d, batch_shape = V.check_logits_target(logits, target, ignore_index=ignore_index)
+    check_reduction(reduction)
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     u = uncertainty_weight(z, safe_target, uncertainty="brier", gamma=2.0, norm=2.0)
     return _reduce(u, valid, reduction, batch_shape, logits2d.dtype)
@@ -524,10 +524,10 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
     This is the variant of ``F.cross_entropy(label_smoothing=α)``: the α mass is spread over all C classes, the
     target included. Per sample: ``-(1 - α) log p_y - (α / C) Σ_k log p_k``.
     """
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")
-    logits2d, target1d, batch_shape = V.check_logits_target(logits, target, ignore_index=ignore_index)
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     log_p = torch.log_softmax(z, dim=-1)
     nll = -log_p.gather(1, safe_target[:, None]).squeeze(1)
@@ -537,7 +537,7 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
 
 def _check_number(name, value, *, positive=False):
     """``value`` must be a real number (not a bool), finite, and ``> 0`` (``positive``) or ``>= 0``."""
-    if not V.is_number(value):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     in_range = value > 0 if positive else value >= 0  # both False for NaN
     if not (in_range and math.isfinite(value)):
@@ -594,7 +594,7 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100, fo
     """
     check_mmce_hyperparameters(bandwidth=bandwidth)
     check_mmce_form(form)
-    logits2d, target1d, _ = V.check_logits_target(logits, target, ignore_index=ignore_index)
+    logits2d, target1d, _ = check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     p = torch.softmax(z, dim=-1)
     confidence, prediction = p.max(dim=-1)
@@ -639,7 +639,7 @@ def mmce_loss(logits, target, *, lam=2.0, weighted=False, bandwidth=0.4, reducti
     sum reduction keeps the same balance between the two terms. ``lam`` must be finite and ≥ 0, ``bandwidth``
     finite and > 0 (``ValueError`` otherwise).
     """
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
     check_mmce_form(form)
     if reduction == "none":

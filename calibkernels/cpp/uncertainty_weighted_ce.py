@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from .. import _validation as V
 from .._autograd import is_plain_eager
+from .._codes import REDUCTION_CODES
 
 try:
     from .. import _C  # noqa: F401  (loading the library runs the TORCH_LIBRARY registrations)
@@ -54,7 +54,7 @@ def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sampl
         loss_dtype = logits.dtype
     else:
         loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    loss = logits.new_empty((logits.shape[0],) if reduction == V.REDUCTION_CODES["none"] else (), dtype=loss_dtype)
+    loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_CODES["none"] else (), dtype=loss_dtype)
     returned = compute_grad and grad_out is None
     # the target flag: two slots on CUDA, none on the CPU (its kernel raises instead)
     flag = logits.new_empty((2,) if logits.device.type == "cuda" else (0,), dtype=torch.int64)

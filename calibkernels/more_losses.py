@@ -1,5 +1,5 @@
-"""The rest of the calibration-loss family: BSCE-GRA with the official code's adaptive exponent, AdaFocal, MDCA and
-MbLS (formulas, defaults and sources: ``docs/losses.md``, "More losses").
+"""The losses beyond the fused family ("More losses"): BSCE-GRA with the official code's adaptive exponent, AdaFocal,
+MDCA and MbLS (formulas, defaults and sources: ``docs/losses.md``, "More losses").
 
 Each loss has a readable reference function (pure PyTorch, any device and dtype, gradients by autograd) and a module
 that runs the fused kernel wherever the loss is a per-sample weight on cross-entropy:
@@ -26,9 +26,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _validation as V
-from . import functional as F_ck
-from . import reference as R
+from . import reference
+from ._validation import (check_backend, check_gamma, check_ignore_index, check_logits_target, check_norm,
+                          check_reduction, is_number)
+from .functional import uncertainty_weighted_ce
 from .metrics._inputs import check_n_bins, prepare
 from .metrics.binned import bin_sums, confidence_and_correct, equal_count_edges
 
@@ -51,9 +52,9 @@ __all__ = [
 
 def _rows(logits, target, ignore_index, check_values=True):
     """``(valid (N,), z (N, C) in the compute dtype with ignored rows zeroed, safe target (N,), batch shape)``."""
-    logits2d, target1d, batch_shape = V.check_logits_target(logits, target, ignore_index=ignore_index,
-                                                            check_values=check_values)
-    valid, z, safe = R._masked_rows(logits2d, target1d, ignore_index)
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
+                                                          check_values=check_values)
+    valid, z, safe = reference._masked_rows(logits2d, target1d, ignore_index)
     if not check_values:  # unchecked targets never index out of range here; the fused op reports them
         safe = safe.clamp(0, z.shape[1] - 1)
     return valid, z, safe, batch_shape
@@ -65,7 +66,7 @@ def _cross_entropy_rows(z, safe):
 
 
 def _check_finite(name, value, *, minimum=None, positive=False):
-    if not V.is_number(value):
+    if not is_number(value):
         raise TypeError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value) or (positive and value <= 0) or (minimum is not None and value < minimum):
         bound = "> 0" if positive else (f">= {minimum}" if minimum is not None else "finite")
@@ -74,9 +75,9 @@ def _check_finite(name, value, *, minimum=None, positive=False):
 
 
 def _check_reduction(reduction, backend, ignore_index, *, batch_level=False, name="this loss"):
-    V.check_reduction(reduction)
-    V.check_backend(backend)
-    V.check_ignore_index(ignore_index)
+    check_reduction(reduction)
+    check_backend(backend)
+    check_ignore_index(ignore_index)
     if batch_level and reduction == "none":
         raise ValueError(f"{name} has a batch-level term: reduction='none' is not supported (use 'mean' or 'sum')")
 
@@ -99,20 +100,21 @@ def bsce_adaptive_gamma(z, target, gamma):
     """γ_i ``(N,)`` of ``bsce_adaptive_gra`` for logits ``z (N, C)`` and in-range targets: 5 if p_y < 0.2, 3 if
     p_y < 0.5, else ``gamma``; p_y and the thresholds compared in float32, the rule FLSD-53 uses everywhere
     (``calibkernels.reference._flsd_gamma``). Never differentiated."""
-    return R._flsd_gamma(z, target, gamma)
+    return reference._flsd_gamma(z, target, gamma)
 
 
 def _adaptive_brier_weight(z, safe, gamma, norm):
     """``sg[‖p - e_y‖_q^{γ_i}]`` per row of ``z`` (compute dtype), in the log domain like every Brier weight."""
     z = z.detach()
-    return R.uncertainty_weight(z, safe, uncertainty="brier", gamma=bsce_adaptive_gamma(z, safe, gamma), norm=norm)
+    return reference.uncertainty_weight(z, safe, uncertainty="brier", gamma=bsce_adaptive_gamma(z, safe, gamma),
+                                        norm=norm)
 
 
 def _check_gamma_norm(gamma, norm):
-    V.check_gamma(gamma)
+    check_gamma(gamma)
     if isinstance(gamma, torch.Tensor):
         raise TypeError("bsce_adaptive_gra chooses γ_i itself: gamma is the number used where p_y >= 0.5")
-    V.check_norm(norm)
+    check_norm(norm)
     return float(gamma), float(norm)
 
 
@@ -125,10 +127,10 @@ def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="me
     ``uncertainty="brier_flsd"`` (``calibkernels.losses.AdaptiveBSCEGRA``), which the tests check against it.
     """
     gamma, norm = _check_gamma_norm(gamma, norm)
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _adaptive_brier_weight(z, safe, gamma, norm) * _cross_entropy_rows(z, safe)
-    return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reference._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -173,14 +175,14 @@ def adafocal_loss(logits, target, gamma, *, reduction="mean", ignore_index=-100)
     ``L_i = -(1 - p_y)^{γ_i} log p_y`` where γ_i >= 0 (focal), ``-(1 + p_y)^{|γ_i|} log p_y`` where γ_i < 0
     (inverse focal), differentiated through the weight (loss mode); ``gamma`` gets no gradient.
     """
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     gamma = _check_adafocal_gamma(gamma, target, z)
     ce = _cross_entropy_rows(z, safe)
-    focal = R.uncertainty_weight(z, safe, uncertainty="focal", gamma=gamma.clamp_min(0), norm=2.0)
+    focal = reference.uncertainty_weight(z, safe, uncertainty="focal", gamma=gamma.clamp_min(0), norm=2.0)
     inverse = torch.exp(gamma.abs() * torch.log1p(torch.exp(-ce)))  # (1 + p_y)^{|γ|}, p_y = exp(-CE)
     per_row = torch.where(gamma < 0, inverse, focal) * ce
-    return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reference._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 def adafocal_next_gamma(gamma, gap, *, lam, switch_point, gamma_min, gamma_max):
@@ -288,10 +290,10 @@ class AdaFocalLoss(nn.Module):
         if self.backend == "reference":
             return adafocal_loss(logits, target, gamma, reduction=self.reduction, ignore_index=self.ignore_index)
         if bool((self.gamma >= 0).all()):  # the table lives on the host: no device synchronisation
-            return F_ck.uncertainty_weighted_ce(
+            return uncertainty_weighted_ce(
                 logits, target, uncertainty="focal", mode="loss", gamma=gamma.to(torch.float32),
                 reduction=self.reduction, ignore_index=self.ignore_index, backend=self.backend)
-        focal = F_ck.uncertainty_weighted_ce(
+        focal = uncertainty_weighted_ce(
             logits, target, uncertainty="focal", mode="loss", gamma=gamma.clamp_min(0).to(torch.float32),
             reduction="none", ignore_index=self.ignore_index, backend=self.backend)
         valid, z, safe, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
@@ -299,7 +301,7 @@ class AdaFocalLoss(nn.Module):
         magnitude = gamma.reshape(-1).abs().to(z.dtype)
         inverse = torch.exp(magnitude * torch.log1p(torch.exp(-ce))) * ce
         per_row = torch.where(gamma.reshape(-1) < 0, inverse, focal.reshape(-1).to(z.dtype))
-        return R._reduce(per_row, valid, self.reduction, batch_shape, logits.dtype)
+        return reference._reduce(per_row, valid, self.reduction, batch_shape, logits.dtype)
 
     def extra_repr(self):
         return (f"n_bins={self.n_bins}, lam={self.lam}, gamma_initial={self.gamma_initial}, "
@@ -338,7 +340,7 @@ def mdca_loss(logits, target, *, beta=1.0, reduction="mean", ignore_index=-100):
     beta = _check_finite("beta", beta, minimum=0.0)
     _check_reduction(reduction, "reference", ignore_index, batch_level=True, name="mdca")
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
-    ce = R._reduce(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
+    ce = reference._reduce(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
     term, m = _mdca_of_rows(z, safe, valid)
     return _with_batch_term(ce, term, m, beta, reduction, logits.dtype)
 
@@ -368,8 +370,8 @@ class MDCALoss(nn.Module):
     def forward(self, logits, target):
         valid, z, safe, _ = _rows(logits, target, self.ignore_index, check_values=False)
         if self.base is None:
-            base_value = F_ck.uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
-                                                      ignore_index=self.ignore_index, backend=self.backend)
+            base_value = uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
+                                                 ignore_index=self.ignore_index, backend=self.backend)
         else:
             base_value = self.base(logits, target)
         term, m = _mdca_of_rows(z, safe, valid)
@@ -397,10 +399,10 @@ def _check_mbls(margin, lam):
 def mbls_loss(logits, target, *, margin=10.0, lam=0.1, reduction="mean", ignore_index=-100):
     """Reference of ``mbls``: ``L_i = CE_i + λ · (1/C) Σ_k max(0, max_j z_ij - z_ik - m)`` (m = 10, λ = 0.1)."""
     margin, lam = _check_mbls(margin, lam)
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _cross_entropy_rows(z, safe) + lam * mbls_penalty(z, margin)
-    return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reference._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 class MbLSLoss(nn.Module):
@@ -417,10 +419,10 @@ class MbLSLoss(nn.Module):
         if self.backend == "reference":
             return mbls_loss(logits, target, margin=self.margin, lam=self.lam, reduction=self.reduction,
                              ignore_index=self.ignore_index)
-        ce = F_ck.uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
-                                          ignore_index=self.ignore_index, backend=self.backend)
+        ce = uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
+                                     ignore_index=self.ignore_index, backend=self.backend)
         valid, z, _, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
-        penalty = R._reduce(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)
+        penalty = reference._reduce(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)
         return (ce.to(penalty.dtype) + self.lam * penalty).to(logits.dtype)
 
     def extra_repr(self):
