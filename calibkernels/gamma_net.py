@@ -112,7 +112,8 @@ class GammaNet(nn.Module):
             raise TypeError(f"features must be floating point, got {features.dtype}")
         if features.dim() < 1 or features.shape[-1] != self.in_features:
             raise ValueError(
-                f"features must have shape (..., {self.in_features}) (the penultimate width), got {tuple(features.shape)}"
+                f"features must have shape (..., {self.in_features}) (the penultimate width), got "
+                f"{tuple(features.shape)}"
             )
         prototypes = self.prototypes.to(features.dtype)
         attention = torch.softmax(features @ prototypes, dim=-1)  # (..., k)
