@@ -56,11 +56,12 @@ import zlib
 import torch
 
 from . import _autograd
-from ._codes import FLSD_LOW_GAMMA, FLSD_MID_GAMMA, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._row_math import flsd_band, power_of_log, row_log_terms
+from ._target_checks import out_of_range_message
 from ._validation import (check_class_weight, check_gamma, check_ignore_index, check_mode, check_norm,
                           check_per_sample_gamma, check_reduction, check_sample_weight, check_uncertainty,
-                          out_of_range_message, out_of_range_targets)
-from .reference import _FLSD_LOW_THRESHOLD_F32, _FLSD_MID_THRESHOLD_F32, _power_of_log
+                          out_of_range_targets)
 
 __all__ = ["vocab_parallel_uncertainty_weighted_ce"]
 
@@ -184,11 +185,8 @@ def _log_power(log_x: torch.Tensor, exponent: float) -> torch.Tensor:
 
 
 def _flsd_gamma(log_p_y: torch.Tensor, gamma: float) -> torch.Tensor:
-    """FLSD-53's band from ``float32(p_y)`` (the rule of :func:`calibkernels.reference._flsd_gamma`)."""
-    p_band = torch.exp(log_p_y).float()
-    high = torch.full_like(log_p_y, float(gamma))
-    return torch.where(p_band < _FLSD_LOW_THRESHOLD_F32, torch.full_like(high, FLSD_LOW_GAMMA),
-                       torch.where(p_band < _FLSD_MID_THRESHOLD_F32, torch.full_like(high, FLSD_MID_GAMMA), high))
+    """FLSD-53's ``γ_i`` from ``float32(p_y)`` (:func:`calibkernels._row_math.flsd_band`)."""
+    return flsd_band(torch.exp(log_p_y).float(), gamma, log_p_y.dtype)
 
 
 def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, mode, norm, ignore_index, group,
@@ -237,7 +235,7 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, m
 
     # Everything relative to the row max m rather than through lse = m + log d, whose rounding (an ulp of m) would
     # be carried into every log-probability: z - m is exact near the max
-    log_d, cross_entropy, log_one_minus = _autograd.row_log_terms(z_y - m, d_not_y, d)
+    log_d, cross_entropy, log_one_minus = row_log_terms(z_y - m, d_not_y, d)
     log_p_y = -cross_entropy
     gamma_i = gamma  # a float, or (N,) per sample (focal)
     if uncertainty == "none":
@@ -247,16 +245,16 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, m
     elif uncertainty in ("focal", "flsd"):
         if uncertainty == "flsd":
             gamma_i = _flsd_gamma(log_p_y, gamma)
-        u = _power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
+        u = power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
     elif uncertainty == "dual_focal":
         log_p_j = (z_j - m) - log_d
         log_base = torch.logaddexp(log_one_minus, log_p_j)
-        u = _power_of_log(log_base, gamma)
+        u = power_of_log(log_base, gamma)
     else:  # brier, brier_flsd: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
         if uncertainty == "brier_flsd":
             gamma_i = _flsd_gamma(log_p_y, gamma)
         log_s = torch.logaddexp(torch.log(second[2]) - norm * log_d, _log_power(log_one_minus, norm))
-        u = _power_of_log(log_s, gamma_i / norm)
+        u = power_of_log(log_s, gamma_i / norm)
     # ignored rows are 0 whatever their logits hold (NaN or inf there must not reach the loss, as in the reference)
     row_loss = torch.where(valid, u * cross_entropy, zero)
     u = torch.where(valid, u, zero)

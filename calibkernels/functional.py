@@ -206,8 +206,8 @@ def _fast_call(logits, target, uncertainty, mode, gamma, norm, reduction, ignore
     if triton:
         if not INT64_MIN <= ignore_index <= INT64_MAX:
             return None  # the general path's ValueError: a Triton kernel would take a wider int as uint64
-        return _autograd.run_rows("triton", logits, target, None, gamma, uncertainty_code, mode_code, norm,
-                                  ignore_index, reduction_code, soft, inplace)
+        return _autograd.run_rows(_backends.module("triton"), logits, target, None, gamma, uncertainty_code,
+                                  mode_code, norm, ignore_index, reduction_code, soft, inplace)
     try:
         loss, flag = _EAGER_LOSS(logits, target, uncertainty_code, mode_code, gamma, norm, ignore_index,
                                  reduction_code, *(soft or (None, None, 0.0)), inplace)

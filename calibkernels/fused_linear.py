@@ -40,13 +40,14 @@ from torch import nn
 
 from . import _autograd, _backends, _target_checks
 from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
-from ._validation import (LossInputs, check_backend, check_class_weight, check_dense_target, check_gamma,
-                          check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,
-                          check_per_sample_gamma, check_reduction, check_sample_weight, check_target_values,
-                          check_uncertainty, device_target_flag, lambda_tensor, soft_target_request)
+from ._row_math import gamma_gradient_factor
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_class_weight, check_dense_target,
+                          check_gamma, check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,
+                          check_per_sample_gamma, check_reduction, check_sample_weight, check_scalar_gamma,
+                          check_target_values, check_uncertainty, device_target_flag, lambda_tensor,
+                          one_hot_for_dual_focal, soft_target_request)
 from .more_losses import common_repr
-from .reference import _DUAL_FOCAL_SOFT, _check_number, _one_hot_for_dual_focal
-from .reference import _uncertainty_weighted_ce as _reference_loss
+from .reference import uncertainty_weighted_ce_from_inputs
 
 __all__ = ["fused_linear_uncertainty_weighted_ce", "FusedLinearUncertaintyWeightedCE", "default_chunk_size"]
 
@@ -218,7 +219,7 @@ def _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index):
                             sample_weight=None, reduction="none", ignore_index=ignore_index,
                             batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
                             dense=target1d.is_floating_point())
-        target1d, mix1d, lam = _one_hot_for_dual_focal(inputs).target, None, None
+        target1d, mix1d, lam = one_hot_for_dual_focal(inputs).target, None, None
     return target1d, mix1d, lam
 
 
@@ -241,7 +242,7 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
                                 reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
                                 label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
                                 dense=spec.dense)
-            return _reference_loss(inputs)
+            return uncertainty_weighted_ce_from_inputs(inputs)
 
         if not (compute_grad or gamma_grad):
             return rows(zc, g), None, None
@@ -257,8 +258,7 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
     module = _backends.module(spec.backend)
     gamma_factor = None
     if gamma_grad:  # read the logits before the kernel overwrites them
-        gamma_factor = _autograd._gamma_gradient_factor(z, target, gamma, spec.ignore_index,
-                                                        REDUCTION_CODES["sum"])
+        gamma_factor = gamma_gradient_factor(z, target, gamma, spec.ignore_index, REDUCTION_CODES["sum"])
     soft = (mix_target, mix_lambda, spec.label_smoothing) if mix_target is not None else spec.soft_arguments
     row_loss, _, _ = module.forward(
         z, target, sample_weight, gamma, WEIGHT_CODES[spec.uncertainty], MODE_CODES[spec.mode], spec.gamma,
@@ -484,16 +484,8 @@ def fused_linear_uncertainty_weighted_ce(
     gradient raises ``RuntimeError``). With ``backend="reference"`` each chunk runs the pure-PyTorch reference and
     ``torch.autograd.grad``.
     """
-    check_class_weight(weight)
-    check_uncertainty(uncertainty)
-    check_mode(mode)
-    check_reduction(reduction)
-    check_gamma(gamma)
-    check_norm(norm)
-    check_backend(backend)
-    chunk_size = _check_chunk_size(chunk_size)
-    check_ignore_index(ignore_index)
-    smoothing = check_label_smoothing(label_smoothing)
+    chunk_size, smoothing = _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size,
+                                            ignore_index, label_smoothing)
     soft = soft_target_request(target, smoothing, mix_target, mix_lambda)
     hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
     num_rows, hidden_size = hidden2d.shape
@@ -501,7 +493,7 @@ def fused_linear_uncertainty_weighted_ce(
     device = hidden.device
     dense = target1d.is_floating_point()
     if soft and uncertainty == "dual_focal" and smoothing != 0.0:
-        raise ValueError(f"uncertainty='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
+        raise ValueError(f"uncertainty='dual_focal' with soft targets: {DUAL_FOCAL_SOFT_MESSAGE}")
     # dual focal's other soft forms run as class indices once found one-hot (below), or raise there
     if soft and uncertainty != "dual_focal":
         # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
@@ -535,7 +527,7 @@ def fused_linear_uncertainty_weighted_ce(
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
     if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
-                                                          else torch.float32):
+                                                           else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
         _submit_device_target_check(target1d, num_classes, ignore_index)  # the targets as given, before any mix
@@ -548,28 +540,50 @@ def fused_linear_uncertainty_weighted_ce(
     chunk = chunk_size if chunk_size is not None else default_chunk_size(
         num_rows, num_classes, hidden_size, hidden.element_size(), device.type)
     chunk = min(chunk, num_rows)
-
-    grad_enabled = torch.is_grad_enabled()
-    needs_grad = grad_enabled and (
-        hidden2d.requires_grad or linear_weight.requires_grad
-        or (linear_bias is not None and linear_bias.requires_grad)
-        or (gamma_tensor is not None and gamma_tensor.requires_grad and mode == "loss"))
-    if needs_grad:
-        loss = FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, name,
-                                     uncertainty, mode, gamma_value, norm, reduction, ignore_index, chunk, mix1d, lam,
-                                     smoothing)
-    else:
-        with torch.no_grad():
-            spec = _Spec(name, uncertainty, mode, gamma_value, float(norm), ignore_index, smoothing, dense)
-            row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
-                                         None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
-                                         False, False, False, False, None, mix1d, lam)
-            loss = row_loss if reduction == "none" else row_loss.sum()
-            if reduction == "mean":
-                loss = loss / _valid_rows(target1d, ignore_index).to(loss.dtype)
+    spec = _Spec(name, uncertainty, mode, gamma_value, float(norm), ignore_index, smoothing, dense)
+    loss = _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec, reduction,
+                         chunk, mix1d, lam)
     if reduction == "none":
         loss = loss.reshape(batch_shape)
     return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
+
+
+def _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size, ignore_index,
+                    label_smoothing):
+    """The checks of :func:`fused_linear_uncertainty_weighted_ce`'s settings that need no tensor; returns
+    ``(chunk_size, label_smoothing)`` as the call uses them."""
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
+    check_mode(mode)
+    check_reduction(reduction)
+    check_gamma(gamma)
+    check_norm(norm)
+    check_backend(backend)
+    chunk_size = _check_chunk_size(chunk_size)
+    check_ignore_index(ignore_index)
+    return chunk_size, check_label_smoothing(label_smoothing)
+
+
+def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec: _Spec,
+                  reduction: str, chunk: int, mix1d, lam) -> torch.Tensor:
+    """The loss of checked 2-D inputs, through :class:`FusedLinearUWCE` where a gradient is needed, else one pass of
+    the chunks without autograd; in the compute dtype, ``(N,)`` for ``reduction="none"``."""
+    needs_grad = torch.is_grad_enabled() and (
+        hidden2d.requires_grad or linear_weight.requires_grad
+        or (linear_bias is not None and linear_bias.requires_grad)
+        or (gamma_tensor is not None and gamma_tensor.requires_grad and spec.mode == "loss"))
+    if needs_grad:
+        return FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor,
+                                     spec.backend, spec.uncertainty, spec.mode, spec.gamma, spec.norm, reduction,
+                                     spec.ignore_index, chunk, mix1d, lam, spec.label_smoothing)
+    with torch.no_grad():
+        row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
+                                     None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
+                                     False, False, False, False, None, mix1d, lam)
+        loss = row_loss if reduction == "none" else row_loss.sum()
+        if reduction == "mean":
+            loss = loss / _valid_rows(target1d, ignore_index=spec.ignore_index).to(loss.dtype)
+    return loss
 
 
 class FusedLinearUncertaintyWeightedCE(nn.Module):
@@ -585,17 +599,15 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
         check_class_weight(weight)
         check_uncertainty(uncertainty)
         check_mode(mode)
-        check_gamma(gamma)
-        if isinstance(gamma, torch.Tensor):
-            raise TypeError("a module's gamma is a number; use the functional form for a per-sample gamma tensor")
-        _check_number("gamma", gamma)
+        gamma = check_scalar_gamma(
+            gamma, "a module's gamma is a number; use the functional form for a per-sample gamma tensor")
         check_norm(norm)
         check_reduction(reduction)
         check_backend(backend)
         check_ignore_index(ignore_index)
         chunk_size = _check_chunk_size(chunk_size)
         self.label_smoothing = check_label_smoothing(label_smoothing)
-        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, float(gamma), float(norm)
+        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, gamma, float(norm)
         self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size
 
     def forward(self, hidden, linear_weight, target, linear_bias=None, sample_weight=None, mix_target=None,

@@ -13,28 +13,19 @@ UncertaintyWeightedCE(uncertainty='brier', mode='grad', gamma=4.0, norm=2.0, red
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from . import more_losses
 from . import reference as _reference
-from ._validation import (check_backend, check_class_weight, check_gamma, check_ignore_index, check_label_smoothing,
-                          check_mode, check_norm, check_reduction, check_uncertainty, is_number)
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_class_weight, check_ignore_index,
+                          check_label_smoothing, check_mode, check_norm, check_reduction, check_scalar_gamma,
+                          check_uncertainty, is_number)
 from .functional import uncertainty_weighted_ce
+from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: F401  (module form of the fused linear loss)
 from .more_losses import AdaFocalLoss, MbLSLoss, MDCALoss, common_repr
 
 __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss",
            "AdaptiveBSCEGRA", "AdaFocalLoss", "MDCALoss", "MbLSLoss", "build", "names", "REGISTRY"]
-
-
-def _check_gamma_and_norm(gamma, norm):
-    """γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)."""
-    check_gamma(gamma)
-    if isinstance(gamma, torch.Tensor):
-        raise TypeError("a module's gamma is a number; pass a per-sample gamma tensor to forward(..., gamma=...)")
-    _reference._check_number("gamma", gamma)
-    check_norm(norm)
-    _reference._check_number("norm", norm, positive=True)
 
 
 class UncertaintyWeightedCE(nn.Module):
@@ -59,7 +50,10 @@ class UncertaintyWeightedCE(nn.Module):
         check_class_weight(weight)
         check_uncertainty(uncertainty)
         check_mode(mode)
-        _check_gamma_and_norm(gamma, norm)
+        # γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)
+        gamma = check_scalar_gamma(
+            gamma, "a module's gamma is a number; pass a per-sample gamma tensor to forward(..., gamma=...)")
+        check_norm(norm)
         check_reduction(reduction)
         check_backend(backend)
         check_ignore_index(ignore_index)
@@ -73,8 +67,8 @@ class UncertaintyWeightedCE(nn.Module):
         label_smoothing = check_label_smoothing(label_smoothing)
         if uncertainty == "dual_focal" and label_smoothing != 0.0:
             raise ValueError(f"uncertainty='dual_focal' with label_smoothing={label_smoothing}: "
-                             f"{_reference._DUAL_FOCAL_SOFT}")
-        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, float(gamma), float(norm)
+                             f"{DUAL_FOCAL_SOFT_MESSAGE}")
+        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, gamma, float(norm)
         self.reduction, self.ignore_index, self.backend, self.inplace = reduction, ignore_index, backend, inplace
         self.label_smoothing = label_smoothing
 
@@ -340,5 +334,3 @@ def build(name: str, **hyperparameters) -> nn.Module:
     except TypeError as exc:
         raise TypeError(f"loss {name!r}: {exc}") from exc
 
-
-from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: E402,F401  (module form of the fused linear loss)

@@ -20,18 +20,17 @@ form.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import reference
-from ._validation import (check_backend, check_gamma, check_ignore_index, check_logits_target, check_norm,
-                          check_reduction, is_number)
+from ._row_math import flsd_gamma, masked_rows, reduce_rows
+from ._validation import (check_backend, check_ignore_index, check_logits_target, check_norm, check_number,
+                          check_reduction, check_scalar_gamma)
 from .functional import uncertainty_weighted_ce
 from .metrics._inputs import check_n_bins, prepare
 from .metrics.binned import bin_sums, confidence_and_correct, equal_count_edges
+from .reference import uncertainty_weight
 
 __all__ = [
     "ADAFOCAL_DEFAULTS",
@@ -54,7 +53,7 @@ def _rows(logits, target, ignore_index, check_values=True):
     """``(valid (N,), z (N, C) in the compute dtype with ignored rows zeroed, safe target (N,), batch shape)``."""
     logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
                                                           check_values=check_values)
-    valid, z, safe = reference._masked_rows(logits2d, target1d, ignore_index)
+    valid, z, safe = masked_rows(logits2d, target1d, ignore_index)
     if not check_values:  # unchecked targets never index out of range here; the fused op reports them
         safe = safe.clamp(0, z.shape[1] - 1)
     return valid, z, safe, batch_shape
@@ -63,15 +62,6 @@ def _rows(logits, target, ignore_index, check_values=True):
 def _cross_entropy_rows(z, safe):
     # -log_softmax (the row max subtracted first), as the reference: logsumexp(z) - z_y carries an ulp of the logits
     return -torch.log_softmax(z, dim=1).gather(1, safe[:, None]).squeeze(1)
-
-
-def _check_finite(name, value, *, minimum=None, positive=False):
-    if not is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or (positive and value <= 0) or (minimum is not None and value < minimum):
-        bound = "> 0" if positive else (f">= {minimum}" if minimum is not None else "finite")
-        raise ValueError(f"{name} must be finite{'' if bound == 'finite' else ' and ' + bound}, got {value!r}")
-    return float(value)
 
 
 def _check_reduction(reduction, backend, ignore_index, *, batch_level=False, name="this loss"):
@@ -99,23 +89,21 @@ def common_repr(reduction, ignore_index, backend=None) -> str:
 def bsce_adaptive_gamma(z, target, gamma):
     """γ_i ``(N,)`` of ``bsce_adaptive_gra`` for logits ``z (N, C)`` and in-range targets: 5 if p_y < 0.2, 3 if
     p_y < 0.5, else ``gamma``; p_y and the thresholds compared in float32, the rule FLSD-53 uses everywhere
-    (``calibkernels.reference._flsd_gamma``). Never differentiated."""
-    return reference._flsd_gamma(z, target, gamma)
+    (:func:`calibkernels._row_math.flsd_gamma`). Never differentiated."""
+    return flsd_gamma(z, target, gamma)
 
 
 def _adaptive_brier_weight(z, safe, gamma, norm):
     """``sg[‖p - e_y‖_q^{γ_i}]`` per row of ``z`` (compute dtype), in the log domain like every Brier weight."""
     z = z.detach()
-    return reference.uncertainty_weight(z, safe, uncertainty="brier", gamma=bsce_adaptive_gamma(z, safe, gamma),
-                                        norm=norm)
+    return uncertainty_weight(z, safe, uncertainty="brier", gamma=bsce_adaptive_gamma(z, safe, gamma), norm=norm)
 
 
 def _check_gamma_norm(gamma, norm):
-    check_gamma(gamma)
-    if isinstance(gamma, torch.Tensor):
-        raise TypeError("bsce_adaptive_gra chooses γ_i itself: gamma is the number used where p_y >= 0.5")
+    gamma = check_scalar_gamma(
+        gamma, "bsce_adaptive_gra chooses γ_i itself: gamma is the number used where p_y >= 0.5")
     check_norm(norm)
-    return float(gamma), float(norm)
+    return gamma, float(norm)
 
 
 def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100):
@@ -130,7 +118,7 @@ def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="me
     check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _adaptive_brier_weight(z, safe, gamma, norm) * _cross_entropy_rows(z, safe)
-    return reference._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reduce_rows(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -179,10 +167,10 @@ def adafocal_loss(logits, target, gamma, *, reduction="mean", ignore_index=-100)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     gamma = _check_adafocal_gamma(gamma, target, z)
     ce = _cross_entropy_rows(z, safe)
-    focal = reference.uncertainty_weight(z, safe, uncertainty="focal", gamma=gamma.clamp_min(0), norm=2.0)
+    focal = uncertainty_weight(z, safe, uncertainty="focal", gamma=gamma.clamp_min(0), norm=2.0)
     inverse = torch.exp(gamma.abs() * torch.log1p(torch.exp(-ce)))  # (1 + p_y)^{|γ|}, p_y = exp(-CE)
     per_row = torch.where(gamma < 0, inverse, focal) * ce
-    return reference._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reduce_rows(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 def adafocal_next_gamma(gamma, gap, *, lam, switch_point, gamma_min, gamma_max):
@@ -234,11 +222,11 @@ class AdaFocalLoss(nn.Module):
                  reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         self.n_bins = check_n_bins(n_bins)
-        self.lam = _check_finite("lam", lam, minimum=0.0)
-        self.gamma_max = _check_finite("gamma_max", gamma_max)
-        self.gamma_min = _check_finite("gamma_min", gamma_min)
-        self.switch_point = _check_finite("switch_point", switch_point, minimum=0.0)
-        self.gamma_initial = _check_finite("gamma_initial", gamma_initial)
+        self.lam = check_number("lam", lam)
+        self.gamma_max = check_number("gamma_max", gamma_max, minimum=None)
+        self.gamma_min = check_number("gamma_min", gamma_min, minimum=None)
+        self.switch_point = check_number("switch_point", switch_point)
+        self.gamma_initial = check_number("gamma_initial", gamma_initial, minimum=None)
         if not self.gamma_min <= self.gamma_initial <= self.gamma_max:
             raise ValueError(f"need gamma_min <= gamma_initial <= gamma_max, got {gamma_min}, {gamma_initial}, "
                              f"{gamma_max}")
@@ -301,7 +289,7 @@ class AdaFocalLoss(nn.Module):
         magnitude = gamma.reshape(-1).abs().to(z.dtype)
         inverse = torch.exp(magnitude * torch.log1p(torch.exp(-ce))) * ce
         per_row = torch.where(gamma.reshape(-1) < 0, inverse, focal.reshape(-1).to(z.dtype))
-        return reference._reduce(per_row, valid, self.reduction, batch_shape, logits.dtype)
+        return reduce_rows(per_row, valid, self.reduction, batch_shape, logits.dtype)
 
     def extra_repr(self):
         return (f"n_bins={self.n_bins}, lam={self.lam}, gamma_initial={self.gamma_initial}, "
@@ -337,10 +325,10 @@ def _with_batch_term(base_value, term, m, scale, reduction, dtype):
 
 def mdca_loss(logits, target, *, beta=1.0, reduction="mean", ignore_index=-100):
     """Reference of ``mdca`` with its default base: ``CE + β · MDCA`` (``"sum"``: ``Σ CE + β · m · MDCA``)."""
-    beta = _check_finite("beta", beta, minimum=0.0)
+    beta = check_number("beta", beta)
     _check_reduction(reduction, "reference", ignore_index, batch_level=True, name="mdca")
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
-    ce = reference._reduce(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
+    ce = reduce_rows(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
     term, m = _mdca_of_rows(z, safe, valid)
     return _with_batch_term(ce, term, m, beta, reduction, logits.dtype)
 
@@ -354,7 +342,7 @@ class MDCALoss(nn.Module):
 
     def __init__(self, beta=1.0, base=None, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
-        self.beta = _check_finite("beta", beta, minimum=0.0)
+        self.beta = check_number("beta", beta)
         _check_reduction(reduction, backend, ignore_index, batch_level=True, name="mdca")
         if base is not None and not isinstance(base, nn.Module):
             raise TypeError(f"base must be an nn.Module (a loss), got {type(base).__name__}")
@@ -393,7 +381,7 @@ def mbls_penalty(z, margin):
 
 
 def _check_mbls(margin, lam):
-    return _check_finite("margin", margin, minimum=0.0), _check_finite("lam", lam, minimum=0.0)
+    return check_number("margin", margin), check_number("lam", lam)
 
 
 def mbls_loss(logits, target, *, margin=10.0, lam=0.1, reduction="mean", ignore_index=-100):
@@ -402,7 +390,7 @@ def mbls_loss(logits, target, *, margin=10.0, lam=0.1, reduction="mean", ignore_
     check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _cross_entropy_rows(z, safe) + lam * mbls_penalty(z, margin)
-    return reference._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reduce_rows(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 class MbLSLoss(nn.Module):
@@ -422,7 +410,7 @@ class MbLSLoss(nn.Module):
         ce = uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
                                      ignore_index=self.ignore_index, backend=self.backend)
         valid, z, _, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
-        penalty = reference._reduce(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)
+        penalty = reduce_rows(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)
         return (ce.to(penalty.dtype) + self.lam * penalty).to(logits.dtype)
 
     def extra_repr(self):

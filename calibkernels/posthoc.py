@@ -53,8 +53,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import calibration as _calibration
-from ._validation import check_ignore_index, is_number
+from ._temperature_fit import OBJECTIVES, check_grid, fit_temperature
+from ._validation import check_ignore_index, check_number, is_number
 from .metrics._inputs import check_n_bins, compute_dtype, labelled_rows, resolve_inputs_kind
 
 __all__ = [
@@ -131,14 +131,6 @@ def _as_fit_inputs(logits, labels, inputs_are: str, ignore_index: int) -> tuple[
     x, y, rows = labelled_rows(x, y, ignore_index, num_classes, "a calibrator")
     kind = resolve_inputs_kind(x, inputs_are, logits.dtype, rows)  # stacklevel 4: the caller of fit
     return _in_log_space(x, kind), y, kind
-
-
-def _check_number(name: str, value, *, positive: bool = False) -> float:
-    if not is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'} and finite, got {value}")
-    return float(value)
 
 
 def _check_count(name: str, value, minimum: int = 1) -> int:
@@ -274,7 +266,7 @@ class TemperatureScaling(nn.Module, PosthocCalibrator):
         _check_temperature(temperature)
         self.objective = _check_objective(objective)
         self.n_bins = check_n_bins(n_bins)
-        self.grid = None if grid is None else _calibration.check_grid(grid)
+        self.grid = None if grid is None else check_grid(grid)
         self.register_buffer("temperature", torch.tensor(float(temperature), dtype=torch.float64))
 
     def fit(self, logits: torch.Tensor, labels: torch.Tensor, objective: str | None = None, grid=None,
@@ -286,10 +278,10 @@ class TemperatureScaling(nn.Module, PosthocCalibrator):
         grid = self.grid if grid is None else grid
         z, y, kind = _as_fit_inputs(logits, labels, inputs_are, ignore_index)
         if kind == "logits":  # as given: the ECE objective bins the confidences in the logits' compute dtype
-            fitted = _calibration.fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins,
-                                                  ignore_index=ignore_index)
+            fitted = fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins,
+                                     ignore_index=ignore_index)
         else:
-            fitted = _calibration.fit_temperature(z, y, objective=objective, grid=grid, n_bins=n_bins)
+            fitted = fit_temperature(z, y, objective=objective, grid=grid, n_bins=n_bins)
         self.temperature.fill_(fitted)
         self.num_classes, self.fitted_on = z.shape[1], kind
         return self
@@ -329,8 +321,8 @@ def _check_temperature(temperature) -> None:
 
 
 def _check_objective(objective) -> str:
-    if not isinstance(objective, str) or objective not in _calibration.OBJECTIVES:
-        raise ValueError(f"objective must be one of {_calibration.OBJECTIVES}, got {objective!r}")
+    if not isinstance(objective, str) or objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
     return objective
 
 
@@ -408,8 +400,8 @@ class _AffineCalibrator(PosthocCalibrator):
     def __init__(self, reg_lambda: float, reg_mu: float, bias: bool = True, max_iter: int = 500):
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
-        self.reg_lambda = _check_number("reg_lambda", reg_lambda)
-        self.reg_mu = _check_number("reg_mu", reg_mu)
+        self.reg_lambda = check_number("reg_lambda", reg_lambda)
+        self.reg_mu = check_number("reg_mu", reg_mu)
         self.bias, self.max_iter = bias, _check_count("max_iter", max_iter)
         self.weight: torch.Tensor | None = None
         self.shift: torch.Tensor | None = None

@@ -47,14 +47,14 @@ targets without smoothing run the hard-target code above, unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
 from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
-from ._validation import LossInputs, check_backend, check_logits_target, check_loss_inputs, check_reduction, is_number
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_logits_target, check_loss_inputs,
+                          check_number, check_reduction, one_hot_for_dual_focal)
 
 __all__ = [
     "uncertainty_weight",
@@ -62,6 +62,7 @@ __all__ = [
     "compact_flsd_band",
     "soft_target_distribution",
     "uncertainty_weighted_ce",
+    "uncertainty_weighted_ce_from_inputs",
     "bsce_gra_loss",
     "brier_loss",
     "label_smoothing_loss",
@@ -288,7 +289,7 @@ def uncertainty_weighted_ce(
         mix_target=mix_target, mix_lambda=mix_lambda,
     )
     detach_p_j = check_gra_detach(gra_detach, uncertainty=inputs.uncertainty, mode=inputs.mode) == "p_j"
-    return _uncertainty_weighted_ce(inputs, detach_p_j=detach_p_j)
+    return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j)
 
 
 GRA_DETACH = ("weight", "p_j")
@@ -306,12 +307,13 @@ def check_gra_detach(gra_detach, *, uncertainty, mode):
     return gra_detach
 
 
-def _uncertainty_weighted_ce(inputs: LossInputs, detach_p_j=False):
-    """The reference on already-validated inputs (what the ``"reference"`` backend runs); ``detach_p_j``: dual
+def uncertainty_weighted_ce_from_inputs(inputs: LossInputs, detach_p_j=False):
+    """:func:`uncertainty_weighted_ce` of inputs already validated by
+    :func:`calibkernels._validation.check_loss_inputs` (what the ``"reference"`` backend runs); ``detach_p_j``: dual
     focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole)."""
     if inputs.soft:
         if inputs.uncertainty == "dual_focal":
-            inputs = _one_hot_for_dual_focal(inputs)
+            inputs = one_hot_for_dual_focal(inputs)
         if inputs.soft:
             return _soft_target_ce(inputs)
     valid, z, safe_target = _masked_rows(inputs.logits, inputs.target, inputs.ignore_index)
@@ -335,32 +337,6 @@ def _weighted_reduced(inputs: LossInputs, valid, cross_entropy, weight_of, detac
     if inputs.mode == "grad" and detach_weight:
         u = u.detach()
     return _reduce(u * cross_entropy, valid, inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
-
-
-_DUAL_FOCAL_SOFT = ("dual focal has no published soft-target form (its p_j, the largest probability below the "
-                    "target's, needs one target class), so it takes one-hot targets only: label_smoothing=0 and no "
-                    "mix (or mix_lambda exactly 0 or 1 on every row); use uncertainty='focal', 'flsd' or 'brier' with "
-                    "soft targets")
-
-
-def _one_hot_for_dual_focal(inputs: LossInputs) -> LossInputs:
-    """Dual focal accepts only truly one-hot targets: a mix whose λ is 0 or 1 on every row, or a dense target whose
-    rows are one-hot, is turned into class indices; anything else (smoothing, a proper mix) raises ``ValueError``."""
-    if inputs.label_smoothing != 0.0:
-        raise ValueError(f"uncertainty='dual_focal' with label_smoothing={inputs.label_smoothing}: {_DUAL_FOCAL_SOFT}")
-    if inputs.dense:
-        t = inputs.target
-        if not bool(((t == 0) | (t == 1)).all()):
-            raise ValueError(f"uncertainty='dual_focal' with a dense target that is not one-hot: {_DUAL_FOCAL_SOFT}")
-        return dataclasses.replace(inputs, target=t.argmax(dim=1), dense=False)
-    lam = inputs.mix_lambda
-    if isinstance(lam, torch.Tensor):
-        valid = inputs.target != inputs.ignore_index
-        if not bool((((lam == 0) | (lam == 1)) | ~valid).all()):
-            raise ValueError(f"uncertainty='dual_focal' with mix_lambda strictly between 0 and 1: {_DUAL_FOCAL_SOFT}")
-        target = torch.where(valid & (lam == 0), inputs.mix_target, inputs.target)
-        return dataclasses.replace(inputs, target=target, mix_target=None, mix_lambda=None)
-    raise ValueError(f"uncertainty='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
 
 
 def soft_target_distribution(z, target, *, valid=None, mix_target=None, mix_lambda=None, label_smoothing=0.0,
@@ -441,7 +417,7 @@ def soft_uncertainty_weight(z, t, *, uncertainty, gamma, norm, sample_weight=Non
     if uncertainty == "external":
         return sample_weight.detach().to(z.dtype)
     if uncertainty == "dual_focal":
-        raise ValueError(_DUAL_FOCAL_SOFT)
+        raise ValueError(DUAL_FOCAL_SOFT_MESSAGE)
     if isinstance(gamma, torch.Tensor):
         gamma = gamma.to(z.dtype)
     t = t.detach()
@@ -535,21 +511,12 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
     return _reduce((1.0 - alpha) * nll + alpha * smooth, valid, reduction, batch_shape, logits2d.dtype)
 
 
-def _check_number(name, value, *, positive=False):
-    """``value`` must be a real number (not a bool), finite, and ``> 0`` (``positive``) or ``>= 0``."""
-    if not is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    in_range = value > 0 if positive else value >= 0  # both False for NaN
-    if not (in_range and math.isfinite(value)):
-        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
-
-
 def check_mmce_hyperparameters(*, lam=None, bandwidth=None):
     """MMCE's trade-off weight ``lam`` (finite, ≥ 0) and kernel bandwidth (finite, > 0); ``None`` is not checked."""
     if lam is not None:
-        _check_number("MMCE weight lam (λ)", lam)
+        check_number("MMCE weight lam (λ)", lam)
     if bandwidth is not None:
-        _check_number("MMCE kernel bandwidth", bandwidth, positive=True)
+        check_number("MMCE kernel bandwidth", bandwidth, positive=True)
 
 
 MMCE_FORMS = ("kumar", "papers_code")

@@ -431,7 +431,7 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
     flag = V.dense_target_flag(dense)
     assert flag.tolist() == [0, 8]
     V.check_dense_target(z, dense, -100)
-    for name, target, row in _bad_dense_targets(dense, V._ROW_SUM_TOLERANCE[dtype]):
+    for name, target, row in _bad_dense_targets(dense, V.DENSE_ROW_SUM_TOLERANCE[dtype]):
         with pytest.raises(ValueError):
             V.check_dense_target(z, target, -100)
         assert V.dense_target_flag(target).tolist() == [1, row], (name, dtype)

@@ -467,7 +467,7 @@ def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, targe
     as the host check (which the reference runs) for negative, NaN and infinite entries and for rows off 1 by more
     than the dtype's tolerance, the worst row named, the logits intact in place; rows off by less than the tolerance
     pass, both where the kernel's margin flags them for the exact check and where it does not."""
-    tolerance = V._ROW_SUM_TOLERANCE[target_dtype]
+    tolerance = V.DENSE_ROW_SUM_TOLERANCE[target_dtype]
     for c in (5, 301, 1500):
         g = torch.Generator().manual_seed(c)
         z = (torch.randn(9, c, generator=g, dtype=torch.float64) * 3).to(logit_dtype)

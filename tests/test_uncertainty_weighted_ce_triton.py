@@ -77,7 +77,7 @@ def _op_args(z, y, *, uncertainty="brier", mode="grad", gamma=None, norm=2.0, sa
 
 def _run(inputs, inplace):
     """The loss through the Triton backend and the shared autograd (below the public API's host-side checks)."""
-    return _autograd.run("triton", inputs, inplace)
+    return _autograd.run(_backends.module("triton"), inputs, inplace)
 
 
 def _reference_loss_and_grad(z, y, grad_out, **kw):
