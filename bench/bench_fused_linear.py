@@ -80,7 +80,7 @@ class Skip(Exception):
 # ------------------------------------------------------------------------------------------------------ providers
 def _fused_linear(case, chunk_size=None):
     def step(hidden, w, target):
-        return ck.fused_linear_uncertainty_weighted_ce(hidden, w, target, weight=case["weight"], mode=case["mode"],
+        return ck.fused_linear_uncertainty_weighted_ce(hidden, w, target, uncertainty=case["weight"], mode=case["mode"],
                                                        chunk_size=chunk_size)
     return step
 
@@ -96,7 +96,7 @@ def chunk_provider(chunk_size: int) -> str:
 
 def _materialized_calibkernels(case):
     def step(hidden, w, target):
-        return ck.uncertainty_weighted_ce(hidden @ w.T, target, weight=case["weight"], mode=case["mode"],
+        return ck.uncertainty_weighted_ce(hidden @ w.T, target, uncertainty=case["weight"], mode=case["mode"],
                                           inplace=True)
     return step
 
@@ -117,7 +117,7 @@ def _chunked_reference_compiled(case):
     chunk = default_chunk_size(case["n"], case["c"], case["h"], DTYPES[case["dtype"]].itemsize, case["device"])
 
     def chunk_loss(h, w, y):
-        return R.uncertainty_weighted_ce(h @ w.T, y, weight=weight, mode=mode, reduction="sum")
+        return R.uncertainty_weighted_ce(h @ w.T, y, uncertainty=weight, mode=mode, reduction="sum")
 
     def loss(hidden, w, target):
         total = 0.0

@@ -60,7 +60,7 @@ class Provider:
 
 def _backend_step(backend: str, inplace: bool) -> Callable[[Case], Step]:
     def make(case: Case) -> Step:
-        return loss_step(ck.uncertainty_weighted_ce, case, weight=case.weight, mode=case.mode, backend=backend,
+        return loss_step(ck.uncertainty_weighted_ce, case, uncertainty=case.weight, mode=case.mode, backend=backend,
                          inplace=inplace)
 
     return make
@@ -77,12 +77,12 @@ def _default_call_step(case: Case) -> Step:
             return loss
 
         return step
-    keywords = {} if default_loss else {"weight": case.weight, "mode": case.mode}
+    keywords = {} if default_loss else {"uncertainty": case.weight, "mode": case.mode}
     return loss_step(ck.uncertainty_weighted_ce, case, **keywords)
 
 
 def _reference_eager(case: Case) -> Step:
-    return loss_step(ck_reference.uncertainty_weighted_ce, case, weight=case.weight, mode=case.mode)
+    return loss_step(ck_reference.uncertainty_weighted_ce, case, uncertainty=case.weight, mode=case.mode)
 
 
 def _reference_compiled(case: Case) -> Step:
@@ -192,7 +192,7 @@ def check_provider(provider: Provider, case: Case, seed: int = 0, step: Step | N
     leaf.grad = None
     exact = leaf.detach().double().requires_grad_()
     ref_target, soft_kwargs = target_call(target)  # the same soft arguments (λ and a dense target as given)
-    ref_loss = ck_reference.uncertainty_weighted_ce(exact, ref_target, weight=case.weight, mode=case.mode,
+    ref_loss = ck_reference.uncertainty_weighted_ce(exact, ref_target, uncertainty=case.weight, mode=case.mode,
                                                     **soft_kwargs)
     ref_loss.backward()
     return loss.detach(), grad, ref_loss.detach(), exact.grad

@@ -183,7 +183,7 @@ def sweep_class(ctx: dict, args, c: int, record) -> None:
 
                         def step():
                             leaf.grad = None
-                            loss = ck.uncertainty_weighted_ce(leaf, target, weight=weight, mode="grad",
+                            loss = ck.uncertainty_weighted_ce(leaf, target, uncertainty=weight, mode="grad",
                                                               backend=backend)
                             loss.backward()
 

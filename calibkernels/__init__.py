@@ -21,8 +21,8 @@ from .gamma_net import GammaNet
 __version__ = "0.1.0"
 
 # Load the compiled op (torch.ops.calibkernels.*) together with its fake kernel at import, as torchvision does: an op
-# called directly, traced by torch.compile or checked by opcheck must never exist without it. A missing or broken extension is only recorded here; backend
-# "auto" falls back to the reference with one warning when it is first used.
+# called directly, traced by torch.compile or checked by opcheck must never exist without it. A missing or broken
+# extension is only recorded here; backend "auto" falls back to the reference with one warning when it is first used.
 _backends.unavailable_reason("cpu", torch.device("cpu"))
 
 

@@ -1,6 +1,6 @@
 """The autograd of the fused loss: one contract, two implementations of it.
 
-Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, weight, mode,
+Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode,
 gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
 label_smoothing=0.0, *, loss_dtype=None) -> (loss, grad, target_flag)`` (the soft-target arguments only where the
 backend's module sets ``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
@@ -39,12 +39,12 @@ Contracts (docs/losses.md, "Contracts"):
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from . import _target_checks
-from . import _validation as V
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._row_math import gamma_gradient_factor
+from ._validation import LossInputs, expanded, lambda_tensor
 
 __all__ = ["UncertaintyWeightedCE", "run", "run_rows", "scale_saved_gradient", "is_plain_eager",
            "raise_if_create_graph"]
@@ -85,58 +85,23 @@ def _factor(grad: torch.Tensor, grad_output: torch.Tensor) -> torch.Tensor:
     return factor if factor.dtype == grad.dtype else factor.to(grad.dtype)
 
 
-def row_log_terms(shifted_y, d_not_y, d):
-    """``(log d, CE, log(1 - p_y))`` per row from the row's statistics relative to its max ``m``: ``shifted_y = z_y -
-    m``, ``d_not_y = Σ_{k≠y} e^{z_k - m}`` and ``d = e^{z_y - m} + d_not_y``, each to its own relative precision
-    (through ``z_y - logsumexp(z)`` they would carry an ulp of the logits: all of a confident row's digits). Where the
-    target holds the max, ``d = 1 + d_not_y`` and ``log d = log1p(d_not_y)``; ``log(1 - p_y)`` is ``log1p(-p_y)``
-    below ``p_y = 1/2`` and ``log d_not_y - log d`` above (each exact where the other cancels; ``-inf`` when every
-    other class underflows)."""
-    log_d = torch.where(shifted_y == 0, torch.log1p(d_not_y), torch.log(d))
-    ce = (log_d - shifted_y).clamp(min=0)
-    log_one_minus = torch.where(ce > math.log(2.0), torch.log1p(-torch.exp(-ce)), torch.log(d_not_y) - log_d)
-    return log_d, ce, log_one_minus
-
-
-def _gamma_gradient_factor(logits, target, gamma, ignore_index, reduction_code) -> torch.Tensor:
-    """Per row, ``d(reduced loss)/dγ_i`` for ``grad_output = 1`` of the focal loss ``(1 - p_y)^γ_i · CE_i``:
-    ``u_i CE_i log(1 - p_y) · scale`` (scale 1/#valid for mean), 0 on ignored and saturated rows (the limit)."""
-    with torch.no_grad():
-        z = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-        valid = target != ignore_index
-        safe = torch.where(valid, target, 0)[:, None]
-        # relative to the row max, with 1 - p_y = d_¬y / d and, where the target holds the max, CE = log1p(d_¬y):
-        # log p_y = z_y - logsumexp(z) would carry an ulp of the logits into both, all of a confident row's digits
-        shifted = z - z.amax(dim=1, keepdim=True)
-        shifted_y = shifted.gather(1, safe)[:, 0]
-        d_not_y = torch.exp(shifted).scatter(1, safe, 0.0).sum(dim=1)
-        _, ce, log_one_minus = row_log_terms(shifted_y, d_not_y, torch.exp(shifted_y) + d_not_y)
-        g = gamma.to(z.dtype)
-        weighted_ce = torch.exp(g * log_one_minus) * ce
-        factor = torch.where(valid & (weighted_ce != 0), weighted_ce * log_one_minus, 0.0)
-        if reduction_code == V.REDUCTION_CODES["mean"]:
-            factor = factor / valid.sum().clamp(min=1)
-        return factor
-
-
 class UncertaintyWeightedCE(torch.autograd.Function):
     """Autograd of the fused loss for every compiled backend: the forward computes the loss and the gradient of the
     reduced loss in one kernel; the backward scales that gradient by ``grad_output``."""
 
     @staticmethod
-    def forward(ctx, logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                reduction, inplace, backend, mix_target=None, mix_lambda=None, label_smoothing=0.0, loss_dtype=None):
-        from . import _backends  # a cycle at import time; resolved once the package is loaded
-
-        module = _backends.module(backend)
+    def forward(ctx, logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
+                reduction, inplace, backend_module, mix_target=None, mix_lambda=None, label_smoothing=0.0,
+                loss_dtype=None):
         gamma_factor = None
-        if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == V.MODE_CODES["loss"]:
+        if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == MODE_CODES["loss"]:
             # read the logits before an in-place kernel overwrites them
-            gamma_factor = _gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
-        loss, grad, flag = module.forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
-                                          ignore_index, reduction, True, logits if inplace else None,
-                                          *_soft_arguments(mix_target, mix_lambda, label_smoothing),
-                                          loss_dtype=loss_dtype)
+            gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
+        loss, grad, flag = backend_module.forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode,
+                                                  gamma, norm, ignore_index, reduction, True,
+                                                  logits if inplace else None,
+                                                  *_soft_arguments(mix_target, mix_lambda, label_smoothing),
+                                                  loss_dtype=loss_dtype)
         if flag is not None:
             _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
         if inplace:
@@ -148,7 +113,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
             grad = logits.detach()
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad, gamma_factor)
-        ctx.scale_inplace = getattr(module, "scale_grad_", None)
+        ctx.scale_inplace = getattr(backend_module, "scale_grad_", None)
         ctx.on_gpu = logits.device.type == "cuda"
         return loss
 
@@ -199,29 +164,28 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
     return base is not None and base.is_leaf and base.requires_grad
 
 
-def run(backend: str, inputs: V.LossInputs, inplace: bool) -> torch.Tensor:
-    """The loss of validated ``inputs`` through compiled backend ``backend``, in the logits' dtype and batch shape."""
+def run(backend_module, inputs: LossInputs, inplace: bool) -> torch.Tensor:
+    """The loss of validated ``inputs`` through the compiled backend whose module is ``backend_module`` (what
+    :func:`calibkernels._backends.module` returns), in the logits' dtype and batch shape."""
     soft = ()
     if inputs.soft:
         lam = inputs.mix_lambda
         if lam is not None:
-            lam = V.lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
+            lam = lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
         soft = (inputs.mix_target, lam, inputs.label_smoothing)
-    return run_rows(backend, inputs.logits, inputs.target, inputs.sample_weight, inputs.gamma,
-                    V.WEIGHT_CODES[inputs.weight], V.MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
-                    V.REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
+    return run_rows(backend_module, inputs.logits, inputs.target, inputs.sample_weight, inputs.gamma,
+                    WEIGHT_CODES[inputs.uncertainty], MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
+                    REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
 
 
-def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, weight: int, mode: int,
-             norm: float, ignore_index: int, reduction: int, soft: tuple = (), inplace: bool = False,
+def run_rows(backend_module, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, uncertainty: int,
+             mode: int, norm: float, ignore_index: int, reduction: int, soft: tuple = (), inplace: bool = False,
              batch_shape: tuple | None = None) -> torch.Tensor:
     """:func:`run` on arguments already checked and flattened: ``logits (N, C)``, the target as the backends take it,
-    the weight, mode and reduction as codes, ``gamma`` a number or a per-sample tensor, ``soft`` the backend's
-    soft-target arguments ``(mix_target, mix_lambda tensor, label_smoothing)`` or ``()``; a ``reduction="none"``
-    loss reshaped to ``batch_shape``. :func:`calibkernels.functional.uncertainty_weighted_ce` calls it directly for
-    the common eager Triton call, whose arguments it has checked itself."""
-    from . import _backends
-
+    the uncertainty weight, mode and reduction as codes, ``gamma`` a number or a per-sample tensor, ``soft`` the
+    backend's soft-target arguments ``(mix_target, mix_lambda tensor, label_smoothing)`` or ``()``; a
+    ``reduction="none"`` loss reshaped to ``batch_shape``. :func:`calibkernels.functional.uncertainty_weighted_ce`
+    calls it directly for the common eager Triton call, whose arguments it has checked itself."""
     grad_enabled = torch.is_grad_enabled()
     compute_grad = grad_enabled and logits.requires_grad
     gamma_per_sample = gamma if isinstance(gamma, torch.Tensor) else None
@@ -232,31 +196,30 @@ def run_rows(backend: str, logits: torch.Tensor, target: torch.Tensor, sample_we
             "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
             "use inplace=False"
         )
-    if inplace and compute_grad and V.expanded(logits):
+    if inplace and compute_grad and expanded(logits):
         raise ValueError(
             "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
             "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() them)"
         )
-    codes = (weight, mode, gamma_value, norm, ignore_index, reduction)
+    codes = (uncertainty, mode, gamma_value, norm, ignore_index, reduction)
     gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
-    module = _backends.module(backend)
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
-    if is_plain_eager(logits) and hasattr(module, "forward_with_autograd"):
+    if is_plain_eager(logits) and hasattr(backend_module, "forward_with_autograd"):
         # the compiled op's own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp): the same contract as
         # UncertaintyWeightedCE without a Python autograd.Function's host time
-        loss, flag = module.forward_with_autograd(logits, target, sample_weight, gamma_per_sample, *codes,
-                                                  compute_grad, inplace and compute_grad, *soft)
+        loss, flag = backend_module.forward_with_autograd(logits, target, sample_weight, gamma_per_sample, *codes,
+                                                          compute_grad, inplace and compute_grad, *soft)
     elif compute_grad or gamma_needs_grad:
         # autograd.Function.apply takes positional arguments only: the soft-target defaults spelled out
         loss = UncertaintyWeightedCE.apply(logits, target, sample_weight, gamma_per_sample, *codes,
-                                           bool(inplace and compute_grad), backend, *(soft or (None, None, 0.0)),
+                                           bool(inplace and compute_grad), backend_module, *(soft or (None, None, 0.0)),
                                            logits.dtype)
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
-        loss, _, flag = module.forward(logits, target, sample_weight, gamma_per_sample, *codes, False, None, *soft,
-                                       loss_dtype=logits.dtype)
+        loss, _, flag = backend_module.forward(logits, target, sample_weight, gamma_per_sample, *codes, False, None,
+                                               *soft, loss_dtype=logits.dtype)
     if flag is not None:
         _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
-    if batch_shape is not None and reduction == V.REDUCTION_CODES["none"] and loss.shape != batch_shape:
+    if batch_shape is not None and reduction == REDUCTION_CODES["none"] and loss.shape != batch_shape:
         loss = loss.reshape(batch_shape)
     return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)

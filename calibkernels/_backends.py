@@ -14,9 +14,8 @@ import warnings
 import torch
 
 from . import _autograd
-from . import _validation as V
-from .reference import _one_hot_for_dual_focal
-from .reference import _uncertainty_weighted_ce as _reference_loss
+from ._validation import LossInputs, check_backend, one_hot_for_dual_focal
+from .reference import uncertainty_weighted_ce_from_inputs
 
 # backend name -> module implementing it (relative to the calibkernels package)
 _BACKEND_MODULES = {
@@ -31,17 +30,9 @@ _AUTO_ORDER = {"cuda": ("triton", "cuda"), "cpu": ("cpu",)}
 
 # backend="auto" on CUDA tensors, eager calls: the CUDA C++ kernel for rows of at most this many classes, Triton for
 # wider rows, per target kind ("hard": class indices; "smooth": class indices with label smoothing; "mix": a mix of two
-# class indices, smoothed or not; "dense": a probability row per sample). From measurements on an NVIDIA H100 (N = 8192,
-# bf16; docs/performance.md, "backend='auto' on the GPU"). Small rows: the step is host-bound, and the CUDA op's C++
-# entry costs less host time than a Triton launch from Python (a 64 x 16 step: 0.22 against 0.73 ms; 8192 x 1000 hard
-# BSCE-GRA: 0.34 against 0.90 ms). Up to 4096 classes both kernels hold the row on chip; past that Triton's kernel alone
-# is faster (10000 classes: 0.16 against 0.30 ms; 32000: 0.51 against 0.69 ms), which decides once the host runs ahead
-# of the GPU, as in training. A mix: the CUDA kernel's step was faster at 32000 classes in median and in its fastest
-# repetition alike (1.15 and 1.02 ms against Triton's 1.91 and 1.47 with the Brier weight, 1.14 and 1.03 against 1.78
-# and 1.15 without). Label smoothing is left with class indices: at 32000 classes the medians tied with the Brier weight
-# (0.71 ms) and Triton's fastest repetition without it was the faster (0.53 against 0.68 ms). A dense target: the CUDA
-# step was faster at 1000 classes (0.38 against 0.96 ms), slower at 32000. Under torch.compile the choice is a constant
-# of the graph made without the shape, so _AUTO_ORDER decides there.
+# class indices, smoothed or not; "dense": a probability row per sample). The thresholds were measured on an NVIDIA
+# H100 at N = 8192 in bf16; the table in docs/performance.md ("backend='auto' on the GPU") has the numbers. Under
+# torch.compile the choice is a constant of the graph made without the shape, so _AUTO_ORDER decides there.
 AUTO_CUDA_MAX_CLASSES = {"hard": 4096, "smooth": 4096, "mix": 32000, "dense": 1000}
 
 
@@ -88,7 +79,7 @@ _warned_fallback: set[str] = set()
 @torch.compiler.assume_constant_result
 def resolve(backend: str, device: torch.device) -> str:
     """Pick the backend that will run; a named backend that cannot run raises, it never silently substitutes."""
-    V.check_backend(backend)
+    check_backend(backend)
     if backend != "auto":
         reason = unavailable_reason(backend, device)
         if reason is not None:
@@ -177,13 +168,13 @@ def module(name: str):
     return _loaded_modules[name][0] if name in _loaded_modules else _module(name)[0]
 
 
-def run(backend: str, inputs: V.LossInputs, inplace: bool):
+def run(backend: str, inputs: LossInputs, inplace: bool):
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
-        return _reference_loss(inputs)
-    if inputs.soft and inputs.weight == "dual_focal":
-        inputs = _one_hot_for_dual_focal(inputs)  # one-hot targets given in a soft form, or the reference's ValueError
+        return uncertainty_weighted_ce_from_inputs(inputs)
+    if inputs.soft and inputs.uncertainty == "dual_focal":
+        inputs = one_hot_for_dual_focal(inputs)  # one-hot targets given in a soft form, or the reference's ValueError
     if inputs.soft and not getattr(module(backend), "SOFT_TARGETS", False):  # resolve_soft_targets checked it
         raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets: use "
                                   "backend='reference'")
-    return _autograd.run(backend, inputs, inplace)
+    return _autograd.run(module(backend), inputs, inplace)

@@ -49,9 +49,54 @@ import threading
 import torch
 
 from ._codes import TARGET_FLAG_CODES
-from ._validation import dense_target_message, lambda_message, mix_target_message, out_of_range_message
 
 __all__ = ["POLICY", "submit", "submit_check", "checking", "poll", "synchronize_target_checks"]
+
+# Row sums of a dense probability target must be 1 within this tolerance, per target dtype: a few roundings of each
+# entry plus the producer's own arithmetic (timm's Mixup builds its targets in float32).
+DENSE_ROW_SUM_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
+
+
+def dense_row_sum_tolerance(dtype: torch.dtype) -> float:
+    """How far a dense target's row may sum from 1 in ``dtype`` (:data:`DENSE_ROW_SUM_TOLERANCE`)."""
+    return DENSE_ROW_SUM_TOLERANCE.get(dtype, 1e-4)
+
+
+# The ValueError texts of the checks, one per check, the same whether the host reads the values at once
+# (calibkernels._validation) or a device flag is read here later: every backend raises the same error.
+def out_of_range_message(value: int, num_classes: int, ignore_index: int) -> str:
+    """The ``ValueError`` text for an out-of-range target, the same from every backend."""
+    return (f"target value {value} is out of range for {num_classes} classes "
+            f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})")
+
+
+def mix_target_message(value: int, num_classes: int, ignore_index: int) -> str:
+    """The ``ValueError`` text for a ``mix_target`` value that is not a class index on a row whose target is not
+    ``ignore_index``, from the host check and the queued one alike."""
+    why = " (it is ignore_index, but the row's target is not ignored)" if value == ignore_index else ""
+    return (f"mix_target value {value} is out of range for {num_classes} classes "
+            f"(valid: 0..{num_classes - 1} on every row whose target is not ignore_index){why}")
+
+
+def lambda_message(_index=None) -> str:
+    return "mix_lambda must be in [0, 1] everywhere (NaN is refused)"
+
+
+def sample_weight_message(_index=None) -> str:
+    return "sample_weight must be finite and >= 0 everywhere (it scales each row's loss and gradient)"
+
+
+def gamma_message(_index=None) -> str:
+    return "per-sample gamma must be finite and >= 0 everywhere"
+
+
+def dense_target_message(row: int, dtype: torch.dtype) -> str:
+    """The ``ValueError`` text for a dense target row that a device check flagged
+    (:func:`calibkernels._validation.dense_target_flag`)."""
+    tolerance = dense_row_sum_tolerance(dtype)
+    return (f"every row of a dense target must be finite and >= 0 and sum to 1 (within {tolerance:g} for {dtype}); "
+            f"row {row} is not")
+
 
 _POLICIES = {"async": "async", "1": "async", "sync": "sync", "0": "off", "off": "off"}
 POLICY = _POLICIES.get(os.environ.get("CALIBKERNELS_VALIDATE", "async").strip().lower(), "async")

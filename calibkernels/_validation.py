@@ -9,11 +9,15 @@ from __future__ import annotations
 import functools
 import math
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ._codes import BACKENDS, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES  # noqa: F401  (re-exported)
+# the error texts are the device checks' too; dense_row_sum_tolerance is also read here by the Triton backend
+from ._target_checks import (DENSE_ROW_SUM_TOLERANCE, checking, dense_row_sum_tolerance, gamma_message,
+                             lambda_message, mix_target_message, out_of_range_message, sample_weight_message,
+                             submit_check)
 
 
 def _check_choice(kind: str, value, choices) -> None:
@@ -21,8 +25,25 @@ def _check_choice(kind: str, value, choices) -> None:
         raise ValueError(f"unknown {kind} {value!r}; expected one of {', '.join(repr(c) for c in choices)}")
 
 
-def check_weight(weight: str) -> None:
-    _check_choice("weight", weight, tuple(WEIGHT_CODES))
+def check_uncertainty(uncertainty: str) -> None:
+    """``uncertainty``: the name of the uncertainty weight ``u(p, y)`` (:data:`WEIGHT_CODES`)."""
+    _check_choice("uncertainty", uncertainty, tuple(WEIGHT_CODES))
+
+
+def check_class_weight(weight) -> None:
+    """``weight`` is reserved for ``F.cross_entropy``'s per-class ``(C,)`` tensor, not supported yet: only ``None``
+    passes. A string is an uncertainty weight given under its former keyword (``TypeError`` naming
+    ``uncertainty=``); a tensor raises ``NotImplementedError``."""
+    if weight is None:
+        return
+    if isinstance(weight, str):
+        raise TypeError(f"weight is F.cross_entropy's per-class weight tensor; the uncertainty weight is now "
+                        f"uncertainty={weight!r}")
+    if isinstance(weight, torch.Tensor):
+        raise NotImplementedError("per-class weights are not supported yet: pass weight=None (the uncertainty weight "
+                                  "is uncertainty=)")
+    raise TypeError(f"weight must be None (per-class weight tensors are not supported yet), got "
+                    f"{type(weight).__name__}")
 
 
 def check_mode(mode: str) -> None:
@@ -66,6 +87,20 @@ def _as_float(value) -> float:
         return math.inf if value > 0 else -math.inf
 
 
+def check_number(name: str, value, *, minimum: float | None = 0.0, positive: bool = False) -> float:
+    """``value`` as a float: a real number (:func:`is_number`), finite, and ``> 0`` (``positive``) or ``>= minimum``
+    (``None``: any finite value). ``TypeError`` for what is not a number, ``ValueError`` for a value out of range
+    (NaN included)."""
+    if not is_number(value):
+        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
+    number = _as_float(value)
+    in_range = number > 0 if positive else (minimum is None or number >= minimum)  # both False for NaN
+    if not (in_range and math.isfinite(number)):
+        bound = " and > 0" if positive else ("" if minimum is None else f" and >= {minimum:g}")
+        raise ValueError(f"{name} must be finite{bound}, got {value}")
+    return number
+
+
 def expanded(tensor: torch.Tensor) -> bool:
     """Whether elements of ``tensor`` share memory as an expanded tensor's do (a dimension of size > 1 with stride
     0), so that rows written at once would overwrite each other (the compiled op's own check of ``grad_out`` also
@@ -84,6 +119,15 @@ def check_gamma(gamma) -> None:
         raise ValueError(f"gamma must be finite and >= 0, got {gamma}")
 
 
+def check_scalar_gamma(gamma, why_not_per_sample: str) -> float:
+    """``gamma`` where only a number is taken (a loss module's, a loss that picks ``γ_i`` itself): :func:`check_gamma`
+    (finite, ``>= 0``), and ``TypeError(why_not_per_sample)`` for a per-sample tensor; returned as a float."""
+    check_gamma(gamma)
+    if isinstance(gamma, torch.Tensor):
+        raise TypeError(why_not_per_sample)
+    return float(gamma)
+
+
 def check_norm(norm) -> None:
     if not is_number(norm):
         raise TypeError(f"norm must be a number, got {type(norm).__name__}")
@@ -94,12 +138,6 @@ def check_norm(norm) -> None:
 def out_of_range_targets(target: torch.Tensor, num_classes: int, ignore_index: int) -> torch.Tensor:
     """Boolean mask of the targets that are neither a class index in ``[0, num_classes)`` nor ``ignore_index``."""
     return (target != ignore_index) & ((target < 0) | (target >= num_classes))
-
-
-def out_of_range_message(value: int, num_classes: int, ignore_index: int) -> str:
-    """The ``ValueError`` text for an out-of-range target, the same from every backend."""
-    return (f"target value {value} is out of range for {num_classes} classes "
-            f"(valid: 0..{num_classes - 1}, or ignore_index={ignore_index})")
 
 
 def check_target_values(target: torch.Tensor, num_classes: int, ignore_index: int) -> None:
@@ -164,17 +202,18 @@ def check_logits_target(logits, target, *, ignore_index: int = -100, check_value
     return logits2d, target1d, batch_shape
 
 
-def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
+def check_sample_weight(sample_weight, uncertainty: str, target_shape, device, *,
                         check_values: bool = True) -> torch.Tensor | None:
-    """``sample_weight`` is required by, and only allowed with, ``weight="external"``; returned flattened. Its
+    """``sample_weight`` is required by, and only allowed with, ``uncertainty="external"``; returned flattened. Its
     values (finite, ``>= 0``) are read on the host, or with ``check_values=False`` flagged on the device and queued
     (:func:`finite_nonnegative_flag`, :mod:`calibkernels._target_checks`)."""
-    if weight != "external":
+    if uncertainty != "external":
         if sample_weight is not None:
-            raise ValueError(f"sample_weight is only used with weight='external', not weight={weight!r}")
+            raise ValueError(f"sample_weight is only used with uncertainty='external', not "
+                             f"uncertainty={uncertainty!r}")
         return None
     if sample_weight is None:
-        raise ValueError("weight='external' needs a sample_weight tensor of the target's shape")
+        raise ValueError("uncertainty='external' needs a sample_weight tensor of the target's shape")
     if not isinstance(sample_weight, torch.Tensor):
         raise TypeError(f"sample_weight must be a torch.Tensor, got {type(sample_weight).__name__}")
     if not sample_weight.is_floating_point():
@@ -185,22 +224,23 @@ def check_sample_weight(sample_weight, weight: str, target_shape, device, *,
         )
     if sample_weight.device != device:
         raise ValueError(f"sample_weight is on {sample_weight.device} but logits are on {device}")
-    _check_values(sample_weight, check_values, finite_nonnegative_flag, _sample_weight_message)
+    _check_values(sample_weight, check_values, finite_nonnegative_flag, sample_weight_message)
     return sample_weight.reshape(-1)
 
 
-def check_per_sample_gamma(gamma, weight: str, target_shape, device, *, check_values: bool = True):
+def check_per_sample_gamma(gamma, uncertainty: str, target_shape, device, *, check_values: bool = True):
     """A tensor gamma (one exponent per row, e.g. from a γ-Net) is flattened; only the focal weight accepts it. Its
     values (finite, ``>= 0``) are read on the host, or with ``check_values=False`` flagged on the device and queued."""
     if not isinstance(gamma, torch.Tensor):
         return float(gamma)
-    if weight != "focal":
-        raise ValueError(f"a per-sample gamma tensor is only supported with weight='focal', not {weight!r}")
+    if uncertainty != "focal":
+        raise ValueError(f"a per-sample gamma tensor is only supported with uncertainty='focal', not {uncertainty!r}")
     if tuple(gamma.shape) != tuple(target_shape):
-        raise ValueError(f"per-sample gamma shape {tuple(gamma.shape)} does not match target shape {tuple(target_shape)}")
+        raise ValueError(f"per-sample gamma shape {tuple(gamma.shape)} does not match target shape "
+                         f"{tuple(target_shape)}")
     if gamma.device != device:
         raise ValueError(f"per-sample gamma is on {gamma.device} but logits are on {device}")
-    _check_values(gamma, check_values, finite_nonnegative_flag, _gamma_message)
+    _check_values(gamma, check_values, finite_nonnegative_flag, gamma_message)
     return gamma.reshape(-1)
 
 
@@ -236,33 +276,11 @@ def lambda_flag(mix_lambda: torch.Tensor) -> torch.Tensor:
     return _first_flagged(mix_lambda.clamp(0, 1) != mix_lambda)
 
 
-def _sample_weight_message(_index=None) -> str:
-    return "sample_weight must be finite and >= 0 everywhere (it scales each row's loss and gradient)"
-
-
-def _gamma_message(_index=None) -> str:
-    return "per-sample gamma must be finite and >= 0 everywhere"
-
-
-def lambda_message(_index=None) -> str:
-    return "mix_lambda must be in [0, 1] everywhere (NaN is refused)"
-
-
-def mix_target_message(value: int, num_classes: int, ignore_index: int) -> str:
-    """The ``ValueError`` text for a ``mix_target`` value that is not a class index on a row whose target is not
-    ``ignore_index``, from the host check and the queued one alike."""
-    why = " (it is ignore_index, but the row's target is not ignored)" if value == ignore_index else ""
-    return (f"mix_target value {value} is out of range for {num_classes} classes "
-            f"(valid: 0..{num_classes - 1} on every row whose target is not ignore_index){why}")
-
-
 def _queue_value_check(tensor: torch.Tensor, flag_of, message, *args) -> None:
     """Queue ``flag_of(tensor, *args)`` with ``message`` (:func:`calibkernels._target_checks.submit_check`) unless
     nothing would read it (policy off, a trace, a capture): then not even the flag is computed."""
-    from . import _target_checks  # imported here: it imports this module's messages
-
-    if _target_checks.checking(tensor):
-        _target_checks.submit_check(flag_of(tensor, *args), message)
+    if checking(tensor):
+        submit_check(flag_of(tensor, *args), message)
 
 
 def _check_values(tensor: torch.Tensor, check_values: bool, flag_of, message, *args) -> None:
@@ -274,16 +292,6 @@ def _check_values(tensor: torch.Tensor, check_values: bool, flag_of, message, *a
         has_bad, value = flag_of(tensor, *args).tolist()
         if has_bad:
             raise ValueError(message(value))
-
-
-# Row sums of a dense probability target must be 1 within this tolerance, per target dtype: a few roundings of each
-# entry plus the producer's own arithmetic (timm's Mixup builds its targets in float32).
-_ROW_SUM_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 2e-2}
-
-
-def dense_row_sum_tolerance(dtype: torch.dtype) -> float:
-    """How far a dense target's row may sum from 1 in ``dtype`` (:data:`_ROW_SUM_TOLERANCE`)."""
-    return _ROW_SUM_TOLERANCE.get(dtype, 1e-4)
 
 
 def first_flagged_row(flags: torch.Tensor) -> torch.Tensor:
@@ -318,13 +326,6 @@ def dense_row_sums(target2d: torch.Tensor) -> torch.Tensor:
     in float32 otherwise (a float16 / bfloat16 sum is not rounded back to the target's dtype, so the tolerance
     applies to the row's real sum, as the kernels' float32 sums see it)."""
     return target2d.sum(dim=1, dtype=torch.float64 if target2d.dtype == torch.float64 else torch.float32).double()
-
-
-def dense_target_message(row: int, dtype: torch.dtype) -> str:
-    """The ``ValueError`` text for a dense target row that :func:`dense_target_flag` flagged on the device."""
-    tolerance = dense_row_sum_tolerance(dtype)
-    return (f"every row of a dense target must be finite and >= 0 and sum to 1 (within {tolerance:g} for {dtype}); "
-            f"row {row} is not")
 
 
 def check_label_smoothing(label_smoothing) -> float:
@@ -383,12 +384,12 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
     """A dense probability target ``(..., C)`` of ``logits``' shape, returned as ``(N, C)``.
 
     A float16, bfloat16, float32 or float64 tensor; every entry finite and ``>= 0``, every row summing to 1 within
-    :data:`_ROW_SUM_TOLERANCE` of its dtype (:func:`dense_row_sums`: float32 sums, float64 for a float64 target); it
-    is used as given, not renormalised (as ``F.cross_entropy`` does). ``ignore_index`` applies
-    to class indices only, so it must stay at its default -100. Targets are constants: one that requires grad raises
-    (the loss would silently give it no gradient). ``check_values=False`` leaves the value check to the C++ CPU
-    op, which makes it, with these errors, in the sweep that reads the target anyway (in place, in a pass of its own
-    before the kernel overwrites the logits).
+    :data:`calibkernels._target_checks.DENSE_ROW_SUM_TOLERANCE` of its dtype (:func:`dense_row_sums`: float32 sums,
+    float64 for a float64 target); it is used as given, not renormalised (as ``F.cross_entropy`` does).
+    ``ignore_index`` applies to class indices only, so it must stay at its default -100. Targets are constants: one
+    that requires grad raises (the loss would silently give it no gradient). ``check_values=False`` leaves the value
+    check to the C++ CPU op, which makes it, with these errors, in the sweep that reads the target anyway (in place,
+    in a pass of its own before the kernel overwrites the logits).
     """
     if tuple(target.shape) == tuple(logits.shape[:-1]):
         raise TypeError(f"target has the shape of class indices {tuple(target.shape)} but holds {target.dtype}: "
@@ -397,7 +398,7 @@ def check_dense_target(logits, target, ignore_index, *, requires_grad_ok: bool =
     if tuple(target.shape) != tuple(logits.shape):
         raise ValueError(f"a floating-point (dense probability) target must have the logits' shape "
                          f"{tuple(logits.shape)}, got {tuple(target.shape)}; class indices must be int64")
-    if target.dtype not in _ROW_SUM_TOLERANCE:
+    if target.dtype not in DENSE_ROW_SUM_TOLERANCE:
         raise TypeError(f"a dense target must be float16, bfloat16, float32 or float64, got {target.dtype}")
     if target.device != logits.device:
         raise ValueError(f"target is on {target.device} but logits are on {logits.device}")
@@ -479,11 +480,11 @@ class LossInputs:
 
     logits: torch.Tensor  # (N, C), any float dtype, rows may be strided
     target: torch.Tensor  # (N,) int64
-    weight: str
+    uncertainty: str  # the uncertainty weight's name (WEIGHT_CODES)
     mode: str
     gamma: float | torch.Tensor  # scalar, or (N,) per-sample (focal only)
     norm: float
-    sample_weight: torch.Tensor | None  # (N,) for weight="external"
+    sample_weight: torch.Tensor | None  # (N,) for uncertainty="external"
     reduction: str
     ignore_index: int
     batch_shape: tuple  # leading shape of the input, to reshape reduction="none" results
@@ -500,15 +501,45 @@ class LossInputs:
         return self.dense or self.mix_target is not None or self.label_smoothing != 0.0
 
 
+DUAL_FOCAL_SOFT_MESSAGE = (
+    "dual focal has no published soft-target form (its p_j, the largest probability below the target's, needs one "
+    "target class), so it takes one-hot targets only: label_smoothing=0 and no mix (or mix_lambda exactly 0 or 1 on "
+    "every row); use uncertainty='focal', 'flsd' or 'brier' with soft targets")
+
+
+def one_hot_for_dual_focal(inputs: LossInputs) -> LossInputs:
+    """Dual focal accepts only truly one-hot targets: a mix whose λ is 0 or 1 on every row, or a dense target whose
+    rows are one-hot, is turned into class indices; anything else (smoothing, a proper mix) raises ``ValueError``."""
+    if inputs.label_smoothing != 0.0:
+        raise ValueError(f"uncertainty='dual_focal' with label_smoothing={inputs.label_smoothing}: "
+                         f"{DUAL_FOCAL_SOFT_MESSAGE}")
+    if inputs.dense:
+        t = inputs.target
+        if not bool(((t == 0) | (t == 1)).all()):
+            raise ValueError(f"uncertainty='dual_focal' with a dense target that is not one-hot: "
+                             f"{DUAL_FOCAL_SOFT_MESSAGE}")
+        return replace(inputs, target=t.argmax(dim=1), dense=False)
+    lam = inputs.mix_lambda
+    if isinstance(lam, torch.Tensor):
+        valid = inputs.target != inputs.ignore_index
+        if not bool((((lam == 0) | (lam == 1)) | ~valid).all()):
+            raise ValueError(f"uncertainty='dual_focal' with mix_lambda strictly between 0 and 1: "
+                             f"{DUAL_FOCAL_SOFT_MESSAGE}")
+        target = torch.where(valid & (lam == 0), inputs.mix_target, inputs.target)
+        return replace(inputs, target=target, mix_target=None, mix_lambda=None)
+    raise ValueError(f"uncertainty='dual_focal' with soft targets: {DUAL_FOCAL_SOFT_MESSAGE}")
+
+
 def check_loss_inputs(
     logits,
     target,
     *,
-    weight="brier",
+    uncertainty="brier",
     mode="grad",
     gamma=4.0,
     norm=2.0,
     sample_weight=None,
+    weight=None,
     reduction="mean",
     ignore_index=-100,
     check_values: bool = True,
@@ -533,7 +564,8 @@ def check_loss_inputs(
     A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
     ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
     """
-    check_weight(weight)
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
     check_mode(mode)
     check_reduction(reduction)
     check_ignore_index(ignore_index)  # for a dense target too, which has no row to ignore
@@ -556,15 +588,16 @@ def check_loss_inputs(
         target2d = check_dense_target(logits, target, ignore_index, check_values=not kernel_checks_dense)
         logits2d = logits if logits.dim() == 2 else logits.reshape(-1, logits.shape[-1])
         batch_shape = tuple(logits.shape[:-1])
-        sample_weight = check_sample_weight(sample_weight, weight, batch_shape, logits.device,
+        sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, logits.device,
                                             check_values=check_values)
-        gamma = check_per_sample_gamma(gamma, weight, batch_shape, logits.device, check_values=check_values)
-        return LossInputs(logits2d, target2d, weight, mode, gamma, float(norm), sample_weight, reduction,
+        gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, logits.device, check_values=check_values)
+        return LossInputs(logits2d, target2d, uncertainty, mode, gamma, float(norm), sample_weight, reduction,
                           ignore_index, batch_shape, label_smoothing=smoothing, dense=True)
     logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
-                                                         check_values=check_values)
-    sample_weight = check_sample_weight(sample_weight, weight, target.shape, logits.device, check_values=check_values)
-    gamma = check_per_sample_gamma(gamma, weight, target.shape, logits.device, check_values=check_values)
+                                                          check_values=check_values)
+    sample_weight = check_sample_weight(sample_weight, uncertainty, target.shape, logits.device,
+                                        check_values=check_values)
+    gamma = check_per_sample_gamma(gamma, uncertainty, target.shape, logits.device, check_values=check_values)
     mix1d = lam = None
     if mix_target is not None:
         num_classes = logits.shape[-1]
@@ -583,6 +616,6 @@ def check_loss_inputs(
             target1d = torch.where(target1d == ignore_index, target1d, mix1d)
             mix1d = lam = None
     return LossInputs(
-        logits2d, target1d, weight, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape,
+        logits2d, target1d, uncertainty, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape,
         label_smoothing=smoothing, mix_target=mix1d, mix_lambda=lam,
     )

@@ -24,12 +24,12 @@ through ``lse = m + log d``, whose rounding is an ulp of ``m``; ``log d = log1p(
 max), ``1 − p_y = d_¬y / d`` (no cancellation), ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of
 docs/losses.md.
 The non-ignored row count comes from the (replicated) targets, without communication; ignored rows are 0 whatever
-their logits hold. Before that, one ``all_gather`` of ``(C_r, N)`` and the call's settings (weight, mode, reduction,
-``ignore_index``, dtype, ``gamma``, ``norm``, which optional tensors are given) gives every rank the block sizes
-(hence its offset ``o_r`` and ``C = Σ C_r``) and checks that all ranks hold the same number of rows and were called
-alike, and one all-reduce (MAX) of each row's target and its negation (and of ``sample_weight``'s and a per-sample
-``gamma``'s bits) that they hold the same targets. A mismatch raises the same ``ValueError`` on every rank, decided
-from the same gathered numbers, rather than a hang or a crash in a later collective of another size.
+their logits hold. Before that, one ``all_gather`` of ``(C_r, N)`` and the call's settings (uncertainty, mode,
+reduction, ``ignore_index``, dtype, ``gamma``, ``norm``, which optional tensors are given) gives every rank the block
+sizes (hence its offset ``o_r`` and ``C = Σ C_r``) and checks that all ranks hold the same number of rows and were
+called alike, and one all-reduce (MAX) of each row's target and its negation (and of ``sample_weight``'s and a
+per-sample ``gamma``'s bits) that they hold the same targets. A mismatch raises the same ``ValueError`` on every rank,
+decided from the same gathered numbers, rather than a hang or a crash in a later collective of another size.
 
 Each rank's gradient is its slice of the unsharded gradient, computed locally from the combined statistics (for
 ``grad_output = 1`` in the forward; the backward scales it, the contract of :mod:`calibkernels._autograd`)::
@@ -56,9 +56,12 @@ import zlib
 import torch
 
 from . import _autograd
-from . import _validation as V
-from ._codes import FLSD_LOW_GAMMA, FLSD_MID_GAMMA
-from .reference import _FLSD_LOW_THRESHOLD_F32, _FLSD_MID_THRESHOLD_F32, _power_of_log
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._row_math import flsd_band, power_of_log, row_log_terms
+from ._target_checks import out_of_range_message
+from ._validation import (check_class_weight, check_gamma, check_ignore_index, check_mode, check_norm,
+                          check_per_sample_gamma, check_reduction, check_sample_weight, check_uncertainty,
+                          out_of_range_targets)
 
 __all__ = ["vocab_parallel_uncertainty_weighted_ce"]
 
@@ -80,7 +83,7 @@ def _dist():
 
 
 # What every rank must pass alike, in the order of the gathered table's columns after ``(C_r, N)``.
-_SETTINGS = ("weight", "mode", "reduction", "ignore_index", "dtype", "gamma", "norm", "sample_weight",
+_SETTINGS = ("uncertainty", "mode", "reduction", "ignore_index", "dtype", "gamma", "norm", "sample_weight",
              "per-sample gamma")
 
 
@@ -95,14 +98,14 @@ def _row_bits(values: torch.Tensor) -> torch.Tensor:
     return (values.detach().reshape(-1).to(torch.float64) + 0.0).view(torch.int64)
 
 
-def _settings_row(weight, mode, reduction, ignore_index, dtype, gamma_value, norm, sample_weight, gamma_tensor):
+def _settings_row(uncertainty, mode, reduction, ignore_index, dtype, gamma_value, norm, sample_weight, gamma_tensor):
     """The settings of :data:`_SETTINGS` as int64s: codes, the bits of ``gamma`` (weights that use it) and ``norm``
     (Brier weights), a CRC of the dtype's name (stable across processes) and whether the two optional tensors are
     given."""
-    uses_gamma = weight not in ("none", "external") and gamma_tensor is None
-    return [V.WEIGHT_CODES[weight], V.MODE_CODES[mode], V.REDUCTION_CODES[reduction], ignore_index,
+    uses_gamma = uncertainty not in ("none", "external") and gamma_tensor is None
+    return [WEIGHT_CODES[uncertainty], MODE_CODES[mode], REDUCTION_CODES[reduction], ignore_index,
             zlib.crc32(str(dtype).encode()), _float_bits(gamma_value) if uses_gamma else 0,
-            _float_bits(norm) if weight in ("brier", "brier_flsd") else 0, int(sample_weight is not None),
+            _float_bits(norm) if uncertainty in ("brier", "brier_flsd") else 0, int(sample_weight is not None),
             int(gamma_tensor is not None)]
 
 
@@ -182,14 +185,11 @@ def _log_power(log_x: torch.Tensor, exponent: float) -> torch.Tensor:
 
 
 def _flsd_gamma(log_p_y: torch.Tensor, gamma: float) -> torch.Tensor:
-    """FLSD-53's band from ``float32(p_y)`` (the rule of :func:`calibkernels.reference._flsd_gamma`)."""
-    p_band = torch.exp(log_p_y).float()
-    high = torch.full_like(log_p_y, float(gamma))
-    return torch.where(p_band < _FLSD_LOW_THRESHOLD_F32, torch.full_like(high, FLSD_LOW_GAMMA),
-                       torch.where(p_band < _FLSD_MID_THRESHOLD_F32, torch.full_like(high, FLSD_MID_GAMMA), high))
+    """FLSD-53's ``γ_i`` from ``float32(p_y)`` (:func:`calibkernels._row_math.flsd_band`)."""
+    return flsd_band(torch.exp(log_p_y).float(), gamma, log_p_y.dtype)
 
 
-def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, norm, ignore_index, group,
+def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, mode, norm, ignore_index, group,
                          compute_grad, gamma_grad):
     """``(row_loss (N,), gradient of Σ_i L_i w.r.t. the local logits (N, C_r) or None, dL_i/dγ_i (N,) or None)``
     in the compute dtype (module docstring for the statistics and formulas)."""
@@ -215,7 +215,7 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     z_y = torch.where(valid, z_y, m)  # ignored rows: any finite value (their loss and gradient are zeroed)
 
     # round 2 (dual focal): the largest logit strictly below the target's
-    if weight == "dual_focal":
+    if uncertainty == "dual_focal":
         below = torch.where(z < z_y[:, None], z, neg_inf)
         z_j = below.amax(dim=1) if num_local > 0 else torch.full((num_rows,), -math.inf, device=device, dtype=dtype)
         dist.all_reduce(z_j, op=dist.ReduceOp.MAX, group=group)
@@ -224,9 +224,9 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     e = torch.exp(z - m[:, None])
     zero = torch.zeros((), device=device, dtype=dtype)
     sums = [e.sum(dim=1), torch.where(is_target, zero, e).sum(dim=1)]
-    if weight in ("brier", "brier_flsd"):
+    if uncertainty in ("brier", "brier_flsd"):
         sums.append(torch.where(is_target, zero, torch.exp(norm * (z - m[:, None]))).sum(dim=1))
-    if weight == "dual_focal":
+    if uncertainty == "dual_focal":
         tied = (z == z_j[:, None]) & (z_j > -math.inf)[:, None]
         sums.append(tied.sum(dim=1).to(dtype))
     second = torch.stack(sums)
@@ -235,26 +235,26 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
 
     # Everything relative to the row max m rather than through lse = m + log d, whose rounding (an ulp of m) would
     # be carried into every log-probability: z - m is exact near the max
-    log_d, cross_entropy, log_one_minus = _autograd.row_log_terms(z_y - m, d_not_y, d)
+    log_d, cross_entropy, log_one_minus = row_log_terms(z_y - m, d_not_y, d)
     log_p_y = -cross_entropy
     gamma_i = gamma  # a float, or (N,) per sample (focal)
-    if weight == "none":
+    if uncertainty == "none":
         u = torch.ones_like(d)
-    elif weight == "external":
+    elif uncertainty == "external":
         u = sample_weight.to(dtype)
-    elif weight in ("focal", "flsd"):
-        if weight == "flsd":
+    elif uncertainty in ("focal", "flsd"):
+        if uncertainty == "flsd":
             gamma_i = _flsd_gamma(log_p_y, gamma)
-        u = _power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
-    elif weight == "dual_focal":
+        u = power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
+    elif uncertainty == "dual_focal":
         log_p_j = (z_j - m) - log_d
         log_base = torch.logaddexp(log_one_minus, log_p_j)
-        u = _power_of_log(log_base, gamma)
+        u = power_of_log(log_base, gamma)
     else:  # brier, brier_flsd: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
-        if weight == "brier_flsd":
+        if uncertainty == "brier_flsd":
             gamma_i = _flsd_gamma(log_p_y, gamma)
         log_s = torch.logaddexp(torch.log(second[2]) - norm * log_d, _log_power(log_one_minus, norm))
-        u = _power_of_log(log_s, gamma_i / norm)
+        u = power_of_log(log_s, gamma_i / norm)
     # ignored rows are 0 whatever their logits hold (NaN or inf there must not reach the loss, as in the reference)
     row_loss = torch.where(valid, u * cross_entropy, zero)
     u = torch.where(valid, u, zero)
@@ -268,14 +268,14 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, weight, mode, 
     p = e / d[:, None]
     base = torch.where(is_target, -(d_not_y / d)[:, None], p)  # p_k - δ_ky, without cancellation at k = y
     grad = u[:, None] * base
-    if mode == "loss" and weight not in ("none", "external"):
+    if mode == "loss" and uncertainty not in ("none", "external"):
         p_y = torch.exp(log_p_y)
         gamma_row = gamma_i.to(dtype) if isinstance(gamma_i, torch.Tensor) else gamma_i
-        if weight in ("focal", "flsd"):
+        if uncertainty in ("focal", "flsd"):
             share = torch.where(is_target, -torch.ones((), device=device, dtype=dtype),
                                 e / torch.where(d_not_y > 0, d_not_y, torch.ones_like(d_not_y))[:, None])
             ce_du = cross_entropy[:, None] * (gamma_row * u * p_y)[:, None] * share
-        elif weight == "dual_focal":
+        elif uncertainty == "dual_focal":
             p_j = torch.exp(log_p_j)
             log_b = log_base[:, None]
             p_over_b = torch.exp((z - m[:, None]) - log_d[:, None] - log_b)
@@ -306,10 +306,10 @@ class _VocabParallelUWCE(torch.autograd.Function):
     ``grad_output`` (a scalar, or per row for ``reduction="none"``)."""
 
     @staticmethod
-    def forward(ctx, local_logits, target, sample_weight, gamma, offset, weight, mode, gamma_value, norm, reduction,
-                ignore_index, group):
+    def forward(ctx, local_logits, target, sample_weight, gamma, offset, uncertainty, mode, gamma_value, norm,
+                reduction, ignore_index, group):
         gamma_grad = gamma is not None and ctx.needs_input_grad[3] and mode == "loss"
-        row_loss, grad, gamma_factor = _run(local_logits, target, sample_weight, gamma, offset, weight, mode,
+        row_loss, grad, gamma_factor = _run(local_logits, target, sample_weight, gamma, offset, uncertainty, mode,
                                             gamma_value, norm, ignore_index, group, True, gamma_grad)
         loss, scale = _reduce(row_loss, target, reduction, ignore_index)
         if scale is not None:
@@ -331,13 +331,13 @@ class _VocabParallelUWCE(torch.autograd.Function):
         return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None
 
 
-def _run(local_logits, target, sample_weight, gamma, offset, weight, mode, gamma_value, norm, ignore_index, group,
-         compute_grad, gamma_grad):
+def _run(local_logits, target, sample_weight, gamma, offset, uncertainty, mode, gamma_value, norm, ignore_index,
+         group, compute_grad, gamma_grad):
     compute_dtype = torch.float64 if local_logits.dtype == torch.float64 else torch.float32
     z = local_logits.detach().to(compute_dtype)
     gamma_arg = gamma_value if gamma is None else gamma.detach().to(compute_dtype)
-    return _vocab_parallel_rows(z, target, sample_weight, gamma_arg, offset, weight, mode, norm, ignore_index, group,
-                                compute_grad, gamma_grad)
+    return _vocab_parallel_rows(z, target, sample_weight, gamma_arg, offset, uncertainty, mode, norm, ignore_index,
+                                group, compute_grad, gamma_grad)
 
 
 def _reduce(row_loss, target, reduction, ignore_index):
@@ -350,13 +350,15 @@ def _reduce(row_loss, target, reduction, ignore_index):
     return row_loss.sum() * scale, scale
 
 
-def _local_arguments(local_logits, target, weight, mode, gamma, norm, sample_weight, reduction, ignore_index):
+def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction,
+                     ignore_index):
     """The checks that need no other rank (types, shapes, names, values), and what the call needs from them."""
-    V.check_weight(weight)
-    V.check_mode(mode)
-    V.check_reduction(reduction)
-    V.check_gamma(gamma)
-    V.check_norm(norm)
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
+    check_mode(mode)
+    check_reduction(reduction)
+    check_gamma(gamma)
+    check_norm(norm)
     if not isinstance(local_logits, torch.Tensor):
         raise TypeError(f"local_logits must be a torch.Tensor, got {type(local_logits).__name__}")
     if not isinstance(target, torch.Tensor):
@@ -373,7 +375,7 @@ def _local_arguments(local_logits, target, weight, mode, gamma, norm, sample_wei
                          f"{tuple(local_logits.shape)}: expected {tuple(local_logits.shape[:-1])}")
     if target.device != local_logits.device:
         raise ValueError(f"target is on {target.device} but local_logits are on {local_logits.device}")
-    V.check_ignore_index(ignore_index)
+    check_ignore_index(ignore_index)
     batch_shape = tuple(target.shape)
     num_local = local_logits.shape[-1]
     logits2d = local_logits.reshape(math.prod(batch_shape), num_local)  # -1 is ambiguous for an empty block
@@ -381,12 +383,12 @@ def _local_arguments(local_logits, target, weight, mode, gamma, norm, sample_wei
         raise ValueError("empty batch: local_logits have no rows")
     target1d = target.reshape(-1).long()
     device = local_logits.device
-    sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device)
-    gamma = V.check_per_sample_gamma(gamma, weight, batch_shape, device)
+    sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, device)
+    gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, device)
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
 
-    settings = _settings_row(weight, mode, reduction, ignore_index, local_logits.dtype, gamma_value, float(norm),
+    settings = _settings_row(uncertainty, mode, reduction, ignore_index, local_logits.dtype, gamma_value, float(norm),
                              sample_weight, gamma_tensor)
     row_tensors = [(name, t) for name, t in (("sample_weight", sample_weight), ("per-sample gamma", gamma_tensor))
                    if t is not None]
@@ -399,11 +401,12 @@ def vocab_parallel_uncertainty_weighted_ce(
     target: torch.Tensor,
     *,
     group=None,
-    weight: str = "brier",
+    uncertainty: str = "brier",
     mode: str = "grad",
     gamma: float | torch.Tensor = 4.0,
     norm: float = 2.0,
     sample_weight: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
 ) -> torch.Tensor:
@@ -416,7 +419,7 @@ def vocab_parallel_uncertainty_weighted_ce(
             rank (checked).
         group: the process group (``None``: the default group). Works with any backend whose collectives accept
             tensors on ``local_logits``'s device (gloo for CPU, NCCL for CUDA tensors).
-        weight, mode, gamma, norm, sample_weight, reduction, ignore_index: as in
+        uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index: as in
             :func:`calibkernels.uncertainty_weighted_ce`; all of them, and the dtype of ``local_logits``, must be
             the same on every rank (checked, values of ``sample_weight`` and a per-sample ``gamma`` included). A
             per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
@@ -436,25 +439,25 @@ def vocab_parallel_uncertainty_weighted_ce(
     """
     try:
         (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
-         row_tensors) = _local_arguments(local_logits, target, weight, mode, gamma, norm, sample_weight, reduction,
-                                         ignore_index)
-    except (TypeError, ValueError):
+         row_tensors) = _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight,
+                                         reduction, ignore_index)
+    except (TypeError, ValueError, NotImplementedError):
         _share_refusal(local_logits, group)  # the other ranks raise too, in the collective they are waiting in
         raise
     offset, num_classes = _block_layout(num_local, target1d, group, device, settings, row_tensors)
-    bad = V.out_of_range_targets(target1d, num_classes, ignore_index)
+    bad = out_of_range_targets(target1d, num_classes, ignore_index)
     if bool(bad.any()):
-        raise ValueError(V.out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
+        raise ValueError(out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
 
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and (logits2d.requires_grad or (gamma_tensor is not None and gamma_tensor.requires_grad)):
-        loss = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, offset, weight, mode,
+        loss = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
                                         gamma_value, float(norm), reduction, ignore_index, group)
     else:
-        row_loss, _, _ = _run(logits2d, target1d, sample_weight, gamma_tensor, offset, weight, mode, gamma_value,
-                              float(norm), ignore_index, group, False, False)
+        row_loss, _, _ = _run(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
+                              gamma_value, float(norm), ignore_index, group, False, False)
         loss, _ = _reduce(row_loss, target1d, reduction, ignore_index)
     if reduction == "none":
         loss = loss.reshape(batch_shape)

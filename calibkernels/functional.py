@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from . import _autograd, _backends, _target_checks
-from . import _validation as V
 from . import reference as _reference
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._validation import INT64_MAX, INT64_MIN, check_loss_inputs, soft_target_request
 
 __all__ = ["uncertainty_weighted_ce", "bsce_gra_loss", "brier_loss", "label_smoothing_loss", "mmce_loss"]
 
@@ -15,11 +16,12 @@ def uncertainty_weighted_ce(
     logits: torch.Tensor,
     target: torch.Tensor,
     *,
-    weight: str = "brier",
+    uncertainty: str = "brier",
     mode: str = "grad",
     gamma: float | torch.Tensor = 4.0,
     norm: float = 2.0,
     sample_weight: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
     backend: str = "auto",
@@ -32,20 +34,23 @@ def uncertainty_weighted_ce(
 
     ``mode="grad"`` (default, the GRA losses) uses ``sg[u_i]``: gradient ``u_i (p_i - e_{y_i})``.
     ``mode="loss"`` differentiates through ``u_i`` as the classic focal / dual-focal / BSCE losses do.
-    The weights ``u(p, y)`` are listed in :mod:`calibkernels.reference`; the defaults (``weight="brier"``,
+    The weights ``u(p, y)`` are listed in :mod:`calibkernels.reference`; the defaults (``uncertainty="brier"``,
     ``gamma=4``, ``norm=2``, ``mode="grad"``) are BSCE-GRA as run in the BSCE-GRA paper.
 
     Args:
         logits: ``(..., C)`` float32/float16/bfloat16 (float64 on the reference), class dimension last.
         target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``; or a floating ``(..., C)`` tensor
             of probabilities per row (soft targets, as ``F.cross_entropy`` accepts; no ``ignore_index`` then).
-        weight, mode, gamma, norm, sample_weight: see :func:`calibkernels.reference.uncertainty_weighted_ce`.
+        uncertainty, mode, gamma, norm, sample_weight: see :func:`calibkernels.reference.uncertainty_weighted_ce`.
+        weight: reserved for ``F.cross_entropy``'s per-class ``(C,)`` weight tensor (not supported yet): ``None``.
+            A string raises ``TypeError`` (the uncertainty weight's keyword is ``uncertainty=``), a tensor
+            ``NotImplementedError``.
         label_smoothing: α in [0, 1]; the target becomes ``(1 - α) t + α / C`` (``F.cross_entropy``'s convention).
         mix_target, mix_lambda: mixup / cutmix in O(N): ``t = λ e_target + (1 - λ) e_mix_target`` with
             ``mix_target`` int64 of the target's shape (usually ``target.flip(0)``) and ``λ`` in [0, 1], a number
             or one per row. The fused kernels take these compact forms in one pass (O(N) target data); a dense
-            target costs one more read of ``N×C``. ``weight="dual_focal"`` refuses soft targets (docs/losses.md,
-            "Soft targets").
+            target costs one more read of ``N×C``. ``uncertainty="dual_focal"`` refuses soft targets
+            (docs/losses.md, "Soft targets").
         reduction: ``"mean"`` (default; over non-ignored rows, 0 if none), ``"sum"`` or ``"none"``.
         ignore_index: target value whose rows contribute neither loss nor gradient.
         backend: ``"auto"`` (fastest available for the tensors' device; warns once if it must fall back to the
@@ -57,17 +62,17 @@ def uncertainty_weighted_ce(
     Returns:
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
-    if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None
+    if (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and weight is None
             and type(inplace) is bool and logits.dim() == 2 and target.device == logits.device
             and not torch.compiler.is_compiling()):
-        soft = _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda)
+        soft = _fast_soft_arguments(target, uncertainty, label_smoothing, mix_target, mix_lambda)
         if soft is not None:
-            loss = _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft,
+            loss = _fast_call(logits, target, uncertainty, mode, gamma, norm, reduction, ignore_index, backend, soft,
                               inplace)
             if loss is not None:
                 return loss
     device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
-    soft = V.soft_target_request(target, label_smoothing, mix_target, mix_lambda)
+    soft = soft_target_request(target, label_smoothing, mix_target, mix_lambda)
     # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
     gamma_needs_grad = (soft and mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
                         and torch.is_grad_enabled())
@@ -90,18 +95,19 @@ def uncertainty_weighted_ce(
     if not host_check and _autograd.is_plain_eager(logits):
         # before this call queues flags of its own: what poll raises belongs to an earlier call
         _target_checks.poll()
-    inputs = V.check_loss_inputs(
-        logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+    inputs = check_loss_inputs(
+        logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+        weight=weight,
         reduction=reduction, ignore_index=ignore_index, check_values=host_check, label_smoothing=label_smoothing,
         # a mix's values: the CPU op checks them (raising at once), the GPU kernels in their scan of the targets (in
         # the target flag); the dual-focal weight's soft targets become class indices before any kernel runs
         # (_backends._one_hot_for_dual_focal), so no kernel would see their values: checked here
-        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=weight != "dual_focal" and (
+        mix_target=mix_target, mix_lambda=mix_lambda, kernel_checks_mix=uncertainty != "dual_focal" and (
             name == "cpu" or (name in ("triton", "cuda") and device.type == "cuda")),
         # a dense target's values: the CPU op checks them in its sweep (in place, in a pass of its own before the
         # kernel overwrites the logits); the GPU backends flag them on the device on plain eager calls (the calls
         # whose flag calibkernels._target_checks reads)
-        kernel_checks_dense=weight != "dual_focal" and (name == "cpu" or (
+        kernel_checks_dense=uncertainty != "dual_focal" and (name == "cpu" or (
             name in ("triton", "cuda") and device.type == "cuda" and _autograd.is_plain_eager(logits))),
     )
     if not isinstance(inplace, bool):
@@ -111,7 +117,7 @@ def uncertainty_weighted_ce(
     return _backends.run(name, inputs, inplace)
 
 
-def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda):
+def _fast_soft_arguments(target, uncertainty, label_smoothing, mix_target, mix_lambda):
     """The soft-target arguments of :func:`_fast_call` (``()`` for hard targets), or ``None`` when they need the
     general path: dual focal, a λ of exactly 0 or 1, a dense target that requires grad or of another floating dtype,
     a mix on another device than the target, anything its checks would reject. ``target`` is on the logits'
@@ -134,12 +140,13 @@ def _fast_soft_arguments(target, weight, label_smoothing, mix_target, mix_lambda
               and mix_lambda.is_floating_point() and (mix_lambda.ndim == 0 or mix_lambda.shape == target.shape)
               and not mix_lambda.requires_grad):
         return None
-    if type(label_smoothing) not in (float, int) or not 0 <= label_smoothing <= 1 or weight == "dual_focal":
+    if type(label_smoothing) not in (float, int) or not 0 <= label_smoothing <= 1 or uncertainty == "dual_focal":
         return None
     return mix_target, mix_lambda, float(label_smoothing)
 
 
-def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_index, backend, soft=(), inplace=False):
+def _fast_call(logits, target, uncertainty, mode, gamma, norm, reduction, ignore_index, backend, soft=(),
+               inplace=False):
     """The common eager call, straight into the compiled op and its C++ autograd, or into the Triton kernels: the
     per-call host time of the general path (argument normalisation, backend resolution, the Python target checks) is
     as large as the whole step of ``F.cross_entropy`` at small shapes. The compiled op: on CPU tensors with
@@ -152,9 +159,9 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     a dense target (``soft``: see :func:`_fast_soft_arguments`); the CUDA and Triton kernels flag them on the device
     for :mod:`calibkernels._target_checks`, as the general path does on a GPU. ``inplace``: as the general path,
     which refuses logits that are a leaf requiring grad, or a view of one."""
-    weight_code = V.WEIGHT_CODES.get(weight) if type(weight) is str else None
-    mode_code = V.MODE_CODES.get(mode) if type(mode) is str else None
-    reduction_code = V.REDUCTION_CODES.get(reduction) if type(reduction) is str else None
+    uncertainty_code = WEIGHT_CODES.get(uncertainty) if type(uncertainty) is str else None
+    mode_code = MODE_CODES.get(mode) if type(mode) is str else None
+    reduction_code = REDUCTION_CODES.get(reduction) if type(reduction) is str else None
     dense = target.is_floating_point()
     on_gpu = logits.is_cuda
     if type(backend) is not str or (on_gpu and torch._C._len_torch_dispatch_stack() != 0):
@@ -180,8 +187,8 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
             triton = _triton_kernels(logits.device)
         triton = (triton and logits.dtype in _TRITON_DTYPES and (on_gpu or not (soft and soft[0] is not None))
                   and torch._C._len_torch_dispatch_stack() == 0)
-    if ((not served and not triton) or weight_code is None or mode_code is None or reduction_code is None
-            or weight == "external" or type(gamma) not in (float, int) or not 0 <= gamma < _INF
+    if ((not served and not triton) or uncertainty_code is None or mode_code is None or reduction_code is None
+            or uncertainty == "external" or type(gamma) not in (float, int) or not 0 <= gamma < _INF
             or type(norm) not in (float, int) or not 0 < norm < _INF or type(ignore_index) is not int
             or target.shape != (logits.shape if dense else logits.shape[:1])
             or not (ignore_index == -100 if dense else target.dtype == torch.int64)
@@ -197,12 +204,12 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
     if on_gpu:
         _target_checks.poll()  # raise for a bad target that an earlier call flagged
     if triton:
-        if not _INT64_MIN <= ignore_index <= _INT64_MAX:
+        if not INT64_MIN <= ignore_index <= INT64_MAX:
             return None  # the general path's ValueError: a Triton kernel would take a wider int as uint64
-        return _autograd.run_rows("triton", logits, target, None, gamma, weight_code, mode_code, norm,
-                                  ignore_index, reduction_code, soft, inplace)
+        return _autograd.run_rows(_backends.module("triton"), logits, target, None, gamma, uncertainty_code,
+                                  mode_code, norm, ignore_index, reduction_code, soft, inplace)
     try:
-        loss, flag = _EAGER_LOSS(logits, target, weight_code, mode_code, gamma, norm, ignore_index,
+        loss, flag = _EAGER_LOSS(logits, target, uncertainty_code, mode_code, gamma, norm, ignore_index,
                                  reduction_code, *(soft or (None, None, 0.0)), inplace)
     except OverflowError:
         # an int the op cannot take (ignore_index outside int64), refused in its argument parsing before it runs:
@@ -214,7 +221,6 @@ def _fast_call(logits, target, weight, mode, gamma, norm, reduction, ignore_inde
 
 
 _INF = float("inf")
-_INT64_MIN, _INT64_MAX = V.INT64_MIN, V.INT64_MAX
 _DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 # (on CUDA, on the CPU, backend, CUDA device index or -1) -> whether _fast_call serves that backend there (per GPU:
 # a build may hold no code for one of several); filled on first use
@@ -280,7 +286,7 @@ def bsce_gra_loss(
     becomes ``t``: ``L_i = sg[‖p_i - t_i‖_q^γ] · CE_i``, gradient ``‖p_i - t_i‖_q^γ (p_i - t_i)``
     (see :func:`uncertainty_weighted_ce`).
     """
-    return uncertainty_weighted_ce(logits, target, weight="brier", mode="grad", gamma=gamma, norm=norm,
+    return uncertainty_weighted_ce(logits, target, uncertainty="brier", mode="grad", gamma=gamma, norm=norm,
                                    reduction=reduction, ignore_index=ignore_index, backend=backend, inplace=inplace,
                                    label_smoothing=label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda)
 

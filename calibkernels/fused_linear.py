@@ -39,10 +39,15 @@ import torch
 from torch import nn
 
 from . import _autograd, _backends, _target_checks
-from . import _validation as V
-from .family import common_repr
-from .reference import _DUAL_FOCAL_SOFT, _check_number, _one_hot_for_dual_focal
-from .reference import _uncertainty_weighted_ce as _reference_loss
+from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._row_math import gamma_gradient_factor
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_class_weight, check_dense_target,
+                          check_gamma, check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,
+                          check_per_sample_gamma, check_reduction, check_sample_weight, check_scalar_gamma,
+                          check_target_values, check_uncertainty, device_target_flag, lambda_tensor,
+                          one_hot_for_dual_focal, soft_target_request)
+from .more_losses import common_repr
+from .reference import uncertainty_weighted_ce_from_inputs
 
 __all__ = ["fused_linear_uncertainty_weighted_ce", "FusedLinearUncertaintyWeightedCE", "default_chunk_size"]
 
@@ -88,7 +93,7 @@ class _Spec(NamedTuple):
     """The loss of one call, as every chunk runs it."""
 
     backend: str
-    weight: str
+    uncertainty: str
     mode: str
     gamma: float  # 0.0 when a per-sample gamma tensor is given
     norm: float
@@ -177,7 +182,7 @@ def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore
     row, the first bad row)`` of a dense target's values."""
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         return
-    _target_checks.submit(V.device_target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index,
+    _target_checks.submit(device_target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index,
                           _autograd._dense_dtype(target1d))
 
 
@@ -196,25 +201,25 @@ def _check_chunk_size(chunk_size) -> int | None:
     return chunk_size
 
 
-def _one_hot_forms(target1d, mix1d, lam, weight, ignore_index):
+def _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index):
     """Soft-target forms that are one-hot, as class indices: ``(target1d, mix1d, lam)`` as the chunks take them.
 
     A number ``λ`` of exactly 1 makes ``t = e_target`` (the mix is dropped), exactly 0 ``t = e_mix_target`` on the
     non-ignored rows, as :func:`calibkernels.uncertainty_weighted_ce` reads them: hard targets, whose kernels and
-    per-sample ``γ`` gradient take class indices. For ``weight="dual_focal"`` (no soft form) a ``λ`` tensor of 0s and
-    1s and a one-hot dense target become class indices too (read on the host, as the op does); any other soft form
-    raises the op's ``ValueError``.
+    per-sample ``γ`` gradient take class indices. For ``uncertainty="dual_focal"`` (no soft form) a ``λ`` tensor of 0s
+    and 1s and a one-hot dense target become class indices too (read on the host, as the op does); any other soft
+    form raises the op's ``ValueError``.
     """
     if mix1d is not None and not isinstance(lam, torch.Tensor) and lam in (0.0, 1.0):
         if lam == 0.0:
             target1d = torch.where(target1d == ignore_index, target1d, mix1d)
         mix1d = lam = None
-    if weight == "dual_focal" and (mix1d is not None or target1d.is_floating_point()):
-        inputs = V.LossInputs(logits=None, target=target1d, weight=weight, mode="grad", gamma=0.0, norm=2.0,
-                              sample_weight=None, reduction="none", ignore_index=ignore_index,
-                              batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
-                              dense=target1d.is_floating_point())
-        target1d, mix1d, lam = _one_hot_for_dual_focal(inputs).target, None, None
+    if uncertainty == "dual_focal" and (mix1d is not None or target1d.is_floating_point()):
+        inputs = LossInputs(logits=None, target=target1d, uncertainty=uncertainty, mode="grad", gamma=0.0, norm=2.0,
+                            sample_weight=None, reduction="none", ignore_index=ignore_index,
+                            batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
+                            dense=target1d.is_floating_point())
+        target1d, mix1d, lam = one_hot_for_dual_focal(inputs).target, None, None
     return target1d, mix1d, lam
 
 
@@ -232,12 +237,12 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
         g = None if gamma is None else gamma.detach()
 
         def rows(zc, g):
-            inputs = V.LossInputs(logits=zc, target=target, weight=spec.weight, mode=spec.mode,
-                                  gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
-                                  reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
-                                  label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
-                                  dense=spec.dense)
-            return _reference_loss(inputs)
+            inputs = LossInputs(logits=zc, target=target, uncertainty=spec.uncertainty, mode=spec.mode,
+                                gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
+                                reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
+                                label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
+                                dense=spec.dense)
+            return uncertainty_weighted_ce_from_inputs(inputs)
 
         if not (compute_grad or gamma_grad):
             return rows(zc, g), None, None
@@ -253,12 +258,11 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
     module = _backends.module(spec.backend)
     gamma_factor = None
     if gamma_grad:  # read the logits before the kernel overwrites them
-        gamma_factor = _autograd._gamma_gradient_factor(z, target, gamma, spec.ignore_index,
-                                                        V.REDUCTION_CODES["sum"])
+        gamma_factor = gamma_gradient_factor(z, target, gamma, spec.ignore_index, REDUCTION_CODES["sum"])
     soft = (mix_target, mix_lambda, spec.label_smoothing) if mix_target is not None else spec.soft_arguments
     row_loss, _, _ = module.forward(
-        z, target, sample_weight, gamma, V.WEIGHT_CODES[spec.weight], V.MODE_CODES[spec.mode], spec.gamma, spec.norm,
-        spec.ignore_index, V.REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft)
+        z, target, sample_weight, gamma, WEIGHT_CODES[spec.uncertainty], MODE_CODES[spec.mode], spec.gamma,
+        spec.norm, spec.ignore_index, REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft)
     return row_loss, (z if compute_grad else None), gamma_factor
 
 
@@ -372,10 +376,10 @@ class FusedLinearUWCE(torch.autograd.Function):
     """Autograd of :func:`fused_linear_uncertainty_weighted_ce` on validated 2-D inputs (module docstring)."""
 
     @staticmethod
-    def forward(ctx, hidden, linear_weight, linear_bias, target, sample_weight, gamma, backend, weight, mode,
+    def forward(ctx, hidden, linear_weight, linear_bias, target, sample_weight, gamma, backend, uncertainty, mode,
                 gamma_value, norm, reduction, ignore_index, chunk, mix_target=None, mix_lambda=None,
                 label_smoothing=0.0):
-        spec = _Spec(backend, weight, mode, gamma_value, norm, ignore_index, label_smoothing,
+        spec = _Spec(backend, uncertainty, mode, gamma_value, norm, ignore_index, label_smoothing,
                      target.is_floating_point())
         need_gamma = gamma is not None and ctx.needs_input_grad[5] and mode == "loss"
         ctx.set_materialize_grads(False)
@@ -434,11 +438,12 @@ def fused_linear_uncertainty_weighted_ce(
     target: torch.Tensor,
     linear_bias: torch.Tensor | None = None,
     *,
-    weight: str = "brier",
+    uncertainty: str = "brier",
     mode: str = "grad",
     gamma: float | torch.Tensor = 4.0,
     norm: float = 2.0,
     sample_weight: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
     backend: str = "auto",
@@ -461,7 +466,7 @@ def fused_linear_uncertainty_weighted_ce(
         target: ``(...)`` (``hidden``'s leading shape) int64 class indices in ``[0, C)`` or ``ignore_index``; or
             dense probabilities ``(..., C)`` (soft targets: every row counts, no ``ignore_index``).
         linear_bias: optional ``(C,)``, same dtype and device.
-        weight, mode, gamma, norm, sample_weight, reduction, ignore_index, backend: as in
+        uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index, backend: as in
             :func:`calibkernels.uncertainty_weighted_ce`. ``"mean"`` divides by the non-ignored rows of the whole
             batch (0 if there are none). ``sample_weight`` is used detached. A per-sample ``gamma`` tensor (focal)
             that requires grad gets ``∂L/∂γ_i = L_i log(1 - p_{i,y})`` (times the reduction's scale) in
@@ -479,25 +484,18 @@ def fused_linear_uncertainty_weighted_ce(
     gradient raises ``RuntimeError``). With ``backend="reference"`` each chunk runs the pure-PyTorch reference and
     ``torch.autograd.grad``.
     """
-    V.check_weight(weight)
-    V.check_mode(mode)
-    V.check_reduction(reduction)
-    V.check_gamma(gamma)
-    V.check_norm(norm)
-    V.check_backend(backend)
-    chunk_size = _check_chunk_size(chunk_size)
-    V.check_ignore_index(ignore_index)
-    smoothing = V.check_label_smoothing(label_smoothing)
-    soft = V.soft_target_request(target, smoothing, mix_target, mix_lambda)
+    chunk_size, smoothing = _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size,
+                                            ignore_index, label_smoothing)
+    soft = soft_target_request(target, smoothing, mix_target, mix_lambda)
     hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
     num_rows, hidden_size = hidden2d.shape
     num_classes = linear_weight.shape[0]
     device = hidden.device
     dense = target1d.is_floating_point()
-    if soft and weight == "dual_focal" and smoothing != 0.0:
-        raise ValueError(f"weight='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
+    if soft and uncertainty == "dual_focal" and smoothing != 0.0:
+        raise ValueError(f"uncertainty='dual_focal' with soft targets: {DUAL_FOCAL_SOFT_MESSAGE}")
     # dual focal's other soft forms run as class indices once found one-hot (below), or raise there
-    if soft and weight != "dual_focal":
+    if soft and uncertainty != "dual_focal":
         # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
         gamma_needs_grad = (mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
                             and torch.is_grad_enabled())
@@ -514,92 +512,114 @@ def fused_linear_uncertainty_weighted_ce(
             raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself")
         if not torch.compiler.is_compiling():
             # on a GPU the values of plain eager calls are flagged on the device below (no synchronisation)
-            V.check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
-                                 check_values=host_check or not _autograd.is_plain_eager(hidden2d))
+            check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
+                               check_values=host_check or not _autograd.is_plain_eager(hidden2d))
     elif host_check and not torch.compiler.is_compiling():
-        V.check_target_values(target1d, num_classes, ignore_index)
+        check_target_values(target1d, num_classes, ignore_index)
     if mix_target is not None:
         # on a GPU the mix's values are flagged on the device (no synchronisation); the kernel flags the targets
-        mix1d, lam = V.check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
-                                 check_values=host_check)
-    sample_weight = V.check_sample_weight(sample_weight, weight, batch_shape, device, check_values=host_check)
+        mix1d, lam = check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
+                               check_values=host_check)
+    sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, device, check_values=host_check)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
-    gamma = V.check_per_sample_gamma(gamma, weight, batch_shape, device, check_values=host_check)
+    gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, device, check_values=host_check)
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
     if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
-                                                          else torch.float32):
+                                                           else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
         _submit_device_target_check(target1d, num_classes, ignore_index)  # the targets as given, before any mix
-    target1d, mix1d, lam = _one_hot_forms(target1d, mix1d, lam, weight, ignore_index)
+    target1d, mix1d, lam = _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index)
     dense = target1d.is_floating_point()
     if mix1d is not None:
-        lam = V.lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
+        lam = lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
     if hidden.dtype in _HALF and not torch.compiler.is_compiling():
         _probe_out_dtype_addmm(device, hidden.dtype)
     chunk = chunk_size if chunk_size is not None else default_chunk_size(
         num_rows, num_classes, hidden_size, hidden.element_size(), device.type)
     chunk = min(chunk, num_rows)
-
-    grad_enabled = torch.is_grad_enabled()
-    needs_grad = grad_enabled and (
-        hidden2d.requires_grad or linear_weight.requires_grad
-        or (linear_bias is not None and linear_bias.requires_grad)
-        or (gamma_tensor is not None and gamma_tensor.requires_grad and mode == "loss"))
-    if needs_grad:
-        loss = FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, name,
-                                     weight, mode, gamma_value, norm, reduction, ignore_index, chunk, mix1d, lam,
-                                     smoothing)
-    else:
-        with torch.no_grad():
-            spec = _Spec(name, weight, mode, gamma_value, float(norm), ignore_index, smoothing, dense)
-            row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
-                                         None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
-                                         False, False, False, False, None, mix1d, lam)
-            loss = row_loss if reduction == "none" else row_loss.sum()
-            if reduction == "mean":
-                loss = loss / _valid_rows(target1d, ignore_index).to(loss.dtype)
+    spec = _Spec(name, uncertainty, mode, gamma_value, float(norm), ignore_index, smoothing, dense)
+    loss = _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec, reduction,
+                         chunk, mix1d, lam)
     if reduction == "none":
         loss = loss.reshape(batch_shape)
     return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
 
 
+def _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size, ignore_index,
+                    label_smoothing):
+    """The checks of :func:`fused_linear_uncertainty_weighted_ce`'s settings that need no tensor; returns
+    ``(chunk_size, label_smoothing)`` as the call uses them."""
+    check_class_weight(weight)
+    check_uncertainty(uncertainty)
+    check_mode(mode)
+    check_reduction(reduction)
+    check_gamma(gamma)
+    check_norm(norm)
+    check_backend(backend)
+    chunk_size = _check_chunk_size(chunk_size)
+    check_ignore_index(ignore_index)
+    return chunk_size, check_label_smoothing(label_smoothing)
+
+
+def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec: _Spec,
+                  reduction: str, chunk: int, mix1d, lam) -> torch.Tensor:
+    """The loss of checked 2-D inputs, through :class:`FusedLinearUWCE` where a gradient is needed, else one pass of
+    the chunks without autograd; in the compute dtype, ``(N,)`` for ``reduction="none"``."""
+    needs_grad = torch.is_grad_enabled() and (
+        hidden2d.requires_grad or linear_weight.requires_grad
+        or (linear_bias is not None and linear_bias.requires_grad)
+        or (gamma_tensor is not None and gamma_tensor.requires_grad and spec.mode == "loss"))
+    if needs_grad:
+        return FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor,
+                                     spec.backend, spec.uncertainty, spec.mode, spec.gamma, spec.norm, reduction,
+                                     spec.ignore_index, chunk, mix1d, lam, spec.label_smoothing)
+    with torch.no_grad():
+        row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
+                                     None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
+                                     False, False, False, False, None, mix1d, lam)
+        loss = row_loss if reduction == "none" else row_loss.sum()
+        if reduction == "mean":
+            loss = loss / _valid_rows(target1d, ignore_index=spec.ignore_index).to(loss.dtype)
+    return loss
+
+
 class FusedLinearUncertaintyWeightedCE(nn.Module):
     """Module form of :func:`fused_linear_uncertainty_weighted_ce`: the output layer's weight is passed to
     ``forward(hidden (..., H), linear_weight (C, H), target (...), linear_bias=None, sample_weight=None,
-    mix_target=None, mix_lambda=None)``, as with
-    Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer keeps owning its parameters."""
+    mix_target=None, mix_lambda=None)``, as with Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer
+    keeps owning its parameters. ``weight`` is reserved for per-class weights (``None``; see
+    :func:`calibkernels.uncertainty_weighted_ce`)."""
 
-    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", chunk_size=None, label_smoothing=0.0):
+    def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None):
         super().__init__()
-        V.check_weight(weight)
-        V.check_mode(mode)
-        V.check_gamma(gamma)
-        if isinstance(gamma, torch.Tensor):
-            raise TypeError("a module's gamma is a number; use the functional form for a per-sample gamma tensor")
-        _check_number("gamma", gamma)
-        V.check_norm(norm)
-        V.check_reduction(reduction)
-        V.check_backend(backend)
-        V.check_ignore_index(ignore_index)
+        check_class_weight(weight)
+        check_uncertainty(uncertainty)
+        check_mode(mode)
+        gamma = check_scalar_gamma(
+            gamma, "a module's gamma is a number; use the functional form for a per-sample gamma tensor")
+        check_norm(norm)
+        check_reduction(reduction)
+        check_backend(backend)
+        check_ignore_index(ignore_index)
         chunk_size = _check_chunk_size(chunk_size)
-        self.label_smoothing = V.check_label_smoothing(label_smoothing)
-        self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
+        self.label_smoothing = check_label_smoothing(label_smoothing)
+        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, gamma, float(norm)
         self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size
 
     def forward(self, hidden, linear_weight, target, linear_bias=None, sample_weight=None, mix_target=None,
                 mix_lambda=None):
         return fused_linear_uncertainty_weighted_ce(
-            hidden, linear_weight, target, linear_bias, weight=self.weight, mode=self.mode, gamma=self.gamma,
+            hidden, linear_weight, target, linear_bias, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, chunk_size=self.chunk_size, label_smoothing=self.label_smoothing,
             mix_target=mix_target, mix_lambda=mix_lambda)
 
     def extra_repr(self):
-        parts = [f"weight={self.weight!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
+        parts = [f"uncertainty={self.uncertainty!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
                  common_repr(self.reduction, self.ignore_index, self.backend)]
         if self.chunk_size is not None:
             parts.append(f"chunk_size={self.chunk_size}")

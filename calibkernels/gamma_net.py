@@ -9,9 +9,9 @@ For features ``x ∈ R^{b×d}`` (the backbone's penultimate layer), with learnab
     x̃ = p Aᵀ           (b, d)   the sample re-expressed as a convex mix of the prototypes
     γ = |x̃ W| / τ      (b,)     one focal exponent per sample, ≥ 0 by construction
 
-The γs feed the focal loss ``-(1 - p_t)^{γ_i} log p_t`` (``calibkernels.uncertainty_weighted_ce(..., weight="focal",
-gamma=γ)``); the γ-Net's parameters φ = (A, W) are meta-learned to lower a differentiable calibration error (SECE or
-DECE, :mod:`calibkernels.metrics.smooth`) on held-out data (``training/meta_learning.py``).
+The γs feed the focal loss ``-(1 - p_t)^{γ_i} log p_t`` (``calibkernels.uncertainty_weighted_ce(...,
+uncertainty="focal", gamma=γ)``); the γ-Net's parameters φ = (A, W) are meta-learned to lower a differentiable
+calibration error (SECE or DECE, :mod:`calibkernels.metrics.smooth`) on held-out data (``training/meta_learning.py``).
 
 k, τ and the initialisation are not published; the choices here are documented on :class:`GammaNet`.
 """
@@ -112,7 +112,8 @@ class GammaNet(nn.Module):
             raise TypeError(f"features must be floating point, got {features.dtype}")
         if features.dim() < 1 or features.shape[-1] != self.in_features:
             raise ValueError(
-                f"features must have shape (..., {self.in_features}) (the penultimate width), got {tuple(features.shape)}"
+                f"features must have shape (..., {self.in_features}) (the penultimate width), got "
+                f"{tuple(features.shape)}"
             )
         prototypes = self.prototypes.to(features.dtype)
         attention = torch.softmax(features @ prototypes, dim=-1)  # (..., k)

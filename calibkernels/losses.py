@@ -8,32 +8,24 @@ Every registry name accepts exactly the hyper-parameters its loss uses: a name g
 >>> import calibkernels as ck
 >>> criterion = ck.losses.build("bsce_gra", gamma=4.0, reduction="sum")
 >>> criterion
-UncertaintyWeightedCE(weight='brier', mode='grad', gamma=4.0, norm=2.0, reduction='sum', backend='auto')
+UncertaintyWeightedCE(uncertainty='brier', mode='grad', gamma=4.0, norm=2.0, reduction='sum', backend='auto')
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from . import _validation as V
-from . import family as _family
-from . import functional as F_ck
+from . import more_losses
 from . import reference as _reference
-from .family import AdaFocalLoss, MbLSLoss, MDCALoss
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_class_weight, check_ignore_index,
+                          check_label_smoothing, check_mode, check_norm, check_reduction, check_scalar_gamma,
+                          check_uncertainty, is_number)
+from .functional import uncertainty_weighted_ce
+from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: F401  (module form of the fused linear loss)
+from .more_losses import AdaFocalLoss, MbLSLoss, MDCALoss, common_repr
 
 __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLoss", "LabelSmoothingCE", "MMCELoss",
            "AdaptiveBSCEGRA", "AdaFocalLoss", "MDCALoss", "MbLSLoss", "build", "names", "REGISTRY"]
-
-
-def _check_gamma_and_norm(gamma, norm):
-    """γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)."""
-    V.check_gamma(gamma)
-    if isinstance(gamma, torch.Tensor):
-        raise TypeError("a module's gamma is a number; pass a per-sample gamma tensor to forward(..., gamma=...)")
-    _reference._check_number("gamma", gamma)
-    V.check_norm(norm)
-    _reference._check_number("norm", norm, positive=True)
 
 
 class UncertaintyWeightedCE(nn.Module):
@@ -41,62 +33,68 @@ class UncertaintyWeightedCE(nn.Module):
 
     ``forward(logits (..., C), target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None)``:
     ``target`` is ``(...)`` int64 class indices or a floating ``(..., C)`` probability tensor; ``sample_weight`` only
-    with ``weight="external"``; a per-sample ``gamma`` tensor only with ``weight="focal"``; ``mix_target`` (int64,
-    the target's shape) and ``mix_lambda`` (a number or one per row) give ``t = λ e_target + (1 - λ) e_mix_target``
-    (mixup / cutmix). ``label_smoothing`` (α) smooths every target: ``t <- (1 - α) t + α / C`` (docs/losses.md,
-    "Soft targets"); dual focal refuses soft targets.
+    with ``uncertainty="external"``; a per-sample ``gamma`` tensor only with ``uncertainty="focal"``; ``mix_target``
+    (int64, the target's shape) and ``mix_lambda`` (a number or one per row) give
+    ``t = λ e_target + (1 - λ) e_mix_target`` (mixup / cutmix). ``label_smoothing`` (α) smooths every target:
+    ``t <- (1 - α) t + α / C`` (docs/losses.md, "Soft targets"); dual focal refuses soft targets. ``weight`` is
+    reserved for per-class weights (``None``; see :func:`calibkernels.uncertainty_weighted_ce`).
 
-    ``gra_detach="p_j"`` (``weight="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
+    ``gra_detach="p_j"`` (``uncertainty="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
     ``DualFocalLossGra``, ``(1 - p_y + sg[p_j])^γ · CE``; the fused kernels implement the default ``"weight"``
     (``sg[u] · CE``) only, so this form runs the reference (``backend`` must be ``"auto"`` or ``"reference"``).
     """
 
-    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight"):
+    def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight", *, weight=None):
         super().__init__()
-        V.check_weight(weight)
-        V.check_mode(mode)
-        _check_gamma_and_norm(gamma, norm)
-        V.check_reduction(reduction)
-        V.check_backend(backend)
-        V.check_ignore_index(ignore_index)
+        check_class_weight(weight)
+        check_uncertainty(uncertainty)
+        check_mode(mode)
+        # γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)
+        gamma = check_scalar_gamma(
+            gamma, "a module's gamma is a number; pass a per-sample gamma tensor to forward(..., gamma=...)")
+        check_norm(norm)
+        check_reduction(reduction)
+        check_backend(backend)
+        check_ignore_index(ignore_index)
         if not isinstance(inplace, bool):
             raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
-        _reference.check_gra_detach(gra_detach, weight=weight, mode=mode)
+        _reference.check_gra_detach(gra_detach, uncertainty=uncertainty, mode=mode)
         if gra_detach == "p_j" and backend not in ("auto", "reference"):
             raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) has no fused kernel: use "
                              f"backend='auto' or 'reference', not {backend!r}")
         self.gra_detach = gra_detach
-        label_smoothing = V.check_label_smoothing(label_smoothing)
-        if weight == "dual_focal" and label_smoothing != 0.0:
-            raise ValueError(f"weight='dual_focal' with label_smoothing={label_smoothing}: "
-                             f"{_reference._DUAL_FOCAL_SOFT}")
-        self.weight, self.mode, self.gamma, self.norm = weight, mode, float(gamma), float(norm)
+        label_smoothing = check_label_smoothing(label_smoothing)
+        if uncertainty == "dual_focal" and label_smoothing != 0.0:
+            raise ValueError(f"uncertainty='dual_focal' with label_smoothing={label_smoothing}: "
+                             f"{DUAL_FOCAL_SOFT_MESSAGE}")
+        self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, gamma, float(norm)
         self.reduction, self.ignore_index, self.backend, self.inplace = reduction, ignore_index, backend, inplace
         self.label_smoothing = label_smoothing
 
     def forward(self, logits, target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None):
         if self.gra_detach != "weight":
             return _reference.uncertainty_weighted_ce(
-                logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
+                logits, target, uncertainty=self.uncertainty, mode=self.mode,
+                gamma=self.gamma if gamma is None else gamma,
                 norm=self.norm, sample_weight=sample_weight, reduction=self.reduction,
                 ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, mix_target=mix_target,
                 mix_lambda=mix_lambda, gra_detach=self.gra_detach)
-        return F_ck.uncertainty_weighted_ce(
-            logits, target, weight=self.weight, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
+        return uncertainty_weighted_ce(
+            logits, target, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, inplace=self.inplace, label_smoothing=self.label_smoothing, mix_target=mix_target,
             mix_lambda=mix_lambda,
         )
 
     def _weight_repr(self) -> list:
-        """The weight's part of :meth:`extra_repr` (weight, mode and its hyperparameters)."""
-        parts = [f"weight={self.weight!r}"]
-        if self.weight not in ("none", "external"):
+        """The uncertainty weight's part of :meth:`extra_repr` (uncertainty, mode and its hyperparameters)."""
+        parts = [f"uncertainty={self.uncertainty!r}"]
+        if self.uncertainty not in ("none", "external"):
             parts.append(f"mode={self.mode!r}")
-        if self.weight in ("focal", "flsd", "dual_focal", "brier", "brier_flsd"):
+        if self.uncertainty in ("focal", "flsd", "dual_focal", "brier", "brier_flsd"):
             parts.append(f"gamma={self.gamma}")
-        if self.weight in ("brier", "brier_flsd"):
+        if self.uncertainty in ("brier", "brier_flsd"):
             parts.append(f"norm={self.norm}")
         return parts
 
@@ -106,7 +104,7 @@ class UncertaintyWeightedCE(nn.Module):
             parts.append(f"gra_detach={self.gra_detach!r}")
         if self.label_smoothing:
             parts.append(f"label_smoothing={self.label_smoothing}")
-        parts.append(_family.common_repr(self.reduction, self.ignore_index, self.backend))
+        parts.append(common_repr(self.reduction, self.ignore_index, self.backend))
         if self.inplace:
             parts.append("inplace=True")
         return ", ".join(parts)
@@ -115,15 +113,16 @@ class UncertaintyWeightedCE(nn.Module):
 class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
     """Drop-in for timm's ``SoftTargetCrossEntropy``: ``forward(x (..., C), target (..., C))`` with dense
     probability targets (what ``timm.data.Mixup`` produces, smoothing included), returning
-    ``mean_i u_i · (-Σ_k t_ik log p_ik)``; ``ignore_index`` applies to class-index targets only. ``weight="none"``
-    is timm's loss; the default is BSCE-GRA (``weight="brier"``, ``mode="grad"``, γ = 4, q = 2). Class-index targets are accepted too (an evaluation loader).
+    ``mean_i u_i · (-Σ_k t_ik log p_ik)``; ``ignore_index`` applies to class-index targets only.
+    ``uncertainty="none"`` is timm's loss; the default is BSCE-GRA (``uncertainty="brier"``, ``mode="grad"``, γ = 4,
+    q = 2). Class-index targets are accepted too (an evaluation loader).
     Registry: ``soft_target_bsce_gra`` and ``soft_target_cross_entropy`` (docs/losses.md, "Soft targets").
     """
 
-    def __init__(self, weight="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", label_smoothing=0.0):
-        super().__init__(weight=weight, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
-                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing)
+    def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
+                 backend="auto", label_smoothing=0.0, *, weight=None):
+        super().__init__(uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
+                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing, weight=weight)
 
     def forward(self, x, target):
         return super().forward(x, target)
@@ -132,15 +131,15 @@ class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
 class AdaptiveBSCEGRA(UncertaintyWeightedCE):
     """BSCE-GRA with the official BSCE-GRA code's adaptive exponent (``BSCELossAdaptiveGra``), registry name
     ``bsce_adaptive_gra``: ``sg[‖p - t‖_q^{γ_i}] · CE`` with γ_i = 5 where the target's probability (``<t, p>`` for
-    soft targets) is below 0.2, 3 below 0.5, else ``gamma`` (FLSD-53's bands, decided as for ``weight="flsd"``).
+    soft targets) is below 0.2, 3 below 0.5, else ``gamma`` (FLSD-53's bands, decided as for ``uncertainty="flsd"``).
 
-    The fused op's ``weight="brier_flsd"`` in grad mode: each kernel picks γ_i from the row statistics it already
-    has, so the loss costs what BSCE-GRA costs. Reference: :func:`calibkernels.family.bsce_adaptive_gra_loss`.
+    The fused op's ``uncertainty="brier_flsd"`` in grad mode: each kernel picks γ_i from the row statistics it already
+    has, so the loss costs what BSCE-GRA costs. Reference: :func:`calibkernels.more_losses.bsce_adaptive_gra_loss`.
     """
 
     def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto", inplace=False,
                  label_smoothing=0.0):
-        super().__init__(weight="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
+        super().__init__(uncertainty="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
                          ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing)
 
     def _weight_repr(self) -> list:
@@ -149,7 +148,7 @@ class AdaptiveBSCEGRA(UncertaintyWeightedCE):
 
 def _check_reference_only_backend(loss_name, backend):
     """Losses without a fused kernel run the reference; naming a kernel backend for them is an error, not a fallback."""
-    V.check_backend(backend)
+    check_backend(backend)
     if backend not in ("auto", "reference"):
         raise ValueError(f"{loss_name} has no fused kernel: use backend='auto' or 'reference', not {backend!r}")
     return backend
@@ -160,8 +159,8 @@ class BrierLoss(nn.Module):
 
     def __init__(self, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
-        V.check_reduction(reduction)
-        V.check_ignore_index(ignore_index)
+        check_reduction(reduction)
+        check_ignore_index(ignore_index)
         self.reduction, self.ignore_index = reduction, ignore_index
         self.backend = _check_reference_only_backend("brier_loss", backend)
 
@@ -169,7 +168,7 @@ class BrierLoss(nn.Module):
         return _reference.brier_loss(logits, target, reduction=self.reduction, ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return _family.common_repr(self.reduction, self.ignore_index)
+        return common_repr(self.reduction, self.ignore_index)
 
 
 class LabelSmoothingCE(nn.Module):
@@ -178,9 +177,9 @@ class LabelSmoothingCE(nn.Module):
     def __init__(self, alpha=0.05, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         self.backend = _check_reference_only_backend("label_smoothing", backend)
-        V.check_reduction(reduction)
-        V.check_ignore_index(ignore_index)
-        if not V.is_number(alpha):
+        check_reduction(reduction)
+        check_ignore_index(ignore_index)
+        if not is_number(alpha):
             raise TypeError(f"label smoothing alpha must be a number in [0, 1], got {type(alpha).__name__}")
         if not 0.0 <= alpha <= 1.0:  # also refuses NaN
             raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")
@@ -191,7 +190,7 @@ class LabelSmoothingCE(nn.Module):
                                                ignore_index=self.ignore_index)
 
     def extra_repr(self):
-        return f"alpha={self.alpha}, {_family.common_repr(self.reduction, self.ignore_index)}"
+        return f"alpha={self.alpha}, {common_repr(self.reduction, self.ignore_index)}"
 
 
 class MMCELoss(nn.Module):
@@ -206,10 +205,10 @@ class MMCELoss(nn.Module):
         super().__init__()
         self.form = _reference.check_mmce_form(form)
         self.backend = _check_reference_only_backend("mmce", backend)
-        V.check_reduction(reduction)
+        check_reduction(reduction)
         if reduction == "none":
             raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
-        V.check_ignore_index(ignore_index)
+        check_ignore_index(ignore_index)
         _reference.check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
         self.lam, self.weighted, self.bandwidth = float(lam), bool(weighted), float(bandwidth)
         self.reduction, self.ignore_index = reduction, ignore_index
@@ -222,7 +221,7 @@ class MMCELoss(nn.Module):
     def extra_repr(self):
         form = f", form={self.form!r}" if self.form != "kumar" else ""
         return (f"lam={self.lam}, weighted={self.weighted}, bandwidth={self.bandwidth}{form}, "
-                f"{_family.common_repr(self.reduction, self.ignore_index)}")
+                f"{common_repr(self.reduction, self.ignore_index)}")
 
 
 class _Factory:
@@ -246,15 +245,15 @@ _COMMON = ("reduction", "ignore_index", "backend")  # every loss
 _FUSED = _COMMON + ("inplace", "label_smoothing")  # losses with a fused kernel (UncertaintyWeightedCE)
 
 
-def _uwce(weight, mode, extra=(), **defaults):
+def _uwce(uncertainty, mode, extra=(), **defaults):
     def make(**hp):
-        return UncertaintyWeightedCE(weight=weight, mode=mode, **hp)
+        return UncertaintyWeightedCE(uncertainty=uncertainty, mode=mode, **hp)
     return _Factory(make, tuple(defaults) + tuple(extra) + _FUSED, **defaults)
 
 
-def _soft_target(weight, mode, **defaults):
+def _soft_target(uncertainty, mode, **defaults):
     def make(**hp):
-        return SoftTargetUncertaintyWeightedCE(weight=weight, mode=mode, **hp)
+        return SoftTargetUncertaintyWeightedCE(uncertainty=uncertainty, mode=mode, **hp)
     return _Factory(make, tuple(defaults) + _COMMON + ("label_smoothing",), **defaults)
 
 
@@ -308,9 +307,9 @@ REGISTRY = {
     "mmce_weighted": _mmce(weighted=True),
     "soft_target_cross_entropy": _soft_target("none", "grad"),
     "soft_target_bsce_gra": _soft_target("brier", "grad", gamma=4.0, norm=2.0),
-    # the rest of the family (calibkernels/family.py; docs/losses.md, "More losses")
+    # the losses beyond the fused family (calibkernels/more_losses.py; docs/losses.md, "More losses")
     "bsce_adaptive_gra": _Factory(AdaptiveBSCEGRA, ("gamma", "norm") + _FUSED, gamma=3.0, norm=2.0),
-    "adafocal": _Factory(AdaFocalLoss, tuple(_family.ADAFOCAL_DEFAULTS) + _COMMON),
+    "adafocal": _Factory(AdaFocalLoss, tuple(more_losses.ADAFOCAL_DEFAULTS) + _COMMON),
     "mdca": _MDCAFactory(),
     "mbls": _Factory(MbLSLoss, ("margin", "lam") + _COMMON),
 }
@@ -335,5 +334,3 @@ def build(name: str, **hyperparameters) -> nn.Module:
     except TypeError as exc:
         raise TypeError(f"loss {name!r}: {exc}") from exc
 
-
-from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: E402,F401  (module form of the fused linear loss)

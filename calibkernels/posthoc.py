@@ -1,10 +1,12 @@
-"""Post-hoc calibrators beyond temperature scaling (docs/metrics.md, 'Post-hoc calibration').
+"""Post-hoc calibrators, temperature scaling among them (docs/metrics.md, 'Post-hoc calibration').
 
 Every calibrator maps the logits of a trained classifier to calibrated probabilities and is fitted on a held-out
 split (never the test split) with one interface::
 
     calibrator = VectorScaling().fit(val_logits, val_labels)     # -> self
     probs = calibrator.transform(test_logits)                      # (..., C) probabilities; calibrator(z) is the same
+
+(:class:`TemperatureScaling` is also an ``nn.Module``: calling it returns the scaled logits ``z / T``.)
 
 ============================  =======================================================  ================================
 class                         calibrated probabilities ``q``                           paper
@@ -49,9 +51,10 @@ import warnings
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
-from . import _validation as V
-from . import calibration as _calibration
+from ._temperature_fit import OBJECTIVES, check_grid, fit_temperature
+from ._validation import check_ignore_index, check_number, is_number
 from .metrics._inputs import check_n_bins, compute_dtype, labelled_rows, resolve_inputs_kind
 
 __all__ = [
@@ -116,7 +119,7 @@ def _as_fit_inputs(logits, labels, inputs_are: str, ignore_index: int) -> tuple[
         raise TypeError(f"labels must be a torch.Tensor of class indices, got {type(labels).__name__}")
     if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
         raise TypeError(f"labels must hold integer class indices, got {labels.dtype}")
-    V.check_ignore_index(ignore_index)
+    check_ignore_index(ignore_index)
     num_classes = _check_inputs_tensor(logits)
     if tuple(labels.shape) != tuple(logits.shape[:-1]):
         raise ValueError(f"labels shape {tuple(labels.shape)} does not match logits shape {tuple(logits.shape)}: "
@@ -128,14 +131,6 @@ def _as_fit_inputs(logits, labels, inputs_are: str, ignore_index: int) -> tuple[
     x, y, rows = labelled_rows(x, y, ignore_index, num_classes, "a calibrator")
     kind = resolve_inputs_kind(x, inputs_are, logits.dtype, rows)  # stacklevel 4: the caller of fit
     return _in_log_space(x, kind), y, kind
-
-
-def _check_number(name: str, value, *, positive: bool = False) -> float:
-    if not V.is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0 or (positive and value == 0):
-        raise ValueError(f"{name} must be {'positive' if positive else 'non-negative'} and finite, got {value}")
-    return float(value)
 
 
 def _check_count(name: str, value, minimum: int = 1) -> int:
@@ -240,32 +235,95 @@ def _masked_labels_raise(masked: torch.Tensor, y: torch.Tensor) -> None:
 
 
 # -------------------------------------------------------------------------------------------- temperature scaling
-class TemperatureScaling(PosthocCalibrator):
-    """``q = softmax(z / T)`` with ``T > 0`` fitted by :func:`calibkernels.calibration.fit_temperature`.
+class TemperatureScaling(nn.Module, PosthocCalibrator):
+    """Temperature scaling (Guo et al., ICML 2017): ``q = softmax(z / T)`` with one scalar ``T > 0`` fitted on a
+    held-out split by :func:`calibkernels.calibration.fit_temperature`.
 
-    The probability-returning counterpart of :class:`calibkernels.calibration.TemperatureScaler` (an ``nn.Module``
-    returning ``z / T``, logits only). ``objective="nll"`` (default here, as in Guo et al., ICML 2017) minimises the
-    NLL by L-BFGS on ``log T``; ``objective="ece"`` takes the grid point of lowest ECE (``n_bins`` bins). Fitted on
-    probabilities, ``T`` is the temperature of ``ln p``: ``q = softmax(ln p / T) ∝ p^{1/T}``.
+    Both a calibrator of this module's interface and an ``nn.Module``:
+
+    * ``fit(x, labels, objective=None, grid=None, n_bins=None, *, inputs_are="auto", ignore_index=-100)`` fits ``T``
+      and returns ``self``; ``objective``, ``grid`` and ``n_bins`` default to the constructor's. ``"nll"`` (default,
+      as in Guo et al.) minimises the NLL by L-BFGS on ``log T``; ``"ece"`` takes the grid point of lowest ECE
+      (``n_bins`` bins; default grid 0.01 … 10.00), the ECE taken in the logits' own compute dtype, as
+      :func:`calibkernels.calibration.fit_temperature` takes it. Fitted on probabilities, ``T`` is the temperature of
+      ``ln p``: ``q = softmax(ln p / T) ∝ p^{1/T}``.
+    * ``transform`` / ``log_transform`` return ``softmax(z / T)`` / ``log_softmax(z / T)`` (float64 inside).
+    * Calling it (``forward``) returns the scaled **logits** ``z / T`` elementwise, in the logits' dtype, without
+      checks (no host synchronisation at inference; ``-inf`` stays ``-inf``): ``nn.Sequential(model, scaler)``.
+
+    ``T`` is the buffer ``temperature`` (float64, saved in ``state_dict``; a checkpoint's ``T`` must be positive and
+    finite), ``temperature`` at construction (1: the identity) until a fit replaces it; ``transform`` uses the
+    current ``T`` fitted or not.
+
+    >>> scaler = TemperatureScaling(objective="ece").fit(val_logits, val_labels)   # doctest: +SKIP
+    >>> probs = scaler.transform(test_logits)       # = scaler(test_logits).softmax(-1)  # doctest: +SKIP
     """
 
-    def __init__(self, objective: str = "nll", n_bins: int = 15):
-        if objective not in _calibration.OBJECTIVES:
-            raise ValueError(f"objective must be one of {_calibration.OBJECTIVES}, got {objective!r}")
-        self.objective, self.n_bins = objective, check_n_bins(n_bins)
-        self.temperature: float | None = None
+    temperature: torch.Tensor
 
-    def _fit(self, z, y):
-        self.temperature = _calibration.fit_temperature(z, y, objective=self.objective, n_bins=self.n_bins)
+    def __init__(self, temperature: float = 1.0, *, objective: str = "nll", n_bins: int = 15, grid=None):
+        super().__init__()
+        _check_temperature(temperature)
+        self.objective = _check_objective(objective)
+        self.n_bins = check_n_bins(n_bins)
+        self.grid = None if grid is None else check_grid(grid)
+        self.register_buffer("temperature", torch.tensor(float(temperature), dtype=torch.float64))
+
+    def fit(self, logits: torch.Tensor, labels: torch.Tensor, objective: str | None = None, grid=None,
+            n_bins: int | None = None, *, inputs_are: str = "auto", ignore_index: int = -100) -> "TemperatureScaling":
+        """Fit ``T`` on held-out ``logits (..., C)`` (or probabilities, ``inputs_are``) and ``labels (...)``; rows
+        whose label is ``ignore_index`` are left out. Returns ``self``."""
+        objective = self.objective if objective is None else _check_objective(objective)
+        n_bins = self.n_bins if n_bins is None else check_n_bins(n_bins)
+        grid = self.grid if grid is None else grid
+        z, y, kind = _as_fit_inputs(logits, labels, inputs_are, ignore_index)
+        if kind == "logits":  # as given: the ECE objective bins the confidences in the logits' compute dtype
+            fitted = fit_temperature(logits, labels, objective=objective, grid=grid, n_bins=n_bins,
+                                     ignore_index=ignore_index)
+        else:
+            fitted = fit_temperature(z, y, objective=objective, grid=grid, n_bins=n_bins)
+        self.temperature.fill_(fitted)
+        self.num_classes, self.fitted_on = z.shape[1], kind
+        return self
+
+    def _check_fitted(self) -> None:
+        pass  # T alone is the map: the constructor's until a fit
 
     def _transform(self, z):
-        return torch.softmax(z / self.temperature, dim=1)
+        return torch.softmax(z / self.temperature.to(z.device), dim=1)
 
     def _log_transform(self, z):
-        return torch.log_softmax(z / self.temperature, dim=1)
+        return torch.log_softmax(z / self.temperature.to(z.device), dim=1)
 
-    def _describe(self):
-        return f"objective={self.objective!r}" + (f", T={self.temperature:.4g}" if self.temperature else "")
+    def forward(self, logits: torch.Tensor) -> torch.Tensor:
+        """``logits / T`` (no checks here, to keep inference free of host syncs)."""
+        return logits / self.temperature
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # a checkpoint's T must be one the constructor and fit could have made: positive and finite
+        value = state_dict.get(prefix + "temperature")
+        if isinstance(value, torch.Tensor) and value.numel() == 1:
+            t = float(value)
+            if not (t > 0 and math.isfinite(t)):
+                raise ValueError(f"temperature must be positive and finite, got {t} in the state_dict")
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def extra_repr(self) -> str:
+        state = "fitted" if self.num_classes is not None else "not fitted"
+        return f"temperature={float(self.temperature):.4g}, objective={self.objective!r}, {state}"
+
+
+def _check_temperature(temperature) -> None:
+    if not is_number(temperature):
+        raise TypeError(f"temperature must be a number, got {type(temperature).__name__}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be positive and finite, got {temperature}")
+
+
+def _check_objective(objective) -> str:
+    if not isinstance(objective, str) or objective not in OBJECTIVES:
+        raise ValueError(f"objective must be one of {OBJECTIVES}, got {objective!r}")
+    return objective
 
 
 # --------------------------------------------------------------------------------------------- linear (NLL) scaling
@@ -342,8 +400,8 @@ class _AffineCalibrator(PosthocCalibrator):
     def __init__(self, reg_lambda: float, reg_mu: float, bias: bool = True, max_iter: int = 500):
         if not isinstance(bias, bool):
             raise TypeError(f"bias must be a bool, got {type(bias).__name__}")
-        self.reg_lambda = _check_number("reg_lambda", reg_lambda)
-        self.reg_mu = _check_number("reg_mu", reg_mu)
+        self.reg_lambda = check_number("reg_lambda", reg_lambda)
+        self.reg_mu = check_number("reg_mu", reg_mu)
         self.bias, self.max_iter = bias, _check_count("max_iter", max_iter)
         self.weight: torch.Tensor | None = None
         self.shift: torch.Tensor | None = None

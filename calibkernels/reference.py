@@ -9,7 +9,7 @@ The family is ``L_i = u_i · CE_i`` with ``CE_i = logsumexp(z_i) - z_{i,y_i}`` a
 ``u_i = u(p_i, y_i)``:
 
 ==============  ===============================================  ==========================================
-weight          u(p, y)                                           source
+uncertainty     u(p, y)                                           source
 ==============  ===============================================  ==========================================
 ``none``        1                                                 plain cross-entropy
 ``focal``       (1 - p_y)^γ                                       Lin et al. 2017; Mukhoti et al. 2020
@@ -47,14 +47,14 @@ targets without smoothing run the hard-target code above, unchanged.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 import torch.nn.functional as F
 
-from . import _validation as V
 from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_logits_target, check_loss_inputs,
+                          check_number, check_reduction, one_hot_for_dual_focal)
 
 __all__ = [
     "uncertainty_weight",
@@ -62,6 +62,7 @@ __all__ = [
     "compact_flsd_band",
     "soft_target_distribution",
     "uncertainty_weighted_ce",
+    "uncertainty_weighted_ce_from_inputs",
     "bsce_gra_loss",
     "brier_loss",
     "label_smoothing_loss",
@@ -176,7 +177,7 @@ def _power_of_log(log_x, exponent):
     return value
 
 
-def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, detach_p_j=False):
+def uncertainty_weight(z, target, *, uncertainty, gamma, norm, sample_weight=None, detach_p_j=False):
     """Differentiable per-row weight ``u_i (N,)`` for logits ``z (N, C)`` (compute dtype) and targets ``(N,)``.
 
     ``detach_p_j`` (dual focal only): ``(1 - p_y + sg[p_j])^γ``, the weight of the official BSCE-GRA code's
@@ -187,9 +188,9 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
     and its gradient stay exact and finite on saturated rows (``p_y = 1`` to working precision) for every exponent
     ``≥ 0``.
     """
-    if weight == "none":
+    if uncertainty == "none":
         return torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
-    if weight == "external":
+    if uncertainty == "external":
         return sample_weight.detach().to(z.dtype)
     if isinstance(gamma, torch.Tensor):
         gamma = gamma.to(z.dtype)
@@ -204,11 +205,11 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
     log_one_minus_p_target = torch.where(
         small, torch.log1p(-torch.exp(torch.where(small, log_p_y, neg_inf))),
         _logsumexp_or_neg_inf(torch.where(is_target, neg_inf, log_p), dim=1))
-    if weight == "focal":
+    if uncertainty == "focal":
         return _power_of_log(log_one_minus_p_target, gamma)
-    if weight == "flsd":
+    if uncertainty == "flsd":
         return _power_of_log(log_one_minus_p_target, _flsd_gamma(z, target, gamma))
-    if weight == "dual_focal":
+    if uncertainty == "dual_focal":
         # p_j: the largest probability strictly below p_y (0 if none), log p_j = z_j - lse with z_j the largest logit
         # strictly below z_y. Logits order classes as probabilities do, without softmax rounding merging distinct
         # values into ties; amax splits p_j's gradient evenly between tied classes, as the kernels do. The max is
@@ -223,23 +224,24 @@ def uncertainty_weight(z, target, *, weight, gamma, norm, sample_weight=None, de
             log_p_j = log_p_j.detach()
         log_base = _logsumexp_or_neg_inf(torch.stack([log_one_minus_p_target, log_p_j], dim=1), dim=1)
         return _power_of_log(log_base, gamma)
-    if weight in ("brier", "brier_flsd"):
+    if uncertainty in ("brier", "brier_flsd"):
         # ‖p - e_y‖_q^q = Σ_{k≠y} p_k^q + (1 - p_y)^q  (no cancellation in p_y - 1), summed in the log domain
         log_terms = torch.where(is_target, norm * log_one_minus_p_target[:, None], norm * log_p)
-        exponent = _flsd_gamma(z, target, gamma) if weight == "brier_flsd" else gamma
+        exponent = _flsd_gamma(z, target, gamma) if uncertainty == "brier_flsd" else gamma
         return _power_of_log(_logsumexp_or_neg_inf(log_terms, dim=1), exponent / norm)
-    raise ValueError(f"unknown weight {weight!r}")
+    raise ValueError(f"unknown uncertainty {uncertainty!r}")
 
 
 def uncertainty_weighted_ce(
     logits,
     target,
     *,
-    weight="brier",
+    uncertainty="brier",
     mode="grad",
     gamma=4.0,
     norm=2.0,
     sample_weight=None,
+    weight=None,
     reduction="mean",
     ignore_index=-100,
     backend="reference",
@@ -257,16 +259,18 @@ def uncertainty_weighted_ce(
         label_smoothing: α in [0, 1]: ``t <- (1 - α) t + α / C`` (``F.cross_entropy``'s convention).
         mix_target, mix_lambda: ``(...)`` int64 second class and λ in [0, 1] (a number, or one per row):
             ``t = λ e_target + (1 - λ) e_mix_target`` (mixup / cutmix with ``mix_target = target.flip(0)``).
-        weight: ``"none" | "focal" | "flsd" | "dual_focal" | "brier" | "external" | "brier_flsd"`` (table in the
-            module docstring; FLSD's band rule, which ``brier_flsd`` shares: :func:`_flsd_gamma`).
+        uncertainty: the uncertainty weight ``u``, ``"none" | "focal" | "flsd" | "dual_focal" | "brier" |
+            "external" | "brier_flsd"`` (table in the module docstring; FLSD's band rule, which ``brier_flsd``
+            shares: :func:`_flsd_gamma`).
         mode: ``"grad"`` (GRA: weight detached, gradient ``u (p - e_y)``) or ``"loss"`` (weight differentiated).
-        gamma: exponent γ, finite and ≥ 0; for ``weight="focal"`` also a per-sample tensor of the target's shape
+        gamma: exponent γ, finite and ≥ 0; for ``uncertainty="focal"`` also a per-sample tensor of the target's shape
             (differentiable: ``dL_i/dγ_i = L_i log(1 - p_{i,y})``, 0 where ``1 - p_y = 0``).
-        norm: q > 0 of the generalised Brier score (``weight="brier"`` or ``"brier_flsd"``).
-        sample_weight: ``(...)`` per-sample weight for ``weight="external"``, used as ``sg[w]``.
+        norm: q > 0 of the generalised Brier score (``uncertainty="brier"`` or ``"brier_flsd"``).
+        sample_weight: ``(...)`` per-sample weight for ``uncertainty="external"``, used as ``sg[w]``.
+        weight: reserved for ``F.cross_entropy``'s per-class ``(C,)`` weight tensor (not supported yet): ``None``.
         reduction: ``"mean"`` (over non-ignored rows; 0 if none), ``"sum"`` or ``"none"`` (ignored rows → 0).
         gra_detach: what grad mode detaches. ``"weight"`` (default; the BSCE-GRA paper's definition of GRA,
-            every weight): ``sg[u] · CE``. ``"p_j"`` (``weight="dual_focal"``, ``mode="grad"`` only; the official
+            every weight): ``sg[u] · CE``. ``"p_j"`` (``uncertainty="dual_focal"``, ``mode="grad"`` only; the official
             BSCE-GRA code's ``DualFocalLossGra``, which produced the paper's DFL-GRA numbers):
             ``(1 - p_y + sg[p_j])^γ · CE``, so the gradient is ``u (p - e_y) + CE · ∂u/∂z`` with ``∂u/∂z_k =
             -γ (1 - p_y + p_j)^{γ-1} p_y (δ_ky - p_k)``. The fused kernels implement ``"weight"`` only.
@@ -276,39 +280,40 @@ def uncertainty_weighted_ce(
     Returns:
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
     """
-    V.check_backend(backend)
+    check_backend(backend)
     if backend not in ("reference", "auto"):
         raise ValueError(f"calibkernels.reference only runs backend='reference', not {backend!r}")
-    inputs = V.check_loss_inputs(
-        logits, target, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
-        reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing, mix_target=mix_target,
-        mix_lambda=mix_lambda,
+    inputs = check_loss_inputs(
+        logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+        weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        mix_target=mix_target, mix_lambda=mix_lambda,
     )
-    detach_p_j = check_gra_detach(gra_detach, weight=inputs.weight, mode=inputs.mode) == "p_j"
-    return _uncertainty_weighted_ce(inputs, detach_p_j=detach_p_j)
+    detach_p_j = check_gra_detach(gra_detach, uncertainty=inputs.uncertainty, mode=inputs.mode) == "p_j"
+    return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j)
 
 
 GRA_DETACH = ("weight", "p_j")
 
 
-def check_gra_detach(gra_detach, *, weight, mode):
+def check_gra_detach(gra_detach, *, uncertainty, mode):
     """``gra_detach`` is ``"weight"`` (any loss) or ``"p_j"`` (dual focal in grad mode only); returns it."""
     if not isinstance(gra_detach, str):
         raise TypeError(f"gra_detach must be one of {GRA_DETACH}, got {type(gra_detach).__name__}")
     if gra_detach not in GRA_DETACH:
         raise ValueError(f"gra_detach must be one of {GRA_DETACH}, got {gra_detach!r}")
-    if gra_detach == "p_j" and (weight != "dual_focal" or mode != "grad"):
-        raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) needs weight='dual_focal' and "
-                         f"mode='grad', got weight={weight!r}, mode={mode!r}")
+    if gra_detach == "p_j" and (uncertainty != "dual_focal" or mode != "grad"):
+        raise ValueError(f"gra_detach='p_j' (the official DualFocalLossGra) needs uncertainty='dual_focal' and "
+                         f"mode='grad', got uncertainty={uncertainty!r}, mode={mode!r}")
     return gra_detach
 
 
-def _uncertainty_weighted_ce(inputs: V.LossInputs, detach_p_j=False):
-    """The reference on already-validated inputs (what the ``"reference"`` backend runs); ``detach_p_j``: dual
+def uncertainty_weighted_ce_from_inputs(inputs: LossInputs, detach_p_j=False):
+    """:func:`uncertainty_weighted_ce` of inputs already validated by
+    :func:`calibkernels._validation.check_loss_inputs` (what the ``"reference"`` backend runs); ``detach_p_j``: dual
     focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole)."""
     if inputs.soft:
-        if inputs.weight == "dual_focal":
-            inputs = _one_hot_for_dual_focal(inputs)
+        if inputs.uncertainty == "dual_focal":
+            inputs = one_hot_for_dual_focal(inputs)
         if inputs.soft:
             return _soft_target_ce(inputs)
     valid, z, safe_target = _masked_rows(inputs.logits, inputs.target, inputs.ignore_index)
@@ -317,11 +322,11 @@ def _uncertainty_weighted_ce(inputs: V.LossInputs, detach_p_j=False):
     # of the logits (1e-4 at logits near 1000 in float32), and the backends' tests measured against it stay tight
     cross_entropy = -torch.log_softmax(z, dim=-1).gather(1, safe_target[:, None]).squeeze(1)
     return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: uncertainty_weight(
-        z, safe_target, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight,
-        detach_p_j=detach_p_j), detach_weight=not detach_p_j)
+        z, safe_target, uncertainty=inputs.uncertainty, gamma=inputs.gamma, norm=inputs.norm,
+        sample_weight=sample_weight, detach_p_j=detach_p_j), detach_weight=not detach_p_j)
 
 
-def _weighted_reduced(inputs: V.LossInputs, valid, cross_entropy, weight_of, detach_weight=True):
+def _weighted_reduced(inputs: LossInputs, valid, cross_entropy, weight_of, detach_weight=True):
     """``reduce(u · CE)`` with ``u = weight_of(sample_weight with ignored rows zeroed)``, detached in grad mode
     (unless ``detach_weight=False``: the weight then detaches what it must itself)."""
     sample_weight = inputs.sample_weight
@@ -332,32 +337,6 @@ def _weighted_reduced(inputs: V.LossInputs, valid, cross_entropy, weight_of, det
     if inputs.mode == "grad" and detach_weight:
         u = u.detach()
     return _reduce(u * cross_entropy, valid, inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
-
-
-_DUAL_FOCAL_SOFT = ("dual focal has no published soft-target form (its p_j, the largest probability below the "
-                    "target's, needs one target class), so it takes one-hot targets only: label_smoothing=0 and no "
-                    "mix (or mix_lambda exactly 0 or 1 on every row); use weight='focal', 'flsd' or 'brier' with soft "
-                    "targets")
-
-
-def _one_hot_for_dual_focal(inputs: V.LossInputs) -> V.LossInputs:
-    """Dual focal accepts only truly one-hot targets: a mix whose λ is 0 or 1 on every row, or a dense target whose
-    rows are one-hot, is turned into class indices; anything else (smoothing, a proper mix) raises ``ValueError``."""
-    if inputs.label_smoothing != 0.0:
-        raise ValueError(f"weight='dual_focal' with label_smoothing={inputs.label_smoothing}: {_DUAL_FOCAL_SOFT}")
-    if inputs.dense:
-        t = inputs.target
-        if not bool(((t == 0) | (t == 1)).all()):
-            raise ValueError(f"weight='dual_focal' with a dense target that is not one-hot: {_DUAL_FOCAL_SOFT}")
-        return dataclasses.replace(inputs, target=t.argmax(dim=1), dense=False)
-    lam = inputs.mix_lambda
-    if isinstance(lam, torch.Tensor):
-        valid = inputs.target != inputs.ignore_index
-        if not bool((((lam == 0) | (lam == 1)) | ~valid).all()):
-            raise ValueError(f"weight='dual_focal' with mix_lambda strictly between 0 and 1: {_DUAL_FOCAL_SOFT}")
-        target = torch.where(valid & (lam == 0), inputs.mix_target, inputs.target)
-        return dataclasses.replace(inputs, target=target, mix_target=None, mix_lambda=None)
-    raise ValueError(f"weight='dual_focal' with soft targets: {_DUAL_FOCAL_SOFT}")
 
 
 def soft_target_distribution(z, target, *, valid=None, mix_target=None, mix_lambda=None, label_smoothing=0.0,
@@ -418,7 +397,7 @@ def compact_flsd_band(z, target, *, mix_target=None, mix_lambda=None, label_smoo
     return ((keep * lam * p_y + keep * (one - lam) * p_m) + c).float()
 
 
-def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None, flsd_band=None):
+def soft_uncertainty_weight(z, t, *, uncertainty, gamma, norm, sample_weight=None, flsd_band=None):
     """Differentiable per-row weight ``u_i (N,)`` for logits ``z (N, C)`` and a target distribution ``t (N, C)``.
 
     ============  ==========================================================================================
@@ -433,33 +412,33 @@ def soft_uncertainty_weight(z, t, *, weight, gamma, norm, sample_weight=None, fl
     With a one-hot ``t`` each equals :func:`uncertainty_weight` (up to rounding); dual focal has no soft form.
     ``flsd_band``: FLSD's float32 band value per row when the target is compact (:func:`compact_flsd_band`).
     """
-    if weight == "none":
+    if uncertainty == "none":
         return torch.ones(z.shape[0], dtype=z.dtype, device=z.device)
-    if weight == "external":
+    if uncertainty == "external":
         return sample_weight.detach().to(z.dtype)
-    if weight == "dual_focal":
-        raise ValueError(_DUAL_FOCAL_SOFT)
+    if uncertainty == "dual_focal":
+        raise ValueError(DUAL_FOCAL_SOFT_MESSAGE)
     if isinstance(gamma, torch.Tensor):
         gamma = gamma.to(z.dtype)
     t = t.detach()
     neg_inf = torch.full((), -math.inf, dtype=z.dtype, device=z.device)
     log_p = torch.log_softmax(z, dim=-1)
     log_one_minus_p = _log_one_minus_softmax(log_p)
-    if weight in ("focal", "flsd"):
+    if uncertainty in ("focal", "flsd"):
         # log(1 - <t, p>) = log Σ_k t_k (1 - p_k)   (Σ_k t_k = 1)
         log_t = torch.where(t > 0, torch.log(torch.where(t > 0, t, torch.ones_like(t))), neg_inf)
         log_base = _logsumexp_or_neg_inf(log_t + log_one_minus_p, dim=1)
-        if weight == "focal":
+        if uncertainty == "focal":
             return _power_of_log(log_base, gamma)
         return _power_of_log(log_base, _soft_flsd_gamma(z, t, gamma, flsd_band))
-    if weight in ("brier", "brier_flsd"):
+    if uncertainty in ("brier", "brier_flsd"):
         is_max = F.one_hot(log_p.argmax(dim=1), log_p.shape[1]).bool()
         diff = torch.where(is_max, (1.0 - t) - torch.exp(log_one_minus_p), torch.exp(log_p) - t)
         nonzero = diff != 0
         log_abs = torch.where(nonzero, torch.log(torch.where(nonzero, diff.abs(), torch.ones_like(diff))), neg_inf)
-        exponent = _soft_flsd_gamma(z, t, gamma, flsd_band) if weight == "brier_flsd" else gamma
+        exponent = _soft_flsd_gamma(z, t, gamma, flsd_band) if uncertainty == "brier_flsd" else gamma
         return _power_of_log(_logsumexp_or_neg_inf(norm * log_abs, dim=1), exponent / norm)
-    raise ValueError(f"unknown weight {weight!r}")
+    raise ValueError(f"unknown uncertainty {uncertainty!r}")
 
 
 def _soft_flsd_gamma(z, t, gamma, flsd_band=None):
@@ -472,7 +451,7 @@ def _soft_flsd_gamma(z, t, gamma, flsd_band=None):
     return _flsd_band(p_band, gamma, zd.dtype)
 
 
-def _soft_target_ce(inputs: V.LossInputs):
+def _soft_target_ce(inputs: LossInputs):
     """``L_i = u_i · CE_i`` with ``CE_i = -Σ_k t_ik log p_ik`` for validated soft-target inputs."""
     logits = inputs.logits
     if inputs.dense:
@@ -487,12 +466,12 @@ def _soft_target_ce(inputs: V.LossInputs):
     # 0 · log p = 0 where t_k = 0, also for a -inf logit (a masked class)
     cross_entropy = -torch.where(t > 0, t * log_p, torch.zeros((), dtype=z.dtype, device=z.device)).sum(dim=1)
     band = None
-    if inputs.weight in ("flsd", "brier_flsd") and not inputs.dense:
+    if inputs.uncertainty in ("flsd", "brier_flsd") and not inputs.dense:
         safe_mix = None if inputs.mix_target is None else torch.where(valid, inputs.mix_target, 0)
         band = compact_flsd_band(z, target, mix_target=safe_mix, mix_lambda=inputs.mix_lambda,
                                  label_smoothing=inputs.label_smoothing)
     return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: soft_uncertainty_weight(
-        z, t, weight=inputs.weight, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight,
+        z, t, uncertainty=inputs.uncertainty, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight,
         flsd_band=band))
 
 
@@ -501,17 +480,17 @@ def bsce_gra_loss(logits, target, *, gamma=4.0, norm=2.0, reduction="mean", igno
     """BSCE-GRA: ``sg[‖p - t‖_q^γ] · CE`` (BSCE-GRA paper Eq. 11 with ``t = e_y``); gradient ``‖p - t‖_q^γ (p - t)``.
     Soft targets (``label_smoothing``, ``mix_target``/``mix_lambda``, dense ``target``): see
     :func:`uncertainty_weighted_ce`."""
-    return uncertainty_weighted_ce(logits, target, weight="brier", mode="grad", gamma=gamma, norm=norm,
+    return uncertainty_weighted_ce(logits, target, uncertainty="brier", mode="grad", gamma=gamma, norm=norm,
                                    reduction=reduction, ignore_index=ignore_index, backend=backend,
                                    label_smoothing=label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda)
 
 
 def brier_loss(logits, target, *, reduction="mean", ignore_index=-100):
     """Brier loss ``Σ_k (p_k - e_{y,k})²`` per sample (Brier 1950; a proper scoring rule, not CE-weighted)."""
-    V.check_reduction(reduction)
-    logits2d, target1d, batch_shape = V.check_logits_target(logits, target, ignore_index=ignore_index)
+    check_reduction(reduction)
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
-    u = uncertainty_weight(z, safe_target, weight="brier", gamma=2.0, norm=2.0)
+    u = uncertainty_weight(z, safe_target, uncertainty="brier", gamma=2.0, norm=2.0)
     return _reduce(u, valid, reduction, batch_shape, logits2d.dtype)
 
 
@@ -521,10 +500,10 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
     This is the variant of ``F.cross_entropy(label_smoothing=α)``: the α mass is spread over all C classes, the
     target included. Per sample: ``-(1 - α) log p_y - (α / C) Σ_k log p_k``.
     """
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"label smoothing alpha must be in [0, 1], got {alpha}")
-    logits2d, target1d, batch_shape = V.check_logits_target(logits, target, ignore_index=ignore_index)
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     log_p = torch.log_softmax(z, dim=-1)
     nll = -log_p.gather(1, safe_target[:, None]).squeeze(1)
@@ -532,21 +511,12 @@ def label_smoothing_loss(logits, target, *, alpha=0.05, reduction="mean", ignore
     return _reduce((1.0 - alpha) * nll + alpha * smooth, valid, reduction, batch_shape, logits2d.dtype)
 
 
-def _check_number(name, value, *, positive=False):
-    """``value`` must be a real number (not a bool), finite, and ``> 0`` (``positive``) or ``>= 0``."""
-    if not V.is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    in_range = value > 0 if positive else value >= 0  # both False for NaN
-    if not (in_range and math.isfinite(value)):
-        raise ValueError(f"{name} must be finite and {'> 0' if positive else '>= 0'}, got {value}")
-
-
 def check_mmce_hyperparameters(*, lam=None, bandwidth=None):
     """MMCE's trade-off weight ``lam`` (finite, ≥ 0) and kernel bandwidth (finite, > 0); ``None`` is not checked."""
     if lam is not None:
-        _check_number("MMCE weight lam (λ)", lam)
+        check_number("MMCE weight lam (λ)", lam)
     if bandwidth is not None:
-        _check_number("MMCE kernel bandwidth", bandwidth, positive=True)
+        check_number("MMCE kernel bandwidth", bandwidth, positive=True)
 
 
 MMCE_FORMS = ("kumar", "papers_code")
@@ -591,7 +561,7 @@ def mmce(logits, target, *, weighted=False, bandwidth=0.4, ignore_index=-100, fo
     """
     check_mmce_hyperparameters(bandwidth=bandwidth)
     check_mmce_form(form)
-    logits2d, target1d, _ = V.check_logits_target(logits, target, ignore_index=ignore_index)
+    logits2d, target1d, _ = check_logits_target(logits, target, ignore_index=ignore_index)
     valid, z, safe_target = _masked_rows(logits2d, target1d, ignore_index)
     p = torch.softmax(z, dim=-1)
     confidence, prediction = p.max(dim=-1)
@@ -636,12 +606,12 @@ def mmce_loss(logits, target, *, lam=2.0, weighted=False, bandwidth=0.4, reducti
     sum reduction keeps the same balance between the two terms. ``lam`` must be finite and ≥ 0, ``bandwidth``
     finite and > 0 (``ValueError`` otherwise).
     """
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     check_mmce_hyperparameters(lam=lam, bandwidth=bandwidth)
     check_mmce_form(form)
     if reduction == "none":
         raise ValueError("MMCE is a batch-level loss: reduction='none' is not supported (use 'mean' or 'sum')")
-    ce = uncertainty_weighted_ce(logits, target, weight="none", reduction=reduction, ignore_index=ignore_index)
+    ce = uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=reduction, ignore_index=ignore_index)
     penalty = mmce(logits, target, weighted=weighted, bandwidth=bandwidth, ignore_index=ignore_index, form=form)
     if reduction == "sum":
         penalty = penalty * (target.reshape(-1) != ignore_index).sum()

@@ -40,7 +40,7 @@ def flsd_gamma(p_band, gamma):
     return flsd_gammas(p_band, gamma).item()
 
 
-def loss_candidates(weight, z, t, gammas, norm=2.0):
+def loss_candidates(uncertainty, z, t, gammas, norm=2.0):
     """Each row's loss for each γ of ``gammas``, ``(len(gammas), N)`` float64 on the CPU, from the logits' exact values
     ``z (N, C)`` and the target distribution ``t (N, C)`` (one-hot rows for class targets), with CE = -<t, log p>:
 
@@ -51,13 +51,13 @@ def loss_candidates(weight, z, t, gammas, norm=2.0):
     p = log_p.exp()
     t = t.double().cpu()
     cross_entropy = -torch.where(t > 0, t * log_p, 0.0).sum(dim=1)
-    if weight == "flsd":
+    if uncertainty == "flsd":
         base = (t * (1 - p)).sum(dim=1)
         return torch.stack([base.pow(g) * cross_entropy for g in gammas])
-    if weight == "brier_flsd":
+    if uncertainty == "brier_flsd":
         brier_s = (p - t).abs().pow(norm).sum(dim=1)
         return torch.stack([brier_s.pow(g / norm) * cross_entropy for g in gammas])
-    raise ValueError(f"no FLSD band in weight {weight!r}")
+    raise ValueError(f"no FLSD band in weight {uncertainty!r}")
 
 
 def pick_gamma(got, candidates, gammas, *, rtol=1e-5, atol=0.0, what=""):
@@ -72,7 +72,8 @@ def pick_gamma(got, candidates, gammas, *, rtol=1e-5, atol=0.0, what=""):
     return [gammas[i] for i in picked.tolist()]
 
 
-def gamma_picked(loss, z, t, weight, gammas, *, norm=2.0, rtol=1e-5, atol=0.0):
+def gamma_picked(loss, z, t, uncertainty, gammas, *, norm=2.0, rtol=1e-5, atol=0.0):
     """Which γ of ``gammas`` a backend's per-row ``loss`` (reduction ``"none"``, any device) of ``weight`` (``"flsd"``
     or ``"brier_flsd"``) used on each row: :func:`pick_gamma` over :func:`loss_candidates`."""
-    return pick_gamma(loss, loss_candidates(weight, z, t, gammas, norm), gammas, rtol=rtol, atol=atol, what=weight)
+    return pick_gamma(loss, loss_candidates(uncertainty, z, t, gammas, norm), gammas, rtol=rtol, atol=atol,
+                      what=uncertainty)

@@ -1,5 +1,5 @@
 """Temperature scaling: the vectorised ECE grid search against a loop over the grid, tie-breaking, recovery of a
-known temperature on synthetic data (ECE grid and NLL/L-BFGS), and TemperatureScaler."""
+known temperature on synthetic data (ECE grid and NLL/L-BFGS), and TemperatureScaling as an nn.Module."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from calibkernels import metrics
 from calibkernels.calibration import (
-    TemperatureScaler,
+    TemperatureScaling,
     ece_over_temperatures,
     evaluate_temperature_scaling,
     fit_temperature,
@@ -132,9 +132,9 @@ def test_nll_fit_is_a_stationary_point_of_the_nll():
         assert float(F.cross_entropy(logits.double() / nearby, labels)) > float(loss.detach())
 
 
-def test_temperature_scaler_module():
+def test_temperature_scaling_module():
     logits, labels = _synthetic_with_known_temperature(2000, 5, 2.0)
-    scaler = TemperatureScaler()
+    scaler = TemperatureScaling()
     assert float(scaler.temperature) == 1.0
     torch.testing.assert_close(scaler(logits), logits)
     assert scaler.fit(logits, labels, objective="ece") is scaler
@@ -143,7 +143,7 @@ def test_temperature_scaler_module():
     torch.testing.assert_close(scaler(logits), logits / fitted)
     assert scaler(logits.half()).dtype == torch.float16
     assert "temperature" in scaler.state_dict()
-    restored = TemperatureScaler()
+    restored = TemperatureScaling()
     restored.load_state_dict(scaler.state_dict())
     assert float(restored.temperature) == fitted
     for bad in (0.0, -2.0, float("inf"), float("nan")):  # a checkpoint's T as the constructor would take it
@@ -153,7 +153,7 @@ def test_temperature_scaler_module():
     scaler.fit(logits, labels, objective="nll")
     assert float(scaler.temperature) == pytest.approx(fit_temperature(logits, labels, objective="nll"), rel=1e-6)
     with pytest.raises(ValueError):
-        TemperatureScaler(0.0)
+        TemperatureScaling(0.0)
 
 
 def test_pre_and_post_temperature_report_uses_one_temperature():
@@ -207,7 +207,7 @@ def test_masked_logits_fit_the_temperature_of_very_negative_logits(objective):
     assert math.isfinite(fitted) and fitted > 0
     assert fitted == pytest.approx(fit_temperature(very_negative, labels, objective=objective), rel=1e-9)
     assert fitted == pytest.approx(2.0, rel=0.2)
-    scaler = TemperatureScaler().fit(with_minus_inf, labels, objective=objective)
+    scaler = TemperatureScaling().fit(with_minus_inf, labels, objective=objective)
     assert float(scaler.temperature) == pytest.approx(fitted, rel=1e-9)
 
 
@@ -228,7 +228,7 @@ def test_positive_infinite_or_nan_logits_raise_for_both_objectives(objective, va
     with pytest.raises(ValueError, match=message):
         fit_temperature(logits, labels, objective=objective)
     with pytest.raises(ValueError, match=message):
-        TemperatureScaler().fit(logits, labels, objective=objective)
+        TemperatureScaling().fit(logits, labels, objective=objective)
     with pytest.raises(ValueError, match=message):
         evaluate_temperature_scaling(logits, labels, logits, labels, objective=objective)
     with pytest.raises(ValueError, match=message):
@@ -261,7 +261,7 @@ def test_one_class_has_no_temperature_to_fit(objective):
     with pytest.raises(ValueError, match="at least 2 classes"):
         fit_temperature(logits, labels, objective=objective)
     with pytest.raises(ValueError, match="at least 2 classes"):
-        TemperatureScaler().fit(logits, labels, objective=objective)
+        TemperatureScaling().fit(logits, labels, objective=objective)
 
 
 @pytest.mark.parametrize("objective", ["nll", "ece"])
@@ -272,7 +272,7 @@ def test_rows_labelled_ignore_index_are_left_out_of_the_fit(objective):
     assert fit_temperature(padded, torch.cat([labels, torch.full((5,), -100)]), objective=objective) == expected
     assert fit_temperature(padded, torch.cat([labels, torch.full((5,), 9)]), objective=objective,
                            ignore_index=9) == expected
-    scaler = TemperatureScaler().fit(padded, torch.cat([labels, torch.full((5,), -100)]), objective=objective)
+    scaler = TemperatureScaling().fit(padded, torch.cat([labels, torch.full((5,), -100)]), objective=objective)
     assert float(scaler.temperature) == expected
     with pytest.raises(ValueError, match="ignore_index"):
         fit_temperature(logits, torch.full_like(labels, -100), objective=objective)
@@ -308,7 +308,7 @@ def test_grid_and_chunk_arguments_raise_clear_errors():
 def test_the_unbounded_nll_warning_names_the_callers_line():
     logits = 3 * torch.randn(50, 4, generator=torch.Generator().manual_seed(1))
     for fit in (lambda: fit_temperature(logits, logits.argmax(1), objective="nll"),
-                lambda: TemperatureScaler().fit(logits, logits.argmax(1), objective="nll")):
+                lambda: TemperatureScaling().fit(logits, logits.argmax(1), objective="nll")):
         with pytest.warns(RuntimeWarning, match="no minimum") as record:
             fit()
         assert record[0].filename == __file__

@@ -58,7 +58,7 @@ def test_calibrators_are_reexported_from_calibration():
                  "IsotonicCalibration", "PosthocCalibrator"):
         assert getattr(ck.calibration, name) is getattr(posthoc, name)
         assert name in ck.calibration.__all__
-    assert ck.calibration.TemperatureScaler is not None  # the existing module is untouched
+    assert not hasattr(ck.calibration, "TemperatureScaler")  # one temperature scaling class: TemperatureScaling
 
 
 @pytest.mark.parametrize("name", list(POSTHOC_METHODS))
@@ -74,7 +74,12 @@ def test_interface_shapes_dtypes_and_rows_summing_to_one(name, dtype):
     assert bool((probabilities >= 0).all())
     torch.testing.assert_close(probabilities.double().sum(-1), torch.ones(2, 7, dtype=torch.float64),
                                rtol=0, atol=1e-6 if dtype != torch.float64 else 1e-12)
-    torch.testing.assert_close(calibrator(test), probabilities, rtol=0, atol=0)  # __call__ is transform
+    if name == "temperature":  # also an nn.Module, whose call returns the scaled logits z / T
+        assert calibrator(test).dtype == dtype
+        torch.testing.assert_close(calibrator(test.double()).softmax(-1).to(probabilities.dtype), probabilities,
+                                   rtol=0, atol=0)
+    else:
+        torch.testing.assert_close(calibrator(test), probabilities, rtol=0, atol=0)  # __call__ is transform
     log_probabilities = calibrator.log_transform(test)
     torch.testing.assert_close(log_probabilities.exp(), probabilities, rtol=1e-5, atol=1e-7)
     assert calibrator.transform(torch.zeros(0, 5, dtype=dtype)).shape == (0, 5)
@@ -119,8 +124,11 @@ def test_bad_inputs_raise_clear_errors(name):
     masked_row[4] = -math.inf
     with pytest.raises(ValueError, match="every class masked"):
         make().fit(masked_row, labels)
-    with pytest.raises(RuntimeError, match="not fitted"):
-        make().transform(logits)
+    if name == "temperature":  # T alone is the map: the constructor's (1, the identity) until a fit
+        torch.testing.assert_close(make().transform(logits), torch.softmax(logits, 1), rtol=0, atol=0)
+    else:
+        with pytest.raises(RuntimeError, match="not fitted"):
+            make().transform(logits)
     fitted = make().fit(logits, labels)
     with pytest.raises(ValueError, match="fitted for 3 classes"):
         fitted.transform(torch.randn(4, 5))
@@ -206,7 +214,7 @@ def test_matrix_scaling_constrained_to_a_scalar_is_temperature_scaling():
     assert weight.shape == () and bool((shift == 0).all())
     temperature = fit_temperature(logits, labels, objective="nll")
     assert 1.0 / float(weight) == pytest.approx(temperature, rel=1e-6)
-    assert TemperatureScaling().fit(logits, labels).temperature == pytest.approx(temperature, rel=1e-12)
+    assert float(TemperatureScaling().fit(logits, labels).temperature) == pytest.approx(temperature, rel=1e-12)
 
 
 def test_matrix_scaling_with_strong_odir_penalties_tends_to_vector_scaling_without_bias():
@@ -434,7 +442,7 @@ def test_temperature_scaling_matches_netcal(netcal_data):
     # netcal fits on probabilities, scaling ln(clip(p, eps, 1 - eps)): equal to z / T when no p is below eps.
     reference = NetcalTemperature().fit(torch.softmax(logits, 1).numpy(), labels.numpy())
     ours = TemperatureScaling().fit(logits, labels)
-    assert ours.temperature == pytest.approx(1.0 / float(reference.temperature[0]), rel=1e-4)
+    assert float(ours.temperature) == pytest.approx(1.0 / float(reference.temperature[0]), rel=1e-4)
     theirs = torch.from_numpy(reference.transform(torch.softmax(test, 1).numpy()))
     torch.testing.assert_close(ours.transform(test), theirs, rtol=0, atol=1e-5)
     fitted = torch.from_numpy(reference.transform(torch.softmax(logits, 1).numpy()))
@@ -518,7 +526,7 @@ def test_zero_probabilities_are_masked_classes_and_bad_probabilities_raise():
     probabilities = probabilities / probabilities.sum(1, keepdim=True)
     assert bool((IsotonicCalibration().fit(probabilities, labels).transform(probabilities)[zeroed, 2] == 0).all())
     named = TemperatureScaling().fit(probabilities, labels, inputs_are="probs")
-    assert named.temperature == TemperatureScaling().fit(probabilities.log(), labels).temperature
+    assert float(named.temperature) == float(TemperatureScaling().fit(probabilities.log(), labels).temperature)
     assert bool((named.transform(probabilities)[zeroed, 2] == 0).all())
     on_a_zero = labels.clone()
     on_a_zero[zeroed.nonzero()[0, 0]] = 2
@@ -569,7 +577,8 @@ def test_scaling_fits_on_digits_match_scipy_in_float64(digits_logits):
 
     search = optimize.minimize_scalar(lambda log_t: nll(z / np.exp(log_t)), bounds=(-5, 5), method="bounded",
                                       options={"xatol": 1e-10})
-    assert TemperatureScaling().fit(val_logits, val_labels).temperature == pytest.approx(np.exp(search.x), rel=1e-6)
+    fitted = float(TemperatureScaling().fit(val_logits, val_labels).temperature)
+    assert fitted == pytest.approx(np.exp(search.x), rel=1e-6)
 
     c, reg = z.shape[1], 10.0
     off_diagonal = ~np.eye(c, dtype=bool)

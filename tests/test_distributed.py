@@ -26,7 +26,8 @@ import torch.distributed as dist
 from calibkernels import reference as R
 from calibkernels.distributed import vocab_parallel_uncertainty_weighted_ce as vocab_parallel
 
-rank, world, init_method, layouts, seed = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], json.loads(sys.argv[4]), int(sys.argv[5])
+rank, world, init_method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+layouts, seed = json.loads(sys.argv[4]), int(sys.argv[5])
 # a short timeout: a collective left waiting by a rank that raised alone fails the test instead of hanging it
 dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
                         timeout=datetime.timedelta(seconds=60))
@@ -62,13 +63,13 @@ for sizes in layouts:
     num_classes, offset = sum(sizes), sum(sizes[:rank])
     local_slice = slice(offset, offset + sizes[rank])
     z, y, sample_weight, grad_output = inputs(num_classes, torch.float64)
-    for weight, mode, reduction in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "external",
+    for uncertainty, mode, reduction in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "external",
                                                       "brier_flsd"],
                                                      ["grad", "loss"], ["mean", "sum", "none"]):
-        for norm in ([2.0, 1.5] if weight in ("brier", "brier_flsd") else [2.0]):
-            kw = dict(weight=weight, mode=mode, gamma=3.0 if weight == "flsd" else 2.5, norm=norm, reduction=reduction,
-                      sample_weight=sample_weight if weight == "external" else None)
-            name = f"{sizes} {weight} {mode} {reduction} q={norm}"
+        for norm in ([2.0, 1.5] if uncertainty in ("brier", "brier_flsd") else [2.0]):
+            kw = dict(uncertainty=uncertainty, mode=mode, gamma=3.0 if uncertainty == "flsd" else 2.5, norm=norm,
+                      reduction=reduction, sample_weight=sample_weight if uncertainty == "external" else None)
+            name = f"{sizes} {uncertainty} {mode} {reduction} q={norm}"
             full = z.clone().requires_grad_()
             want = R.uncertainty_weighted_ce(full, y, **kw)
             go = grad_output if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
@@ -88,13 +89,13 @@ for sizes in layouts:
     gamma = (0.5 + 3 * torch.rand(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
     for reduction in ("mean", "none"):
         full, g_full = z.clone().requires_grad_(), gamma.clone().requires_grad_()
-        want = R.uncertainty_weighted_ce(full.view(3, 3, num_classes), y.view(3, 3), weight="focal", mode="loss", gamma=g_full.view(3, 3),
-                                         reduction=reduction)
+        want = R.uncertainty_weighted_ce(full.view(3, 3, num_classes), y.view(3, 3), uncertainty="focal", mode="loss",
+                                         gamma=g_full.view(3, 3), reduction=reduction)
         go = torch.ones_like(want) if reduction == "mean" else grad_output.view(3, 3)
         want_grads = torch.autograd.grad(want, (full, g_full), go)
         local, g_local = z[:, local_slice].clone().requires_grad_(), gamma.clone().requires_grad_()
-        got = vocab_parallel(local.view(3, 3, sizes[rank]), y.view(3, 3), weight="focal", mode="loss", gamma=g_local.view(3, 3),
-                             reduction=reduction)
+        got = vocab_parallel(local.view(3, 3, sizes[rank]), y.view(3, 3), uncertainty="focal", mode="loss",
+                             gamma=g_local.view(3, 3), reduction=reduction)
         got_grads = torch.autograd.grad(got, (local, g_local), go)
         close(f"{sizes} gamma tensor {reduction} loss", got.detach(), want.detach(), 1e-10, 1e-12)
         close(f"{sizes} gamma tensor {reduction} grad", got_grads[0], want_grads[0][:, local_slice], 1e-9, 1e-12)
@@ -102,17 +103,18 @@ for sizes in layouts:
 
     # half precision: the same numbers as the reference on the same bfloat16 logits (both compute in float32)
     zb, y, _, _ = inputs(num_classes, torch.bfloat16)
-    for weight, mode in (("brier", "grad"), ("dual_focal", "loss"), ("focal", "loss")):
+    for uncertainty, mode in (("brier", "grad"), ("dual_focal", "loss"), ("focal", "loss")):
         full = zb.clone().float().requires_grad_()
-        want = R.uncertainty_weighted_ce(full, y, weight=weight, mode=mode)
+        want = R.uncertainty_weighted_ce(full, y, uncertainty=uncertainty, mode=mode)
         (want_grad,) = torch.autograd.grad(want, full)
         local = zb[:, local_slice].clone().requires_grad_()
-        got = vocab_parallel(local, y, weight=weight, mode=mode)
+        got = vocab_parallel(local, y, uncertainty=uncertainty, mode=mode)
         (got_grad,) = torch.autograd.grad(got, local)
         if got.dtype != torch.bfloat16 or got_grad.dtype != torch.bfloat16:
             failures.append(f"{sizes} bf16 dtypes {got.dtype} {got_grad.dtype}")
-        close(f"{sizes} bf16 {weight} {mode} loss", got.detach().float(), want.detach().bfloat16().float(), 1e-2, 1e-6)
-        close(f"{sizes} bf16 {weight} {mode} grad", got_grad.float(), want_grad[:, local_slice], 1e-2, 1e-4)
+        close(f"{sizes} bf16 {uncertainty} {mode} loss", got.detach().float(), want.detach().bfloat16().float(), 1e-2,
+              1e-6)
+        close(f"{sizes} bf16 {uncertainty} {mode} grad", got_grad.float(), want_grad[:, local_slice], 1e-2, 1e-4)
 
     # float32 at large logit scales: within the backends' tolerance rule of the float64 reference (4x the float32
     # reference's own error + 64 ulps of the largest entry). Half the rows have the target at the max (a confident,
@@ -123,9 +125,9 @@ for sizes in layouts:
         z32 = (scale * torch.randn(16, num_classes, generator=g, dtype=torch.float64)).float()
         y32 = torch.randint(0, num_classes, (16,), generator=g)
         y32[:8] = z32[:8].argmax(dim=1)
-        for weight, mode in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "brier_flsd"],
+        for uncertainty, mode in itertools.product(["none", "focal", "flsd", "dual_focal", "brier", "brier_flsd"],
                                               ["grad", "loss"]):
-            kw = dict(weight=weight, mode=mode, gamma=3.0, reduction="none")
+            kw = dict(uncertainty=uncertainty, mode=mode, gamma=3.0, reduction="none")
             results = []
             for dtype in (torch.float64, torch.float32):
                 full = z32.to(dtype).requires_grad_()
@@ -134,7 +136,7 @@ for sizes in layouts:
             local = z32[:, local_slice].clone().requires_grad_()
             got = vocab_parallel(local, y32, **kw)
             (got_grad,) = torch.autograd.grad(got.sum(), local)
-            if weight == "none":  # a confident row's CE to its relative precision, not to an ulp of the max logit
+            if uncertainty == "none":  # a confident row's CE to its relative precision, not to an ulp of the max logit
                 # (CE = log1p(Σ_{k≠y} e^{z_k − z_y}) in float64: the reference's lse − z_y has that ulp, 3e-14 at 200)
                 z64 = z32[:8].double()
                 others = torch.exp(z64 - z64.gather(1, y32[:8, None])).scatter(1, y32[:8, None], 0.0)
@@ -148,7 +150,7 @@ for sizes in layouts:
             # Brier in "loss" mode adds, per row, 16 ulps of c = CE γ_i S^{γ_i/2 − 1} (the largest over FLSD's γ_i):
             # a confidently wrong row's derivative is c times a difference of two numbers near 1 (docs/losses.md)
             cancellation = 0.0
-            if weight in ("brier", "brier_flsd") and mode == "loss":
+            if uncertainty in ("brier", "brier_flsd") and mode == "loss":
                 z64 = z32.double()
                 brier = ((z64.softmax(dim=1) - torch.nn.functional.one_hot(y32, num_classes)) ** 2).sum(dim=1)
                 ce = -z64.log_softmax(dim=1).gather(1, y32[:, None])[:, 0]
@@ -165,7 +167,8 @@ for sizes in layouts:
                     bound = bound + cancellation
                 excess = ((value.double() - exact).abs() - bound).max().item()
                 if not excess <= 0:
-                    failures.append(f"{sizes} float32 scale {scale} {weight} {mode} {what}: {excess:.3e} past the bound")
+                    failures.append(f"{sizes} float32 scale {scale} {uncertainty} {mode} {what}: {excess:.3e} past "
+                                    "the bound")
 
     # every row ignored: mean 0, zero gradient
     local = z[:, local_slice].clone().requires_grad_()
@@ -185,7 +188,7 @@ for sizes in layouts:
     # double backward raises (at the backward with create_graph=True) instead of contributing nothing
     local = z[:, local_slice].clone().requires_grad_()
     expect(RuntimeError, "double backward", "double backward", torch.autograd.grad,
-           vocab_parallel(local, y, weight="brier", mode="loss"), local, create_graph=True)
+           vocab_parallel(local, y, uncertainty="brier", mode="loss"), local, create_graph=True)
 
     # bad input raises the same ValueError on every rank (and no rank is left waiting)
     bad = y.clone()
@@ -199,16 +202,16 @@ for sizes in layouts:
     # the others a ValueError naming it, instead of waiting for it in the first collective until the timeout
     last = rank == world - 1
     for what, error, message, kw in [
-            ("unknown weight", ValueError, "unknown weight", dict(weight="nope")),
+            ("unknown uncertainty", ValueError, "unknown uncertainty", dict(uncertainty="nope")),
             ("target shape", ValueError, "target shape", dict(target=y[:-1])),
             ("logits dtype", TypeError, "floating-point", dict(local_logits=z[:, local_slice].long())),
-            ("negative sample_weight", ValueError, "sample_weight", dict(weight="external",
+            ("negative sample_weight", ValueError, "sample_weight", dict(uncertainty="external",
                                                                          sample_weight=-sample_weight))]:
         args = dict(local_logits=z[:, local_slice], target=y)
         if last:
             args.update(kw)
         elif "sample_weight" in kw:
-            args.update(weight="external", sample_weight=sample_weight)
+            args.update(uncertainty="external", sample_weight=sample_weight)
         call_args = (args.pop("local_logits"), args.pop("target"))
         if last:
             expect(error, message, f"{what} on one rank (that rank)", vocab_parallel, *call_args, **args)
@@ -226,16 +229,16 @@ for sizes in layouts:
     last = rank == world - 1
     local = z[:, local_slice]
     for what, message, kw in [
-            ("weight", "different weight", dict(weight="dual_focal" if last else "brier")),
+            ("uncertainty", "different uncertainty", dict(uncertainty="dual_focal" if last else "brier")),
             ("dtype", "different dtype", dict(local_logits=local.float() if last else local)),
             ("ignore_index", "different ignore_index", dict(ignore_index=-1 if last else -100)),
             ("reduction", "different reduction", dict(reduction="none" if last else "mean")),
             ("mode", "different mode", dict(mode="loss" if last else "grad")),
-            ("gamma", "different gamma", dict(weight="focal", gamma=2.5 if last else 2.0)),
+            ("gamma", "different gamma", dict(uncertainty="focal", gamma=2.5 if last else 2.0)),
             ("sample_weight", "sample_weight values differ",
-             dict(weight="external", sample_weight=sample_weight + (0.5 if last else 0.0))),
+             dict(uncertainty="external", sample_weight=sample_weight + (0.5 if last else 0.0))),
             ("per-sample gamma", "per-sample gamma values differ",
-             dict(weight="focal", gamma=sample_weight + (0.5 if last else 0.0)))]:
+             dict(uncertainty="focal", gamma=sample_weight + (0.5 if last else 0.0)))]:
         expect(ValueError, message, f"different {what}", vocab_parallel, kw.pop("local_logits", local), y, **kw)
 
     # ignored rows are 0 whatever their logits hold, as in the reference (NaN or inf there must not reach the mean)
@@ -243,10 +246,10 @@ for sizes in layouts:
         bad_z = z.clone()
         bad_z[4] = value  # row 4 is ignored
         full = bad_z.clone().requires_grad_()
-        want = R.uncertainty_weighted_ce(full, y, weight="focal", mode="loss")
+        want = R.uncertainty_weighted_ce(full, y, uncertainty="focal", mode="loss")
         (want_grad,) = torch.autograd.grad(want, full)
         local = bad_z[:, local_slice].clone().requires_grad_()
-        got = vocab_parallel(local, y, weight="focal", mode="loss")
+        got = vocab_parallel(local, y, uncertainty="focal", mode="loss")
         (got_grad,) = torch.autograd.grad(got, local)
         close(f"{sizes} {value} on an ignored row: loss", got.detach(), want.detach(), 1e-10, 1e-12)
         close(f"{sizes} {value} on an ignored row: grad", got_grad, want_grad[:, local_slice], 1e-9, 1e-12)
@@ -304,10 +307,10 @@ def test_bad_input_raises_before_any_collective():
         ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y.float())
     with pytest.raises(TypeError, match="floating-point"):
         ck.distributed.vocab_parallel_uncertainty_weighted_ce(z.long(), y)
-    with pytest.raises(ValueError, match="unknown weight"):
-        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight="nope")
+    with pytest.raises(ValueError, match="unknown uncertainty"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, uncertainty="nope")
     with pytest.raises(ValueError, match="sample_weight"):
-        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight="external")
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, uncertainty="external")
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="process group"):
             ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y)

@@ -43,7 +43,7 @@ def test_dual_focal_gra_official_value_on_a_hand_computed_row():
     p0, p1 = e[0] / sum(e), e[1] / sum(e)
     expected = (1 - p0 + p1) ** 2 * -math.log(p0)
     for gra_detach in ("weight", "p_j"):  # same value, different gradients
-        got = R.uncertainty_weighted_ce(z, y, weight="dual_focal", mode="grad", gamma=2.0, gra_detach=gra_detach)
+        got = R.uncertainty_weighted_ce(z, y, uncertainty="dual_focal", mode="grad", gamma=2.0, gra_detach=gra_detach)
         assert got.item() == pytest.approx(expected, rel=1e-12)
 
 
@@ -54,7 +54,7 @@ def test_dual_focal_gra_official_gradient_is_autograd_of_detached_p_j(gamma):
     y = torch.tensor([0, 1, 2, 3, 4, 0, 1])
     with torch.no_grad():
         z[3, 3] = z[3].min() - 1.0  # a row whose target is the smallest class: p_j = 0
-    got = R.uncertainty_weighted_ce(z, y, weight="dual_focal", mode="grad", gamma=gamma, gra_detach="p_j")
+    got = R.uncertainty_weighted_ce(z, y, uncertainty="dual_focal", mode="grad", gamma=gamma, gra_detach="p_j")
     expected = _dual_focal_by_hand(z, y, gamma, detach_p_j=True)
     torch.testing.assert_close(got, expected)
     (g_got,) = torch.autograd.grad(got, z)
@@ -73,10 +73,10 @@ def test_dual_focal_gra_default_is_unchanged():
     torch.manual_seed(1)
     z = (torch.randn(6, 4, dtype=torch.float64)).requires_grad_()
     y = torch.randint(0, 4, (6,))
-    u = R.uncertainty_weight(z.detach(), y, weight="dual_focal", gamma=5.0, norm=2.0)
+    u = R.uncertainty_weight(z.detach(), y, uncertainty="dual_focal", gamma=5.0, norm=2.0)
     expected = u[:, None] * (torch.softmax(z.detach(), -1) - torch.nn.functional.one_hot(y, 4)) / 6
     for loss in (ck.losses.build("dual_focal_loss_gra"), ck.losses.build("dual_focal_loss_gra", gra_detach="weight"),
-                 lambda a, b: R.uncertainty_weighted_ce(a, b, weight="dual_focal", mode="grad", gamma=5.0)):
+                 lambda a, b: R.uncertainty_weighted_ce(a, b, uncertainty="dual_focal", mode="grad", gamma=5.0)):
         (g,) = torch.autograd.grad(loss(z, y), z)
         torch.testing.assert_close(g, expected)
     assert "gra_detach" not in repr(ck.losses.build("dual_focal_loss_gra"))
@@ -86,17 +86,17 @@ def test_dual_focal_gra_default_is_unchanged():
 def test_gra_detach_rejects_bad_options():
     z, y = torch.randn(3, 4), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match="gra_detach"):
-        R.uncertainty_weighted_ce(z, y, weight="focal", mode="grad", gra_detach="p_j")
+        R.uncertainty_weighted_ce(z, y, uncertainty="focal", mode="grad", gra_detach="p_j")
     with pytest.raises(ValueError, match="gra_detach"):
-        R.uncertainty_weighted_ce(z, y, weight="dual_focal", mode="loss", gra_detach="p_j")
+        R.uncertainty_weighted_ce(z, y, uncertainty="dual_focal", mode="loss", gra_detach="p_j")
     with pytest.raises(ValueError, match="gra_detach"):
-        R.uncertainty_weighted_ce(z, y, weight="dual_focal", mode="grad", gra_detach="pj")
+        R.uncertainty_weighted_ce(z, y, uncertainty="dual_focal", mode="grad", gra_detach="pj")
     with pytest.raises(TypeError, match="gra_detach"):
-        R.uncertainty_weighted_ce(z, y, weight="dual_focal", mode="grad", gra_detach=True)
+        R.uncertainty_weighted_ce(z, y, uncertainty="dual_focal", mode="grad", gra_detach=True)
     with pytest.raises(ValueError, match="fused kernel"):
         ck.losses.build("dual_focal_loss_gra", gra_detach="p_j", backend="cpu")
     with pytest.raises(ValueError, match="gra_detach"):
-        ck.losses.UncertaintyWeightedCE(weight="brier", mode="grad", gra_detach="p_j")
+        ck.losses.UncertaintyWeightedCE(uncertainty="brier", mode="grad", gra_detach="p_j")
     with pytest.raises(TypeError, match="gra_detach"):
         ck.losses.build("focal_loss_gra", gra_detach="p_j")  # only dual focal's GRA has the option
 

@@ -83,23 +83,23 @@ def _assert_all_close(got, want, dtype, what):
 
 # ------------------------------------------------------------------------------------------ against the reference
 @pytest.mark.parametrize("backend_device", BACKENDS)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_matches_reference_on_materialised_logits(backend_device, weight):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_matches_reference_on_materialised_logits(backend_device, uncertainty):
     """(2, 13, H) hidden, 13 classes, chunks of 7 rows (not dividing 26), ignored rows, a bias: every mode and
     reduction gives the reference's loss and its three gradients."""
     backend, device = backend_device
     dtype = _dtype_for(backend)
     hidden, linear_weight, bias, target = _problem(26, 8, 13, dtype, device)
     hidden, target = hidden.view(2, 13, 8), target.view(2, 13)
-    sample_weight = torch.rand(2, 13, dtype=dtype, device=device) if weight == "external" else None
+    sample_weight = torch.rand(2, 13, dtype=dtype, device=device) if uncertainty == "external" else None
     for mode, reduction in itertools.product(MODES, REDUCTIONS):
-        kw = dict(weight=weight, mode=mode, gamma=3.0 if weight == "flsd" else 2.5, reduction=reduction,
+        kw = dict(uncertainty=uncertainty, mode=mode, gamma=3.0 if uncertainty == "flsd" else 2.5, reduction=reduction,
                   sample_weight=sample_weight)
         grad_output = _grad_output(reduction, target.shape, dtype, device)
         got = _fused(hidden, linear_weight, bias, target, grad_output, backend=backend, chunk_size=7, **kw)
         want = _reference(hidden, linear_weight, bias, target, grad_output, **kw)
         assert got[0].dtype == dtype and got[0].shape == want[0].shape
-        _assert_all_close(got, want, dtype, f"{weight} {mode} {reduction}")
+        _assert_all_close(got, want, dtype, f"{uncertainty} {mode} {reduction}")
 
 
 def _soft_backends():
@@ -109,8 +109,8 @@ def _soft_backends():
 
 
 @pytest.mark.parametrize("backend_device", _soft_backends())
-@pytest.mark.parametrize("weight", ["none", "focal", "flsd", "brier", "external"])
-def test_soft_targets_match_reference_on_materialised_logits(backend_device, weight):
+@pytest.mark.parametrize("uncertainty", ["none", "focal", "flsd", "brier", "external"])
+def test_soft_targets_match_reference_on_materialised_logits(backend_device, uncertainty):
     """Label smoothing, a mix with one λ per row (a row mixed with its own class), a scalar-λ mix with smoothing and
     a dense target, in chunks of 7 rows over 26 (a chunk boundary inside the mix), every mode and reduction."""
     backend, device = backend_device
@@ -121,14 +121,15 @@ def test_soft_targets_match_reference_on_materialised_logits(backend_device, wei
     mix[0] = target[0]
     lam = torch.rand(26, generator=g, dtype=torch.float64).to(dtype=dtype, device=device)
     dense = torch.softmax(torch.randn(26, 13, generator=g, dtype=torch.float64), dim=1).to(dtype=dtype, device=device)
-    sample_weight = torch.rand(26, dtype=dtype, device=device) if weight == "external" else None
+    sample_weight = torch.rand(26, dtype=dtype, device=device) if uncertainty == "external" else None
     forms = [(target, dict(label_smoothing=0.1)), (target, dict(mix_target=mix, mix_lambda=lam)),
              (target, dict(mix_target=mix, mix_lambda=0.3, label_smoothing=0.05)), (dense, dict(label_smoothing=0.1))]
     reductions = REDUCTIONS
     if backend == "triton":  # the interpreter is slow: the per-row mix and the dense form, one reduction
         forms, reductions = [forms[1], forms[3]], ["sum"]
     for (tgt, soft), mode, reduction in itertools.product(forms, MODES, reductions):
-        kw = dict(weight=weight, mode=mode, gamma=2.5, reduction=reduction, sample_weight=sample_weight, **soft)
+        kw = dict(uncertainty=uncertainty, mode=mode, gamma=2.5, reduction=reduction, sample_weight=sample_weight,
+                  **soft)
         grad_output = _grad_output(reduction, (26,), dtype, device)
         got = _fused(hidden, linear_weight, bias, tgt, grad_output, backend=backend, chunk_size=7, **kw)
         ref_kw = dict(kw)
@@ -136,7 +137,7 @@ def test_soft_targets_match_reference_on_materialised_logits(backend_device, wei
             ref_kw["mix_lambda"] = ref_kw["mix_lambda"].double()
         want = _reference(hidden, linear_weight, bias, tgt.double() if tgt.is_floating_point() else tgt, grad_output,
                           **ref_kw)
-        _assert_all_close(got, want, dtype, f"{weight} {mode} {reduction} {sorted(soft)}")
+        _assert_all_close(got, want, dtype, f"{uncertainty} {mode} {reduction} {sorted(soft)}")
 
 
 def test_soft_target_module_and_refusals():
@@ -149,7 +150,7 @@ def test_soft_target_module_and_refusals():
                                      mix_lambda=0.4)
     torch.testing.assert_close(got, want)
     with pytest.raises(ValueError, match="dual_focal"):
-        fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", label_smoothing=0.1)
+        fused_linear(hidden, linear_weight, target, bias, uncertainty="dual_focal", label_smoothing=0.1)
     with pytest.raises(ValueError, match="dense target must have shape"):
         fused_linear(hidden, linear_weight, torch.rand(9, 5, dtype=torch.float64), bias)
     with pytest.raises(ValueError, match="label_smoothing"):
@@ -167,12 +168,12 @@ def test_one_hot_soft_forms_run_as_class_indices(backend):
     hidden, linear_weight, bias, target = _problem(9, 4, 6, torch.float64, "cpu", ignored=(2,))
     mix = (target + 1).remainder(6)
     dense = torch.nn.functional.one_hot(target.clamp(min=0), 6).double()
-    cases = [dict(weight="focal", mode="loss", gamma=0.5 + torch.rand(9, dtype=torch.float64), mix_target=mix,
+    cases = [dict(uncertainty="focal", mode="loss", gamma=0.5 + torch.rand(9, dtype=torch.float64), mix_target=mix,
                   mix_lambda=lam) for lam in (0.0, 1.0)]
-    cases += [dict(weight="dual_focal", mode="loss", mix_target=mix, mix_lambda=lam, reduction=reduction)
+    cases += [dict(uncertainty="dual_focal", mode="loss", mix_target=mix, mix_lambda=lam, reduction=reduction)
               for lam in (0.0, 1.0, torch.tensor([0.0, 1.0, 0.3] + [1.0, 0.0] * 3, dtype=torch.float64))
               for reduction in ("mean", "none")]
-    cases.append(dict(weight="dual_focal", mode="loss", target=dense, reduction="sum"))
+    cases.append(dict(uncertainty="dual_focal", mode="loss", target=dense, reduction="sum"))
     for kw in cases:
         tgt = kw.pop("target", target)
         grad_output = _grad_output(kw.get("reduction", "mean"), (9,), torch.float64, "cpu")
@@ -191,9 +192,9 @@ def test_one_hot_soft_forms_run_as_class_indices(backend):
             torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-11, msg=lambda m: f"{kw}: {name}: {m}")
     for kw in (dict(mix_target=mix, mix_lambda=0.5), dict(label_smoothing=0.1)):
         with pytest.raises(ValueError, match="dual_focal"):
-            fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", backend=backend, **kw)
+            fused_linear(hidden, linear_weight, target, bias, uncertainty="dual_focal", backend=backend, **kw)
     with pytest.raises(ValueError, match="not one-hot"):
-        fused_linear(hidden, linear_weight, torch.softmax(dense, 1), bias, weight="dual_focal", backend=backend)
+        fused_linear(hidden, linear_weight, torch.softmax(dense, 1), bias, uncertainty="dual_focal", backend=backend)
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
@@ -207,12 +208,12 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
     for mode in MODES:
         g = gamma.detach().clone().requires_grad_()
         leaves = [t.detach().clone().requires_grad_() for t in (hidden, linear_weight)]
-        loss = fused_linear(leaves[0], leaves[1], target, bias, weight="focal", mode=mode, gamma=g,
+        loss = fused_linear(leaves[0], leaves[1], target, bias, uncertainty="focal", mode=mode, gamma=g,
                             reduction=reduction, backend=backend, chunk_size=4)
         loss.backward(grad_output)
         g64 = gamma.detach().double().requires_grad_()
         leaves64 = [t.detach().double().requires_grad_() for t in (hidden, linear_weight)]
-        want = R.uncertainty_weighted_ce(leaves64[0] @ leaves64[1].T + bias.double(), target, weight="focal",
+        want = R.uncertainty_weighted_ce(leaves64[0] @ leaves64[1].T + bias.double(), target, uncertainty="focal",
                                          mode=mode, gamma=g64, reduction=reduction)
         want.backward(grad_output.double())
         tol = dict(rtol=1e-9, atol=1e-11) if dtype == torch.float64 else dict(rtol=2e-4, atol=2e-5)
@@ -227,17 +228,17 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
 
 
 @pytest.mark.parametrize("backend", ["reference"] + (["cpu"] if HAS_CPU_KERNEL else []))
-@pytest.mark.parametrize("weight,mode,reduction", [("brier", "loss", "mean"), ("dual_focal", "loss", "none"),
+@pytest.mark.parametrize("uncertainty,mode,reduction", [("brier", "loss", "mean"), ("dual_focal", "loss", "none"),
                                                    ("none", "grad", "sum"), ("flsd", "loss", "none"),
                                                    ("focal", "loss", "sum")])
-def test_gradcheck_float64(backend, weight, mode, reduction):
+def test_gradcheck_float64(backend, uncertainty, mode, reduction):
     """Finite differences of the fused loss itself (hidden, weight and bias at once), chunks of 2 over 5 rows. (Only
     where the gradient is the loss's derivative: mode="grad" scales the cross-entropy gradient by a detached weight.)"""
     hidden, linear_weight, bias, target = _problem(5, 3, 4, torch.float64, "cpu", ignored=(2,))
     leaves = [t.requires_grad_() for t in (hidden, linear_weight, bias)]
 
     def loss(h, w, b):
-        return fused_linear(h, w, target, b, weight=weight, mode=mode, gamma=2.0, reduction=reduction,
+        return fused_linear(h, w, target, b, uncertainty=uncertainty, mode=mode, gamma=2.0, reduction=reduction,
                             backend=backend, chunk_size=2)
 
     assert torch.autograd.gradcheck(loss, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -249,7 +250,7 @@ def test_gradcheck_per_sample_gamma():
     hidden.requires_grad_()
 
     def loss(h, g):
-        return fused_linear(h, linear_weight, target, weight="focal", mode="loss", gamma=g, reduction="none",
+        return fused_linear(h, linear_weight, target, uncertainty="focal", mode="loss", gamma=g, reduction="none",
                             backend=CPU_BACKEND, chunk_size=2)
 
     assert torch.autograd.gradcheck(loss, (hidden, gamma), eps=1e-6, atol=1e-7, rtol=1e-5)
@@ -261,7 +262,7 @@ def test_every_chunk_size_gives_the_same_result(chunk_size):
     hidden, linear_weight, bias, target = _problem(17, 6, 10, torch.float64, "cpu")
     for reduction in REDUCTIONS:
         grad_output = _grad_output(reduction, (17,), torch.float64, "cpu")
-        kw = dict(weight="brier", mode="loss", reduction=reduction)
+        kw = dict(uncertainty="brier", mode="loss", reduction=reduction)
         got = _fused(hidden, linear_weight, bias, target, grad_output, backend=CPU_BACKEND, chunk_size=chunk_size,
                      **kw)
         _assert_all_close(got, _reference(hidden, linear_weight, bias, target, grad_output, **kw), torch.float64,
@@ -275,7 +276,7 @@ def test_a_chunk_whose_rows_are_all_ignored():
     target[10:15] = -100
     for reduction in REDUCTIONS:
         grad_output = _grad_output(reduction, (18,), torch.float64, "cpu")
-        kw = dict(weight="focal", mode="loss", reduction=reduction)
+        kw = dict(uncertainty="focal", mode="loss", reduction=reduction)
         got = _fused(hidden, linear_weight, bias, target, grad_output, backend=CPU_BACKEND, chunk_size=5, **kw)
         _assert_all_close(got, _reference(hidden, linear_weight, bias, target, grad_output, **kw), torch.float64,
                           f"ignored chunk {reduction}")
@@ -300,17 +301,17 @@ def test_chunk_size_takes_any_integer_type():
     """A NumPy integer (e.g. from a config computed with NumPy) is an int here, in the function and in the module."""
     np = pytest.importorskip("numpy")
     torch.manual_seed(0)
-    hidden, weight = torch.randn(7, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
+    hidden, uncertainty = torch.randn(7, 5, dtype=torch.float64), torch.randn(9, 5, dtype=torch.float64)
     target = torch.randint(0, 9, (7,))
-    want = ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, chunk_size=3)
+    want = ck.fused_linear_uncertainty_weighted_ce(hidden, uncertainty, target, chunk_size=3)
     for size in (np.int64(3), np.int32(3), torch.tensor(3)):
-        got = ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, chunk_size=size)
+        got = ck.fused_linear_uncertainty_weighted_ce(hidden, uncertainty, target, chunk_size=size)
         torch.testing.assert_close(got, want, rtol=0, atol=0)
         module = ck.losses.FusedLinearUncertaintyWeightedCE(chunk_size=size)
         assert type(module.chunk_size) is int and "chunk_size=3" in repr(module)
-        torch.testing.assert_close(module(hidden, weight, target), want, rtol=0, atol=0)
+        torch.testing.assert_close(module(hidden, uncertainty, target), want, rtol=0, atol=0)
     with pytest.raises(TypeError, match="chunk_size"):
-        ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, chunk_size=np.float64(3))
+        ck.fused_linear_uncertainty_weighted_ce(hidden, uncertainty, target, chunk_size=np.float64(3))
 
 
 def test_default_chunk_size():
@@ -341,8 +342,8 @@ def test_half_precision_accumulates_the_weight_gradient_in_float32(backend_devic
     hidden, linear_weight, bias, target = _problem(n, h, c, torch.float64, device, ignored=range(0, n, 9))
     hidden, linear_weight, bias = (t.to(dtype) for t in (hidden, linear_weight, bias))
     eps = torch.finfo(dtype).eps
-    for weight, mode in (("brier", "grad"), ("focal", "loss"), ("none", "grad")):
-        kw = dict(weight=weight, mode=mode, gamma=2.0, reduction="sum")
+    for uncertainty, mode in (("brier", "grad"), ("focal", "loss"), ("none", "grad")):
+        kw = dict(uncertainty=uncertainty, mode=mode, gamma=2.0, reduction="sum")
         loss, d_hidden, d_weight, d_bias = _fused(hidden, linear_weight, bias, target, torch.tensor(1.0),
                                                   backend=backend, chunk_size=1, **kw)
         assert (loss.dtype, d_hidden.dtype, d_weight.dtype, d_bias.dtype) == (dtype,) * 4
@@ -361,7 +362,7 @@ def test_half_precision_accumulates_the_weight_gradient_in_float32(backend_devic
                 ("d weight", d_weight, g.t() @ x, g.abs().t() @ x.abs(), ones.t() @ x.abs()),
                 ("d bias", d_bias, g.sum(0), g.abs().sum(0), ones.sum(0))):
             ratio = (got.double() - exact).abs() / (eps * (magnitude + exact.abs()) + tiny * floor + 1e-30)
-            assert ratio.max() < 1.0, f"{dtype} {weight} {mode} {what}: error {ratio.max():.2f} x the bound"
+            assert ratio.max() < 1.0, f"{dtype} {uncertainty} {mode} {what}: error {ratio.max():.2f} x the bound"
         assert abs(loss.double() - want.detach()) <= 4 * eps * want.abs() + 1e-6
 
 
@@ -381,21 +382,21 @@ def test_sample_weight_never_gets_a_gradient():
     hidden, linear_weight, _, target = _problem(6, 4, 5, torch.float64, "cpu")
     sample_weight = torch.rand(6, dtype=torch.float64, requires_grad=True)
     hidden.requires_grad_()
-    fused_linear(hidden, linear_weight, target, weight="external", sample_weight=sample_weight,
+    fused_linear(hidden, linear_weight, target, uncertainty="external", sample_weight=sample_weight,
                  backend=CPU_BACKEND).backward()
     assert hidden.grad is not None and sample_weight.grad is None
 
 
 def test_no_grad_and_inputs_without_grad_give_the_same_loss():
     hidden, linear_weight, bias, target = _problem(9, 4, 6, torch.float64, "cpu")
-    want = R.uncertainty_weighted_ce(hidden @ linear_weight.T + bias, target, weight="dual_focal", mode="loss")
-    got = fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", mode="loss", chunk_size=2)
+    want = R.uncertainty_weighted_ce(hidden @ linear_weight.T + bias, target, uncertainty="dual_focal", mode="loss")
+    got = fused_linear(hidden, linear_weight, target, bias, uncertainty="dual_focal", mode="loss", chunk_size=2)
     assert not got.requires_grad
     torch.testing.assert_close(got, want)
     with torch.no_grad():
         hidden.requires_grad_()
-        torch.testing.assert_close(fused_linear(hidden, linear_weight, target, bias, weight="dual_focal", mode="loss",
-                                                chunk_size=2), want)
+        torch.testing.assert_close(fused_linear(hidden, linear_weight, target, bias, uncertainty="dual_focal",
+                                                mode="loss", chunk_size=2), want)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -432,7 +433,7 @@ def test_torch_compile_fullgraph_matches_eager(reduction):
     hidden, linear_weight, bias, target = _problem(13, 5, 7, torch.float32, "cpu")
 
     def step(h, w, b, y):
-        return fused_linear(h, w, y, b, weight="brier", mode="loss", reduction=reduction, backend=CPU_BACKEND,
+        return fused_linear(h, w, y, b, uncertainty="brier", mode="loss", reduction=reduction, backend=CPU_BACKEND,
                             chunk_size=4)
 
     compiled = torch.compile(step, fullgraph=True)
@@ -449,12 +450,12 @@ def test_torch_compile_fullgraph_matches_eager(reduction):
 # ---------------------------------------------------------------------------------------------------------- module
 def test_module_and_exports():
     hidden, linear_weight, bias, target = _problem(8, 4, 6, torch.float64, "cpu")
-    module = FusedLinearUncertaintyWeightedCE(weight="focal", mode="loss", gamma=2.0, reduction="sum",
+    module = FusedLinearUncertaintyWeightedCE(uncertainty="focal", mode="loss", gamma=2.0, reduction="sum",
                                               backend=CPU_BACKEND, chunk_size=3)
-    want = fused_linear(hidden, linear_weight, target, bias, weight="focal", mode="loss", gamma=2.0, reduction="sum",
-                        backend=CPU_BACKEND, chunk_size=3)
+    want = fused_linear(hidden, linear_weight, target, bias, uncertainty="focal", mode="loss", gamma=2.0,
+                        reduction="sum", backend=CPU_BACKEND, chunk_size=3)
     torch.testing.assert_close(module(hidden, linear_weight, target, bias), want)
-    assert "chunk_size=3" in repr(module) and "weight='focal'" in repr(module)
+    assert "chunk_size=3" in repr(module) and "uncertainty='focal'" in repr(module)
     assert ck.losses.FusedLinearUncertaintyWeightedCE is FusedLinearUncertaintyWeightedCE
     assert ck.fused_linear_uncertainty_weighted_ce is fused_linear
     with pytest.raises(ValueError, match="chunk_size"):
@@ -482,11 +483,11 @@ def test_bad_input_raises():
         (dict(chunk_size=-3), ValueError, "chunk_size"),
         (dict(chunk_size=2.0), TypeError, "chunk_size"),
         (dict(chunk_size=True), TypeError, "chunk_size"),
-        (dict(weight="nope"), ValueError, "unknown weight"),
+        (dict(uncertainty="nope"), ValueError, "unknown uncertainty"),
         (dict(reduction="avg"), ValueError, "unknown reduction"),
         (dict(gamma=-1.0), ValueError, "gamma"),
         (dict(norm=0.0), ValueError, "norm"),
-        (dict(weight="external"), ValueError, "sample_weight"),
+        (dict(uncertainty="external"), ValueError, "sample_weight"),
         (dict(sample_weight=torch.ones(6)), ValueError, "sample_weight"),
         (dict(gamma=torch.ones(6)), ValueError, "per-sample gamma"),
         (dict(backend="nope"), ValueError, "unknown backend"),
@@ -509,8 +510,8 @@ def test_inputs_on_different_devices_raise_without_a_gpu():
              ((hidden, linear_weight, meta["y"], None), {}, "target is on meta"),
              ((hidden, linear_weight, target, meta["b"]), {}, "linear_bias is on meta"),
              ((hidden, linear_weight, target, bias),
-              dict(weight="external", sample_weight=torch.ones(6, device="meta")), "sample_weight is on meta"),
-             ((hidden, linear_weight, target, bias), dict(weight="focal", gamma=torch.ones(6, device="meta")),
+              dict(uncertainty="external", sample_weight=torch.ones(6, device="meta")), "sample_weight is on meta"),
+             ((hidden, linear_weight, target, bias), dict(uncertainty="focal", gamma=torch.ones(6, device="meta")),
               "gamma is on meta"),
              ((hidden, linear_weight, target, bias), dict(mix_target=meta["y"], mix_lambda=0.5),
               "mix_target is on meta")]

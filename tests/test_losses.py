@@ -32,7 +32,7 @@ USED = {
 SAMPLE_VALUE = {"gamma": 2.0, "norm": 1.5, "alpha": 0.1, "lam": 3.0, "bandwidth": 0.3, "beta": 3.0,
                 "base": "focal_loss", "margin": 2.0, "n_bins": 5, "gamma_initial": 2.0, "gamma_max": 1.0,
                 "gamma_min": 0.5, "switch_point": 0.9}
-# AdaFocal's update hyper-parameters act only through update() (tests/test_family.py checks them there)
+# AdaFocal's update hyper-parameters act only through update() (tests/test_more_losses.py checks them there)
 ACTS_AFTER_UPDATE = {"adafocal": {"n_bins", "lam", "gamma_max", "gamma_min", "switch_point"}}
 # held fixed while another hyper-parameter changes, so that the one changed acts on these inputs
 CONTEXT = {"mbls": {"margin": 1.0}}
@@ -124,7 +124,7 @@ def test_modules_reject_a_gamma_that_is_not_finite_and_non_negative(name, gamma)
     with pytest.raises(ValueError, match="gamma"):
         ck.losses.build(name, gamma=gamma)
     with pytest.raises(ValueError, match="gamma"):
-        ck.losses.UncertaintyWeightedCE(weight="focal", gamma=gamma)
+        ck.losses.UncertaintyWeightedCE(uncertainty="focal", gamma=gamma)
 
 
 @pytest.mark.parametrize("norm", [float("nan"), float("inf"), 0.0])

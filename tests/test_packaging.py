@@ -58,6 +58,53 @@ def test_import_never_needs_the_compiled_extension():
     assert result.returncode == 0, result.stderr
 
 
+def _calibkernels_imports():
+    """``{module: modules of calibkernels it imports}``, read statically from every import statement at any depth
+    (an import inside a function counts: it only moves a cycle to run time). The compiled ``_C`` is a leaf."""
+    import ast
+
+    modules = {}
+    for path in (ROOT / "calibkernels").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    edges = {}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(anchor + ([node.module] if node.module else []))
+                targets = [f"{base}.{alias.name}" for alias in node.names if alias.name != "_C"] or []
+            else:
+                continue
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    found.add(target)
+        edges[name] = found
+    return edges
+
+
+def test_the_package_has_no_import_cycles():
+    """Each module of calibkernels sits on one floor: no module reaches itself through the modules it imports."""
+    edges = _calibkernels_imports()
+    for start in edges:
+        seen, frontier = set(), [(start, (start,))]
+        while frontier:
+            module, path = frontier.pop()
+            for target in edges[module]:
+                assert target != start, f"import cycle: {' -> '.join(path + (start,))}"
+                if target not in seen:
+                    seen.add(target)
+                    frontier.append((target, path + (target,)))
+
+
 # ------------------------------------------------------------------------------------------ wheel layout (issue #20)
 def _package_folders():
     """Every package folder of the checkout, by the name it installs under: calibkernels/…, and training/… as

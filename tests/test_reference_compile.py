@@ -40,7 +40,7 @@ def test_compiled_dual_focal_loss_gradient_equals_eager(num_classes, reduction):
     z, target = _argmax_rows_with_ties(256, num_classes)
 
     def loss_fn(logits):
-        loss = R.uncertainty_weighted_ce(logits, target, weight="dual_focal", mode="loss", gamma=5.0,
+        loss = R.uncertainty_weighted_ce(logits, target, uncertainty="dual_focal", mode="loss", gamma=5.0,
                                          reduction=reduction, backend="reference")
         return loss.sum()
 
@@ -71,7 +71,7 @@ def test_compiled_weights_on_saturated_rows_equal_eager():
     settings = [("focal", 0.5, 2.0), ("flsd", 0.25, 2.0), ("dual_focal", 0.5, 2.0), ("brier", 0.5, 0.7)]
 
     def loss_fn(logits):
-        return sum(R.uncertainty_weighted_ce(logits, target, weight=w, mode="loss", gamma=g, norm=q,
+        return sum(R.uncertainty_weighted_ce(logits, target, uncertainty=w, mode="loss", gamma=g, norm=q,
                                              backend="reference") for w, g, q in settings)
 
     eager = z.clone().requires_grad_()

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from calibkernels import _row_math as row_math
 from calibkernels import reference as R
 
 from _flsd_band import LOW_THRESHOLD_F32 as LOW32
@@ -23,7 +24,7 @@ BANDS = band_choices(GAMMA)
 
 
 def _flsd_weight(logits, target, gamma=GAMMA):
-    return R.uncertainty_weight(logits.to(R._compute_dtype(logits.dtype)), target, weight="flsd", gamma=gamma,
+    return R.uncertainty_weight(logits.to(R._compute_dtype(logits.dtype)), target, uncertainty="flsd", gamma=gamma,
                                 norm=2.0)
 
 
@@ -98,3 +99,24 @@ def test_random_rows_reach_every_band_and_take_the_band_of_their_p_y(dtype):
     single = dtype == torch.float32
     torch.testing.assert_close(_flsd_weight(z, y).double(), _weight_with(z, y, band.double()),
                                rtol=1e-5 if single else 1e-12, atol=1e-7 if single else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_production_row_maths_take_the_references_band_and_powers(dtype):
+    """calibkernels._row_math (the fused linear, vocab-parallel and more-losses paths) writes FLSD's band and the
+    powers of a logarithm apart from the reference: the same values, and the same gradients of the powers."""
+    n, c = 400, 6
+    z = (torch.randn(n, c, dtype=torch.float64) * torch.rand(n, 1, dtype=torch.float64) * 4).to(dtype)
+    y = torch.randint(0, c, (n,))
+    compute = R._compute_dtype(z.dtype)
+    assert row_math.compute_dtype(z.dtype) == compute
+    assert torch.equal(row_math.flsd_gamma(z.to(compute), y, GAMMA), R._flsd_gamma(z.to(compute), y, GAMMA))
+    log_x = torch.cat([torch.log(torch.rand(50, dtype=compute)), torch.tensor([-math.inf, 0.0, -800.0], dtype=compute)])
+    for exponent in (0.0, 0.5, 2.0, torch.rand(log_x.shape[0], dtype=compute) * 3):
+        ours = log_x.clone().requires_grad_()
+        theirs = log_x.clone().requires_grad_()
+        got, want = row_math.power_of_log(ours, exponent), R._power_of_log(theirs, exponent)
+        assert torch.equal(got, want)
+        got.sum().backward()
+        want.sum().backward()
+        assert torch.equal(ours.grad, theirs.grad)

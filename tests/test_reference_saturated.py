@@ -28,7 +28,7 @@ CASES = [("focal", g, 2.0) for g in (0.0, 0.01, 0.25, 0.5, 0.99)] + [
 ]
 
 
-def _mp_row_loss(z, y, weight, gamma, norm):
+def _mp_row_loss(z, y, uncertainty, gamma, norm):
     """u · CE of one row in 60-digit arithmetic, cancellation-free."""
     z = [mpmath.mpf(v) for v in z]
     rel = [mpmath.exp(v - z[y]) for v in z]  # e^{z_k - z_y}
@@ -38,12 +38,12 @@ def _mp_row_loss(z, y, weight, gamma, norm):
     one_minus_p_y = others / denom
     ce = mpmath.log1p(others)
     g = mpmath.mpf(gamma)
-    if weight == "focal":
+    if uncertainty == "focal":
         u = one_minus_p_y ** g
-    elif weight == "flsd":
+    elif uncertainty == "flsd":
         g = 5 if p[y] < 0.2 else (3 if p[y] < 0.5 else g)
         u = one_minus_p_y ** g
-    elif weight == "dual_focal":
+    elif uncertainty == "dual_focal":
         below = [p[k] for k in range(len(z)) if z[k] < z[y]]
         u = (one_minus_p_y + (max(below) if below else 0)) ** g
     else:
@@ -53,33 +53,34 @@ def _mp_row_loss(z, y, weight, gamma, norm):
     return u * ce
 
 
-def _mp_gradient(z, y, weight, gamma, norm):
+def _mp_gradient(z, y, uncertainty, gamma, norm):
     grad = []
     for k in range(len(z)):
         def along_k(t, k=k):
             moved = list(z)
             moved[k] = t
-            return _mp_row_loss(moved, y, weight, gamma, norm)
+            return _mp_row_loss(moved, y, uncertainty, gamma, norm)
         grad.append(float(mpmath.diff(along_k, mpmath.mpf(z[k]))))
     return grad
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("weight, gamma, norm", CASES)
-def test_saturated_rows_have_the_exact_loss_mode_gradient(weight, gamma, norm, dtype):
+@pytest.mark.parametrize("uncertainty, gamma, norm", CASES)
+def test_saturated_rows_have_the_exact_loss_mode_gradient(uncertainty, gamma, norm, dtype):
     eps = torch.finfo(dtype).eps
     for z, y in ROWS[dtype]:
         logits = torch.tensor([z], dtype=dtype, requires_grad=True)
-        loss = R.uncertainty_weighted_ce(logits, torch.tensor([y]), weight=weight, mode="loss", gamma=gamma,
+        loss = R.uncertainty_weighted_ce(logits, torch.tensor([y]), uncertainty=uncertainty, mode="loss", gamma=gamma,
                                          norm=norm, reduction="sum", backend="reference")
         loss.backward()
-        exact = torch.tensor([_mp_gradient(z, y, weight, gamma, norm)], dtype=torch.float64)
+        exact = torch.tensor([_mp_gradient(z, y, uncertainty, gamma, norm)], dtype=torch.float64)
         got = logits.grad.double()
-        assert torch.isfinite(got).all(), f"{weight} γ={gamma} q={norm} row {z}: gradient {got}"
+        assert torch.isfinite(got).all(), f"{uncertainty} γ={gamma} q={norm} row {z}: gradient {got}"
         bound = 64 * eps * max(1.0, exact.abs().max().item())
         err = (got - exact).abs().max().item()
-        assert err <= bound, f"{weight} γ={gamma} q={norm} row {z}: gradient {got} vs exact {exact} (err {err:.3e})"
-        exact_loss = float(_mp_row_loss(z, y, weight, gamma, norm))
+        assert err <= bound, (
+            f"{uncertainty} γ={gamma} q={norm} row {z}: gradient {got} vs exact {exact} (err {err:.3e})")
+        exact_loss = float(_mp_row_loss(z, y, uncertainty, gamma, norm))
         assert abs(loss.item() - exact_loss) <= 64 * eps * max(1.0, abs(exact_loss))
 
 
@@ -94,7 +95,7 @@ def test_saturated_rows_per_sample_gamma_gradients_are_the_limit(dtype):
     logits.requires_grad_()
     target = torch.tensor([y for _, y in rows])
     gamma = (torch.rand(len(rows), dtype=dtype) * 0.9).requires_grad_()
-    loss = R.uncertainty_weighted_ce(logits, target, weight="focal", mode="loss", gamma=gamma, reduction="sum",
+    loss = R.uncertainty_weighted_ce(logits, target, uncertainty="focal", mode="loss", gamma=gamma, reduction="sum",
                                      backend="reference")
     grad_logits, grad_gamma = torch.autograd.grad(loss, (logits, gamma))
     assert torch.isfinite(grad_logits).all() and torch.isfinite(grad_gamma).all()

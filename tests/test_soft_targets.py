@@ -52,22 +52,22 @@ def _target_distribution(y, mix, lam, a, c):
     return t
 
 
-def _np_soft_loss(z, t, weight, gamma, norm, w_ext):
+def _np_soft_loss(z, t, uncertainty, gamma, norm, w_ext):
     z = z - z.max()
     p = np.exp(z) / np.exp(z).sum()
     ce = -(t * np.log(p)).sum()
     tp = float((t * p).sum())
-    if weight == "none":
+    if uncertainty == "none":
         u = 1.0
-    elif weight == "external":
+    elif uncertainty == "external":
         u = w_ext
-    elif weight == "focal":
+    elif uncertainty == "focal":
         u = (1 - tp) ** gamma
-    elif weight == "flsd":
+    elif uncertainty == "flsd":
         g = 5.0 if tp < 0.2 else (3.0 if tp < 0.5 else gamma)
         u = (1 - tp) ** g
     else:
-        if weight == "brier_flsd":
+        if uncertainty == "brier_flsd":
             gamma = 5.0 if tp < 0.2 else (3.0 if tp < 0.5 else gamma)
         u = (np.abs(p - t) ** norm).sum() ** (gamma / norm)
     return u * ce
@@ -81,7 +81,7 @@ def test_weight_none_matches_f_cross_entropy_label_smoothing_with_ignored_rows(r
     y[4] = -100
     expected = F.cross_entropy(z, y, label_smoothing=a, reduction=reduction)  # ignored rows: 0; mean over the rest
     for fn in (ck.uncertainty_weighted_ce, R.uncertainty_weighted_ce):
-        got = fn(z, y, weight="none", label_smoothing=a, reduction=reduction)
+        got = fn(z, y, uncertainty="none", label_smoothing=a, reduction=reduction)
         torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -90,10 +90,10 @@ def test_weight_none_matches_f_cross_entropy_label_smoothing_with_ignored_rows(r
 def test_weight_none_matches_f_cross_entropy_probability_targets(reduction, a):
     z, _, _, _, dense, _ = _inputs()
     expected = F.cross_entropy(z, dense, label_smoothing=a, reduction=reduction)  # "mean" divides by N
-    got = ck.uncertainty_weighted_ce(z, dense, weight="none", label_smoothing=a, reduction=reduction)
+    got = ck.uncertainty_weighted_ce(z, dense, uncertainty="none", label_smoothing=a, reduction=reduction)
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
     zg, zr = z.clone().requires_grad_(), z.clone().requires_grad_()
-    ck.uncertainty_weighted_ce(zg, dense, weight="none", label_smoothing=a, reduction="sum").backward()
+    ck.uncertainty_weighted_ce(zg, dense, uncertainty="none", label_smoothing=a, reduction="sum").backward()
     F.cross_entropy(zr, dense, label_smoothing=a, reduction="sum").backward()
     torch.testing.assert_close(zg.grad, zr.grad, rtol=1e-12, atol=1e-12)
 
@@ -101,20 +101,20 @@ def test_weight_none_matches_f_cross_entropy_probability_targets(reduction, a):
 def test_mix_equals_f_cross_entropy_of_the_mixed_losses():
     z, y, mix, _, _, _ = _inputs(ignore=False)
     lam = 0.3
-    got = ck.uncertainty_weighted_ce(z, y, weight="none", mix_target=mix, mix_lambda=lam, label_smoothing=0.1)
+    got = ck.uncertainty_weighted_ce(z, y, uncertainty="none", mix_target=mix, mix_lambda=lam, label_smoothing=0.1)
     expected = (lam * F.cross_entropy(z, y, label_smoothing=0.1)
                 + (1 - lam) * F.cross_entropy(z, mix, label_smoothing=0.1))
     torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
 
 
 # ---------------------------------------------------------------------------------------------- against NumPy
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
 @pytest.mark.parametrize("kind", ["mix", "mix_smooth", "smooth", "dense", "dense_smooth"])
-def test_soft_weights_match_per_row_formulas(weight, kind):
+def test_soft_weights_match_per_row_formulas(uncertainty, kind):
     z, y, mix, lam, dense, w = _inputs(n=9, c=6)
     a = 0.15 if "smooth" in kind else 0.0
-    kw = dict(weight=weight, gamma=2.5, norm=1.5, reduction="none", label_smoothing=a,
-              sample_weight=w if weight == "external" else None)
+    kw = dict(uncertainty=uncertainty, gamma=2.5, norm=1.5, reduction="none", label_smoothing=a,
+              sample_weight=w if uncertainty == "external" else None)
     if kind.startswith("dense"):
         got = R.uncertainty_weighted_ce(z, dense, **kw)
         t = (1 - a) * dense.numpy() + a / 6
@@ -126,27 +126,29 @@ def test_soft_weights_match_per_row_formulas(weight, kind):
         t = _target_distribution(y.numpy(), mix.numpy() if mixed else None, lam.numpy(), a, 6)
         valid = (y != -100).numpy()
     for i in range(9):
-        expected = _np_soft_loss(z[i].numpy(), t[i], weight, 2.5, 1.5, float(w[i])) if valid[i] else 0.0
+        expected = _np_soft_loss(z[i].numpy(), t[i], uncertainty, 2.5, 1.5, float(w[i])) if valid[i] else 0.0
         assert float(got[i]) == pytest.approx(expected, rel=1e-10, abs=1e-12)
 
 
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
-def test_dense_one_hot_targets_agree_with_the_index_path(weight):
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
+def test_dense_one_hot_targets_agree_with_the_index_path(uncertainty):
     z, y, _, _, _, w = _inputs(ignore=False)
-    kw = dict(weight=weight, gamma=2.0, reduction="none", sample_weight=w if weight == "external" else None)
+    kw = dict(uncertainty=uncertainty, gamma=2.0, reduction="none",
+              sample_weight=w if uncertainty == "external" else None)
     soft = R.uncertainty_weighted_ce(z, F.one_hot(y, 5).double(), **kw)
     torch.testing.assert_close(soft, R.uncertainty_weighted_ce(z, y, **kw), rtol=1e-12, atol=1e-14)
 
 
 # ---------------------------------------------------------------------------------------------- one-hot: unchanged
-@pytest.mark.parametrize("weight", ["none", "focal", "flsd", "dual_focal", "brier"])
+@pytest.mark.parametrize("uncertainty", ["none", "focal", "flsd", "dual_focal", "brier"])
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-def test_one_hot_targets_without_smoothing_are_bit_identical(weight, backend):
+def test_one_hot_targets_without_smoothing_are_bit_identical(uncertainty, backend):
     z, y, mix, *_ = _inputs(n=16, c=10, dtype=torch.float32)
 
     def run(**kw):
         x = z.clone().requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, y, weight=weight, gamma=2.0, backend=backend, reduction="sum", **kw)
+        loss = ck.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, gamma=2.0, backend=backend, reduction="sum",
+                                          **kw)
         loss.backward()
         return loss, x.grad
 
@@ -160,19 +162,20 @@ def test_one_hot_targets_without_smoothing_are_bit_identical(weight, backend):
         swapped = run(mix_target=mix, mix_lambda=0.0)
         y_mix = torch.where(y == -100, y, mix)
         x = z.clone().requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, y_mix, weight=weight, gamma=2.0, backend=backend, reduction="sum")
+        loss = ck.uncertainty_weighted_ce(x, y_mix, uncertainty=uncertainty, gamma=2.0, backend=backend,
+                                          reduction="sum")
         loss.backward()
         assert torch.equal(swapped[0], loss) and torch.equal(swapped[1], x.grad)
 
 
 # ---------------------------------------------------------------------------------------------- gradients
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
 @pytest.mark.parametrize("dense", [False, True])
-def test_gradcheck_loss_mode_soft_targets(weight, reduction, dense):
+def test_gradcheck_loss_mode_soft_targets(uncertainty, reduction, dense):
     z, y, mix, lam, t, w = _inputs(n=5, c=4)
-    kw = dict(weight=weight, mode="loss", gamma=2.5, norm=3.0, reduction=reduction, label_smoothing=0.1,
-              sample_weight=w[:5] if weight == "external" else None)
+    kw = dict(uncertainty=uncertainty, mode="loss", gamma=2.5, norm=3.0, reduction=reduction, label_smoothing=0.1,
+              sample_weight=w[:5] if uncertainty == "external" else None)
     x = z.clone().requires_grad_()
     if dense:
         assert torch.autograd.gradcheck(lambda v: R.uncertainty_weighted_ce(v, t, **kw), (x,))
@@ -181,29 +184,29 @@ def test_gradcheck_loss_mode_soft_targets(weight, reduction, dense):
             lambda v: R.uncertainty_weighted_ce(v, y, mix_target=mix, mix_lambda=lam, **kw), (x,))
 
 
-@pytest.mark.parametrize("weight", ["focal", "flsd", "brier"])
-def test_gradcheck_soft_weight_itself(weight):
+@pytest.mark.parametrize("uncertainty", ["focal", "flsd", "brier"])
+def test_gradcheck_soft_weight_itself(uncertainty):
     z, y, mix, lam, _, _ = _inputs(n=5, c=4, ignore=False)
     t = R.soft_target_distribution(z, y, mix_target=mix, mix_lambda=lam, label_smoothing=0.05)
     x = z.clone().requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda v: R.soft_uncertainty_weight(v, t, weight=weight, gamma=1.5, norm=0.7), (x,))
+        lambda v: R.soft_uncertainty_weight(v, t, uncertainty=uncertainty, gamma=1.5, norm=0.7), (x,))
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
-def test_grad_mode_gradient_is_weight_times_p_minus_t(weight, reduction):
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
+def test_grad_mode_gradient_is_weight_times_p_minus_t(uncertainty, reduction):
     z, y, mix, lam, _, w = _inputs(n=8, c=5)
-    sw = w[:8] if weight == "external" else None
+    sw = w[:8] if uncertainty == "external" else None
     x = z.clone().requires_grad_()
-    loss = R.uncertainty_weighted_ce(x, y, weight=weight, mode="grad", gamma=2.0, reduction=reduction,
+    loss = R.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, mode="grad", gamma=2.0, reduction=reduction,
                                      label_smoothing=0.1, mix_target=mix, mix_lambda=lam, sample_weight=sw)
     grad_out = torch.rand(8, dtype=torch.float64) if reduction == "none" else torch.tensor(1.0, dtype=torch.float64)
     loss.backward(grad_out)
     valid = y != -100
     safe = torch.where(valid, y, 0)
     t = R.soft_target_distribution(z, safe, valid=valid, mix_target=mix, mix_lambda=lam, label_smoothing=0.1)
-    u = R.soft_uncertainty_weight(z, t, weight=weight, gamma=2.0, norm=2.0, sample_weight=sw)
+    u = R.soft_uncertainty_weight(z, t, uncertainty=uncertainty, gamma=2.0, norm=2.0, sample_weight=sw)
     scale = {"none": grad_out, "sum": torch.ones(8, dtype=torch.float64),
              "mean": torch.full((8,), 1.0 / int(valid.sum()), dtype=torch.float64)}[reduction]
     expected = (u * scale * valid)[:, None] * (z.softmax(-1) - t)
@@ -211,15 +214,15 @@ def test_grad_mode_gradient_is_weight_times_p_minus_t(weight, reduction):
 
 
 # ---------------------------------------------------------------------------------------------- shapes and dtypes
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
-def test_leading_dimensions_and_tiny_class_counts(weight):
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
+def test_leading_dimensions_and_tiny_class_counts(uncertainty):
     for c in (1, 2, 3):
         z = torch.randn(2, 3, c, dtype=torch.float64)
         y = torch.randint(0, c, (2, 3))
         mix = torch.randint(0, c, (2, 3))
         lam = torch.rand(2, 3, dtype=torch.float64)
-        w = torch.rand(2, 3, dtype=torch.float64) if weight == "external" else None
-        kw = dict(weight=weight, gamma=2.0, sample_weight=w, label_smoothing=0.1)
+        w = torch.rand(2, 3, dtype=torch.float64) if uncertainty == "external" else None
+        kw = dict(uncertainty=uncertainty, gamma=2.0, sample_weight=w, label_smoothing=0.1)
         out = R.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=lam, reduction="none", **kw)
         assert out.shape == (2, 3) and torch.isfinite(out).all()
         flat = R.uncertainty_weighted_ce(z.reshape(6, c), y.reshape(6), mix_target=mix.reshape(6),
@@ -229,11 +232,11 @@ def test_leading_dimensions_and_tiny_class_counts(weight):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
-def test_half_precision_computes_in_float32(weight, dtype):
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
+def test_half_precision_computes_in_float32(uncertainty, dtype):
     z, y, mix, lam, dense, w = _inputs(n=6, c=5, dtype=dtype)
-    sw = w.float() if weight == "external" else None
-    kw = dict(weight=weight, gamma=2.0, reduction="none", label_smoothing=0.1, sample_weight=sw)
+    sw = w.float() if uncertainty == "external" else None
+    kw = dict(uncertainty=uncertainty, gamma=2.0, reduction="none", label_smoothing=0.1, sample_weight=sw)
     half = R.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=lam.float(), **kw)
     single = R.uncertainty_weighted_ce(z.float(), y, mix_target=mix, mix_lambda=lam.float(), **kw)
     assert half.dtype == dtype
@@ -248,16 +251,16 @@ def test_dual_focal_refuses_soft_targets_with_the_reason():
     lam = lam.clamp(0.1, 0.9)
     for kw in (dict(label_smoothing=0.1), dict(mix_target=mix, mix_lambda=0.5), dict(mix_target=mix, mix_lambda=lam)):
         with pytest.raises(ValueError, match="no published soft-target form"):
-            ck.uncertainty_weighted_ce(z, y, weight="dual_focal", **kw)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="dual_focal", **kw)
     with pytest.raises(ValueError, match="no published soft-target form"):
-        ck.uncertainty_weighted_ce(z, dense, weight="dual_focal")
+        ck.uncertainty_weighted_ce(z, dense, uncertainty="dual_focal")
     with pytest.raises(ValueError, match="no published soft-target form"):
         ck.losses.build("dual_focal_loss", label_smoothing=0.1)
 
 
 def test_dual_focal_accepts_truly_one_hot_targets():
     z, y, mix, _, _, _ = _inputs(ignore=False)
-    kw = dict(weight="dual_focal", gamma=2.0, reduction="none", backend="reference")
+    kw = dict(uncertainty="dual_focal", gamma=2.0, reduction="none", backend="reference")
     base = ck.uncertainty_weighted_ce(z, y, **kw)
     lam = (torch.rand(7) < 0.5).double()
     got = ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=lam, **kw)
@@ -292,9 +295,9 @@ def test_bad_soft_target_inputs_raise_clear_errors():
     ]
     for error, message, kw in cases:
         with pytest.raises(error, match=message):
-            call(z, y, weight="none", **kw)
+            call(z, y, uncertainty="none", **kw)
     # mix_target may be anything on ignored rows
-    call(z, y, weight="none", mix_target=torch.where(y == -100, -100, mix), mix_lambda=0.5)
+    call(z, y, uncertainty="none", mix_target=torch.where(y == -100, -100, mix), mix_lambda=0.5)
     dense_cases = [
         (ValueError, "must have the logits' shape", dense[:, :3]),
         (ValueError, "finite and >= 0", torch.where(torch.arange(5) == 0, -0.1, dense)),
@@ -303,20 +306,20 @@ def test_bad_soft_target_inputs_raise_clear_errors():
     ]
     for error, message, target in dense_cases:
         with pytest.raises(error, match=message):
-            call(z, target, weight="none")
+            call(z, target, uncertainty="none")
     with pytest.raises(ValueError, match="applies to class-index targets only"):
-        call(z, dense, weight="none", ignore_index=0)
+        call(z, dense, uncertainty="none", ignore_index=0)
     with pytest.raises(ValueError, match="mix a dense target yourself"):
-        call(z, dense, weight="none", mix_target=mix, mix_lambda=0.5)
+        call(z, dense, uncertainty="none", mix_target=mix, mix_lambda=0.5)
     with pytest.raises(ValueError, match="targets are constants"):
-        call(z, dense.clone().requires_grad_(), weight="none")
+        call(z, dense.clone().requires_grad_(), uncertainty="none")
     # a learnable (or scheduled) lambda would get no gradient: refused, as a dense target that requires grad is
     for backend in ["reference"] + [b for b in ("cpu", "triton") if b in ck.available_backends()]:
         for lam_grad in (lam.clone().requires_grad_(), torch.tensor(0.3, dtype=lam.dtype, requires_grad=True)):
             with pytest.raises(ValueError, match="mix_lambda tensor requires grad"):
-                call(z, y, weight="none", mix_target=mix, mix_lambda=lam_grad, backend=backend)
+                call(z, y, uncertainty="none", mix_target=mix, mix_lambda=lam_grad, backend=backend)
         with torch.no_grad():  # nothing to differentiate: accepted
-            call(z, y, weight="none", mix_target=mix, mix_lambda=lam_grad, backend="reference")
+            call(z, y, uncertainty="none", mix_target=mix, mix_lambda=lam_grad, backend="reference")
     with pytest.raises(ValueError, match="label_smoothing must be in"):
         ck.losses.build("bsce_gra", label_smoothing=-0.1)
 
@@ -340,7 +343,7 @@ def test_auto_falls_back_once_and_named_kernels_refuse_what_they_cannot_run(monk
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = ck.uncertainty_weighted_ce(z, y, label_smoothing=0.1)
-        ck.uncertainty_weighted_ce(z, dense.float(), weight="focal")
+        ck.uncertainty_weighted_ce(z, dense.float(), uncertainty="focal")
         ck.uncertainty_weighted_ce(z, y, mix_target=mix, mix_lambda=0.3)
     messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     assert len(messages) == 1 and "does not support soft targets" in messages[0]
@@ -357,13 +360,15 @@ def test_a_per_sample_gamma_that_requires_grad_runs_on_the_reference(monkeypatch
     monkeypatch.setattr(_backends, "_warned_soft_targets", False)
     gamma = torch.full((z.shape[0],), 2.0, requires_grad=True)
     with pytest.warns(RuntimeWarning, match="per-sample gamma"):
-        loss = ck.uncertainty_weighted_ce(z, y, weight="focal", mode="loss", gamma=gamma, label_smoothing=0.1)
+        loss = ck.uncertainty_weighted_ce(z, y, uncertainty="focal", mode="loss", gamma=gamma, label_smoothing=0.1)
     loss.backward()
     expected_gamma = gamma.detach().clone().requires_grad_()
-    R.uncertainty_weighted_ce(z, y, weight="focal", mode="loss", gamma=expected_gamma, label_smoothing=0.1).backward()
+    R.uncertainty_weighted_ce(z, y, uncertainty="focal", mode="loss", gamma=expected_gamma,
+                              label_smoothing=0.1).backward()
     torch.testing.assert_close(gamma.grad, expected_gamma.grad)
     with pytest.raises(NotImplementedError, match="per-sample gamma"):
-        ck.uncertainty_weighted_ce(z, y, weight="focal", mode="loss", gamma=gamma, label_smoothing=0.1, backend="cpu")
+        ck.uncertainty_weighted_ce(z, y, uncertainty="focal", mode="loss", gamma=gamma, label_smoothing=0.1,
+                                   backend="cpu")
 
 
 def test_modules_take_soft_targets():
@@ -426,7 +431,7 @@ def test_the_device_flag_of_a_dense_target_agrees_with_the_host_check(dtype):
     flag = V.dense_target_flag(dense)
     assert flag.tolist() == [0, 8]
     V.check_dense_target(z, dense, -100)
-    for name, target, row in _bad_dense_targets(dense, V._ROW_SUM_TOLERANCE[dtype]):
+    for name, target, row in _bad_dense_targets(dense, V.DENSE_ROW_SUM_TOLERANCE[dtype]):
         with pytest.raises(ValueError):
             V.check_dense_target(z, target, -100)
         assert V.dense_target_flag(target).tolist() == [1, row], (name, dtype)

@@ -130,9 +130,9 @@ def test_check_loss_inputs_queues_every_value_check_on_the_gpu_path():
     z, y = torch.randn(4, 5), torch.tensor([0, 1, -100, 3])
     bad_rows = torch.tensor([1.0, -1.0, 1.0, 1.0])
     with pytest.raises(ValueError, match=SAMPLE_WEIGHT):
-        V.check_loss_inputs(z, y, weight="external", sample_weight=bad_rows, check_values=False)
+        V.check_loss_inputs(z, y, uncertainty="external", sample_weight=bad_rows, check_values=False)
     with pytest.raises(ValueError, match=GAMMA):
-        V.check_loss_inputs(z, y, weight="focal", gamma=bad_rows, check_values=False)
+        V.check_loss_inputs(z, y, uncertainty="focal", gamma=bad_rows, check_values=False)
     with pytest.raises(ValueError, match="mix_target value 5"):
         V.check_loss_inputs(z, y, mix_target=torch.tensor([0, 5, 0, 1]), mix_lambda=0.5, check_values=False)
     with pytest.raises(ValueError, match=LAMBDA):
@@ -193,7 +193,8 @@ def _triton_flag_and_rows(z, y, mix, lam, reduction, compute_grad):
 
 @pytest.mark.skipif(T is None, reason="no Triton")
 @pytest.mark.parametrize("reduction, inline_rows", [("none", 1024), ("mean", 1024), ("mean", 4)],
-                         ids=["checked by the loss launch", "counted by every program", "checked by the targets kernel"])
+                         ids=["checked by the loss launch", "counted by every program",
+                              "checked by the targets kernel"])
 def test_the_triton_scan_of_the_targets_checks_a_mix(reduction, inline_rows, monkeypatch):
     """A mix's values are checked where the targets are (the loss launch's last program, or the targets kernel of a
     large batch's mean with a gradient: here past a lowered INLINE_COUNT_MAX_ROWS, since the interpreter runs a real
@@ -268,8 +269,8 @@ def _bad_calls():
     rows = torch.tensor([1.0, 1.0, -1.0, 1.0], device="cuda")
     mix = torch.tensor([1, 2, 3, 4], device="cuda")
     return [
-        (dict(weight="external", sample_weight=rows), SAMPLE_WEIGHT),
-        (dict(weight="focal", gamma=rows), GAMMA),
+        (dict(uncertainty="external", sample_weight=rows), SAMPLE_WEIGHT),
+        (dict(uncertainty="focal", gamma=rows), GAMMA),
         (dict(mix_target=torch.tensor([1, 9, 3, 4], device="cuda"), mix_lambda=0.5),
          "mix_target value 9 is out of range for 5 classes"),
         (dict(mix_target=mix, mix_lambda=torch.tensor(NAN, device="cuda")), LAMBDA),

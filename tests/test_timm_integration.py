@@ -1,5 +1,5 @@
 """The drop-in criterion inside a timm-style training step (docs/losses.md, "Using it in timm / torchvision
-recipes"): ``timm.data.Mixup`` produces dense soft targets; ``SoftTargetUncertaintyWeightedCE(weight="none")``
+recipes"): ``timm.data.Mixup`` produces dense soft targets; ``SoftTargetUncertaintyWeightedCE(uncertainty="none")``
 matches ``timm.loss.SoftTargetCrossEntropy`` in value and gradient, and BSCE-GRA trains a tiny timm model."""
 
 import warnings
@@ -42,7 +42,7 @@ def test_drop_in_with_weight_none_matches_soft_target_cross_entropy(seed):
     assert soft.shape == (8, NUM_CLASSES) and soft.dtype == torch.float32
     logits = (torch.randn(8, NUM_CLASSES, dtype=torch.float64) * 3).float()
     ours_x, timm_x = logits.clone().requires_grad_(), logits.clone().requires_grad_()
-    ours = ck.losses.SoftTargetUncertaintyWeightedCE(weight="none")(ours_x, soft)
+    ours = ck.losses.SoftTargetUncertaintyWeightedCE(uncertainty="none")(ours_x, soft)
     theirs = SoftTargetCrossEntropy()(timm_x, soft)
     torch.testing.assert_close(ours, theirs, rtol=1e-6, atol=1e-6)
     ours.backward()
@@ -56,7 +56,7 @@ def test_drop_in_on_a_timm_model_matches_in_value_and_parameter_gradients():
     images, soft = _mixed_batch(3)
     model = _tiny_model()
     grads = []
-    for criterion in (ck.losses.SoftTargetUncertaintyWeightedCE(weight="none"), SoftTargetCrossEntropy()):
+    for criterion in (ck.losses.SoftTargetUncertaintyWeightedCE(uncertainty="none"), SoftTargetCrossEntropy()):
         model.zero_grad(set_to_none=True)
         loss = criterion(model(images), soft)
         loss.backward()

@@ -69,7 +69,7 @@ def _reference(z, y, grad_out=None, **kw):
 def check_against_reference(backend, z, y, *, grad_out=None, ulps=64, **kw):
     dtype = z.dtype
     sw = kw.pop("sample_weight", None)
-    gamma = kw.pop("gamma", 4.0 if kw.get("weight", "brier") == "brier" else 2.0)
+    gamma = kw.pop("gamma", 4.0 if kw.get("uncertainty", "brier") == "brier" else 2.0)
     loss, grad = _run(backend, z, y, grad_out, sample_weight=sw, gamma=gamma, **kw)
     assert loss.dtype == dtype and grad.dtype == dtype
     exact_loss, exact_grad = _reference(
@@ -97,40 +97,40 @@ def _grad_out(reduction, n, device):
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_every_weight_mode_reduction(backend_device, weight, mode, reduction):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_every_weight_mode_reduction(backend_device, uncertainty, mode, reduction):
     backend, device = backend_device
     n, c = 13, 37
     z = (torch.randn(n, c) * 3).to(device)
     y = _targets(n, c, device)
-    sw = torch.rand(n, device=device) if weight == "external" else None
+    sw = torch.rand(n, device=device) if uncertainty == "external" else None
     gamma = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0,
-             "brier_flsd": 2.0}[weight]
-    check_against_reference(backend, z, y, grad_out=_grad_out(reduction, n, device), weight=weight, mode=mode,
+             "brier_flsd": 2.0}[uncertainty]
+    check_against_reference(backend, z, y, grad_out=_grad_out(reduction, n, device), uncertainty=uncertainty, mode=mode,
                             gamma=gamma, norm=2.0, sample_weight=sw, reduction=reduction)
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier"])
+@pytest.mark.parametrize("uncertainty", ["focal", "dual_focal", "brier"])
 @pytest.mark.parametrize("shape", [(5, 1), (7, 3), (9, 1000), (3, 4231), (2, 32000), (2, 65537)],
                          ids=lambda s: f"{s[0]}x{s[1]}")
-def test_odd_shapes(backend_device, shape, weight, mode):
+def test_odd_shapes(backend_device, shape, uncertainty, mode):
     if _interpreted(backend_device) and shape[1] > 1000:
         pytest.skip("Triton interpreter: large C is covered on GPU and by the chunked-path test at small blocks")
     backend, device = backend_device
     n, c = shape
     z = (torch.randn(n, c) * 4).to(device)
     y = _targets(n, c, device)
-    check_against_reference(backend, z, y, grad_out=torch.tensor(1.0, device=device), weight=weight, mode=mode,
-                            gamma=3.0, reduction="mean")
+    check_against_reference(backend, z, y, grad_out=torch.tensor(1.0, device=device), uncertainty=uncertainty,
+                            mode=mode, gamma=3.0, reduction="mean")
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
-@pytest.mark.parametrize("weight, gamma", [("focal", 0.5), ("focal", 2.5), ("focal", 3.5), ("brier", 1.0),
+@pytest.mark.parametrize("uncertainty, gamma", [("focal", 0.5), ("focal", 2.5), ("focal", 3.5), ("brier", 1.0),
                                            ("brier", 3.0), ("brier", 5.0)])
-def test_half_integer_exponents(backend_device, weight, gamma, dtype):
+def test_half_integer_exponents(backend_device, uncertainty, gamma, dtype):
     # (1 - p)^γ and S^(γ/2) with a half-integer exponent (gBS with γ = 1 or 3 and q = 2: S^(1/2), S^(3/2)): the
     # kernels take a square root times repeated squaring there instead of pow. Rows whose base is exactly 0 (a target
     # logit far above the rest) must give pow's 0, and smoothing/a mix the same exponents on soft rows.
@@ -146,11 +146,11 @@ def test_half_integer_exponents(backend_device, weight, gamma, dtype):
     # float64: "loss" mode's focal gradient on rows with p_y near 1e-6 (CE near 14) is about 100 ulps off the float64
     # reference, with pow as with the square root (the same bits); the reference then has no error of its own to scale
     for mode in MODES:
-        ulps = 256 if dtype == torch.float64 and weight == "focal" and mode == "loss" else 64
-        check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
-                                ulps=ulps)
-        check_against_reference(backend, z, y, weight=weight, mode=mode, gamma=gamma, norm=2.0, reduction="sum",
-                                label_smoothing=0.1, mix_target=y.flip(0), mix_lambda=0.7, ulps=ulps)
+        ulps = 256 if dtype == torch.float64 and uncertainty == "focal" and mode == "loss" else 64
+        check_against_reference(backend, z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=2.0,
+                                reduction="sum", ulps=ulps)
+        check_against_reference(backend, z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=2.0,
+                                reduction="sum", label_smoothing=0.1, mix_target=y.flip(0), mix_lambda=0.7, ulps=ulps)
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
@@ -160,27 +160,27 @@ def test_generalised_brier_norms(backend_device, norm):
     z = (torch.randn(11, 29) * 2).to(device)
     y = _targets(11, 29, device)
     for mode in MODES:
-        check_against_reference(backend, z, y, weight="brier", mode=mode, gamma=2.5, norm=norm, reduction="sum")
+        check_against_reference(backend, z, y, uncertainty="brier", mode=mode, gamma=2.5, norm=norm, reduction="sum")
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_half_precision(backend_device, dtype, weight, mode):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_half_precision(backend_device, dtype, uncertainty, mode):
     backend, device = backend_device
     n, c = 16, 50
     z = _distinct_logits(n, c, dtype, device)
     y = _targets(n, c, device)
-    sw = torch.rand(n, device=device) if weight == "external" else None
-    check_against_reference(backend, z, y, grad_out=_grad_out("none", n, device), weight=weight, mode=mode,
+    sw = torch.rand(n, device=device) if uncertainty == "external" else None
+    check_against_reference(backend, z, y, grad_out=_grad_out("none", n, device), uncertainty=uncertainty, mode=mode,
                             gamma=3.0, sample_weight=sw, reduction="none", ulps=4)
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight", ["none", "focal", "flsd", "dual_focal", "brier"])
-def test_extreme_infinite_and_confident_rows(backend_device, weight, mode):
+@pytest.mark.parametrize("uncertainty", ["none", "focal", "flsd", "dual_focal", "brier"])
+def test_extreme_infinite_and_confident_rows(backend_device, uncertainty, mode):
     backend, device = backend_device
     c = 9
     z = torch.randn(6, c)
@@ -192,14 +192,14 @@ def test_extreme_infinite_and_confident_rows(backend_device, weight, mode):
     z[4, 6] = 12.0  # p_y → 1 but representable
     z[5] = 0.0  # uniform row: all classes tie with the target
     y = torch.tensor([0, 3, 0, 2, 6, 4])
-    check_against_reference(backend, z.to(device), y.to(device), weight=weight, mode=mode, gamma=3.0,
+    check_against_reference(backend, z.to(device), y.to(device), uncertainty=uncertainty, mode=mode, gamma=3.0,
                             reduction="none")
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
-@pytest.mark.parametrize("weight,norm", [("none", 2.0), ("focal", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
+@pytest.mark.parametrize("uncertainty,norm", [("none", 2.0), ("focal", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
                                          ("brier", 3.0)])
-def test_logits_of_a_few_thousand_keep_full_precision(backend_device, weight, norm):
+def test_logits_of_a_few_thousand_keep_full_precision(backend_device, uncertainty, norm):
     """Rows with a large common offset: p_k must come from (z_k - max) - log d, while e^{z_k - lse} carries the
     rounding of lse (half an ulp of 2000, ~6e-5) into every p_k, far above the reference's own error (this is what
     failed on an H200 for the CUDA kernel). GRA mode: its gradient u (p - e_y) is well conditioned."""
@@ -209,13 +209,13 @@ def test_logits_of_a_few_thousand_keep_full_precision(backend_device, weight, no
     z[1] -= 4000
     y = torch.randint(0, c, (n,))
     y[0] = int(z[0].argmax())  # a confident row whose target is the max
-    check_against_reference(backend, z.to(device), y.to(device), weight=weight, mode="grad", gamma=3.0, norm=norm,
-                            reduction="sum")
+    check_against_reference(backend, z.to(device), y.to(device), uncertainty=uncertainty, mode="grad", gamma=3.0,
+                            norm=norm, reduction="sum")
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
-@pytest.mark.parametrize("weight", ["none", "focal", "dual_focal", "brier"])
-def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_device, weight):
+@pytest.mark.parametrize("uncertainty", ["none", "focal", "dual_focal", "brier"])
+def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_device, uncertainty):
     """A NaN logit makes its row's loss and gradient NaN (as in the reference), never a plausible number, and does not
     leak into other rows: a NaN beside finite logits, the target itself, a NaN alone in the last (partial) vector of
     its row, a NaN among -inf logits (a thread whose max stays -inf: the GPU kernels' sums must still take it), and a
@@ -228,26 +228,27 @@ def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_device, wei
     z[5] = float("-inf")
     z[5, 9], z[5, 20] = 1.0, float("nan")  # the one other finite logit is the target
     y = torch.tensor([3, 9, 0, 36, 9, 9])
-    loss, grad = _run(backend, z.to(device), y.to(device), weight=weight, reduction="none")
+    loss, grad = _run(backend, z.to(device), y.to(device), uncertainty=uncertainty, reduction="none")
     loss, grad = loss.cpu(), grad.cpu()
     bad = [1, 2, 4, 5]
     assert torch.isnan(loss[bad]).all() and torch.isnan(grad[bad]).all()
     pair = torch.tensor([[0.0, float("nan")], [float("nan"), 0.0]])
-    pair_loss, pair_grad = _run(backend, pair.to(device), torch.tensor([0, 0], device=device), weight=weight,
+    pair_loss, pair_grad = _run(backend, pair.to(device), torch.tensor([0, 0], device=device), uncertainty=uncertainty,
                                 reduction="none")
     assert torch.isnan(pair_loss).all() and torch.isnan(pair_grad).all()
-    if weight != "dual_focal":
+    if uncertainty != "dual_focal":
         dense = torch.zeros(2, 5)
         dense[:, :2] = 0.5
         wide = torch.randn(2, 5)
         wide[0, 4] = float("nan")  # a column the target does not weigh, alone in its vector
-        dense_loss, dense_grad = _run(backend, wide.to(device), dense.to(device), weight=weight, reduction="none")
+        dense_loss, dense_grad = _run(backend, wide.to(device), dense.to(device), uncertainty=uncertainty,
+                                      reduction="none")
         dense_loss, dense_grad = dense_loss.cpu(), dense_grad.cpu()
         assert torch.isnan(dense_loss[0]) and torch.isnan(dense_grad[0]).all()
         assert torch.isfinite(dense_loss[1]) and torch.isfinite(dense_grad[1]).all()
     good = [0, 3]
-    exact_loss, exact_grad = _reference(z[good].double(), y[good], weight=weight, reduction="none")
-    low_loss, low_grad = _reference(z[good], y[good], weight=weight, reduction="none")
+    exact_loss, exact_grad = _reference(z[good].double(), y[good], uncertainty=uncertainty, reduction="none")
+    low_loss, low_grad = _reference(z[good], y[good], uncertainty=uncertainty, reduction="none")
     assert_within_reference_error(loss[good], exact_loss, low_loss, torch.float32, "loss of the finite rows")
     assert_within_reference_error(grad[good], exact_grad, low_grad, torch.float32, "gradient of the finite rows")
 
@@ -259,7 +260,7 @@ def test_per_sample_gamma(backend_device):
     y = _targets(10, 17, device)
     gamma = (torch.rand(10) * 5).to(device)
     for mode in MODES:
-        check_against_reference(backend, z, y, weight="focal", mode=mode, gamma=gamma, reduction="mean")
+        check_against_reference(backend, z, y, uncertainty="focal", mode=mode, gamma=gamma, reduction="mean")
 
 
 @pytest.mark.parametrize("backend_device", BACKENDS)
@@ -267,12 +268,14 @@ def test_non_contiguous_rows_and_columns(backend_device):
     backend, device = backend_device
     wide = torch.randn(12, 50, device=device)
     y = _targets(12, 40, device)
-    check_against_reference(backend, wide[:, 5:45], y, weight="brier", mode="loss", reduction="sum")  # row stride 50
-    check_against_reference(backend, wide[::2, :40], y[:6], weight="dual_focal", mode="grad", reduction="sum")
+    check_against_reference(backend, wide[:, 5:45], y, uncertainty="brier", mode="loss",
+                            reduction="sum")  # row stride 50
+    check_against_reference(backend, wide[::2, :40], y[:6], uncertainty="dual_focal", mode="grad", reduction="sum")
     tall = torch.randn(40, 12, device=device)
-    check_against_reference(backend, tall.t(), y, weight="focal", mode="loss", reduction="mean")  # column stride 12
+    check_against_reference(backend, tall.t(), y, uncertainty="focal", mode="loss",
+                            reduction="mean")  # column stride 12
     before = wide.clone()
-    _run(backend, wide[:, 5:45], y, weight="brier")
+    _run(backend, wide[:, 5:45], y, uncertainty="brier")
     assert torch.equal(wide, before), "a non-inplace call must not modify its input"
 
 
@@ -302,7 +305,7 @@ def test_custom_ignore_index_and_no_grad(backend_device):
     z = torch.randn(8, 6, device=device)
     y = torch.randint(0, 6, (8,), device=device)
     y[2] = 6  # ignore_index may equal C
-    check_against_reference(backend, z, y, weight="brier", ignore_index=6)
+    check_against_reference(backend, z, y, uncertainty="brier", ignore_index=6)
     with torch.no_grad():
         got = ck.uncertainty_weighted_ce(z, y, backend=backend, ignore_index=6, reduction="none")
     torch.testing.assert_close(got, R.uncertainty_weighted_ce(z, y, ignore_index=6, reduction="none"))
@@ -315,9 +318,9 @@ def test_inplace_gradient_matches(backend_device):
     y = _targets(9, 23, device)
     leaf = z.clone().requires_grad_()
     logits = leaf * 1.0  # a non-leaf activation, as a model's output would be
-    loss = ck.uncertainty_weighted_ce(logits, y, backend=backend, weight="brier", mode="grad", inplace=True)
+    loss = ck.uncertainty_weighted_ce(logits, y, backend=backend, uncertainty="brier", mode="grad", inplace=True)
     loss.backward(torch.tensor(0.5, device=device))
-    exact_loss, exact_grad = _reference(z.double(), y, torch.tensor(0.5, dtype=torch.float64), weight="brier")
+    exact_loss, exact_grad = _reference(z.double(), y, torch.tensor(0.5, dtype=torch.float64), uncertainty="brier")
     torch.testing.assert_close(loss.double(), exact_loss, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(leaf.grad.double(), exact_grad, rtol=1e-5, atol=1e-7)
 
@@ -426,7 +429,7 @@ def test_reference_compiles_with_fullgraph():
     z_in, y = torch.randn(8, 6), torch.randint(0, 5, (8,))
 
     def step(x, target):
-        return R.uncertainty_weighted_ce(model(x), target, weight="brier", mode="grad")
+        return R.uncertainty_weighted_ce(model(x), target, uncertainty="brier", mode="grad")
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(z_in, y), step(z_in, y))
@@ -445,7 +448,7 @@ def test_a_call_leaves_nothing_in_a_memory_pool(backend):
     z = torch.randn(64, 1000, device="cuda", requires_grad=True)
     y = torch.randint(0, 1000, (64,), device="cuda")
     with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.use_mem_pool(pool):
-        loss = ck.uncertainty_weighted_ce(z, y, weight="brier", backend=backend)
+        loss = ck.uncertainty_weighted_ce(z, y, uncertainty="brier", backend=backend)
         loss.backward()
         del loss
     torch.cuda.synchronize()
@@ -468,7 +471,7 @@ def test_a_step_with_the_loss_inside_reduce_overhead_compilation(backend):
     model = torch.nn.Linear(64, 1000, device="cuda")
 
     def forward(x, y, mix_target, mix_lambda):
-        return ck.uncertainty_weighted_ce(model(x), y, weight="brier", backend=backend, mix_target=mix_target,
+        return ck.uncertainty_weighted_ce(model(x), y, uncertainty="brier", backend=backend, mix_target=mix_target,
                                           mix_lambda=mix_lambda)
 
     compiled_forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
@@ -510,12 +513,12 @@ def test_dual_focal_soft_targets_have_their_values_checked_on_every_backend(back
     distribution raises on every backend (the CPU backend had left both to its kernel, which never saw them)."""
     z = torch.randn(4, 5)
     with pytest.raises(ValueError, match="mix_target value 99 is out of range"):
-        ck.uncertainty_weighted_ce(z, torch.tensor([0, 1, 2, 3]), weight="dual_focal", backend=backend,
+        ck.uncertainty_weighted_ce(z, torch.tensor([0, 1, 2, 3]), uncertainty="dual_focal", backend=backend,
                                    mix_target=torch.tensor([1, 2, 99, 0]), mix_lambda=torch.tensor([1., 0., 1., 1.]))
     dense = torch.eye(5)[:4].clone()
     dense[1, 2] = 1.0  # sums to 2
     with pytest.raises(ValueError, match="row 1 sums to 2"):
-        ck.uncertainty_weighted_ce(z, dense, weight="dual_focal", backend=backend)
+        ck.uncertainty_weighted_ce(z, dense, uncertainty="dual_focal", backend=backend)
 
 
 @pytest.mark.parametrize("backend", _backends_here())

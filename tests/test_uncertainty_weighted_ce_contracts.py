@@ -95,20 +95,20 @@ def test_double_backward_raises_instead_of_contributing_nothing(backend_device, 
     differentiation raises (as before) left the second-order term out of a look-ahead step differentiated with
     torch.autograd.grad(..., inputs), where autograd runs only the nodes on a path to the inputs."""
     backend, device = backend_device
-    weight = torch.randn(5, 5, device=device, dtype=dtype, requires_grad=True)
+    uncertainty = torch.randn(5, 5, device=device, dtype=dtype, requires_grad=True)
     features = torch.randn(6, 5, device=device, dtype=dtype)
     y = _targets(6, 5, device)
     for step in (
-        lambda loss: torch.autograd.grad(loss, weight, create_graph=True),  # the look-ahead's first step
+        lambda loss: torch.autograd.grad(loss, uncertainty, create_graph=True),  # the look-ahead's first step
         lambda loss: loss.backward(create_graph=True),
     ):
-        loss = ck.uncertainty_weighted_ce(features @ weight, y, backend=backend)
+        loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=backend)
         with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
             step(loss)
     # without create_graph, nothing changes
-    loss = ck.uncertainty_weighted_ce(features @ weight, y, backend=backend)
-    (grad,) = torch.autograd.grad(loss, weight)
-    reference = weight.detach().double().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=backend)
+    (grad,) = torch.autograd.grad(loss, uncertainty)
+    reference = uncertainty.detach().double().requires_grad_()
     (exact,) = torch.autograd.grad(R.uncertainty_weighted_ce(features.double() @ reference, y), reference)
     tolerance = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(grad.double(), exact, rtol=tolerance, atol=tolerance)
@@ -119,8 +119,9 @@ def test_double_backward_works_on_the_reference():
     # of the logits and a finite-difference check of its derivative does not apply
     x = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
     y = _targets(6, 5, "cpu")
-    for weight in ("brier", "focal", "none"):
-        torch.autograd.gradgradcheck(lambda z: R.uncertainty_weighted_ce(z, y, weight=weight, mode="loss"), (x,))
+    for uncertainty in ("brier", "focal", "none"):
+        torch.autograd.gradgradcheck(lambda z: R.uncertainty_weighted_ce(z, y, uncertainty=uncertainty, mode="loss"),
+                                     (x,))
 
 
 # ------------------------------------------------------------------------------------------------ gamma as a tensor
@@ -135,7 +136,7 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
     y[3] = 0
     gamma = (torch.rand(n, device=device) * 3).requires_grad_()
     grad_out = torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.7, device=device)
-    kw = dict(weight="focal", mode="loss", reduction=reduction)
+    kw = dict(uncertainty="focal", mode="loss", reduction=reduction)
     x = z.clone().requires_grad_()
     loss = ck.uncertainty_weighted_ce(x, y, gamma=gamma, backend=backend, **kw)
     d_logits, d_gamma = torch.autograd.grad(loss, (x, gamma), grad_out)
@@ -163,7 +164,7 @@ def test_per_sample_gamma_gradient_at_large_logits(backend_device, scale):
     y[:32] = z[:32].argmax(dim=1)
     gamma = (0.5 + 3 * torch.rand(64, generator=g)).to(device).requires_grad_()
     z, y = z.to(device), y.to(device)
-    loss = ck.uncertainty_weighted_ce(z.clone().requires_grad_(), y, weight="focal", mode="loss", gamma=gamma,
+    loss = ck.uncertainty_weighted_ce(z.clone().requires_grad_(), y, uncertainty="focal", mode="loss", gamma=gamma,
                                       reduction="sum", backend=backend)
     (d_gamma,) = torch.autograd.grad(loss, gamma)
     z64 = z.double()
@@ -173,7 +174,7 @@ def test_per_sample_gamma_gradient_at_large_logits(backend_device, scale):
     log_one_minus = torch.where(log_p_y < -0.7, torch.log1p(-log_p_y.exp()), others)
     exact = torch.exp(gamma.detach().double() * log_one_minus) * -log_p_y * log_one_minus
     g64 = gamma.detach().double().requires_grad_()
-    (reference,) = torch.autograd.grad(R.uncertainty_weighted_ce(z64, y, weight="focal", mode="loss", gamma=g64,
+    (reference,) = torch.autograd.grad(R.uncertainty_weighted_ce(z64, y, uncertainty="focal", mode="loss", gamma=g64,
                                                                  reduction="sum"), g64)
     torch.testing.assert_close(reference, exact, rtol=1e-12, atol=0)
     # a few float32 ulps of each row's own O(1) terms, with an absolute floor far below float32's at the largest entry
@@ -187,7 +188,7 @@ def test_per_sample_gamma_in_grad_mode_gets_no_gradient_as_in_the_reference(back
     y = _targets(5, 4, device)
     for impl in (backend, "reference"):
         gamma = torch.full((5,), 2.0, device=device, requires_grad=True)
-        ck.uncertainty_weighted_ce(x, y, weight="focal", mode="grad", gamma=gamma, backend=impl).backward()
+        ck.uncertainty_weighted_ce(x, y, uncertainty="focal", mode="grad", gamma=gamma, backend=impl).backward()
         assert gamma.grad is None or not gamma.grad.any()
 
 
@@ -204,7 +205,7 @@ def test_gamma_learned_through_the_fused_loss_matches_the_reference():
             continue
         net.zero_grad()
         gamma = torch.nn.functional.softplus(net(feats)).squeeze(1)
-        ck.uncertainty_weighted_ce(logits, y, weight="focal", mode="loss", gamma=gamma, backend=backend).backward()
+        ck.uncertainty_weighted_ce(logits, y, uncertainty="focal", mode="loss", gamma=gamma, backend=backend).backward()
         grads[backend] = net.weight.grad.clone()
     for backend, grad in grads.items():
         torch.testing.assert_close(grad, grads["reference"], rtol=1e-4, atol=1e-7, msg=backend)
@@ -290,19 +291,19 @@ def test_bad_hyper_parameters_raise(backend_device, monkeypatch):
     y = _targets(4, 5, device, ignored=0)
     for gamma in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="gamma"):
-            ck.uncertainty_weighted_ce(z, y, weight="focal", gamma=gamma, backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="focal", gamma=gamma, backend=backend)
     for bad in (float("inf"), float("nan"), -1.0):
         gamma = torch.full((4,), 2.0, device=device)
         gamma[1] = bad
         with pytest.raises(ValueError, match="per-sample gamma must be finite and >= 0"):
-            call(weight="focal", gamma=gamma)
+            call(uncertainty="focal", gamma=gamma)
         sample_weight = torch.ones(4, device=device)
         sample_weight[2] = bad
         with pytest.raises(ValueError, match="sample_weight must be finite and >= 0"):
-            call(weight="external", sample_weight=sample_weight)
+            call(uncertainty="external", sample_weight=sample_weight)
     for norm in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="norm"):
-            ck.uncertainty_weighted_ce(z, y, weight="brier", norm=norm, backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="brier", norm=norm, backend=backend)
 
 
 # --------------------------------------------------------------------------------- bad input, every backend alike
@@ -348,19 +349,19 @@ BAD_CALLS = [
     pytest.param(_call(logits=lambda z, y: z.to(torch.complex64)), TypeError, "logits must be a floating-point",
                  id="logits-complex"),
     pytest.param(_call(logits=lambda z, y: z.tolist()), TypeError, "logits must be a torch.Tensor", id="logits-list"),
-    pytest.param(_call(weight="brier2"), ValueError, "unknown weight", id="weight"),
+    pytest.param(_call(uncertainty="brier2"), ValueError, "unknown uncertainty", id="uncertainty"),
     pytest.param(_call(mode="gra"), ValueError, "unknown mode", id="mode"),
     pytest.param(_call(reduction="avg"), ValueError, "unknown reduction", id="reduction"),
     pytest.param(_call(gamma=-1.0), ValueError, "gamma must be finite and >= 0", id="gamma-negative"),
     pytest.param(_call(gamma="4"), TypeError, "gamma must be a number", id="gamma-str"),
-    pytest.param(_call(weight="brier", gamma=torch.ones(4)), ValueError, "only supported with weight='focal'",
+    pytest.param(_call(uncertainty="brier", gamma=torch.ones(4)), ValueError, "only supported with uncertainty='focal'",
                  id="gamma-tensor-brier"),
-    pytest.param(_call(weight="focal", gamma=torch.ones(3, requires_grad=True)), ValueError,
+    pytest.param(_call(uncertainty="focal", gamma=torch.ones(3, requires_grad=True)), ValueError,
                  r"per-sample gamma shape \(3,\)", id="gamma-tensor-short"),
     pytest.param(_call(norm=0.0), ValueError, "norm", id="norm-zero"),
     pytest.param(_call(norm=-2.0), ValueError, "norm", id="norm-negative"),
     pytest.param(_call(gamma=10**400), ValueError, "gamma must be finite", id="gamma-past-float"),
-    pytest.param(_call(weight="brier", norm=10**400), ValueError, "norm", id="norm-past-float"),
+    pytest.param(_call(uncertainty="brier", norm=10**400), ValueError, "norm", id="norm-past-float"),
     pytest.param(_call(label_smoothing=1.5), ValueError, r"label_smoothing must be in \[0, 1\]", id="smoothing-high"),
     pytest.param(_call(label_smoothing=-0.1), ValueError, r"label_smoothing must be in \[0, 1\]", id="smoothing-low"),
     pytest.param(_call(label_smoothing="0.1"), TypeError, "label_smoothing must be a number", id="smoothing-str"),
@@ -377,17 +378,21 @@ BAD_CALLS = [
                  "mix_target must hold integer class indices", id="mix-target-float"),
     pytest.param(_call(ignore_index=1.0), TypeError, "ignore_index must be an int", id="ignore-index-float"),
     pytest.param(_call(ignore_index=True), TypeError, "ignore_index must be an int", id="ignore-index-bool"),
-    pytest.param(_call(weight="external", sample_weight=torch.ones(3)), ValueError,
+    pytest.param(_call(uncertainty="external", sample_weight=torch.ones(3)), ValueError,
                  r"sample_weight shape \(3,\) does not match", id="sample-weight-short"),
-    pytest.param(_call(weight="external"), ValueError, "needs a sample_weight", id="sample-weight-missing"),
-    pytest.param(_call(sample_weight=torch.ones(4)), ValueError, "only used with weight='external'",
+    pytest.param(_call(uncertainty="external"), ValueError, "needs a sample_weight", id="sample-weight-missing"),
+    pytest.param(_call(sample_weight=torch.ones(4)), ValueError, "only used with uncertainty='external'",
                  id="sample-weight-unused"),
     pytest.param(_call(inplace="yes"), TypeError, "inplace must be a bool", id="inplace-str"),
+    pytest.param(_call(weight="focal"), TypeError, "the uncertainty weight is now uncertainty='focal'",
+                 id="weight-str"),
+    pytest.param(_call(weight=torch.ones(5)), NotImplementedError, "per-class weights are not supported yet",
+                 id="weight-tensor"),
 ]
 
 # A call that a named fused backend refuses however good its inputs (NotImplementedError: no gradient for a per-sample
 # gamma with soft targets there); "auto" runs it on the reference
-_REFUSED = dict(weight="focal", mode="loss", label_smoothing=0.1)
+_REFUSED = dict(uncertainty="focal", mode="loss", label_smoothing=0.1)
 
 
 def _refused_gamma():
@@ -432,6 +437,36 @@ def test_a_bad_input_raises_its_own_error_before_a_backend_that_cannot_run_on_it
         ck.uncertainty_weighted_ce(logits, target, backend="cuda", **kwargs)
 
 
+def _vocab_parallel(z, y, **kwargs):
+    return ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, **kwargs)
+
+
+def _fused_linear(z, y, **kwargs):
+    return ck.fused_linear_uncertainty_weighted_ce(z, torch.eye(5), y, **kwargs)
+
+
+@pytest.mark.parametrize("loss", [
+    pytest.param(R.uncertainty_weighted_ce, id="reference"), pytest.param(_fused_linear, id="fused-linear"),
+    pytest.param(_vocab_parallel, id="vocab-parallel"),
+    pytest.param(lambda z, y, **kwargs: ck.losses.UncertaintyWeightedCE(**kwargs)(z, y), id="module"),
+    pytest.param(lambda z, y, **kwargs: ck.losses.FusedLinearUncertaintyWeightedCE(**kwargs)(z, torch.eye(5), y),
+                 id="fused-linear-module"),
+])
+def test_weight_is_the_per_class_weight_keyword_not_the_uncertainty_weight(loss):
+    """``weight`` is reserved for ``F.cross_entropy``'s per-class ``(C,)`` tensor: a string (the uncertainty weight
+    under its former keyword) raises ``TypeError`` naming ``uncertainty=``, a tensor ``NotImplementedError``, both
+    before anything else runs (the vocab-parallel loss: before it needs a process group)."""
+    z, y = _batch()
+    with pytest.raises(TypeError, match=r"per-class weight tensor; the uncertainty weight is now uncertainty='brier'"):
+        loss(z, y, weight="brier")
+    with pytest.raises(NotImplementedError, match="per-class weights are not supported yet"):
+        loss(z, y, weight=torch.ones(5))
+    if loss is _vocab_parallel:
+        return
+    torch.testing.assert_close(loss(z, y, weight=None, uncertainty="focal", mode="loss", gamma=2.0),
+                               R.uncertainty_weighted_ce(z, y, uncertainty="focal", mode="loss", gamma=2.0))
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_good_call_a_backend_cannot_run_is_still_refused(backend, monkeypatch):
     monkeypatch.setattr(_backends, "_warned_soft_targets", False)
@@ -464,13 +499,13 @@ def test_an_ignore_index_outside_int64_raises_one_value_error_on_every_path(back
     dense = torch.softmax(torch.randn(4, 5), dim=1)
     calls = [
         dict(),
-        dict(weight="focal", mode="loss", reduction="none"),
+        dict(uncertainty="focal", mode="loss", reduction="none"),
         dict(label_smoothing=0.1),
         dict(mix_target=mix, mix_lambda=0.3),
         dict(mix_target=mix, mix_lambda=torch.full((4,), 0.3)),
         dict(mix_target=mix, mix_lambda=1.0),
-        dict(weight="focal", gamma=torch.full((4,), 2.0)),
-        dict(weight="external", sample_weight=torch.ones(4)),
+        dict(uncertainty="focal", gamma=torch.full((4,), 2.0)),
+        dict(uncertainty="external", sample_weight=torch.ones(4)),
     ]
     for kwargs in calls:
         with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
@@ -527,7 +562,7 @@ def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend, ignore_in
     """The ends of the int64 range are an ignore_index like any other, on the fast path and the general one."""
     z, y = _batch()
     y[0], y[1] = 2, ignore_index
-    for kwargs in (dict(), dict(weight="focal", mode="loss", reduction="none"), dict(label_smoothing=0.1)):
+    for kwargs in (dict(), dict(uncertainty="focal", mode="loss", reduction="none"), dict(label_smoothing=0.1)):
         loss = ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend, **kwargs)
         expected = R.uncertainty_weighted_ce(z.double(), y, ignore_index=ignore_index, **kwargs)
         torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
@@ -535,16 +570,16 @@ def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend, ignore_in
 
 # ---------------------------------------------------------------------------------------------------- limits
 @pytest.mark.parametrize("backend_device", FUSED)
-@pytest.mark.parametrize("weight,norm", [("focal", 2.0), ("flsd", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
+@pytest.mark.parametrize("uncertainty,norm", [("focal", 2.0), ("flsd", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
                                          ("brier", 0.5)])
-def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend_device, weight, norm):
+def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend_device, uncertainty, norm):
     """mode="loss", p_y = 1 exactly: CE du/dz is 0 · inf for gamma < 1 (or gamma < q); the gradient is its limit, 0
     on that row, on every backend as on the reference."""
     backend, device = backend_device
     z = torch.tensor([[200.0, 0.0, 0.0], [0.5, 0.1, -0.3], [0.0, 90.0, -90.0]], device=device)
     y = torch.tensor([0, 1, 1], device=device)
     for gamma in (0.3, 0.5, 1.0, 1.5):
-        kw = dict(weight=weight, mode="loss", gamma=gamma, norm=norm, reduction="sum")
+        kw = dict(uncertainty=uncertainty, mode="loss", gamma=gamma, norm=norm, reduction="sum")
         x = z.clone().requires_grad_()
         ck.uncertainty_weighted_ce(x, y, backend=backend, **kw).backward()
         x64 = z.double().requires_grad_()
@@ -566,7 +601,7 @@ def test_a_per_sample_gamma_that_requires_grad_runs_soft_targets_in_grad_mode(ba
     for name in ("reference", backend):
         x = z.clone().requires_grad_()
         gamma = torch.linspace(0.5, 3.0, 6, device=device).requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, y, weight="focal", mode="grad", gamma=gamma, label_smoothing=0.1,
+        loss = ck.uncertainty_weighted_ce(x, y, uncertainty="focal", mode="grad", gamma=gamma, label_smoothing=0.1,
                                           backend=name)
         loss.backward()
         assert gamma.grad is None

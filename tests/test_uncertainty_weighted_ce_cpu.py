@@ -1,6 +1,7 @@
 """The compiled CPU op ``calibkernels::uncertainty_weighted_ce`` beyond value agreement (which the shared suite
 ``test_uncertainty_weighted_ce.py`` checks): float64 gradcheck of its loss-mode gradient against finite differences,
-``torch.library.opcheck`` of the op (out of place, into a buffer, in place), ``torch.compile(fullgraph=True)``, autocast, in-place semantics and the
+``torch.library.opcheck`` of the op (out of place, into a buffer, in place), ``torch.compile(fullgraph=True)``,
+autocast, in-place semantics and the
 kernel's own argument checks (the last line of defence under torch.compile, where Python-side checks are skipped).
 """
 
@@ -33,9 +34,9 @@ def _op():
     return torch.ops.calibkernels
 
 
-def _op_args(z, y, weight="brier", mode="grad", reduction="mean", gamma=2.0, norm=2.0, ignore_index=-100):
-    sample_weight = torch.rand(z.shape[0], dtype=z.dtype) + 0.5 if weight == "external" else None
-    return (y, sample_weight, None, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], gamma, norm, ignore_index,
+def _op_args(z, y, uncertainty="brier", mode="grad", reduction="mean", gamma=2.0, norm=2.0, ignore_index=-100):
+    sample_weight = torch.rand(z.shape[0], dtype=z.dtype) + 0.5 if uncertainty == "external" else None
+    return (y, sample_weight, None, V.WEIGHT_CODES[uncertainty], V.MODE_CODES[mode], gamma, norm, ignore_index,
             V.REDUCTION_CODES[reduction])
 
 
@@ -46,14 +47,14 @@ def _targets(n, c, ignored=1):
 
 
 # ------------------------------------------------------------------------------------------------ float64 gradcheck
-@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_loss_mode_gradient_matches_finite_differences(weight, reduction):
+def test_loss_mode_gradient_matches_finite_differences(uncertainty, reduction):
     """mode="loss" is the true gradient of u·CE: the kernel's analytic backward against float64 finite differences."""
     z = torch.randn(6, 7, dtype=torch.float64, requires_grad=True)
     y = _targets(6, 7)
-    kw = dict(weight=weight, mode="loss", reduction=reduction, gamma=2.5 if weight != "brier" else 3.0)
-    if weight == "external":
+    kw = dict(uncertainty=uncertainty, mode="loss", reduction=reduction, gamma=2.5 if uncertainty != "brier" else 3.0)
+    if uncertainty == "external":
         kw["sample_weight"] = torch.rand(6, dtype=torch.float64) + 0.5
     assert torch.autograd.gradcheck(lambda x: ck.uncertainty_weighted_ce(x, y, backend="cpu", **kw), (z,))
 
@@ -63,7 +64,8 @@ def test_generalised_brier_gradient_matches_finite_differences(norm):
     z = torch.randn(5, 9, dtype=torch.float64, requires_grad=True)
     y = _targets(5, 9)
     assert torch.autograd.gradcheck(
-        lambda x: ck.uncertainty_weighted_ce(x, y, weight="brier", mode="loss", gamma=2.0, norm=norm, backend="cpu"),
+        lambda x: ck.uncertainty_weighted_ce(x, y, uncertainty="brier", mode="loss", gamma=2.0, norm=norm,
+                                             backend="cpu"),
         (z,))
 
 
@@ -73,23 +75,23 @@ def test_gra_gradient_is_the_detached_weight_times_softmax_minus_onehot():
     y = torch.randint(0, 13, (9,))
     ck.bsce_gra_loss(z, y, gamma=4.0, norm=2.0, backend="cpu").backward()
     p = torch.softmax(z.detach(), -1)
-    u = R.uncertainty_weight(z.detach(), y, weight="brier", gamma=4.0, norm=2.0)
+    u = R.uncertainty_weight(z.detach(), y, uncertainty="brier", gamma=4.0, norm=2.0)
     expected = u[:, None] * (p - torch.nn.functional.one_hot(y, 13)) / 9
     torch.testing.assert_close(z.grad, expected, rtol=1e-12, atol=1e-14)
 
 
 # ---------------------------------------------------------------------------------------------------------- opcheck
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("weight", WEIGHTS)
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
 @pytest.mark.parametrize("mode,reduction", [("loss", "mean"), ("grad", "none"), ("loss", "sum")])
-def test_opcheck(dtype, weight, mode, reduction):
+def test_opcheck(dtype, uncertainty, mode, reduction):
     """The one op in its three uses: gradient returned (grad_out None), written into a caller's buffer, and in place
     (grad_out is the logits); and with the loss in the logits' dtype (loss_in_logits_dtype). Inputs do not require
     grad: the op is mutable (grad_out is Tensor(a!)?), so its autograd lives in calibkernels/_autograd.py, not in a
     register_autograd formula that opcheck could test."""
     ops = _op()
     z = torch.randn(5, 11, dtype=dtype)
-    args = _op_args(z, _targets(5, 11), weight=weight, mode=mode, reduction=reduction)
+    args = _op_args(z, _targets(5, 11), uncertainty=uncertainty, mode=mode, reduction=reduction)
     op = ops.uncertainty_weighted_ce.default
     torch.library.opcheck(op, (z, *args, True, None))
     torch.library.opcheck(op, (z, *args, False, None))
@@ -149,7 +151,7 @@ def test_model_and_loss_compile_with_fullgraph(inplace):
     x, y = torch.randn(8, 6), _targets(8, 9)
 
     def step(features, target):
-        return ck.uncertainty_weighted_ce(model(features), target, weight="brier", mode="grad", backend="cpu",
+        return ck.uncertainty_weighted_ce(model(features), target, uncertainty="brier", mode="grad", backend="cpu",
                                           inplace=inplace)
 
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
@@ -239,7 +241,7 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
     def step():
         leaf = z.clone().requires_grad_()
         logits = leaf * 1.0
-        loss = ck.uncertainty_weighted_ce(logits, y, weight="focal", mode="loss", gamma=2.0, reduction=reduction,
+        loss = ck.uncertainty_weighted_ce(logits, y, uncertainty="focal", mode="loss", gamma=2.0, reduction=reduction,
                                           inplace=True, **kw)
         loss.sum().backward()
         return loss.detach(), leaf.grad, logits._version
@@ -290,9 +292,9 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
     off = dense.clone()
     off[7] *= 1.01
     cases = [
-        (dense, {}), (dense.half(), dict(label_smoothing=0.2)), (dense, dict(weight="flsd", reduction="none")),
+        (dense, {}), (dense.half(), dict(label_smoothing=0.2)), (dense, dict(uncertainty="flsd", reduction="none")),
         (negative, {}), (off, {}), (dense.clone().requires_grad_(), {}), (dense, dict(ignore_index=3)),
-        (dense[:, :12], {}), (dense.to(torch.int32), {}), (dense, dict(weight="dual_focal")),
+        (dense[:, :12], {}), (dense.to(torch.int32), {}), (dense, dict(uncertainty="dual_focal")),
         (dense, dict(mix_target=torch.zeros(9, dtype=torch.int64), mix_lambda=0.5)),
         (torch.softmax(torch.randn(9, 13, dtype=torch.complex64).abs(), 1).to(torch.complex64), {}),
     ]
@@ -307,7 +309,8 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
     def run(target, kw):
         leaf = z.clone().requires_grad_()
         logits = leaf * 1.0 if inplace else leaf
-        loss = ck.uncertainty_weighted_ce(logits, target, weight=kw.pop("weight", "brier"), inplace=inplace, **kw)
+        loss = ck.uncertainty_weighted_ce(logits, target, uncertainty=kw.pop("uncertainty", "brier"), inplace=inplace,
+                                          **kw)
         loss.sum().backward()
         return loss.detach(), leaf.grad
 
@@ -371,13 +374,14 @@ def test_strided_targets_read_as_their_rows(soft):
         mix_storage[0::2] = torch.randint(0, c, (n,))
         kw.update(mix_target=mix_storage[0::2], mix_lambda=torch.rand(n))
     for reduction in ("mean", "sum", "none"):
-        for weight in ("brier", "none"):
-            got = ck.uncertainty_weighted_ce(z, target, weight=weight, reduction=reduction, backend="cpu", **kw)
+        for uncertainty in ("brier", "none"):
+            got = ck.uncertainty_weighted_ce(z, target, uncertainty=uncertainty, reduction=reduction, backend="cpu",
+                                             **kw)
             contiguous = {k: (v.contiguous() if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
-            want = ck.uncertainty_weighted_ce(z, target.contiguous(), weight=weight, reduction=reduction,
+            want = ck.uncertainty_weighted_ce(z, target.contiguous(), uncertainty=uncertainty, reduction=reduction,
                                               backend="cpu", **contiguous)
             torch.testing.assert_close(got, want, rtol=0, atol=0)
-            ref = ck.uncertainty_weighted_ce(z.double(), target, weight=weight, reduction=reduction,
+            ref = ck.uncertainty_weighted_ce(z.double(), target, uncertainty=uncertainty, reduction=reduction,
                                              backend="reference", **kw)
             torch.testing.assert_close(got.double(), ref, rtol=1e-5, atol=1e-6)
 
@@ -482,9 +486,9 @@ def _isa():
 
 
 @pytest.mark.parametrize("mode", ["grad", "loss"])
-@pytest.mark.parametrize("weight", ["none", "brier"])
+@pytest.mark.parametrize("uncertainty", ["none", "brier"])
 @pytest.mark.parametrize("c", [1, 2, 15, 16, 17, 31, 33, 1000, 1031, 2049])
-def test_every_target_lane_and_row_tail(c, weight, mode):
+def test_every_target_lane_and_row_tail(c, uncertainty, mode):
     """The vector sweeps leave the target column out of the sums lane by lane and mask the row's tail: the target in
     every lane of the first, a middle and the last (partial) vector, for widths around the 8 / 16 float lanes and the
     1024-column summation block."""
@@ -494,23 +498,24 @@ def test_every_target_lane_and_row_tail(c, weight, mode):
     if c > 3:
         z[:, -2] = float("-inf")  # masked column in the tail vector (never a target here unless c is tiny)
         y[y == c - 2] = c - 1
-    exact = _reference_pair(z, y, weight, mode, torch.float64)
-    low = _reference_pair(z, y, weight, mode, torch.float32)
-    got = _kernel_pair(z, y, weight, mode)
+    exact = _reference_pair(z, y, uncertainty, mode, torch.float64)
+    low = _reference_pair(z, y, uncertainty, mode, torch.float32)
+    got = _kernel_pair(z, y, uncertainty, mode)
     assert_within_reference_error(got[0], exact[0], low[0], torch.float32, f"loss ({_isa()})")
     assert_within_reference_error(got[1], exact[1], low[1], torch.float32, f"gradient ({_isa()})")
 
 
-def _reference_pair(z, y, weight, mode, dtype):
+def _reference_pair(z, y, uncertainty, mode, dtype):
     x = z.detach().to(dtype).clone().requires_grad_()
-    loss = R.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, gamma=3.0, reduction="none")
+    loss = R.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, mode=mode, gamma=3.0, reduction="none")
     loss.sum().backward()
     return loss.detach(), x.grad
 
 
-def _kernel_pair(z, y, weight, mode):
+def _kernel_pair(z, y, uncertainty, mode):
     x = z.detach().clone().requires_grad_()
-    loss = ck.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, gamma=3.0, reduction="none", backend="cpu")
+    loss = ck.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, mode=mode, gamma=3.0, reduction="none",
+                                      backend="cpu")
     loss.sum().backward()
     return loss.detach(), x.grad
 
@@ -535,9 +540,9 @@ def _assert_rows_close(got, exact, at_precision, dtype, what):
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
 @pytest.mark.parametrize("mode", ["grad", "loss"])
-@pytest.mark.parametrize("weight,norm", RANGE_WEIGHTS, ids=[f"{w}-q{q:g}" for w, q in RANGE_WEIGHTS])
+@pytest.mark.parametrize("uncertainty,norm", RANGE_WEIGHTS, ids=[f"{w}-q{q:g}" for w, q in RANGE_WEIGHTS])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64], ids=str)
-def test_target_reference_and_its_row_max_fallback(dtype, weight, norm, mode, inplace):
+def test_target_reference_and_its_row_max_fallback(dtype, uncertainty, norm, mode, inplace):
     """The kernel takes a row's exponentials relative to the target logit and redoes the row from its max when the sums
     leave range (Σ_{k≠y} e^{z_k - z_y} > 2^60, a column ≈ 41.6 above the target). Rows on both sides of that limit:
     one column 0 … 1e4 above the target (1e30 where the dtype holds it), crossing 2^60, the exponential's overflow at
@@ -558,17 +563,18 @@ def test_target_reference_and_its_row_max_fallback(dtype, weight, norm, mode, in
         z[row] = level + torch.rand(c) * 1e-3
         z[row, y[row]] = 0.0
     z = z.to(dtype)
-    sample_weight = torch.rand(rows) + 0.5 if weight == "external" else None
-    codes = (V.WEIGHT_CODES[weight], V.MODE_CODES[mode], 3.0, norm, -100, V.REDUCTION_CODES["none"])
+    sample_weight = torch.rand(rows) + 0.5 if uncertainty == "external" else None
+    codes = (V.WEIGHT_CODES[uncertainty], V.MODE_CODES[mode], 3.0, norm, -100, V.REDUCTION_CODES["none"])
     buffer = z.clone()
-    loss, grad, _ = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True, buffer if inplace else None)
+    loss, grad, _ = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True,
+                                                buffer if inplace else None)
     if inplace:
         grad = buffer
 
     def reference(precision):
         x = z.to(precision, copy=True).requires_grad_()
         w = sample_weight.to(precision) if sample_weight is not None else None
-        ref = R.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, gamma=3.0, norm=norm, sample_weight=w,
+        ref = R.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, mode=mode, gamma=3.0, norm=norm, sample_weight=w,
                                         reduction="none")
         ref.sum().backward()
         return ref.detach(), x.grad
@@ -577,14 +583,15 @@ def test_target_reference_and_its_row_max_fallback(dtype, weight, norm, mode, in
     # the kernel accumulates fp16/bf16 in float32 and returns a float32 loss; its gradient is rounded to the dtype
     accumulate = torch.float64 if dtype == torch.float64 else torch.float32
     low = reference(accumulate)
-    what = f"{weight} q={norm:g} {mode} {dtype} {'in place' if inplace else 'out of place'} ({_isa()})"
+    what = f"{uncertainty} q={norm:g} {mode} {dtype} {'in place' if inplace else 'out of place'} ({_isa()})"
     assert torch.isfinite(loss).all() and torch.isfinite(grad.double()).all(), what
     _assert_rows_close(loss, exact[0], low[0], accumulate, f"loss, {what}")
     _assert_rows_close(grad, exact[1], low[1].to(dtype), dtype, f"gradient, {what}")
 
 
-@pytest.mark.parametrize("weight, mode", [("brier", "grad"), ("brier", "loss"), ("none", "grad"), ("focal", "loss")])
-def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
+@pytest.mark.parametrize("uncertainty, mode", [("brier", "grad"), ("brier", "loss"), ("none", "grad"), ("focal",
+                                                                                                        "loss")])
+def test_streaming_stores_agree_with_ordinary_stores(uncertainty, mode, monkeypatch):
     """Out of place, the AVX-512 path may write the gradient with streaming stores from a per-thread scratch row
     (automatically for rows of 1–16 KiB and gradients of at least 4 MiB; CALIBKERNELS_CPU_STREAMING_STORES=1/0 forces
     it on/off). The arithmetic is the same, so the gradients must agree bit for bit with ordinary stores, over rows
@@ -601,14 +608,14 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
         if c > 1:
             z[4, (int(y[4]) + 1) % c] = z[4, y[4]] + 100.0  # past the target reference's range: the row-max fallback
         monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", flag)
-        streamed = _kernel_pair(z, y, weight, mode)
+        streamed = _kernel_pair(z, y, uncertainty, mode)
         monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")
-        ordinary = _kernel_pair(z, y, weight, mode)
+        ordinary = _kernel_pair(z, y, uncertainty, mode)
         assert torch.equal(streamed[1], ordinary[1]), f"gradients differ at C = {c}"
         assert torch.equal(streamed[0], ordinary[0]), f"losses differ at C = {c}"
         if n <= 64:
-            exact = _reference_pair(z, y, weight, mode, torch.float64)
-            low = _reference_pair(z, y, weight, mode, torch.float32)
+            exact = _reference_pair(z, y, uncertainty, mode, torch.float64)
+            low = _reference_pair(z, y, uncertainty, mode, torch.float32)
             assert_within_reference_error(streamed[1], exact[1], low[1], torch.float32, f"gradient, C = {c}")
 
 
@@ -620,12 +627,13 @@ def test_softmax_gradient_is_accurate_element_by_element():
     z = torch.linspace(-80.0, 0.0, c)[torch.randperm(c)].reshape(1, c)
     y = torch.tensor([int(z.argmin())])  # the target far below the max: p_y ≈ e^-80, so 1 - p_y is exactly 1
     x = z.clone().requires_grad_()
-    ck.uncertainty_weighted_ce(x, y, weight="none", reduction="sum", backend="cpu").backward()
+    ck.uncertainty_weighted_ce(x, y, uncertainty="none", reduction="sum", backend="cpu").backward()
     p = torch.softmax(z.double(), dim=1)
     expected = p - torch.nn.functional.one_hot(y, c).double()
     others = torch.arange(c) != y
     rel = ((x.grad.double() - expected).abs() / expected.abs())[0, others]
-    assert rel.max().item() < 8 * torch.finfo(torch.float32).eps, f"worst relative error {rel.max().item():.2e} ({_isa()})"
+    assert rel.max().item() < 8 * torch.finfo(torch.float32).eps, (
+        f"worst relative error {rel.max().item():.2e} ({_isa()})")
 
 
 def _skip_without_flush_to_zero():
@@ -639,10 +647,10 @@ def _skip_without_flush_to_zero():
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
-@pytest.mark.parametrize("weight", ["none", "brier"])
+@pytest.mark.parametrize("uncertainty", ["none", "brier"])
 @pytest.mark.parametrize("kind", ["hard", "mix", "dense"])
 @pytest.mark.parametrize("c", [10, 1000, 1031])
-def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inplace):
+def test_exponentials_below_the_float_range_flush_to_zero(c, kind, uncertainty, inplace):
     """Both vector exponentials (csrc/cpu/vec_exp.h) return exactly 0 below exp(-86), never a denormal (on Intel
     cores every denormal result costs a microcode assist, and the lanes past a row whose C is not a multiple of 16
     are -inf); the default build's exponential keeps denormals, which the kernel's flush-to-zero mode turns into 0.
@@ -665,9 +673,9 @@ def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inpla
         y = t / t.sum(1, keepdim=True)
     x = z.clone().requires_grad_()
     if inplace:
-        loss = ck.uncertainty_weighted_ce(x * 1.0, y, weight=weight, inplace=True, backend="cpu", **kwargs)
+        loss = ck.uncertainty_weighted_ce(x * 1.0, y, uncertainty=uncertainty, inplace=True, backend="cpu", **kwargs)
     else:
-        loss = ck.uncertainty_weighted_ce(x, y, weight=weight, backend="cpu", **kwargs)
+        loss = ck.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, backend="cpu", **kwargs)
     loss.backward()
     grad = x.grad
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
@@ -675,7 +683,7 @@ def test_exponentials_below_the_float_range_flush_to_zero(c, kind, weight, inpla
     subnormal = (grad != 0) & (grad.abs() < torch.finfo(torch.float32).tiny)
     assert not subnormal.any(), f"{int(subnormal.sum())} subnormal gradient entries ({_isa()})"
     x64 = z.double().requires_grad_()
-    expected = ck.uncertainty_weighted_ce(x64, y.double() if kind == "dense" else y, weight=weight,
+    expected = ck.uncertainty_weighted_ce(x64, y.double() if kind == "dense" else y, uncertainty=uncertainty,
                                           backend="reference", **kwargs)
     expected.backward()
     torch.testing.assert_close(loss.double(), expected.detach(), rtol=1e-5, atol=1e-6)
@@ -688,9 +696,9 @@ CONFIDENT_ROW_CASES = [(w, m, k, d) for w, m in [("brier", "grad"), ("brier", "l
                        if not (w == "brier" and k == "dense") and not (d == torch.float64 and k != "hard")]
 
 
-@pytest.mark.parametrize("weight,mode,kind,dtype", CONFIDENT_ROW_CASES,
+@pytest.mark.parametrize("uncertainty,mode,kind,dtype", CONFIDENT_ROW_CASES,
                          ids=[f"{w}-{m}-{k}-{str(d)[6:]}" for w, m, k, d in CONFIDENT_ROW_CASES])
-def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept(weight, mode, kind, dtype):
+def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept(uncertainty, mode, kind, dtype):
     """Rows whose target logit is far above the rest have a tiny weight (u ≈ 1e-19 for BSCE-GRA 25 nats apart), so
     their gradient entries u p_k / N fall below the smallest normal number: without a flush about 50000 of these
     64000 float32 entries (64000 of float64's at 150 nats) came out denormal. The kernel flushes such results to 0
@@ -705,7 +713,7 @@ def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept
     target = {"hard": y, "smooth": y, "dense": torch.nn.functional.one_hot(y, c).float()}[kind]
     kwargs = dict(label_smoothing=0.0 if kind != "smooth" else 1e-30)
     x = z.to(dtype).clone().requires_grad_()
-    loss = ck.uncertainty_weighted_ce(x, target, weight=weight, mode=mode, backend="cpu", **kwargs)
+    loss = ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, mode=mode, backend="cpu", **kwargs)
     loss.backward()
     grad = x.grad.float() if dtype == torch.bfloat16 else x.grad
     finfo = torch.finfo(grad.dtype)
@@ -714,7 +722,7 @@ def test_confident_rows_gradients_underflow_to_zero_and_the_callers_mode_is_kept
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert (tiny * 0.5).item() != 0.0, "the op left the calling thread flushing denormals"
     x64 = z.double().clone().requires_grad_()
-    expected = ck.uncertainty_weighted_ce(x64, target.double() if kind == "dense" else target, weight=weight,
+    expected = ck.uncertainty_weighted_ce(x64, target.double() if kind == "dense" else target, uncertainty=uncertainty,
                                           mode=mode, backend="reference", **kwargs)
     expected.backward()
     torch.testing.assert_close(grad.double(), x64.grad, rtol=0, atol=1e-12)
@@ -740,7 +748,7 @@ for c in (10, 16, 1000, 1031):
                 # FE_INVALID traps (SIGFPE) around the op's forward only, where the kernel computes the loss and the
                 # gradient: the inputs' generation and autograd's own ops are torch's, not what this test checks
                 libm.feenableexcept(1)
-                loss = ck.uncertainty_weighted_ce(h, t, weight=weight, mode=mode, backend="cpu", inplace=inplace,
+                loss = ck.uncertainty_weighted_ce(h, t, uncertainty=weight, mode=mode, backend="cpu", inplace=inplace,
                                                   **kw)
                 libm.fedisableexcept(1)
                 loss.sum().backward()
@@ -795,7 +803,8 @@ def test_avx2_sweeps_agree_with_the_reference_in_a_subprocess():
                  "non_contiguous)) or every_target_lane or accurate_element or target_reference or flush_to_zero")
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
-         os.path.join(here, "test_uncertainty_weighted_ce.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"),
+         os.path.join(here, "test_uncertainty_weighted_ce.py"), os.path.join(here,
+                                                                             "test_uncertainty_weighted_ce_cpu.py"),
          "-k", selection],
         env=env, capture_output=True, text=True, cwd=here)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
@@ -895,7 +904,8 @@ def test_each_instruction_set_build_agrees_with_the_reference_in_a_subprocess(is
     assert probe.stdout.strip() == isa
     run = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-x",
-         os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"), os.path.join(here, "test_uncertainty_weighted_ce_cpu_flsd.py"),
+         os.path.join(here, "test_uncertainty_weighted_ce_cpu.py"),
+         os.path.join(here, "test_uncertainty_weighted_ce_cpu_flsd.py"),
          "-k", "every_target_lane or target_reference or flsd or threshold or opcheck or confident_rows or "
          "flush_to_zero"],
         env=env, capture_output=True, text=True, cwd=here)

@@ -37,22 +37,23 @@ def _op():
 SCHEDULED = ["flsd", "brier_flsd"]
 
 
-def _kernel_loss(z, y, weight):
-    loss, _, _ = _op().uncertainty_weighted_ce(z, y, None, None, K.WEIGHT_CODES[weight], K.MODE_CODES["grad"], GAMMA,
+def _kernel_loss(z, y, uncertainty):
+    loss, _, _ = _op().uncertainty_weighted_ce(z, y, None, None, K.WEIGHT_CODES[uncertainty], K.MODE_CODES["grad"],
+                                               GAMMA,
                                             2.0, -100, K.REDUCTION_CODES["none"], False, None)
     return loss.double()
 
 
-def _gamma_picked(z, y, weight):
+def _gamma_picked(z, y, uncertainty):
     """Which of the three γ explains the kernel's loss (u · CE in float64 from the logits' exact values, u = (1 - p_y)^γ
     or ‖p - e_y‖_2^γ; the three give losses that differ by far more than rounding)."""
     one_hot = torch.nn.functional.one_hot(y, z.shape[1])
-    return gamma_picked(_kernel_loss(z, y, weight), z, one_hot, weight, BANDS, atol=1e-7)
+    return gamma_picked(_kernel_loss(z, y, uncertainty), z, one_hot, uncertainty, BANDS, atol=1e-7)
 
 
-@pytest.mark.parametrize("weight", SCHEDULED)
+@pytest.mark.parametrize("uncertainty", SCHEDULED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
-def test_exact_thresholds_follow_the_float32_rule(dtype, weight):
+def test_exact_thresholds_follow_the_float32_rule(dtype, uncertainty):
     """Rows whose exact p_y is the threshold itself: [0]*5 (p_y = 0.2) and [0, 0] (p_y = 0.5). Every logit is 0, so
     every implementation's lse is log(C) rounded once and the band value is exp(-log C) rounded, which the rule
     decides: float32: exp(-logf(5)) = 0.19999999f < 0.2f (γ = 5); exp(-logf(2)) = 0.5f (γ = the argument). float64:
@@ -63,14 +64,14 @@ def test_exact_thresholds_follow_the_float32_rule(dtype, weight):
         bands = [float(np.float32(math.exp(-float(np.float32(math.log(c)))))) for c in (5, 2)]
     assert bands[0] == float(np.float32(0.19999999)) if dtype != torch.float64 else bands[0] == float(np.float32(0.2))
     expected = [flsd_gamma(p, GAMMA) for p in bands]
-    got = [_gamma_picked(torch.zeros(1, c, dtype=dtype), torch.tensor([0]), weight)[0] for c in (5, 2)]
+    got = [_gamma_picked(torch.zeros(1, c, dtype=dtype), torch.tensor([0]), uncertainty)[0] for c in (5, 2)]
     assert got == expected, f"{dtype}: bands {bands}, expected γ {expected}, kernel picked {got}"
 
 
 @pytest.mark.parametrize("threshold", [K.FLSD_LOW_THRESHOLD, K.FLSD_MID_THRESHOLD])
-@pytest.mark.parametrize("weight", SCHEDULED)
+@pytest.mark.parametrize("uncertainty", SCHEDULED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype, weight):
+def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype, uncertainty):
     """Two-class rows [0, s] (target 0) with p_y = 1 / (1 + e^s) just below and just above each threshold: 4 to 64
     float32 ulps of p_y away (a margin the rounding of the logits, lse and exp cannot cross), and the nearest float32
     (float64) logits to the exact boundary on both sides, whose band is whatever the float32 rule gives for their exact
@@ -89,7 +90,7 @@ def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype, weight):
     z[:, 1] = torch.tensor(rows, dtype=torch.float64).to(dtype)
     y = torch.zeros(len(rows), dtype=torch.long)
     exact_p = torch.softmax(z.double(), dim=1)[:, 0].tolist()
-    got = _gamma_picked(z, y, weight)
+    got = _gamma_picked(z, y, uncertainty)
     for row, p in enumerate(exact_p):
         if abs(p - float(t32)) <= 2 * ulp:
             continue  # within the implementations' last-ulp differences: either band is the rule's

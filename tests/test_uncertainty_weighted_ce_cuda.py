@@ -168,7 +168,7 @@ def test_the_build_has_code_for_this_gpu():
     assert _backends.unavailable_reason("cuda", torch.device("cuda")) is None
 
 
-def _op(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
+def _op(logits, target, *, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
         gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None,
         mix_target=None, mix_lambda=None, label_smoothing=0.0):
     """The op's ``(loss, grad)``; :func:`_op_flag` gives its target flag."""
@@ -180,11 +180,11 @@ def _op_flag(logits, target, **kw):
     return _op_outputs(logits, target, **kw)[2]
 
 
-def _op_outputs(logits, target, *, weight="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
+def _op_outputs(logits, target, *, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, sample_weight=None,
                 gamma_per_sample=None, reduction="mean", ignore_index=-100, compute_grad=True, grad_out=None,
                 mix_target=None, mix_lambda=None, label_smoothing=0.0):
     return torch.ops.calibkernels.uncertainty_weighted_ce(
-        logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode], float(gamma),
+        logits, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[uncertainty], V.MODE_CODES[mode], float(gamma),
         float(norm), ignore_index, V.REDUCTION_CODES[reduction], compute_grad, grad_out, mix_target, mix_lambda,
         float(label_smoothing))
 
@@ -235,10 +235,10 @@ def _targets(n, c, ignore=True):
     return y
 
 
-def _weight_kwargs(weight, n):
+def _weight_kwargs(uncertainty, n):
     # brier_flsd: a γ for the top band (p_y ≥ 0.5) other than FLSD-53's 3 and 5
-    kw = {"weight": weight, "gamma": {"brier": 4.0, "brier_flsd": 2.0}.get(weight, 3.0)}
-    if weight == "external":
+    kw = {"uncertainty": uncertainty, "gamma": {"brier": 4.0, "brier_flsd": 2.0}.get(uncertainty, 3.0)}
+    if uncertainty == "external":
         kw["sample_weight"] = torch.rand(n, device="cuda") + 0.1
     return kw
 
@@ -246,23 +246,23 @@ def _weight_kwargs(weight, n):
 @needs_gpu
 @pytest.mark.parametrize("path", list(SHAPE_PATHS))
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_every_kernel_shape_against_reference(path, weight, mode):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_every_kernel_shape_against_reference(path, uncertainty, mode):
     c = SHAPE_PATHS[path]
     n = 37 if c <= 1024 else 6
     for reduction in REDUCTIONS:
-        check_op(_logits(n, c), _targets(n, c), mode=mode, reduction=reduction, **_weight_kwargs(weight, n))
+        check_op(_logits(n, c), _targets(n, c), mode=mode, reduction=reduction, **_weight_kwargs(uncertainty, n))
 
 
 @needs_gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64],
                          ids=["fp32", "fp16", "bf16", "fp64"])
 @pytest.mark.parametrize("c", [7, 1000, 3001, 20000])
-@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier", "brier_flsd"])
-def test_dtypes(dtype, c, weight):
+@pytest.mark.parametrize("uncertainty", ["focal", "dual_focal", "brier", "brier_flsd"])
+def test_dtypes(dtype, c, uncertainty):
     n = 16 if c <= 1024 else 4
     for mode in MODES:
-        check_op(_logits(n, c, dtype), _targets(n, c), mode=mode, **_weight_kwargs(weight, n))
+        check_op(_logits(n, c, dtype), _targets(n, c), mode=mode, **_weight_kwargs(uncertainty, n))
 
 
 @needs_gpu
@@ -278,11 +278,11 @@ def test_strided_and_misaligned_rows_read_and_write_in_bounds(c, dtype, column_o
     logits = buffer[:, column_offset:column_offset + c]
     logits.copy_(_logits(n, c, dtype))
     y = _targets(n, c, ignore=False)
-    for weight in ("brier", "dual_focal"):
-        check_op(logits, y, weight=weight, mode="loss", gamma=3.0)
+    for uncertainty in ("brier", "dual_focal"):
+        check_op(logits, y, uncertainty=uncertainty, mode="loss", gamma=3.0)
     # The in-place op writes the gradient through the row stride, and nowhere else.
-    exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, weight="brier", mode="grad")
-    low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
+    exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, uncertainty="brier", mode="grad")
+    low_loss, low_grad = _reference(logits, y, dtype=dtype, uncertainty="brier", mode="grad")
     outside = torch.ones_like(buffer, dtype=torch.bool)
     outside[:, column_offset:column_offset + c] = False
     loss = _inplace(logits, y, reduction="mean")
@@ -297,7 +297,7 @@ def test_non_unit_class_stride_is_copied_not_misread(c):
     base = _logits(c, 4)  # (c, 4): its transpose has class stride 4
     logits = base.t()
     y = _targets(4, c, ignore=False)
-    check_op(logits, y, weight="focal", mode="loss", gamma=2.0)
+    check_op(logits, y, uncertainty="focal", mode="loss", gamma=2.0)
 
 
 @needs_gpu
@@ -316,9 +316,9 @@ def test_out_of_range_targets_poison_only_their_row(c):
     good[bad_rows] = False
     assert torch.isnan(loss[bad_rows]).all() and torch.isnan(grad[bad_rows]).all()
     safe_y = torch.where(good.cuda(), y, 0)
-    exact_loss, exact_grad = _reference(logits, safe_y, dtype=torch.float64, weight="brier", mode="grad",
+    exact_loss, exact_grad = _reference(logits, safe_y, dtype=torch.float64, uncertainty="brier", mode="grad",
                                         reduction="none")
-    low_loss, low_grad = _reference(logits, safe_y, dtype=torch.float32, weight="brier", mode="grad",
+    low_loss, low_grad = _reference(logits, safe_y, dtype=torch.float32, uncertainty="brier", mode="grad",
                                     reduction="none")
     assert_within_reference_error(loss[good], exact_loss[good], low_loss[good], torch.float32,
                                   "loss of the good rows")
@@ -545,7 +545,7 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
         return loss.detach(), leaf.grad
 
     mix, lam = y.roll(1).clamp(min=0), torch.rand(64, device="cuda")
-    for target, kw in ((y, {}), (y, {"label_smoothing": 0.1, "inplace": True}), (dense, {"weight": "focal"}),
+    for target, kw in ((y, {}), (y, {"label_smoothing": 0.1, "inplace": True}), (dense, {"uncertainty": "focal"}),
                        (y, {"reduction": "none", "mode": "loss"}), (y, {"mix_target": mix, "mix_lambda": lam}),
                        (y, {"mix_target": mix, "mix_lambda": 0.3, "label_smoothing": 0.1})):
         monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
@@ -596,7 +596,7 @@ def test_dual_focal_ties_split_the_gradient(c):
     z = torch.randint(-3, 4, (n, c), device="cuda").float()
     y = _targets(n, c)
     for reduction in REDUCTIONS:
-        check_op(z, y, weight="dual_focal", mode="loss", gamma=3.0, reduction=reduction)
+        check_op(z, y, uncertainty="dual_focal", mode="loss", gamma=3.0, reduction=reduction)
 
 
 @needs_gpu
@@ -611,9 +611,9 @@ def test_extreme_infinite_and_confident_rows(c):
     y = torch.randint(0, c, (n,), device="cuda")
     y[0], y[3] = 0, 3 % c
     y[1] = c - 1
-    for weight in ("none", "focal", "flsd", "dual_focal", "brier", "brier_flsd"):
+    for uncertainty in ("none", "focal", "flsd", "dual_focal", "brier", "brier_flsd"):
         for mode in MODES:
-            check_op(z, y, weight=weight, mode=mode)
+            check_op(z, y, uncertainty=uncertainty, mode=mode)
 
 
 @needs_gpu
@@ -623,7 +623,7 @@ def test_per_sample_gamma(c):
     gamma = torch.rand(n, device="cuda") * 4
     gamma[0] = 0.0
     for mode in MODES:
-        check_op(_logits(n, c), _targets(n, c), weight="focal", mode=mode, gamma_per_sample=gamma)
+        check_op(_logits(n, c), _targets(n, c), uncertainty="focal", mode=mode, gamma_per_sample=gamma)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -677,13 +677,13 @@ def test_brier_flsd_rows_are_brier_rows_with_their_band_gamma(kind, c):
     for mode in MODES:
         for norm in (2.0, 1.5):
             kw = dict(mode=mode, norm=norm, **soft)
-            loss, grad = _op(z, target, weight="brier_flsd", gamma=BAND_GAMMA, reduction="none", **kw)
+            loss, grad = _op(z, target, uncertainty="brier_flsd", gamma=BAND_GAMMA, reduction="none", **kw)
             for g in BANDS:
                 rows = (clear & (expected == g)).cuda()
-                want_loss, want_grad = _op(z, target, weight="brier", gamma=g, reduction="none", **kw)
+                want_loss, want_grad = _op(z, target, uncertainty="brier", gamma=g, reduction="none", **kw)
                 assert torch.equal(loss[rows], want_loss[rows]), f"{kind}/{mode}/q={norm}: loss of the γ={g} rows"
                 assert torch.equal(grad[rows], want_grad[rows]), f"{kind}/{mode}/q={norm}: gradient of the γ={g} rows"
-            check_op(z, target, weight="brier_flsd", gamma=BAND_GAMMA, reduction="sum", **kw)
+            check_op(z, target, uncertainty="brier_flsd", gamma=BAND_GAMMA, reduction="sum", **kw)
 
 
 def _picked_by_both(z, target, t, **soft):
@@ -691,9 +691,10 @@ def _picked_by_both(z, target, t, **soft):
     row's loss (flsd: (1 - <t, p>)^γ CE; brier_flsd with q = 2: ‖p - t‖^γ CE, in float64 from the logits' exact values;
     the three losses differ by far more than rounding)."""
     picked = []
-    for weight in ("flsd", "brier_flsd"):
-        loss, _ = _op(z, target, weight=weight, gamma=BAND_GAMMA, reduction="none", compute_grad=False, **soft)
-        picked.append(gamma_picked(loss, z, t, weight, BANDS))  # float64 on the CPU
+    for uncertainty in ("flsd", "brier_flsd"):
+        loss, _ = _op(z, target, uncertainty=uncertainty, gamma=BAND_GAMMA, reduction="none", compute_grad=False,
+                      **soft)
+        picked.append(gamma_picked(loss, z, t, uncertainty, BANDS))  # float64 on the CPU
     return picked
 
 
@@ -764,26 +765,26 @@ def test_the_last_block_folds_every_row(n, c):
                 z = _logits(n, c)
                 y = _targets(n, c)
                 valid = int((y != -100).sum())
-                rows, _ = _op(z, y, weight="focal", reduction="none")
+                rows, _ = _op(z, y, uncertainty="focal", reduction="none")
                 for compute_grad in (True, False):
-                    total, _ = _op(z, y, weight="focal", reduction="sum", compute_grad=compute_grad)
-                    mean, mean_grad = _op(z, y, weight="focal", reduction="mean", compute_grad=compute_grad)
+                    total, _ = _op(z, y, uncertainty="focal", reduction="sum", compute_grad=compute_grad)
+                    mean, mean_grad = _op(z, y, uncertainty="focal", reduction="mean", compute_grad=compute_grad)
                     torch.testing.assert_close(total.double(), rows.double().sum(), rtol=1e-5, atol=1e-6)
                     torch.testing.assert_close(mean.double(), rows.double().sum() / max(valid, 1), rtol=1e-5,
                                                atol=1e-6)
                     if compute_grad:  # (without, the op returns an empty gradient)
                         grad = mean_grad
-            exact_loss, exact_grad = _reference(z, y, dtype=torch.float64, weight="focal", gamma=4.0)
+            exact_loss, exact_grad = _reference(z, y, dtype=torch.float64, uncertainty="focal", gamma=4.0)
             torch.testing.assert_close(grad.double(), exact_grad, rtol=1e-4, atol=1e-6)
             for row in sorted({0, n // 2, n - 1}):
                 bad = y.clone()
                 bad[row] = c + row
                 for reduction in REDUCTIONS:
-                    flag = _op_flag(z, bad, weight="focal", reduction=reduction)
+                    flag = _op_flag(z, bad, uncertainty="focal", reduction=reduction)
                     assert flag.tolist() == [1, c + row], (row, reduction)
-                    loss, _ = _op(z, bad, weight="focal", reduction=reduction)
+                    loss, _ = _op(z, bad, uncertainty="focal", reduction=reduction)
                     assert torch.isnan(loss).any()
-                assert _op_flag(z, y, weight="focal").tolist()[0] == 0
+                assert _op_flag(z, y, uncertainty="focal").tolist()[0] == 0
     torch.cuda.synchronize()
 
 
@@ -855,26 +856,26 @@ def test_no_host_synchronisation_and_cuda_graph_capture(c):
     n = 64
     z = _logits(n, c)
     y = _targets(n, c)
-    expected_loss, expected_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
+    expected_loss, expected_grad = _op(z, y, uncertainty="brier", mode="loss", reduction="mean")
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for reduction in REDUCTIONS:
-            _op(z, y, weight="dual_focal", mode="loss", reduction=reduction)
+            _op(z, y, uncertainty="dual_focal", mode="loss", reduction=reduction)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _op(z, y, weight="brier", mode="loss", reduction="mean")  # warm-up outside the capture
+        _op(z, y, uncertainty="brier", mode="loss", reduction="mean")  # warm-up outside the capture
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        loss, grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
+        loss, grad = _op(z, y, uncertainty="brier", mode="loss", reduction="mean")
     z.copy_(_logits(n, c))
     graph.replay()
     torch.cuda.synchronize()
-    fresh_loss, fresh_grad = _op(z, y, weight="brier", mode="loss", reduction="mean")
+    fresh_loss, fresh_grad = _op(z, y, uncertainty="brier", mode="loss", reduction="mean")
     assert torch.equal(loss, fresh_loss) and torch.equal(grad, fresh_grad)
     assert not torch.equal(grad, expected_grad)  # the replay really recomputed from the new logits
 
@@ -908,7 +909,7 @@ def test_compiles_with_fullgraph_and_matches_eager():
     y = _targets(128, 1000)
 
     def step(inputs):
-        return ck.uncertainty_weighted_ce(model(inputs), y, weight="brier", mode="grad", backend="cuda")
+        return ck.uncertainty_weighted_ce(model(inputs), y, uncertainty="brier", mode="grad", backend="cuda")
 
     compiled = torch.compile(step, fullgraph=True)
     eager_loss = step(x)
@@ -1004,7 +1005,7 @@ def test_auto_on_cuda_runs_the_kernel_its_table_names(c, target_kind):
 
     def step(backend):
         x = z.clone().requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, y, weight="brier", backend=backend, **kw)
+        loss = ck.uncertainty_weighted_ce(x, y, uncertainty="brier", backend=backend, **kw)
         loss.backward()
         return loss.detach(), x.grad
 
@@ -1032,11 +1033,12 @@ def test_large_rows_against_reference():
         for dtype in (torch.float32,) if c == 262144 else (torch.float32, torch.bfloat16):
             for column_offset in (None, 0, 1):
                 buffer, logits, y = _streaming_rows(n, c, dtype, column_offset)
-                for weight, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("focal", "loss"),
+                for uncertainty, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss"), ("focal",
+                                                                                                         "loss"),
                                      ("none", "grad")):
-                    check_op(logits, y, weight=weight, mode=mode, gamma=3.0)
-                check_op(logits, y, weight="brier", mode="grad", reduction="none")
-                kw = dict(weight="focal", mode="loss", gamma=3.0, reduction="sum")
+                    check_op(logits, y, uncertainty=uncertainty, mode=mode, gamma=3.0)
+                check_op(logits, y, uncertainty="brier", mode="grad", reduction="none")
+                kw = dict(uncertainty="focal", mode="loss", gamma=3.0, reduction="sum")
                 loss_only, no_grad = _op(logits, y, compute_grad=False, **kw)
                 assert no_grad.numel() == 0
                 torch.testing.assert_close(loss_only, _op(logits, y, **kw)[0], rtol=0, atol=0)
@@ -1044,8 +1046,8 @@ def test_large_rows_against_reference():
                     continue
                 # In place, on aligned (vector) and misaligned rows: each thread overwrites only what it read itself,
                 # after every read of the target column.
-                exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, weight="brier", mode="grad")
-                low_loss, low_grad = _reference(logits, y, dtype=dtype, weight="brier", mode="grad")
+                exact_loss, exact_grad = _reference(logits, y, dtype=torch.float64, uncertainty="brier", mode="grad")
+                low_loss, low_grad = _reference(logits, y, dtype=dtype, uncertainty="brier", mode="grad")
                 outside = torch.ones_like(buffer, dtype=torch.bool)
                 outside[:, column_offset:column_offset + c] = False
                 loss = _inplace(logits, y, reduction="mean")

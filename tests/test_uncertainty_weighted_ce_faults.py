@@ -46,7 +46,7 @@ _CHILD = textwrap.dedent("""
             z, y, mix_target=y.flip(0), mix_lambda=torch.full((4,), 1.5, device=device), backend=backend),
         "dense target with a negative entry": lambda: ck.uncertainty_weighted_ce(z, bad_dense, backend=backend),
         "dual focal with a soft target": lambda: ck.uncertainty_weighted_ce(
-            z, y, weight="dual_focal", label_smoothing=0.1, backend=backend),
+            z, y, uncertainty="dual_focal", label_smoothing=0.1, backend=backend),
     }
     if backend == "triton":
         del cases["target of the wrong length (the op's own check)"]  # the compiled op's check, not Triton's
@@ -101,12 +101,12 @@ def test_rows_past_2_to_31_logits_elements_on_the_gpu(backend):
     logits = torch.randn(n, c, device="cuda", dtype=torch.bfloat16, generator=g).mul_(3)
     target = torch.randint(0, c, (n,), device="cuda", generator=g)
     rows = torch.tensor([0, 1, (2**31) // c - 1, (2**31) // c, (2**31) // c + 1, n - 2, n - 1], device="cuda")
-    for weight in ("none", "brier"):
+    for uncertainty in ("none", "brier"):
         x = logits.detach().requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, target, weight=weight, reduction="none", backend=backend)
+        loss = ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, reduction="none", backend=backend)
         loss.sum().backward()
         z_rows = logits[rows].float().requires_grad_()
-        expected = R.uncertainty_weighted_ce(z_rows, target[rows], weight=weight, reduction="none")
+        expected = R.uncertainty_weighted_ce(z_rows, target[rows], uncertainty=uncertainty, reduction="none")
         expected.sum().backward()
         torch.testing.assert_close(loss[rows].float(), expected, rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(x.grad[rows].float(), z_rows.grad, rtol=2e-2, atol=2e-3)

@@ -61,28 +61,28 @@ def _case(kind, n, c, device, seed, dtype=torch.float32, scale=3.0):
     return z, target, kw
 
 
-def _pair(backend, z, target, weight, mode, reduction, kw, norm=2.0, gamma=2.0, dtype=None):
+def _pair(backend, z, target, uncertainty, mode, reduction, kw, norm=2.0, gamma=2.0, dtype=None):
     x = z.detach().clone()
     if dtype is not None:
         x = x.to(dtype)
     x.requires_grad_(True)
     sample_weight = None
-    if weight == "external":
+    if uncertainty == "external":
         sample_weight = torch.linspace(0.2, 2.0, x.shape[0], dtype=torch.float64).to(x.device)
     tgt = target.to(x.dtype) if target.is_floating_point() and backend == "reference" else target
     kw = dict(kw)
     if isinstance(kw.get("mix_lambda"), torch.Tensor) and backend == "reference" and x.dtype == torch.float64:
         kw["mix_lambda"] = kw["mix_lambda"].double()
-    loss = ck.uncertainty_weighted_ce(x, tgt, weight=weight, mode=mode, reduction=reduction, norm=norm, gamma=gamma,
-                                      sample_weight=sample_weight, backend=backend, **kw)
+    loss = ck.uncertainty_weighted_ce(x, tgt, uncertainty=uncertainty, mode=mode, reduction=reduction, norm=norm,
+                                      gamma=gamma, sample_weight=sample_weight, backend=backend, **kw)
     loss.sum().backward()
     return loss.detach(), x.grad
 
 
-def _check(backend, z, target, weight, mode, reduction, kw, norm=2.0, gamma=2.0, what=""):
-    got = _pair(backend, z, target, weight, mode, reduction, kw, norm, gamma)
-    exact = _pair("reference", z, target, weight, mode, reduction, kw, norm, gamma, dtype=torch.float64)
-    low = _pair("reference", z, target, weight, mode, reduction, kw, norm, gamma)
+def _check(backend, z, target, uncertainty, mode, reduction, kw, norm=2.0, gamma=2.0, what=""):
+    got = _pair(backend, z, target, uncertainty, mode, reduction, kw, norm, gamma)
+    exact = _pair("reference", z, target, uncertainty, mode, reduction, kw, norm, gamma, dtype=torch.float64)
+    low = _pair("reference", z, target, uncertainty, mode, reduction, kw, norm, gamma)
     assert got[0].dtype == z.dtype and got[0].shape == exact[0].shape
     assert_within_reference_error(got[0], exact[0], low[0], z.dtype, f"{what} loss")
     assert_within_reference_error(got[1], exact[1], low[1], z.dtype, f"{what} gradient")
@@ -91,11 +91,11 @@ def _check(backend, z, target, weight, mode, reduction, kw, norm=2.0, gamma=2.0,
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_every_weight_mode_and_reduction_against_the_reference(backend, device, weight, mode, kind):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_every_weight_mode_and_reduction_against_the_reference(backend, device, uncertainty, mode, kind):
     for i, reduction in enumerate(REDUCTIONS):
-        z, target, kw = _case(kind, 19, 37, device, seed=hash((weight, mode, kind, i)) % 2**31)
-        _check(backend, z, target, weight, mode, reduction, kw, what=f"{weight}/{mode}/{kind}/{reduction}")
+        z, target, kw = _case(kind, 19, 37, device, seed=hash((uncertainty, mode, kind, i)) % 2**31)
+        _check(backend, z, target, uncertainty, mode, reduction, kw, what=f"{uncertainty}/{mode}/{kind}/{reduction}")
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -111,18 +111,18 @@ def test_brier_norms_other_than_two(backend, device, norm, kind):
 @pytest.mark.parametrize("c", [1, 2, 17, 1000, 4099])
 def test_odd_class_counts(backend, device, c):
     for kind in ("mix_smooth", "mix_rows", "dense"):
-        for weight, mode in (("brier", "grad"), ("focal", "loss"), ("brier", "loss")):
+        for uncertainty, mode in (("brier", "grad"), ("focal", "loss"), ("brier", "loss")):
             z, target, kw = _case(kind, 7, c, device, seed=c + len(kind))
-            _check(backend, z, target, weight, mode, "sum", kw, what=f"C={c}/{kind}/{weight}/{mode}")
+            _check(backend, z, target, uncertainty, mode, "sum", kw, what=f"C={c}/{kind}/{uncertainty}/{mode}")
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
 def test_every_dtype(backend, device, dtype):
     for kind in ("smooth", "mix_rows", "dense_smooth"):
-        for weight in ("none", "focal", "brier"):
+        for uncertainty in ("none", "focal", "brier"):
             z, target, kw = _case(kind, 16, 33, device, seed=7, dtype=dtype)
-            _check(backend, z, target, weight, "loss", "mean", kw, what=f"{dtype}/{kind}/{weight}")
+            _check(backend, z, target, uncertainty, "loss", "mean", kw, what=f"{dtype}/{kind}/{uncertainty}")
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -136,8 +136,8 @@ def test_extreme_and_infinite_logits(backend, device):
     mix = torch.roll(y, 1)
     for kw in (dict(label_smoothing=0.2), dict(mix_target=mix, mix_lambda=0.7),
                dict(mix_target=mix, mix_lambda=0.7, label_smoothing=0.05)):
-        for weight, mode in (("brier", "grad"), ("focal", "loss"), ("flsd", "loss"), ("brier", "loss")):
-            _check(backend, z, y, weight, mode, "none", kw, what=f"extreme/{weight}/{mode}/{sorted(kw)}")
+        for uncertainty, mode in (("brier", "grad"), ("focal", "loss"), ("flsd", "loss"), ("brier", "loss")):
+            _check(backend, z, y, uncertainty, mode, "none", kw, what=f"extreme/{uncertainty}/{mode}/{sorted(kw)}")
     # -inf in columns that are neither y nor m: finite without smoothing, +inf CE with it (as the reference)
     z2 = z.clone()
     z2[:, 0] = -float("inf")
@@ -165,13 +165,13 @@ def test_a_masked_column_without_target_mass_gets_no_gradient(backend, device, l
         masked_z = z.clone()
         masked_z[rows, masked] = -float("inf")
         mix_lambda = value if lam == "number" else torch.full((n,), value, device=device)
-        for weight, mode in (("none", "grad"), ("brier", "grad"), ("focal", "loss"), ("brier", "loss")):
+        for uncertainty, mode in (("none", "grad"), ("brier", "grad"), ("focal", "loss"), ("brier", "loss")):
             x = masked_z.clone().requires_grad_()
-            loss = ck.uncertainty_weighted_ce(x, y, weight=weight, mode=mode, mix_target=m, mix_lambda=mix_lambda,
-                                              reduction="sum", backend=backend)
+            loss = ck.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, mode=mode, mix_target=m,
+                                              mix_lambda=mix_lambda, reduction="sum", backend=backend)
             loss.backward()
-            assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), (value, weight, mode)
-            assert (x.grad[rows, masked] == 0).all(), (value, weight, mode, x.grad[rows, masked].tolist())
+            assert torch.isfinite(loss) and torch.isfinite(x.grad).all(), (value, uncertainty, mode)
+            assert (x.grad[rows, masked] == 0).all(), (value, uncertainty, mode, x.grad[rows, masked].tolist())
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
@@ -180,17 +180,17 @@ def test_weight_none_matches_f_cross_entropy(backend, device):
     y = torch.randint(0, 50, (24,), device=device)
     y[5] = -100
     for a in (0.0, 0.1, 1.0):
-        got = ck.uncertainty_weighted_ce(z, y, weight="none", label_smoothing=a, backend=backend)
+        got = ck.uncertainty_weighted_ce(z, y, uncertainty="none", label_smoothing=a, backend=backend)
         torch.testing.assert_close(got, F.cross_entropy(z, y, label_smoothing=a), rtol=2e-6, atol=1e-6)
     probs = torch.softmax(torch.randn(24, 50, device=device), dim=1)
     for a in (0.0, 0.2):
         for reduction in REDUCTIONS:
-            got = ck.uncertainty_weighted_ce(z, probs, weight="none", label_smoothing=a, reduction=reduction,
+            got = ck.uncertainty_weighted_ce(z, probs, uncertainty="none", label_smoothing=a, reduction=reduction,
                                              backend=backend)
             want = F.cross_entropy(z, probs, label_smoothing=a, reduction=reduction)
             torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-5)
     lam = 0.3
-    got = ck.uncertainty_weighted_ce(z, y, weight="none", mix_target=y.flip(0).clamp(min=0), mix_lambda=lam,
+    got = ck.uncertainty_weighted_ce(z, y, uncertainty="none", mix_target=y.flip(0).clamp(min=0), mix_lambda=lam,
                                      backend=backend)
     mixed = lam * F.one_hot(y.clamp(min=0), 50).float() + (1 - lam) * F.one_hot(y.flip(0).clamp(min=0), 50).float()
     want = F.cross_entropy(z, mixed, reduction="none")
@@ -198,19 +198,20 @@ def test_weight_none_matches_f_cross_entropy(backend, device):
 
 
 @pytest.mark.parametrize("backend,device", BACKENDS)
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_gradcheck_in_float64(backend, device, weight):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_gradcheck_in_float64(backend, device, uncertainty):
     g = torch.Generator().manual_seed(5)
     z = torch.randn(5, 6, generator=g, dtype=torch.float64).to(device).requires_grad_()
     y = torch.tensor([0, 3, -100, 5, 2], device=device)
     mix = torch.tensor([1, 3, 0, 4, 0], device=device)
     lam = torch.rand(5, generator=g, dtype=torch.float64).to(device)
     dense = torch.softmax(torch.randn(5, 6, generator=g, dtype=torch.float64), dim=1).to(device)
-    sw = {"sample_weight": torch.rand(5, generator=g, dtype=torch.float64).to(device)} if weight == "external" else {}
+    sw = {"sample_weight": torch.rand(5, generator=g,
+                                      dtype=torch.float64).to(device)} if uncertainty == "external" else {}
     for target, kw in ((y, dict(mix_target=mix, mix_lambda=lam, label_smoothing=0.1)), (dense, {})):
         def fn(x):
-            return ck.uncertainty_weighted_ce(x, target, weight=weight, mode="loss", gamma=2.0, backend=backend,
-                                              reduction="sum", **kw, **sw)
+            return ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, mode="loss", gamma=2.0,
+                                              backend=backend, reduction="sum", **kw, **sw)
         assert torch.autograd.gradcheck(fn, (z,), eps=1e-6, atol=1e-6)
 
 
@@ -222,14 +223,14 @@ def test_in_place_and_inference(backend, device):
             want = _pair(backend, z, target, "brier", "loss", "mean", kw)
             leaf = z.detach().clone().requires_grad_()
             h = leaf * 1.0
-            loss = ck.uncertainty_weighted_ce(h, target, weight="brier", mode="loss", gamma=2.0, backend=backend,
+            loss = ck.uncertainty_weighted_ce(h, target, uncertainty="brier", mode="loss", gamma=2.0, backend=backend,
                                               inplace=True, **kw)
             loss.backward()
             torch.testing.assert_close(loss.detach(), want[0], rtol=0, atol=0)
             torch.testing.assert_close(leaf.grad, want[1], rtol=0, atol=0)
             with torch.no_grad():
-                plain = ck.uncertainty_weighted_ce(z, target, weight="brier", mode="loss", gamma=2.0, backend=backend,
-                                                   **kw)
+                plain = ck.uncertainty_weighted_ce(z, target, uncertainty="brier", mode="loss", gamma=2.0,
+                                                   backend=backend, **kw)
             torch.testing.assert_close(plain, want[0], rtol=0, atol=0)
             with pytest.raises(ValueError, match="leaf"):
                 ck.uncertainty_weighted_ce(z.detach().clone().requires_grad_(), target, backend=backend, inplace=True,
@@ -319,8 +320,9 @@ def _cpu_isa():
 
 
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
-@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("focal", "loss"), ("none", "grad"), ("brier", "loss")])
-def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
+@pytest.mark.parametrize("uncertainty,mode", [("brier", "grad"), ("focal", "loss"), ("none", "grad"), ("brier",
+                                                                                                       "loss")])
+def test_streaming_stores_agree_with_ordinary_stores(uncertainty, mode, monkeypatch):
     """Compact rows write the gradient with the hard rows' streaming stores (AVX-512, out of place), and dense rows
     with their own: the arithmetic is the same, so bit-identical to ordinary stores, with y and m in partial and whole
     cache lines, and rows starting at every offset within a line."""
@@ -343,9 +345,9 @@ def test_streaming_stores_agree_with_ordinary_stores(weight, mode, monkeypatch):
         for (target, kwargs), reduction in itertools.product(
                 ((y, kw), (y, unsmoothed), (dense, dict(label_smoothing=0.1))), ("mean", "none")):
             monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
-            streamed = _pair("cpu", z, target, weight, mode, reduction, kwargs)
+            streamed = _pair("cpu", z, target, uncertainty, mode, reduction, kwargs)
             monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "0")
-            ordinary = _pair("cpu", z, target, weight, mode, reduction, kwargs)
+            ordinary = _pair("cpu", z, target, uncertainty, mode, reduction, kwargs)
             what = f"C = {c}, {'dense' if target.is_floating_point() else 'compact'}, {reduction}"
             assert torch.equal(streamed[0], ordinary[0]) and torch.equal(streamed[1], ordinary[1]), what
 
@@ -375,7 +377,8 @@ def test_each_instruction_set_build_in_a_subprocess(isa):
         "  for weight, mode in (('brier', 'grad'), ('focal', 'loss'), ('flsd', 'grad'), ('brier', 'loss')):\n"
         "    out = []\n"
         "    for backend in ('cpu', 'reference'):\n"
-        "      x = z.clone().requires_grad_(); l = ck.uncertainty_weighted_ce(x, target, weight=weight, mode=mode,\n"
+        "      x = z.clone().requires_grad_()\n"
+        "      l = ck.uncertainty_weighted_ce(x, target, uncertainty=weight, mode=mode,\n"
         "          gamma=2.0, backend=backend, **kw); l.backward(); out.append((l, x.grad))\n"
         "    torch.testing.assert_close(out[0][0], out[1][0], rtol=2e-5, atol=1e-6)\n"
         "    torch.testing.assert_close(out[0][1], out[1][1], rtol=2e-5, atol=1e-7)\n"
@@ -398,9 +401,9 @@ def test_each_instruction_set_build_in_a_subprocess(isa):
 
 
 @pytest.mark.skipif(not any(b[0] == "cpu" for b in BACKENDS), reason="no CPU kernel")
-@pytest.mark.parametrize("weight", ["brier", "focal"])
+@pytest.mark.parametrize("uncertainty", ["brier", "focal"])
 @pytest.mark.parametrize("smoothing", [0.0, 0.1])
-def test_cpu_column_m_when_the_mix_partner_dominates(weight, smoothing):
+def test_cpu_column_m_when_the_mix_partner_dominates(uncertainty, smoothing):
     """Rows whose mix partner m holds nearly all the probability (p_m up to 1 - 1e-13), loss mode: column m's
     gradient is formed from small quantities (1 - p_m, w_m (1 - p_m) - w_y p_y, the rest's sums taken without m),
     as column y's is; the difference form had up to 75 float32 ulps of error there."""
@@ -414,7 +417,7 @@ def test_cpu_column_m_when_the_mix_partner_dominates(weight, smoothing):
     grads = []
     for dtype, backend in ((torch.float32, "cpu"), (torch.float64, "reference")):
         x = z.to(dtype).requires_grad_()
-        ck.uncertainty_weighted_ce(x, y, weight=weight, mode="loss", gamma=2.0, reduction="sum", mix_target=m,
+        ck.uncertainty_weighted_ce(x, y, uncertainty=uncertainty, mode="loss", gamma=2.0, reduction="sum", mix_target=m,
                                    mix_lambda=lam.to(dtype), label_smoothing=smoothing, backend=backend).backward()
         grads.append(x.grad.double()[torch.arange(n), m])
     ulps = ((grads[0] - grads[1]).abs() / grads[1].abs()) / torch.finfo(torch.float32).eps
@@ -426,7 +429,7 @@ def _dense_target_errors(z, target, **kw):
     texts = []
     for backend in ("cpu", "reference"):
         try:
-            ck.uncertainty_weighted_ce(z, target, weight="brier", backend=backend, **kw)
+            ck.uncertainty_weighted_ce(z, target, uncertainty="brier", backend=backend, **kw)
             texts.append(None)
         except ValueError as error:
             texts.append(str(error))
@@ -439,7 +442,7 @@ def _dense_target_error_in_place(z, target):
     x = z.detach().clone().requires_grad_()
     logits = x * 1  # a non-leaf that may be overwritten
     try:
-        ck.uncertainty_weighted_ce(logits, target, weight="brier", backend="cpu", inplace=True)
+        ck.uncertainty_weighted_ce(logits, target, uncertainty="brier", backend="cpu", inplace=True)
     except ValueError as error:
         assert torch.equal(logits.detach(), z), "the logits were overwritten before the error"
         return str(error)
@@ -464,7 +467,7 @@ def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, targe
     as the host check (which the reference runs) for negative, NaN and infinite entries and for rows off 1 by more
     than the dtype's tolerance, the worst row named, the logits intact in place; rows off by less than the tolerance
     pass, both where the kernel's margin flags them for the exact check and where it does not."""
-    tolerance = V._ROW_SUM_TOLERANCE[target_dtype]
+    tolerance = V.DENSE_ROW_SUM_TOLERANCE[target_dtype]
     for c in (5, 301, 1500):
         g = torch.Generator().manual_seed(c)
         z = (torch.randn(9, c, generator=g, dtype=torch.float64) * 3).to(logit_dtype)
@@ -490,8 +493,8 @@ def test_cpu_kernel_checks_dense_targets_with_the_same_errors(logit_dtype, targe
                 continue  # the dtype rounded the change past the tolerance
             assert _dense_target_errors(z, target) == [None, None], (c, amount)
             assert _dense_target_error_in_place(z, target) is None, (c, amount)
-            got = ck.uncertainty_weighted_ce(z, target, weight="brier", backend="cpu")
-            exact = ck.uncertainty_weighted_ce(z, target, weight="brier", backend="reference")
+            got = ck.uncertainty_weighted_ce(z, target, uncertainty="brier", backend="cpu")
+            exact = ck.uncertainty_weighted_ce(z, target, uncertainty="brier", backend="reference")
             torch.testing.assert_close(got, exact, rtol=2e-2 if logit_dtype == torch.bfloat16 else 1e-4, atol=1e-5)
 
 

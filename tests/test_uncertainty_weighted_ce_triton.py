@@ -59,30 +59,31 @@ def _targets(n, c, device, ignored=2):
     return y
 
 
-def _inputs(z, y, *, weight="brier", mode="grad", gamma=None, norm=2.0, sample_weight=None, reduction="mean",
+def _inputs(z, y, *, uncertainty="brier", mode="grad", gamma=None, norm=2.0, sample_weight=None, reduction="mean",
             ignore_index=-100):
-    gamma = GAMMAS[weight] if gamma is None else gamma
-    return V.check_loss_inputs(z, y, weight=weight, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+    gamma = GAMMAS[uncertainty] if gamma is None else gamma
+    return V.check_loss_inputs(z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm,
+                               sample_weight=sample_weight,
                                reduction=reduction, ignore_index=ignore_index, check_values=False)
 
 
-def _op_args(z, y, *, weight="brier", mode="grad", gamma=None, norm=2.0, sample_weight=None, reduction="mean",
+def _op_args(z, y, *, uncertainty="brier", mode="grad", gamma=None, norm=2.0, sample_weight=None, reduction="mean",
              ignore_index=-100):
-    gamma = GAMMAS[weight] if gamma is None else gamma
+    gamma = GAMMAS[uncertainty] if gamma is None else gamma
     per_sample = gamma if isinstance(gamma, torch.Tensor) else None
-    return (y, sample_weight, per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode],
+    return (y, sample_weight, per_sample, V.WEIGHT_CODES[uncertainty], V.MODE_CODES[mode],
             0.0 if per_sample is not None else float(gamma), float(norm), ignore_index, V.REDUCTION_CODES[reduction])
 
 
 def _run(inputs, inplace):
     """The loss through the Triton backend and the shared autograd (below the public API's host-side checks)."""
-    return _autograd.run("triton", inputs, inplace)
+    return _autograd.run(_backends.module("triton"), inputs, inplace)
 
 
 def _reference_loss_and_grad(z, y, grad_out, **kw):
     """float64 reference: the loss and the gradient of ``loss·grad_out``."""
     x = z.detach().double().requires_grad_()
-    kw.setdefault("gamma", GAMMAS[kw.get("weight", "brier")])  # the same defaults as _inputs
+    kw.setdefault("gamma", GAMMAS[kw.get("uncertainty", "brier")])  # the same defaults as _inputs
     sw = kw.get("sample_weight")
     if sw is not None:
         kw = dict(kw, sample_weight=sw.double())
@@ -122,17 +123,17 @@ def small_block(monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("reduction", ["none", "mean", "sum"])
 @pytest.mark.parametrize("mode", ["loss", "grad"])
-@pytest.mark.parametrize("weight", WEIGHTS)
-def test_chunked_path_matches_reference(small_block, device, weight, mode, reduction):
+@pytest.mark.parametrize("uncertainty", WEIGHTS)
+def test_chunked_path_matches_reference(small_block, device, uncertainty, mode, reduction):
     n, c = 7, 37
     assert c > T.MAX_BLOCK, "the fixture must force several chunks"
     z = torch.randn(n, c, device=device) * 3
     z[0, 5] = float("-inf")  # a masked class, usually in another chunk than the max
     y = _targets(n, c, device)
     y[1] = 36  # target in the last, partial chunk
-    sw = torch.rand(n, device=device) if weight == "external" else None
+    sw = torch.rand(n, device=device) if uncertainty == "external" else None
     grad_out = torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.75, device=device)
-    kw = dict(weight=weight, mode=mode, reduction=reduction, sample_weight=sw)
+    kw = dict(uncertainty=uncertainty, mode=mode, reduction=reduction, sample_weight=sw)
     loss, grad = _triton_loss_and_grad(z, y, grad_out, **kw)
     exact_loss, exact_grad = _reference_loss_and_grad(z, y, grad_out, **kw)
     _close(loss, exact_loss, torch.float32, "loss")
@@ -152,7 +153,7 @@ def test_dual_focal_ties_across_chunks(small_block, device, mode):
     z[1, 2] = 3.0
     z[2] = 1.0  # all tied with the target: nothing below, p_j = 0
     z[3, 3] = 5.0  # target is the max; below it the four-way tie at 3.0 and the rest
-    kw = dict(weight="dual_focal", mode=mode, reduction="sum", gamma=2.0)
+    kw = dict(uncertainty="dual_focal", mode=mode, reduction="sum", gamma=2.0)
     one = torch.tensor(1.0, device=device)
     loss, grad = _triton_loss_and_grad(z, y, one, **kw)
     exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, **kw)
@@ -162,15 +163,15 @@ def test_dual_focal_ties_across_chunks(small_block, device, mode):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("weight", ["focal", "dual_focal", "brier"])
-def test_single_and_two_read_paths_agree_in_half_precision(monkeypatch, device, dtype, weight):
+@pytest.mark.parametrize("uncertainty", ["focal", "dual_focal", "brier"])
+def test_single_and_two_read_paths_agree_in_half_precision(monkeypatch, device, dtype, uncertainty):
     """Same fp32 statistics either way, so the two paths agree to the 16-bit output's rounding."""
     c = 300
     z = (torch.randn(6, c, device=device) * 4).to(dtype)
     y = _targets(6, c, device)
     for mode in ("loss", "grad"):
         one = torch.tensor(1.0, device=device)
-        kw = dict(weight=weight, mode=mode, reduction="sum")
+        kw = dict(uncertainty=uncertainty, mode=mode, reduction="sum")
         single_loss, single_grad = _triton_loss_and_grad(z, y, one, **kw)
         monkeypatch.setattr(T, "MAX_BLOCK", 32)  # 16-class chunks: 19 of them
         chunked_loss, chunked_grad = _triton_loss_and_grad(z, y, one, **kw)
@@ -191,15 +192,15 @@ def test_confident_and_infinite_rows_in_chunks(small_block, device):
     z[2, 3] = 1e4  # extreme logits; target far below the max
     z[2, 9] = -1e4
     y = torch.tensor([17, 10, 9, -100], device=device)
-    for weight in ("focal", "dual_focal", "brier", "brier_flsd"):
+    for uncertainty in ("focal", "dual_focal", "brier", "brier_flsd"):
         for mode in ("loss", "grad"):
-            kw = dict(weight=weight, mode=mode, reduction="none", gamma=3.0)
+            kw = dict(uncertainty=uncertainty, mode=mode, reduction="none", gamma=3.0)
             ones = torch.ones(4, device=device)
             loss, grad = _triton_loss_and_grad(z, y, ones, **kw)
             exact_loss, exact_grad = _reference_loss_and_grad(z, y, ones, **kw)
-            _close(loss, exact_loss, torch.float32, f"{weight}/{mode} loss")
-            _close(grad, exact_grad, torch.float32, f"{weight}/{mode} gradient")
-    confident_loss, _ = _triton_loss_and_grad(z, y, ones, weight="focal", mode="loss", reduction="none", gamma=0.5)
+            _close(loss, exact_loss, torch.float32, f"{uncertainty}/{mode} loss")
+            _close(grad, exact_grad, torch.float32, f"{uncertainty}/{mode} gradient")
+    confident_loss, _ = _triton_loss_and_grad(z, y, ones, uncertainty="focal", mode="loss", reduction="none", gamma=0.5)
     assert confident_loss[0] > 0, "the confident row's weight (1 - p_y)^γ must not round to 0"
 
 
@@ -212,12 +213,12 @@ def test_chunked_path_keeps_precision_with_logits_of_a_few_thousand(small_block,
     z = torch.randn(n, c, device=device) * 3 + 2000  # a large common offset, as in the shared suite
     y = _targets(n, c, device, ignored=0)
     one = torch.tensor(1.0, device=device)
-    for weight in ("none", "brier", "dual_focal"):
-        kw = dict(weight=weight, mode="grad", reduction="sum", gamma=3.0, norm=norm)
+    for uncertainty in ("none", "brier", "dual_focal"):
+        kw = dict(uncertainty=uncertainty, mode="grad", reduction="sum", gamma=3.0, norm=norm)
         loss, grad = _triton_loss_and_grad(z, y, one, **kw)
         exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, **kw)
-        _close(loss, exact_loss, torch.float32, f"{weight} loss")
-        _close(grad, exact_grad, torch.float32, f"{weight} gradient")
+        _close(loss, exact_loss, torch.float32, f"{uncertainty} loss")
+        _close(grad, exact_grad, torch.float32, f"{uncertainty} gradient")
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -225,8 +226,8 @@ def test_chunked_path_keeps_precision_with_logits_of_a_few_thousand(small_block,
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
-@pytest.mark.parametrize("weight,mode", [("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss")])
-def test_inplace_overwrites_logits_with_gradient(monkeypatch, device, chunked, weight, mode):
+@pytest.mark.parametrize("uncertainty,mode", [("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss")])
+def test_inplace_overwrites_logits_with_gradient(monkeypatch, device, chunked, uncertainty, mode):
     if chunked:
         monkeypatch.setattr(T, "MAX_BLOCK", 8)
     n, c = 6, 21
@@ -235,10 +236,10 @@ def test_inplace_overwrites_logits_with_gradient(monkeypatch, device, chunked, w
     leaf = z.clone().requires_grad_()
     logits = leaf * 1.0  # an activation, as a model's output is
     storage = logits.data_ptr()
-    loss = _run(_inputs(logits, y, weight=weight, mode=mode), True)
+    loss = _run(_inputs(logits, y, uncertainty=uncertainty, mode=mode), True)
     grad_out = torch.tensor(0.5, device=device)
     loss.backward(grad_out)
-    exact_loss, exact_grad = _reference_loss_and_grad(z, y, grad_out, weight=weight, mode=mode)
+    exact_loss, exact_grad = _reference_loss_and_grad(z, y, grad_out, uncertainty=uncertainty, mode=mode)
     _close(loss, exact_loss, torch.float32, "loss")
     _close(leaf.grad, exact_grad, torch.float32, "gradient")
     # the logits buffer now holds the (scaled) gradient: no separate N×C buffer was allocated
@@ -302,9 +303,9 @@ def test_backward_with_broadcast_and_unit_grad_output(device):
                                 ("none", torch.ones(7, device=device)),
                                 ("none", torch.tensor(3.0, device=device).expand(7))):
         x = z.clone().requires_grad_()
-        loss = _run(_inputs(x, y, weight="focal", mode="loss", reduction=reduction), False)
+        loss = _run(_inputs(x, y, uncertainty="focal", mode="loss", reduction=reduction), False)
         loss.backward(grad_out)
-        exact = _reference_loss_and_grad(z, y, grad_out, weight="focal", mode="loss", reduction=reduction)[1]
+        exact = _reference_loss_and_grad(z, y, grad_out, uncertainty="focal", mode="loss", reduction=reduction)[1]
         _close(x.grad, exact, torch.float32, f"{reduction} gradient")
     x = z.clone().requires_grad_()
     _run(_inputs(x, y, reduction="none"), False).sum().backward()
@@ -370,9 +371,9 @@ _TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("weight", ["focal", "flsd"])
+@pytest.mark.parametrize("uncertainty", ["focal", "flsd"])
 @pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
-def test_a_dense_target_summing_off_one_keeps_the_loss_mode_gradient(monkeypatch, device, weight, chunked):
+def test_a_dense_target_summing_off_one_keeps_the_loss_mode_gradient(monkeypatch, device, uncertainty, chunked):
     """A bfloat16 dense target whose rows sum to s != 1 within its dtype's tolerance, with an entry above 1/2: the
     focal weights' loss-mode gradient as the reference's on the same target. (The kernel formed t - P on such columns
     as (Σt - P) - (1 - t), off by s - 1: 5e-3 here.)"""
@@ -383,10 +384,11 @@ def test_a_dense_target_summing_off_one_keeps_the_loss_mode_gradient(monkeypatch
                      dtype=torch.bfloat16, device=device)
     assert (t.double().sum(dim=1) - 1).abs().min() > 1e-3  # off one, within bfloat16's tolerance
     x = z.clone().requires_grad_()
-    ck.uncertainty_weighted_ce(x, t, weight=weight, mode="loss", gamma=2.0, backend="triton").backward()
+    ck.uncertainty_weighted_ce(x, t, uncertainty=uncertainty, mode="loss", gamma=2.0, backend="triton").backward()
     exact_x = z.double().requires_grad_()
-    R.uncertainty_weighted_ce(exact_x, t, weight=weight, mode="loss", gamma=2.0).backward()  # t: its own tolerance
-    _close(x.grad, exact_x.grad, torch.float32, f"{weight} loss-mode gradient")
+    R.uncertainty_weighted_ce(exact_x, t, uncertainty=uncertainty, mode="loss",
+                              gamma=2.0).backward()  # t: its own tolerance
+    _close(x.grad, exact_x.grad, torch.float32, f"{uncertainty} loss-mode gradient")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -471,15 +473,15 @@ def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch
 # Registration: opcheck, torch.compile, backend interface
 # ----------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("weight,mode,reduction", [("brier", "loss", "mean"), ("focal", "grad", "none"),
+@pytest.mark.parametrize("uncertainty,mode,reduction", [("brier", "loss", "mean"), ("focal", "grad", "none"),
                                                    ("dual_focal", "loss", "sum")])
-def test_opcheck(device, weight, mode, reduction):
+def test_opcheck(device, uncertainty, mode, reduction):
     # The op mutates its grad_out argument, so it has no registered autograd (calibkernels._autograd is its autograd
     # in every mode): opcheck it on inputs that do not require grad, returning the gradient, writing it into a
     # separate buffer, and in place.
     z = torch.randn(5, 11, device=device)
     y = _targets(5, 11, device, ignored=1)
-    args = _op_args(z, y, weight=weight, mode=mode, reduction=reduction)
+    args = _op_args(z, y, uncertainty=uncertainty, mode=mode, reduction=reduction)
     op = torch.ops.calibkernels.uncertainty_weighted_ce_triton.default
     torch.library.opcheck(op, (z, *args, True, None))
     torch.library.opcheck(op, (z, *args, False, None))
@@ -497,7 +499,7 @@ def test_compiles_with_fullgraph(device, inplace):
     x, y = torch.randn(8, 6, device=device), _targets(8, 9, device)
 
     def step(features, target):
-        inputs = V.check_loss_inputs(model(features), target, weight="brier", mode="loss", check_values=False)
+        inputs = V.check_loss_inputs(model(features), target, uncertainty="brier", mode="loss", check_values=False)
         return _run(inputs, inplace)
 
     # Inductor on GPU; on CPU the graph is checked with aot_eager (Inductor's C++ build adds nothing here)
@@ -565,23 +567,24 @@ def _soft_case(kind, n, c, device, *, dtype=torch.float32, target_dtype=torch.fl
     return z.to(dtype), target, kw
 
 
-def _soft_forward(z, target, *, weight, mode="grad", reduction="mean", gamma=None, norm=2.0, sample_weight=None,
+def _soft_forward(z, target, *, uncertainty, mode="grad", reduction="mean", gamma=None, norm=2.0, sample_weight=None,
                   gamma_per_sample=None, compute_grad=True, grad_out=None, **soft):
     """``(loss, grad)`` of the Triton backend's forward (the gradient of the reduced loss for grad_output = 1)."""
-    gamma = GAMMAS[weight] if gamma is None else gamma
-    loss, grad, _ = T.forward(z, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[weight], V.MODE_CODES[mode],
+    gamma = GAMMAS[uncertainty] if gamma is None else gamma
+    loss, grad, _ = T.forward(z, target, sample_weight, gamma_per_sample, V.WEIGHT_CODES[uncertainty],
+                              V.MODE_CODES[mode],
                               float(gamma), float(norm), -100, V.REDUCTION_CODES[reduction], compute_grad, grad_out,
                               soft.get("mix_target"), soft.get("mix_lambda"), soft.get("label_smoothing", 0.0))
     return loss, grad
 
 
-def _soft_reference(z, target, *, weight, dtype=torch.float64, gamma=None, sample_weight=None, **kw):
+def _soft_reference(z, target, *, uncertainty, dtype=torch.float64, gamma=None, sample_weight=None, **kw):
     """The reference's loss and its gradient (grad_output 1 per row for "none"), the logits cast to ``dtype``."""
     x = z.detach().to(dtype).requires_grad_()
-    gamma = GAMMAS[weight] if gamma is None else gamma
+    gamma = GAMMAS[uncertainty] if gamma is None else gamma
     if sample_weight is not None:
         sample_weight = sample_weight.to(dtype)
-    loss = R.uncertainty_weighted_ce(x, target, weight=weight, gamma=gamma, sample_weight=sample_weight, **kw)
+    loss = R.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, gamma=gamma, sample_weight=sample_weight, **kw)
     loss.backward(torch.ones_like(loss))
     return loss.detach(), x.grad
 
@@ -605,28 +608,29 @@ def _check_soft(z, target, *, what="", **kw):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", SOFT_KINDS)
 @pytest.mark.parametrize("mode", ["loss", "grad"])
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
-def test_soft_targets_match_reference(device, weight, mode, kind):
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
+def test_soft_targets_match_reference(device, uncertainty, mode, kind):
     n, c = 4, 7
     z, target, soft = _soft_case(kind, n, c, device)
-    sw = torch.rand(n, device=device) if weight == "external" else None
+    sw = torch.rand(n, device=device) if uncertainty == "external" else None
     for reduction in ("none", "mean", "sum"):
-        _check_soft(z, target, weight=weight, mode=mode, reduction=reduction, sample_weight=sw, what=reduction, **soft)
+        _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction=reduction, sample_weight=sw,
+                    what=reduction, **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["mix-per-row", "mix-smoothing", "dense-smoothing"])
 @pytest.mark.parametrize("mode", ["loss", "grad"])
-@pytest.mark.parametrize("weight", SOFT_WEIGHTS)
-def test_soft_targets_on_the_two_read_path(small_block, device, weight, mode, kind):
+@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
+def test_soft_targets_on_the_two_read_path(small_block, device, uncertainty, mode, kind):
     """Rows over 8 classes streamed in 4-class chunks: the statistics pass's online sums (rescaled as the max moves)
     and the gradient pass."""
     n, c = 5, 19
     z, target, soft = _soft_case(kind, n, c, device)
     z[2, 17] = 9.0  # a late maximum: every running sum is rescaled
-    sw = torch.rand(n, device=device) if weight == "external" else None
-    reduction = ("none", "mean", "sum")[SOFT_WEIGHTS.index(weight) % 3]
-    _check_soft(z, target, weight=weight, mode=mode, reduction=reduction, sample_weight=sw, **soft)
+    sw = torch.rand(n, device=device) if uncertainty == "external" else None
+    reduction = ("none", "mean", "sum")[SOFT_WEIGHTS.index(uncertainty) % 3]
+    _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction=reduction, sample_weight=sw, **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -640,7 +644,7 @@ def test_soft_targets_brier_norms(monkeypatch, device, norm, kind, chunked):
         monkeypatch.setattr(T, "MAX_BLOCK", 8)
     z, target, soft = _soft_case(kind, 3, 11, device)
     for mode in ("loss", "grad"):
-        _check_soft(z, target, weight="brier", mode=mode, reduction="sum", norm=norm, gamma=3.0, what=mode, **soft)
+        _check_soft(z, target, uncertainty="brier", mode=mode, reduction="sum", norm=norm, gamma=3.0, what=mode, **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -648,8 +652,9 @@ def test_soft_targets_brier_norms(monkeypatch, device, norm, kind, chunked):
 @pytest.mark.parametrize("kind", ["mix-per-row", "mix-smoothing", "dense-smoothing"])
 def test_soft_targets_odd_class_counts(device, c, kind):
     z, target, soft = _soft_case(kind, 5, c, device)
-    for weight, mode in (("brier", "loss"), ("focal", "loss"), ("flsd", "grad")):
-        _check_soft(z, target, weight=weight, mode=mode, reduction="mean", what=f"{weight}/{mode}", **soft)
+    for uncertainty, mode in (("brier", "loss"), ("focal", "loss"), ("flsd", "grad")):
+        _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction="mean", what=f"{uncertainty}/{mode}",
+                    **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -661,8 +666,9 @@ def test_soft_targets_in_half_precision(device, dtype, kind):
     target_dtype = dtype if kind == "dense-logits-dtype" else torch.float32
     z, target, soft = _soft_case(kind.replace("-logits-dtype", ""), 6, 40, device, dtype=dtype,
                                  target_dtype=target_dtype)
-    for weight, mode in (("none", "grad"), ("focal", "loss"), ("brier", "loss"), ("brier", "grad")):
-        _check_soft(z, target, weight=weight, mode=mode, reduction="sum", what=f"{weight}/{mode}", **soft)
+    for uncertainty, mode in (("none", "grad"), ("focal", "loss"), ("brier", "loss"), ("brier", "grad")):
+        _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction="sum", what=f"{uncertainty}/{mode}",
+                    **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -672,8 +678,9 @@ def test_soft_targets_above_the_single_read_block(device, kind):
     c = T.MAX_BLOCK_16BIT + 1
     assert not T._launch_config(c, 2)[0]
     z, target, soft = _soft_case(kind, 2, c, device, dtype=torch.bfloat16)
-    for weight, mode in (("brier", "loss"), ("focal", "loss")):
-        _check_soft(z, target, weight=weight, mode=mode, reduction="sum", what=f"{weight}/{mode}", **soft)
+    for uncertainty, mode in (("brier", "loss"), ("focal", "loss")):
+        _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction="sum", what=f"{uncertainty}/{mode}",
+                    **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -685,16 +692,17 @@ def test_label_smoothing_with_a_masked_class(monkeypatch, device, chunked):
         monkeypatch.setattr(T, "MAX_BLOCK", 8)
     z, target, soft = _soft_case("mix-smoothing", 4, 11, device, ignored=0)
     z[1, 4] = float("-inf")
-    for weight in ("none", "focal", "brier"):
-        loss, grad = _soft_forward(z, target, weight=weight, mode="grad", reduction="none", **soft)
-        exact_loss, exact_grad = _soft_reference(z, target, weight=weight, mode="grad", reduction="none", **soft)
+    for uncertainty in ("none", "focal", "brier"):
+        loss, grad = _soft_forward(z, target, uncertainty=uncertainty, mode="grad", reduction="none", **soft)
+        exact_loss, exact_grad = _soft_reference(z, target, uncertainty=uncertainty, mode="grad", reduction="none",
+                                                 **soft)
         assert torch.isinf(loss[1]) and torch.isinf(exact_loss[1])
-        _close(loss, exact_loss, torch.float32, f"{weight} loss")
-        _close(grad, exact_grad, torch.float32, f"{weight} gradient")
+        _close(loss, exact_loss, torch.float32, f"{uncertainty} loss")
+        _close(grad, exact_grad, torch.float32, f"{uncertainty} gradient")
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def _confident_compact_oracle(z, target, mix, lam, weight, gamma):
+def _confident_compact_oracle(z, target, mix, lam, uncertainty, gamma):
     """float64 loss and target-column GRA gradient of compact rows whose target class dominates, from the odds
     o_k = e^{z_k - z_y} (a plain log-softmax loses -log p_y ≈ Σ o_k to the rounding of lse, even in float64)."""
     z = z.double().cpu()
@@ -715,7 +723,7 @@ def _confident_compact_oracle(z, target, mix, lam, weight, gamma):
             one_minus_P = (1 - w_m) * one_minus_p_y + w_m * (1 - p[m])
         else:
             one_minus_P = one_minus_p_y
-        u = one_minus_P ** gamma if weight == "focal" else (delta ** 2).sum() ** (gamma / 2)
+        u = one_minus_P ** gamma if uncertainty == "focal" else (delta ** 2).sum() ** (gamma / 2)
         losses.append(u * cross_entropy)
         grads.append(u * delta[y])
     return torch.stack(losses), torch.stack(grads)
@@ -736,10 +744,10 @@ def test_soft_targets_confident_rows_keep_precision(monkeypatch, device, chunked
     target = torch.tensor([4, 4, 4], device=device)
     mix = torch.tensor([4, 2, 17], device=device)
     lam = torch.tensor([1.0, 1.0, 1.0 - 2**-20], device=device)
-    for weight in ("focal", "brier"):
-        loss, grad = _soft_forward(z, target, weight=weight, mode="grad", reduction="none", gamma=0.5,
+    for uncertainty in ("focal", "brier"):
+        loss, grad = _soft_forward(z, target, uncertainty=uncertainty, mode="grad", reduction="none", gamma=0.5,
                                    mix_target=mix, mix_lambda=lam)
-        exact_loss, exact_grad = _confident_compact_oracle(z, target, mix, lam, weight, 0.5)
+        exact_loss, exact_grad = _confident_compact_oracle(z, target, mix, lam, uncertainty, 0.5)
         assert (loss > 0).all()
         torch.testing.assert_close(loss.double().cpu(), exact_loss, rtol=1e-5, atol=0)
         torch.testing.assert_close(grad[:, 4].double().cpu(), exact_grad, rtol=1e-5, atol=0)
@@ -766,7 +774,7 @@ def test_soft_targets_against_f_cross_entropy(device):
          lambda x: lam * F.cross_entropy(x, every_row) + (1 - lam) * F.cross_entropy(x, mix)),
     ]
     for target, soft, expected_of in cases:
-        loss, grad = _soft_forward(z, target, weight="none", reduction="mean", **soft)
+        loss, grad = _soft_forward(z, target, uncertainty="none", reduction="mean", **soft)
         x = z.double().requires_grad_()
         expected = expected_of(x)
         expected.backward()
@@ -779,9 +787,9 @@ def test_soft_targets_with_per_sample_gamma(device):
     z, target, soft = _soft_case("mix-smoothing", 6, 7, device)
     gamma = torch.rand(6, device=device) * 4
     for mode in ("loss", "grad"):
-        loss, grad = _soft_forward(z, target, weight="focal", mode=mode, reduction="mean", gamma=0.0,
+        loss, grad = _soft_forward(z, target, uncertainty="focal", mode=mode, reduction="mean", gamma=0.0,
                                    gamma_per_sample=gamma, **soft)
-        exact_loss, exact_grad = _soft_reference(z, target, weight="focal", mode=mode, reduction="mean",
+        exact_loss, exact_grad = _soft_reference(z, target, uncertainty="focal", mode=mode, reduction="mean",
                                                  gamma=gamma.double(), **soft)
         _close(loss, exact_loss, torch.float32, f"{mode} loss")
         _close(grad, exact_grad, torch.float32, f"{mode} gradient")
@@ -795,8 +803,9 @@ def test_soft_kernel_with_one_hot_targets_agrees_with_the_hard_kernel(device):
     y = _targets(n, c, device, ignored=0)
     sw = torch.rand(n, device=device)
     one_hot = torch.nn.functional.one_hot(y, c).float()
-    for weight in SOFT_WEIGHTS:
-        kw = dict(weight=weight, mode="loss", reduction="none", sample_weight=sw if weight == "external" else None)
+    for uncertainty in SOFT_WEIGHTS:
+        kw = dict(uncertainty=uncertainty, mode="loss", reduction="none",
+                  sample_weight=sw if uncertainty == "external" else None)
         hard_loss, hard_grad = _soft_forward(z, y, **kw)
         for target, soft in ((y, dict(mix_target=(y + 1) % c, mix_lambda=torch.ones(n, device=device))),
                              (one_hot, {})):
@@ -817,7 +826,7 @@ def test_flsd_band_of_compact_targets_is_the_closed_form(device):
     mix = torch.tensor([3, 1, 4], device=device)
     lam = torch.tensor([0.5, 0.25, 1.0], device=device)
     for smoothing in (0.0, 0.5):
-        loss, _ = _soft_forward(z, target, weight="flsd", mode="grad", reduction="none", gamma=gamma,
+        loss, _ = _soft_forward(z, target, uncertainty="flsd", mode="grad", reduction="none", gamma=gamma,
                                 mix_target=mix, mix_lambda=lam, label_smoothing=smoothing)
         e = np.float32(np.exp(np.float32(0.0) - np.float32(np.log(np.float32(c)))))
         expected = []
@@ -842,7 +851,7 @@ def _brier_flsd_gamma_picked(loss, z, t, norm):
 @pytest.mark.parametrize("norm", [2.0, 1.5])
 @pytest.mark.parametrize("chunked", [False, True], ids=["single-read", "two-read"])
 def test_brier_flsd_bands_and_their_boundaries(monkeypatch, device, chunked, norm):
-    """``weight="brier_flsd"``, ``‖p - t‖_q^{γ_i} · CE`` with FLSD's γ_i (5 / 3 / γ below 0.2f / 0.5f / above), on
+    """``uncertainty="brier_flsd"``, ``‖p - t‖_q^{γ_i} · CE`` with FLSD's γ_i (5 / 3 / γ below 0.2f / 0.5f / above), on
     rows in each band and at both boundaries, hard and soft targets: the reference's loss and gradient in both modes,
     and the γ_i each row got. Five equal logits: exact p_y = 0.2, but float32 exp(-logf(5)) = 0.19999999f, so γ_i = 5;
     two equal logits (the rest e^{-200} = 0 in float32): exp(-logf(2)) = 0.5f, γ_i = γ. The mixes put 3/4 on the
@@ -875,7 +884,7 @@ def test_brier_flsd_bands_and_their_boundaries(monkeypatch, device, chunked, nor
         smoothing = soft.get("label_smoothing", 0.0)
         distribution = (1 - smoothing) * (one_hot if kind == "hard" else dense) + smoothing / 5
         for mode in ("loss", "grad"):
-            kw = dict(weight="brier_flsd", mode=mode, reduction="none", gamma=gamma, norm=norm, **soft)
+            kw = dict(uncertainty="brier_flsd", mode=mode, reduction="none", gamma=gamma, norm=norm, **soft)
             loss, grad = _soft_forward(z, t, **kw)
             exact_loss, exact_grad = _soft_reference(z, t, dtype=torch.float32, **kw)
             what = f"{kind}/{mode}"
@@ -894,7 +903,7 @@ def test_soft_targets_in_place_and_without_gradient(monkeypatch, device, chunked
     if chunked:
         monkeypatch.setattr(T, "MAX_BLOCK", 8)
     z, target, soft = _soft_case(kind, 5, 21, device)
-    kw = dict(weight="brier", mode="loss", reduction="mean", **soft)
+    kw = dict(uncertainty="brier", mode="loss", reduction="mean", **soft)
     exact_loss, exact_grad = _soft_reference(z, target, **kw)
     logits = z.clone()
     loss, grad = _soft_forward(logits, target, grad_out=logits, **kw)
@@ -912,23 +921,23 @@ def test_soft_target_arguments_are_checked(device):
     y = torch.tensor([0, 1, 2, 3], device=device)
     lam = torch.rand(4, device=device)
     with pytest.raises(ValueError, match="dual-focal"):
-        _soft_forward(z, y, weight="dual_focal", label_smoothing=0.1)
+        _soft_forward(z, y, uncertainty="dual_focal", label_smoothing=0.1)
     with pytest.raises(ValueError, match="dual-focal"):
-        _soft_forward(z, torch.softmax(z, dim=1), weight="dual_focal")
+        _soft_forward(z, torch.softmax(z, dim=1), uncertainty="dual_focal")
     with pytest.raises(ValueError, match="dual-focal"):
-        torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y, weight="dual_focal"), True, None,
+        torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y, uncertainty="dual_focal"), True, None,
                                                               y, lam, 0.0)
     with pytest.raises(ValueError, match="go together"):
-        _soft_forward(z, y, weight="brier", mix_target=y)
+        _soft_forward(z, y, uncertainty="brier", mix_target=y)
     with pytest.raises(ValueError, match="dense"):
-        _soft_forward(z, torch.softmax(z, dim=1), weight="brier", mix_target=y, mix_lambda=lam)
+        _soft_forward(z, torch.softmax(z, dim=1), uncertainty="brier", mix_target=y, mix_lambda=lam)
     with pytest.raises(ValueError, match="mix_lambda"):
-        _soft_forward(z, y, weight="brier", mix_target=y, mix_lambda=lam[:3])
+        _soft_forward(z, y, uncertainty="brier", mix_target=y, mix_lambda=lam[:3])
     with pytest.raises(ValueError, match="label_smoothing"):
-        _soft_forward(z, y, weight="brier", label_smoothing=1.5)
+        _soft_forward(z, y, uncertainty="brier", label_smoothing=1.5)
     # a number λ is taken as a 0-dim tensor
-    loss, _ = _soft_forward(z, y, weight="brier", mix_target=y.flip(0), mix_lambda=0.25, reduction="none")
-    torch.testing.assert_close(loss, _soft_forward(z, y, weight="brier", mix_target=y.flip(0), reduction="none",
+    loss, _ = _soft_forward(z, y, uncertainty="brier", mix_target=y.flip(0), mix_lambda=0.25, reduction="none")
+    torch.testing.assert_close(loss, _soft_forward(z, y, uncertainty="brier", mix_target=y.flip(0), reduction="none",
                                                    mix_lambda=torch.tensor(0.25, device=device))[0])
 
 
@@ -947,7 +956,7 @@ def test_soft_target_bad_indices_poison_their_rows(monkeypatch, device):
     assert torch.isnan(loss[1]) and torch.isnan(loss[2]) and torch.isnan(grad[1]).all() and torch.isnan(grad[2]).all()
     assert loss[4] == 0 and (grad[4] == 0).all()
     good = torch.tensor([0, 3], device=device)
-    exact_loss, exact_grad = _soft_reference(z[good], y[good], weight="brier", mode="loss", reduction="none",
+    exact_loss, exact_grad = _soft_reference(z[good], y[good], uncertainty="brier", mode="loss", reduction="none",
                                              mix_target=mix[good], mix_lambda=lam[good], label_smoothing=0.1)
     _close(loss[good], exact_loss, torch.float32, "loss")
     _close(grad[good], exact_grad, torch.float32, "gradient")
@@ -957,8 +966,8 @@ def test_soft_target_bad_indices_poison_their_rows(monkeypatch, device):
 @pytest.mark.parametrize("kind", ["mix-smoothing", "dense"])
 def test_soft_targets_opcheck(device, kind):
     z, target, soft = _soft_case(kind, 5, 11, device)
-    weight, reduction = ("brier", "mean") if kind == "dense" else ("focal", "none")
-    args = _op_args(z, target, weight=weight, mode="loss", reduction=reduction)
+    uncertainty, reduction = ("brier", "mean") if kind == "dense" else ("focal", "none")
+    args = _op_args(z, target, uncertainty=uncertainty, mode="loss", reduction=reduction)
     tail = (soft.get("mix_target"), soft.get("mix_lambda"), soft["label_smoothing"])
     op = torch.ops.calibkernels.uncertainty_weighted_ce_triton.default
     torch.library.opcheck(op, (z, *args, True, None, *tail))
@@ -966,7 +975,8 @@ def test_soft_targets_opcheck(device, kind):
     logits = z.clone()
     torch.library.opcheck(op, (logits, *args, True, logits, *tail))
     loss, grad, _ = op(z, *args, True, None, *tail)
-    exact_loss, exact_grad = _soft_reference(z, target, weight=weight, mode="loss", reduction=reduction, **soft)
+    exact_loss, exact_grad = _soft_reference(z, target, uncertainty=uncertainty, mode="loss", reduction=reduction,
+                                             **soft)
     _close(loss, exact_loss, torch.float32, "loss")
     _close(grad, exact_grad, torch.float32, "gradient")
 
@@ -985,9 +995,9 @@ def test_large_vocabularies_on_gpu(c):
     z = (torch.randn(16, c, device="cuda") * 4).to(torch.bfloat16)
     y = _targets(16, c, "cuda")
     one = torch.tensor(1.0, device="cuda")
-    for weight, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss")):
-        loss, grad = _triton_loss_and_grad(z, y, one, weight=weight, mode=mode)
-        exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, weight=weight, mode=mode)
+    for uncertainty, mode in (("brier", "grad"), ("brier", "loss"), ("dual_focal", "loss")):
+        loss, grad = _triton_loss_and_grad(z, y, one, uncertainty=uncertainty, mode=mode)
+        exact_loss, exact_grad = _reference_loss_and_grad(z, y, one, uncertainty=uncertainty, mode=mode)
         _close(loss, exact_loss, torch.bfloat16, "loss")
         _close(grad, exact_grad, torch.bfloat16, "gradient")
 
@@ -1134,7 +1144,8 @@ soft("bf16", "i64", 6, 0, 2048, False, False, True, True, True, 90, 4)     # com
 soft("fp32", "fp32", 6, 0, 1024, True, True, False, False, False, 80, 8)   # dense, Brier-FLSD q != 2, in registers
 soft("fp32", "fp64", 4, 1, 2048, False, True, False, True, True, 90, 4)    # dense float64 target: no row flags
 soft("fp32", "fp32", 4, 1, 1024, True, True, False, False, True, 90, 8, num_rows=1)  # a one-row dense mean
-soft("bf16", "i64", 4, 1, 1024, True, False, True, False, True, 90, 4, count=T.COUNT_INLINE)  # a mix checked in the fold
+soft("bf16", "i64", 4, 1, 1024, True, False, True, False, True, 90, 4,
+     count=T.COUNT_INLINE)  # a mix checked in the fold
 print("compiled")
 '''
 

@@ -129,7 +129,7 @@ def check_meta_args(args) -> None:
 def focal_loss_with_gamma_grad(logits, targets, gamma, *, reduction="mean", ignore_index=-100):
     """Focal loss ``(1 - p_y)^{γ_i} CE_i`` differentiable in a per-sample ``γ (N,)`` as well as in the logits.
 
-    Same value as ``calibkernels.reference.uncertainty_weighted_ce(weight="focal", mode="loss", gamma=γ)``, but
+    Same value as ``calibkernels.reference.uncertainty_weighted_ce(uncertainty="focal", mode="loss", gamma=γ)``, but
     ``1 - p_y`` is floored at the dtype's smallest normal number before ``(.)^γ``: for a sample predicted with
     ``p_y`` = 1 to machine precision, ``∂/∂γ x^γ = x^γ log x`` would otherwise be ``0 · (-inf) = NaN`` and poison φ.
     """
@@ -316,7 +316,7 @@ class MetaRegularizer:
         # θ step (whole network) with γ as a constant: the fused kernel when one is available.
         classifier_before = {name: p.detach().clone() for name, p in classifier.named_parameters()}
         lr = self._classifier_lr(optimizer) if self.lookahead_lr is None else float(self.lookahead_lr)
-        loss = ck.uncertainty_weighted_ce(logits, targets, weight="focal", mode="loss", gamma=gamma.detach(),
+        loss = ck.uncertainty_weighted_ce(logits, targets, uncertainty="focal", mode="loss", gamma=gamma.detach(),
                                           reduction=options["reduction"], ignore_index=options["ignore_index"],
                                           backend=options["backend"])
         optimizer.zero_grad(set_to_none=True)

@@ -23,8 +23,8 @@ import functools
 
 import torch
 
-from .. import _validation as V
 from .._autograd import is_plain_eager
+from .._codes import REDUCTION_CODES
 
 try:
     from .. import _C  # noqa: F401  (loading the library runs the TORCH_LIBRARY registrations)
@@ -54,7 +54,7 @@ def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sampl
         loss_dtype = logits.dtype
     else:
         loss_dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    loss = logits.new_empty((logits.shape[0],) if reduction == V.REDUCTION_CODES["none"] else (), dtype=loss_dtype)
+    loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_CODES["none"] else (), dtype=loss_dtype)
     returned = compute_grad and grad_out is None
     # the target flag: two slots on CUDA, none on the CPU (its kernel raises instead)
     flag = logits.new_empty((2,) if logits.device.type == "cuda" else (0,), dtype=torch.int64)
@@ -72,7 +72,7 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
     return flag if flag.shape[0] else None
 
 
-def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
+def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
     """``(loss, grad, target_flag)`` of the compiled op (the backend forward of :mod:`calibkernels._autograd`); the
     loss in the logits' dtype where ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the
@@ -84,18 +84,18 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
         gamma_per_sample = gamma_per_sample.detach()
     # Eager: below the Autograd key, straight to the device kernel. Traced: the op itself, one graph node.
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
-        loss, grad, flag = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+        loss, grad, flag = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm,
                                ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
                                loss_dtype == logits.dtype)
     return loss, grad, _checked_flag(flag) if eager else None
 
 
-def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
                           reduction, compute_grad, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0):
     """``(loss, target_flag)`` through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp),
     for plain eager tensors: the backends that have it take it instead of :class:`calibkernels._autograd.
     UncertaintyWeightedCE`. The loss in the logits' dtype."""
-    loss, _, flag = _OP(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+    loss, _, flag = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
                         reduction, compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing,
                         True)
     return loss, _checked_flag(flag)

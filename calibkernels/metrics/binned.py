@@ -3,8 +3,8 @@
 Confidence is the maximum probability ``c_i = max_k p_ik``, the prediction its arg-max, ``acc_i = 1[pred_i = y_i]``.
 With bins ``B_1..B_M`` (default M = 15):
 
-* ECE (Guo et al. 2017; Naeini et al. 2015): ``Σ_b (|B_b|/N) |acc(B_b) - conf(B_b)| = (1/N) Σ_b |Σ_{i∈B_b} (acc_i - c_i)|``
-  over equal-width bins.
+* ECE (Guo et al. 2017; Naeini et al. 2015):
+  ``Σ_b (|B_b|/N) |acc(B_b) - conf(B_b)| = (1/N) Σ_b |Σ_{i∈B_b} (acc_i - c_i)|`` over equal-width bins.
 * AdaECE (Nguyen & O'Connor 2015; Mukhoti et al. 2020): the same sum over equal-count bins.
 * Classwise ECE (Kull et al. 2019): ``(1/C) Σ_k ECE_k``, where ``ECE_k`` bins ``p_ik`` against ``1[y_i = k]``.
 * MCE: ``max_b |acc(B_b) - conf(B_b)|`` over non-empty equal-width bins (0 if every bin is empty).
@@ -63,7 +63,8 @@ __all__ = [
 
 # --------------------------------------------------------------------------------------------------------- primitives
 def equal_width_edges(n_bins: int = 15, *, dtype=torch.float32, device=None) -> torch.Tensor:
-    """The ``n_bins + 1`` equal-width edges on [0, 1]: ``torch.linspace(0, 1, n_bins + 1)`` in float32, cast to ``dtype``.
+    """The ``n_bins + 1`` equal-width edges on [0, 1]: ``torch.linspace(0, 1, n_bins + 1)`` in float32, cast to
+    ``dtype``.
 
     The float32 values are the convention (docs/metrics.md, 'ECE'): e.g. the 4th edge of 15 bins is ``0.20000002``,
     not ``0.2``.

@@ -120,7 +120,8 @@ class SmoothECEMeter:
 
     @torch.no_grad()
     def curve(self, *, sync: bool = True) -> dict:
-        """The smoothed reliability curve of everything seen (:func:`~calibkernels.metrics.smooth_reliability_curve`)."""
+        """The smoothed reliability curve of everything seen
+        (:func:`~calibkernels.metrics.smooth_reliability_curve`)."""
         value, sigma, grid_of_size, total = self._evaluate(sync)
         return curve_from_grid(grid_of_size(grid_points(sigma)), sigma, value, total)
 

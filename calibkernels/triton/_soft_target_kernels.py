@@ -30,7 +30,7 @@ The differences that would cancel are taken from sums of non-negative terms inst
 
 FLSD's band value is, as in every implementation, ``float32((w_y e^{z_y-lse} + w_m e^{z_m-lse}) + c)`` for compact
 targets (``lse = m + log d``) and ``float32(Σ_k t_k e^{z_k-lse})`` for dense ones. Dual focal has no soft form (its
-``p_j`` needs one target class): soft targets with ``weight="dual_focal"`` raise ``ValueError`` in the launcher.
+``p_j`` needs one target class): soft targets with ``uncertainty="dual_focal"`` raise ``ValueError`` in the launcher.
 
 Kernel design (docs/performance.md): soft targets keep the hard kernel's traffic in a kernel of their own
 (``_soft_target_ce_fwd_kernel``, one program per row, the same launch shapes). A compact target is O(N) data (y, m and

@@ -71,12 +71,12 @@ def per_sample_logit_gradients(logits, target, *, weight, mode, gamma, norm) -> 
     if mode == "grad":
         p = torch.softmax(z, dim=1)
         residual = p - torch.nn.functional.one_hot(target, z.shape[1]).to(z.dtype)
-        u = uncertainty_weight(z, target, weight=weight, gamma=gamma, norm=norm)
+        u = uncertainty_weight(z, target, uncertainty=weight, gamma=gamma, norm=norm)
         return u[:, None] * residual
     if mode != "loss":
         raise ValueError(f"unknown mode {mode!r}; expected 'grad' or 'loss'")
     z.requires_grad_(True)
-    total = uncertainty_weighted_ce(z, target, weight=weight, mode="loss", gamma=gamma, norm=norm, reduction="sum")
+    total = uncertainty_weighted_ce(z, target, uncertainty=weight, mode="loss", gamma=gamma, norm=norm, reduction="sum")
     (gradient,) = torch.autograd.grad(total, z)
     return gradient
 
@@ -95,7 +95,7 @@ def last_layer_gradient_norms(features, logit_gradients, include_bias: bool = Tr
 
 def brier_scores(logits, target) -> torch.Tensor:
     """Per-sample Brier score ``Σ_k (p_k - e_{y,k})²`` (the uncertainty axis of Figure 4), ``(N,)`` float64."""
-    return uncertainty_weight(logits.detach().to(torch.float64), target, weight="brier", gamma=2.0, norm=2.0)
+    return uncertainty_weight(logits.detach().to(torch.float64), target, uncertainty="brier", gamma=2.0, norm=2.0)
 
 
 def focal_gradient_weight(p, gamma) -> torch.Tensor:

@@ -171,7 +171,7 @@ def config_key(config: dict) -> str:
 
 def weight_values(logits, target, config: dict) -> torch.Tensor:
     """``u(p_i, y_i)`` of one grid point, via the library's reference weights (float64)."""
-    return uncertainty_weight(logits.to(torch.float64), target, weight=config["weight"], gamma=float(config["gamma"]),
+    return uncertainty_weight(logits.to(torch.float64), target, uncertainty=config["weight"], gamma=float(config["gamma"]),
                               norm=float(config.get("norm", 2.0))).detach()
 
 

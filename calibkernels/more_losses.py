@@ -1,11 +1,11 @@
-"""The rest of the calibration-loss family: BSCE-GRA with the official code's adaptive exponent, AdaFocal, MDCA and
-MbLS (formulas, defaults and sources: ``docs/losses.md``, "More losses").
+"""The losses beyond the fused family ("More losses"): BSCE-GRA with the official code's adaptive exponent, AdaFocal,
+MDCA and MbLS (formulas, defaults and sources: ``docs/losses.md``, "More losses").
 
 Each loss has a readable reference function (pure PyTorch, any device and dtype, gradients by autograd) and a module
 that runs the fused kernel wherever the loss is a per-sample weight on cross-entropy:
 
 * ``bsce_adaptive_gra`` (:func:`bsce_adaptive_gra_loss`; the module is ``calibkernels.losses.AdaptiveBSCEGRA``, the
-  fused op's ``weight="brier_flsd"``): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for p_y < 0.2 / < 0.5 /
+  fused op's ``uncertainty="brier_flsd"``): ``sg[‖p - e_y‖_q^{γ_i}] · CE`` with γ_i = 5 / 3 / γ for p_y < 0.2 / < 0.5 /
   otherwise (the official BSCE-GRA code's ``BSCELossAdaptiveGra``).
 * ``adafocal`` (:class:`AdaFocalLoss`): ``-(1 - p_y)^{γ_b} log p_y``, or ``-(1 + p_y)^{|γ_b|} log p_y`` when
   γ_b < 0, with γ_b the exponent of the sample's p_y bin, updated from the validation set's calibration.
@@ -20,17 +20,17 @@ form.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _validation as V
-from . import functional as F_ck
-from . import reference as R
+from ._row_math import flsd_gamma, masked_rows, reduce_rows
+from ._validation import (check_backend, check_ignore_index, check_logits_target, check_norm, check_number,
+                          check_reduction, check_scalar_gamma)
+from .functional import uncertainty_weighted_ce
 from .metrics._inputs import check_n_bins, prepare
 from .metrics.binned import bin_sums, confidence_and_correct, equal_count_edges
+from .reference import uncertainty_weight
 
 __all__ = [
     "ADAFOCAL_DEFAULTS",
@@ -51,9 +51,9 @@ __all__ = [
 
 def _rows(logits, target, ignore_index, check_values=True):
     """``(valid (N,), z (N, C) in the compute dtype with ignored rows zeroed, safe target (N,), batch shape)``."""
-    logits2d, target1d, batch_shape = V.check_logits_target(logits, target, ignore_index=ignore_index,
-                                                            check_values=check_values)
-    valid, z, safe = R._masked_rows(logits2d, target1d, ignore_index)
+    logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
+                                                          check_values=check_values)
+    valid, z, safe = masked_rows(logits2d, target1d, ignore_index)
     if not check_values:  # unchecked targets never index out of range here; the fused op reports them
         safe = safe.clamp(0, z.shape[1] - 1)
     return valid, z, safe, batch_shape
@@ -64,19 +64,10 @@ def _cross_entropy_rows(z, safe):
     return -torch.log_softmax(z, dim=1).gather(1, safe[:, None]).squeeze(1)
 
 
-def _check_finite(name, value, *, minimum=None, positive=False):
-    if not V.is_number(value):
-        raise TypeError(f"{name} must be a number, got {type(value).__name__}")
-    if not math.isfinite(value) or (positive and value <= 0) or (minimum is not None and value < minimum):
-        bound = "> 0" if positive else (f">= {minimum}" if minimum is not None else "finite")
-        raise ValueError(f"{name} must be finite{'' if bound == 'finite' else ' and ' + bound}, got {value!r}")
-    return float(value)
-
-
 def _check_reduction(reduction, backend, ignore_index, *, batch_level=False, name="this loss"):
-    V.check_reduction(reduction)
-    V.check_backend(backend)
-    V.check_ignore_index(ignore_index)
+    check_reduction(reduction)
+    check_backend(backend)
+    check_ignore_index(ignore_index)
     if batch_level and reduction == "none":
         raise ValueError(f"{name} has a batch-level term: reduction='none' is not supported (use 'mean' or 'sum')")
 
@@ -98,22 +89,21 @@ def common_repr(reduction, ignore_index, backend=None) -> str:
 def bsce_adaptive_gamma(z, target, gamma):
     """γ_i ``(N,)`` of ``bsce_adaptive_gra`` for logits ``z (N, C)`` and in-range targets: 5 if p_y < 0.2, 3 if
     p_y < 0.5, else ``gamma``; p_y and the thresholds compared in float32, the rule FLSD-53 uses everywhere
-    (``calibkernels.reference._flsd_gamma``). Never differentiated."""
-    return R._flsd_gamma(z, target, gamma)
+    (:func:`calibkernels._row_math.flsd_gamma`). Never differentiated."""
+    return flsd_gamma(z, target, gamma)
 
 
 def _adaptive_brier_weight(z, safe, gamma, norm):
     """``sg[‖p - e_y‖_q^{γ_i}]`` per row of ``z`` (compute dtype), in the log domain like every Brier weight."""
     z = z.detach()
-    return R.uncertainty_weight(z, safe, weight="brier", gamma=bsce_adaptive_gamma(z, safe, gamma), norm=norm)
+    return uncertainty_weight(z, safe, uncertainty="brier", gamma=bsce_adaptive_gamma(z, safe, gamma), norm=norm)
 
 
 def _check_gamma_norm(gamma, norm):
-    V.check_gamma(gamma)
-    if isinstance(gamma, torch.Tensor):
-        raise TypeError("bsce_adaptive_gra chooses γ_i itself: gamma is the number used where p_y >= 0.5")
-    V.check_norm(norm)
-    return float(gamma), float(norm)
+    gamma = check_scalar_gamma(
+        gamma, "bsce_adaptive_gra chooses γ_i itself: gamma is the number used where p_y >= 0.5")
+    check_norm(norm)
+    return gamma, float(norm)
 
 
 def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100):
@@ -122,13 +112,13 @@ def bsce_adaptive_gra_loss(logits, target, *, gamma=3.0, norm=2.0, reduction="me
 
     The official BSCE-GRA code's ``BSCELossAdaptiveGra``: the FLSD-53 exponent schedule on the generalised Brier
     weight, which is detached (GRA). Class-index targets only. Written apart from the fused op's
-    ``weight="brier_flsd"`` (``calibkernels.losses.AdaptiveBSCEGRA``), which the tests check against it.
+    ``uncertainty="brier_flsd"`` (``calibkernels.losses.AdaptiveBSCEGRA``), which the tests check against it.
     """
     gamma, norm = _check_gamma_norm(gamma, norm)
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _adaptive_brier_weight(z, safe, gamma, norm) * _cross_entropy_rows(z, safe)
-    return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reduce_rows(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -173,14 +163,14 @@ def adafocal_loss(logits, target, gamma, *, reduction="mean", ignore_index=-100)
     ``L_i = -(1 - p_y)^{γ_i} log p_y`` where γ_i >= 0 (focal), ``-(1 + p_y)^{|γ_i|} log p_y`` where γ_i < 0
     (inverse focal), differentiated through the weight (loss mode); ``gamma`` gets no gradient.
     """
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     gamma = _check_adafocal_gamma(gamma, target, z)
     ce = _cross_entropy_rows(z, safe)
-    focal = R.uncertainty_weight(z, safe, weight="focal", gamma=gamma.clamp_min(0), norm=2.0)
+    focal = uncertainty_weight(z, safe, uncertainty="focal", gamma=gamma.clamp_min(0), norm=2.0)
     inverse = torch.exp(gamma.abs() * torch.log1p(torch.exp(-ce)))  # (1 + p_y)^{|γ|}, p_y = exp(-CE)
     per_row = torch.where(gamma < 0, inverse, focal) * ce
-    return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reduce_rows(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 def adafocal_next_gamma(gamma, gap, *, lam, switch_point, gamma_min, gamma_max):
@@ -232,11 +222,11 @@ class AdaFocalLoss(nn.Module):
                  reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
         self.n_bins = check_n_bins(n_bins)
-        self.lam = _check_finite("lam", lam, minimum=0.0)
-        self.gamma_max = _check_finite("gamma_max", gamma_max)
-        self.gamma_min = _check_finite("gamma_min", gamma_min)
-        self.switch_point = _check_finite("switch_point", switch_point, minimum=0.0)
-        self.gamma_initial = _check_finite("gamma_initial", gamma_initial)
+        self.lam = check_number("lam", lam)
+        self.gamma_max = check_number("gamma_max", gamma_max, minimum=None)
+        self.gamma_min = check_number("gamma_min", gamma_min, minimum=None)
+        self.switch_point = check_number("switch_point", switch_point)
+        self.gamma_initial = check_number("gamma_initial", gamma_initial, minimum=None)
         if not self.gamma_min <= self.gamma_initial <= self.gamma_max:
             raise ValueError(f"need gamma_min <= gamma_initial <= gamma_max, got {gamma_min}, {gamma_initial}, "
                              f"{gamma_max}")
@@ -288,18 +278,18 @@ class AdaFocalLoss(nn.Module):
         if self.backend == "reference":
             return adafocal_loss(logits, target, gamma, reduction=self.reduction, ignore_index=self.ignore_index)
         if bool((self.gamma >= 0).all()):  # the table lives on the host: no device synchronisation
-            return F_ck.uncertainty_weighted_ce(
-                logits, target, weight="focal", mode="loss", gamma=gamma.to(torch.float32),
+            return uncertainty_weighted_ce(
+                logits, target, uncertainty="focal", mode="loss", gamma=gamma.to(torch.float32),
                 reduction=self.reduction, ignore_index=self.ignore_index, backend=self.backend)
-        focal = F_ck.uncertainty_weighted_ce(
-            logits, target, weight="focal", mode="loss", gamma=gamma.clamp_min(0).to(torch.float32),
+        focal = uncertainty_weighted_ce(
+            logits, target, uncertainty="focal", mode="loss", gamma=gamma.clamp_min(0).to(torch.float32),
             reduction="none", ignore_index=self.ignore_index, backend=self.backend)
         valid, z, safe, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
         ce = _cross_entropy_rows(z, safe)
         magnitude = gamma.reshape(-1).abs().to(z.dtype)
         inverse = torch.exp(magnitude * torch.log1p(torch.exp(-ce))) * ce
         per_row = torch.where(gamma.reshape(-1) < 0, inverse, focal.reshape(-1).to(z.dtype))
-        return R._reduce(per_row, valid, self.reduction, batch_shape, logits.dtype)
+        return reduce_rows(per_row, valid, self.reduction, batch_shape, logits.dtype)
 
     def extra_repr(self):
         return (f"n_bins={self.n_bins}, lam={self.lam}, gamma_initial={self.gamma_initial}, "
@@ -335,10 +325,10 @@ def _with_batch_term(base_value, term, m, scale, reduction, dtype):
 
 def mdca_loss(logits, target, *, beta=1.0, reduction="mean", ignore_index=-100):
     """Reference of ``mdca`` with its default base: ``CE + β · MDCA`` (``"sum"``: ``Σ CE + β · m · MDCA``)."""
-    beta = _check_finite("beta", beta, minimum=0.0)
+    beta = check_number("beta", beta)
     _check_reduction(reduction, "reference", ignore_index, batch_level=True, name="mdca")
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
-    ce = R._reduce(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
+    ce = reduce_rows(_cross_entropy_rows(z, safe), valid, reduction, batch_shape, z.dtype)
     term, m = _mdca_of_rows(z, safe, valid)
     return _with_batch_term(ce, term, m, beta, reduction, logits.dtype)
 
@@ -352,7 +342,7 @@ class MDCALoss(nn.Module):
 
     def __init__(self, beta=1.0, base=None, reduction="mean", ignore_index=-100, backend="auto"):
         super().__init__()
-        self.beta = _check_finite("beta", beta, minimum=0.0)
+        self.beta = check_number("beta", beta)
         _check_reduction(reduction, backend, ignore_index, batch_level=True, name="mdca")
         if base is not None and not isinstance(base, nn.Module):
             raise TypeError(f"base must be an nn.Module (a loss), got {type(base).__name__}")
@@ -368,8 +358,8 @@ class MDCALoss(nn.Module):
     def forward(self, logits, target):
         valid, z, safe, _ = _rows(logits, target, self.ignore_index, check_values=False)
         if self.base is None:
-            base_value = F_ck.uncertainty_weighted_ce(logits, target, weight="none", reduction=self.reduction,
-                                                      ignore_index=self.ignore_index, backend=self.backend)
+            base_value = uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
+                                                 ignore_index=self.ignore_index, backend=self.backend)
         else:
             base_value = self.base(logits, target)
         term, m = _mdca_of_rows(z, safe, valid)
@@ -391,16 +381,16 @@ def mbls_penalty(z, margin):
 
 
 def _check_mbls(margin, lam):
-    return _check_finite("margin", margin, minimum=0.0), _check_finite("lam", lam, minimum=0.0)
+    return check_number("margin", margin), check_number("lam", lam)
 
 
 def mbls_loss(logits, target, *, margin=10.0, lam=0.1, reduction="mean", ignore_index=-100):
     """Reference of ``mbls``: ``L_i = CE_i + λ · (1/C) Σ_k max(0, max_j z_ij - z_ik - m)`` (m = 10, λ = 0.1)."""
     margin, lam = _check_mbls(margin, lam)
-    V.check_reduction(reduction)
+    check_reduction(reduction)
     valid, z, safe, batch_shape = _rows(logits, target, ignore_index)
     per_row = _cross_entropy_rows(z, safe) + lam * mbls_penalty(z, margin)
-    return R._reduce(per_row, valid, reduction, batch_shape, logits.dtype)
+    return reduce_rows(per_row, valid, reduction, batch_shape, logits.dtype)
 
 
 class MbLSLoss(nn.Module):
@@ -417,10 +407,10 @@ class MbLSLoss(nn.Module):
         if self.backend == "reference":
             return mbls_loss(logits, target, margin=self.margin, lam=self.lam, reduction=self.reduction,
                              ignore_index=self.ignore_index)
-        ce = F_ck.uncertainty_weighted_ce(logits, target, weight="none", reduction=self.reduction,
-                                          ignore_index=self.ignore_index, backend=self.backend)
+        ce = uncertainty_weighted_ce(logits, target, uncertainty="none", reduction=self.reduction,
+                                     ignore_index=self.ignore_index, backend=self.backend)
         valid, z, _, batch_shape = _rows(logits, target, self.ignore_index, check_values=False)
-        penalty = R._reduce(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)
+        penalty = reduce_rows(mbls_penalty(z, self.margin), valid, self.reduction, batch_shape, z.dtype)
         return (ce.to(penalty.dtype) + self.lam * penalty).to(logits.dtype)
 
     def extra_repr(self):

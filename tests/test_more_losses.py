@@ -1,6 +1,6 @@
-"""The rest of the family (calibkernels/family.py): bsce_adaptive_gra, adafocal, mdca and mbls against float64 direct
-formulas and hand-computed numbers, gradients against finite differences, the fused paths against the references,
-the registry round trip, and AdaFocal's update."""
+"""The losses beyond the fused family (calibkernels/more_losses.py): bsce_adaptive_gra, adafocal, mdca and mbls
+against float64 direct formulas and hand-computed numbers, gradients against finite differences, the fused paths
+against the references, the registry round trip, and AdaFocal's update."""
 
 import math
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import calibkernels as ck
-from calibkernels import family as fam
+from calibkernels import more_losses
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -58,7 +58,7 @@ def _banded_logits():
 def test_bsce_adaptive_gamma_bands():
     z, y = _banded_logits()
     safe = torch.where(y == -100, 0, y)
-    assert fam.bsce_adaptive_gamma(z, safe, 3.5)[:3].tolist() == [5.0, 3.0, 3.5]
+    assert more_losses.bsce_adaptive_gamma(z, safe, 3.5)[:3].tolist() == [5.0, 3.0, 3.5]
 
 
 def _fused_backends():
@@ -94,20 +94,20 @@ def test_bsce_adaptive_gra_value_and_gradient(reduction, norm):
 def test_bsce_adaptive_gra_fused_float32_matches_reference():
     z, y = _inputs(64, 10, seed=3)
     z = z.float()
-    ref = fam.bsce_adaptive_gra_loss(z, y)
+    ref = more_losses.bsce_adaptive_gra_loss(z, y)
     x = z.clone().requires_grad_()
     got = ck.losses.build("bsce_adaptive_gra")(x, y)
     torch.testing.assert_close(got, ref)
     got.backward()
     xr = z.clone().requires_grad_()
-    fam.bsce_adaptive_gra_loss(xr, y).backward()
+    more_losses.bsce_adaptive_gra_loss(xr, y).backward()
     torch.testing.assert_close(x.grad, xr.grad)
 
 
 @pytest.mark.parametrize("mode", ("grad", "loss"))
 def test_brier_flsd_soft_targets_use_the_band_of_t_dot_p(mode):
     """Soft targets (smoothing, a mix): γ_i comes from <t, p>'s band and the weight is ‖p - t‖_q^{γ_i}, written out
-    here in float64; every backend agrees (the module is the fused op's weight="brier_flsd")."""
+    here in float64; every backend agrees (the module is the fused op's uncertainty="brier_flsd")."""
     z, y = _inputs(12, 5, seed=5, scale=3.0)
     z = torch.cat([z, _banded_logits()[0][:3, :4].repeat(1, 2)[:, :5]])
     y = torch.cat([y, torch.tensor([0, 0, 0])])
@@ -131,7 +131,7 @@ def test_brier_flsd_soft_targets_use_the_band_of_t_dot_p(mode):
     expected = weighted(xr).sum() / valid.sum()
     expected.backward()
     for backend, dtype, tol in _fused_backends():
-        module = ck.losses.UncertaintyWeightedCE(weight="brier_flsd", mode=mode, gamma=gamma, norm=norm,
+        module = ck.losses.UncertaintyWeightedCE(uncertainty="brier_flsd", mode=mode, gamma=gamma, norm=norm,
                                                  backend=backend, label_smoothing=a)
         modules = [module]
         if mode == "grad":
@@ -157,7 +157,7 @@ def test_bsce_adaptive_gra_rejects_bad_hyperparameters():
 def test_adafocal_update_rule_by_hand():
     gamma = torch.tensor([1.0, 1.0, 0.3, -0.5, -1.0, 19.0, 0.0], dtype=torch.float64)
     gap = torch.tensor([0.1, -0.2, -1.0, 0.4, -0.1, 0.5, 0.3], dtype=torch.float64)
-    got = fam.adafocal_next_gamma(gamma, gap, lam=1.0, switch_point=0.2, gamma_min=-2.0, gamma_max=20.0)
+    got = more_losses.adafocal_next_gamma(gamma, gap, lam=1.0, switch_point=0.2, gamma_min=-2.0, gamma_max=20.0)
     expected = [
         math.exp(0.1),             # over-confident bin: γ grows
         math.exp(-0.2),            # under-confident bin: γ shrinks
@@ -168,7 +168,7 @@ def test_adafocal_update_rule_by_hand():
         0.2,                       # 0 stays 0, then jumps to +switch_point
     ]
     torch.testing.assert_close(got, torch.tensor(expected, dtype=torch.float64))
-    below = fam.adafocal_next_gamma(torch.tensor([-1.9], dtype=torch.float64), torch.tensor([-1.0],
+    below = more_losses.adafocal_next_gamma(torch.tensor([-1.9], dtype=torch.float64), torch.tensor([-1.0],
                                     dtype=torch.float64), lam=1.0, switch_point=0.2, gamma_min=-2.0, gamma_max=20.0)
     assert below.item() == -2.0  # -1.9 e^1 clipped at gamma_min
 
@@ -191,7 +191,7 @@ def _mukhoti_adaptive_bins(confidences, predictions, labels, n_bins):
 def test_adafocal_validation_bins_match_the_official_statistics():
     z, y = _inputs(200, 6, seed=5, ignore=False)
     z = z.float()
-    edges, gap = fam.adafocal_bins_from_validation(z, y, 7)
+    edges, gap = more_losses.adafocal_bins_from_validation(z, y, 7)
     p = z.softmax(1)
     conf, pred = p.max(1)
     ref_edges, ref_gap = _mukhoti_adaptive_bins(conf.tolist(), pred.tolist(), y.tolist(), 7)
@@ -253,7 +253,7 @@ def test_adafocal_fused_float32_matches_reference_with_all_gamma_positive():
 def test_adafocal_update_moves_gamma_and_round_trips_through_state_dict():
     val_z, val_y = _inputs(300, 5, seed=4, scale=4.0, ignore=False)  # over-confident: large logits, random labels
     loss = ck.losses.build("adafocal", n_bins=5, lam=1.0)
-    edges, gap = fam.adafocal_bins_from_validation(val_z, val_y, 5)
+    edges, gap = more_losses.adafocal_bins_from_validation(val_z, val_y, 5)
     returned = loss.update(val_z, val_y)
     torch.testing.assert_close(loss.gamma, torch.exp(gap))  # from γ = 1: γ' = e^{gap} (no switch, no clip here)
     torch.testing.assert_close(returned, loss.gamma)
@@ -293,9 +293,9 @@ def test_mdca_value_by_hand():
     z = torch.log(torch.tensor([[0.7, 0.2, 0.1], [0.1, 0.6, 0.3]], dtype=torch.float64))
     y = torch.tensor([0, 2])
     # mean p = (0.4, 0.4, 0.2), class frequencies (0.5, 0, 0.5): (0.1 + 0.4 + 0.3) / 3
-    torch.testing.assert_close(fam.mdca(z, y), torch.tensor(0.8 / 3, dtype=torch.float64))
+    torch.testing.assert_close(more_losses.mdca(z, y), torch.tensor(0.8 / 3, dtype=torch.float64))
     z, y = _inputs(11, 4, seed=1)
-    assert fam.mdca(z, y).item() == pytest.approx(_mdca_loops(z, y), abs=1e-12)
+    assert more_losses.mdca(z, y).item() == pytest.approx(_mdca_loops(z, y), abs=1e-12)
 
 
 @pytest.mark.parametrize("reduction", ("mean", "sum"))
@@ -306,11 +306,12 @@ def test_mdca_loss_and_base(reduction):
     scale = m if reduction == "sum" else 1
     for backend in ("reference", "cpu"):
         got = ck.losses.build("mdca", beta=2.0, reduction=reduction, backend=backend)(z, y)
-        torch.testing.assert_close(got, ce + 2.0 * scale * fam.mdca(z, y))
-    torch.testing.assert_close(fam.mdca_loss(z, y, beta=2.0, reduction=reduction), ce + 2.0 * scale * fam.mdca(z, y))
+        torch.testing.assert_close(got, ce + 2.0 * scale * more_losses.mdca(z, y))
+    torch.testing.assert_close(more_losses.mdca_loss(z, y, beta=2.0, reduction=reduction),
+                               ce + 2.0 * scale * more_losses.mdca(z, y))
     focal = ck.losses.build("focal_loss", gamma=1.0, reduction=reduction)(z, y)
     got = ck.losses.build("mdca", base="focal_loss", gamma=1.0, reduction=reduction)(z, y)
-    torch.testing.assert_close(got, focal + scale * fam.mdca(z, y))
+    torch.testing.assert_close(got, focal + scale * more_losses.mdca(z, y))
     with pytest.raises(ValueError, match="batch-level"):
         ck.losses.build("mdca", reduction="none")
 
@@ -361,14 +362,14 @@ def test_mbls_masked_classes_add_nothing_to_the_penalty():
         got.sum().backward()
         assert torch.isfinite(x.grad).all()
     z[1, 0] = float("nan")
-    assert torch.isnan(fam.mbls_loss(z, y, reduction="none")[1])
+    assert torch.isnan(more_losses.mbls_loss(z, y, reduction="none")[1])
 
 
 def test_mbls_fused_float32_matches_reference():
     z, y = _inputs(32, 10, seed=13, scale=6.0)
     z = z.float()
     torch.testing.assert_close(ck.losses.build("mbls", margin=5.0)(z, y),
-                               fam.mbls_loss(z, y, margin=5.0))
+                               more_losses.mbls_loss(z, y, margin=5.0))
 
 
 # ------------------------------------------------------------------------------------------------- registry
@@ -397,7 +398,7 @@ def test_mdca_spec_with_a_base_and_its_hyperparameters():
     from training.train import build_criterion
 
     module = build_criterion("mdca:beta=1:base=focal_loss:gamma=1", "sum", "auto")
-    assert module.base.weight == "focal" and module.base.gamma == 1.0 and module.base.reduction == "sum"
+    assert module.base.uncertainty == "focal" and module.base.gamma == 1.0 and module.base.reduction == "sum"
 
 
 @pytest.mark.parametrize("name", ["bsce_adaptive_gra", "adafocal", "mdca", "mbls"])
@@ -410,7 +411,7 @@ def test_bad_targets_raise_the_fused_ops_error(name):
 def test_mdca_refuses_a_base_that_reduces_other_rows_or_otherwise():
     """A base module with another reduction or ignore_index than MDCA's would add a mean loss to a summed MDCA term,
     or drop rows the MDCA term counts: refused, naming the attribute; the registry builds them consistently."""
-    from calibkernels.family import MDCALoss
+    from calibkernels.more_losses import MDCALoss
 
     with pytest.raises(ValueError, match="reduction='mean' and MDCA reduction='sum'"):
         MDCALoss(base=ck.losses.build("focal_loss", gamma=1.0), reduction="sum")
@@ -429,14 +430,14 @@ def test_adafocal_loss_checks_its_per_sample_gamma():
         gamma = torch.ones(6, dtype=torch.float64)
         gamma[2] = bad
         with pytest.raises(ValueError, match="finite"):
-            fam.adafocal_loss(z, y, gamma)
+            more_losses.adafocal_loss(z, y, gamma)
     with pytest.raises(TypeError, match="tensor"):
-        fam.adafocal_loss(z, y, [1.0] * 6)
+        more_losses.adafocal_loss(z, y, [1.0] * 6)
     with pytest.raises(TypeError, match="floating point"):
-        fam.adafocal_loss(z, y, torch.ones(6, dtype=torch.long))
+        more_losses.adafocal_loss(z, y, torch.ones(6, dtype=torch.long))
     with pytest.raises(ValueError, match="shape"):
-        fam.adafocal_loss(z, y, torch.ones(5, dtype=torch.float64))
-    fam.adafocal_loss(z, y, torch.full((6,), -1.5, dtype=torch.float64))  # negative: inverse focal
+        more_losses.adafocal_loss(z, y, torch.ones(5, dtype=torch.float64))
+    more_losses.adafocal_loss(z, y, torch.full((6,), -1.5, dtype=torch.float64))  # negative: inverse focal
 
 
 def test_adafocal_refuses_a_state_update_could_not_produce():
