@@ -126,8 +126,8 @@ def test_focal_logit_gradient_is_g_times_the_ce_gradient():
     logits = torch.randn(32, 6, dtype=torch.float64) * 2
     target = torch.randint(0, 6, (32,))
     gamma = float(torch.empty(()).uniform_(0.5, 5))
-    focal = gvu.per_sample_logit_gradients(logits, target, weight="focal", mode="loss", gamma=gamma, norm=2.0)
-    ce = gvu.per_sample_logit_gradients(logits, target, weight="none", mode="grad", gamma=0.0, norm=2.0)
+    focal = gvu.per_sample_logit_gradients(logits, target, uncertainty="focal", mode="loss", gamma=gamma, norm=2.0)
+    ce = gvu.per_sample_logit_gradients(logits, target, uncertainty="none", mode="grad", gamma=0.0, norm=2.0)
     p_target = torch.softmax(logits, 1).gather(1, target[:, None]).squeeze(1)
     torch.testing.assert_close(focal, gvu.focal_gradient_weight(p_target, gamma)[:, None] * ce)
 

@@ -139,7 +139,7 @@ def test_fine_tune_recipes_require_a_local_pretrained_checkpoint(tmp_path, capsy
 
 def test_loss_spec_parsing_builds_the_registry_loss_with_its_hyperparameters():
     criterion = train.build_criterion("focal_loss:gamma=2", reduction="sum", backend="reference")
-    assert (criterion.weight, criterion.mode, criterion.gamma, criterion.reduction, criterion.backend) == (
+    assert (criterion.uncertainty, criterion.mode, criterion.gamma, criterion.reduction, criterion.backend) == (
         "focal", "loss", 2.0, "sum", "reference")
     criterion = train.build_criterion("bsce_gra:gamma=3:norm=1.5", reduction="mean", backend="auto")
     assert (criterion.gamma, criterion.norm) == (3.0, 1.5)

@@ -138,7 +138,7 @@ def test_compact_mix_gives_the_dense_form_loss(weight, use_cutmix):
     else:
         torch.testing.assert_close(mixed, lam * images + (1 - lam) * images.flip(0))
     logits = torch.randn(6, 10, dtype=torch.float64)
-    criterion = ck.losses.UncertaintyWeightedCE(weight=weight, gamma=2.0, label_smoothing=0.1)
+    criterion = ck.losses.UncertaintyWeightedCE(uncertainty=weight, gamma=2.0, label_smoothing=0.1)
     compact = criterion(logits, target, mix_target=target[partner], mix_lambda=lam)
     dense = criterion(logits, soft_targets.dense_targets(target, partner, lam, 10, torch.float64))
     torch.testing.assert_close(compact, dense, rtol=1e-12, atol=1e-12)

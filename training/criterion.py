@@ -91,7 +91,7 @@ def check_loss_spec(spec: str, label_smoothing: float = 0.0, mixing: bool = Fals
         raise ValueError(f"loss {spec!r} takes class-index targets only: --label-smoothing, --mixup-alpha and "
                          "--cutmix-alpha need a loss of the uncertainty-weighted CE family (cross_entropy, "
                          "focal_loss*, flsd*, bsce*)")
-    if mixing and criterion.weight == "dual_focal":
+    if mixing and criterion.uncertainty == "dual_focal":
         raise ValueError(f"loss {spec!r}: dual focal has no soft-target form, so it cannot train on mixed batches")
     if mixing and not mix_dense and isinstance(criterion, ck.losses.SoftTargetUncertaintyWeightedCE):
         raise ValueError(f"loss {spec!r} has timm's SoftTargetCrossEntropy signature, forward(x, target), and takes a "

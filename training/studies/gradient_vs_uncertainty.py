@@ -53,14 +53,14 @@ SPLITS = ("train", "val", "test")
 def loss_specs(focal_gamma=3.0, dual_focal_gamma=5.0, bsce_gamma=4.0, bsce_norm=2.0) -> dict[str, dict]:
     """The four losses of Figure 4 as :func:`calibkernels.reference.uncertainty_weighted_ce` keyword sets."""
     return {
-        "CE": {"weight": "none", "mode": "grad", "gamma": 0.0, "norm": 2.0},
-        "FL": {"weight": "focal", "mode": "loss", "gamma": float(focal_gamma), "norm": 2.0},
-        "DFL": {"weight": "dual_focal", "mode": "loss", "gamma": float(dual_focal_gamma), "norm": 2.0},
-        "BSCE-GRA": {"weight": "brier", "mode": "grad", "gamma": float(bsce_gamma), "norm": float(bsce_norm)},
+        "CE": {"uncertainty": "none", "mode": "grad", "gamma": 0.0, "norm": 2.0},
+        "FL": {"uncertainty": "focal", "mode": "loss", "gamma": float(focal_gamma), "norm": 2.0},
+        "DFL": {"uncertainty": "dual_focal", "mode": "loss", "gamma": float(dual_focal_gamma), "norm": 2.0},
+        "BSCE-GRA": {"uncertainty": "brier", "mode": "grad", "gamma": float(bsce_gamma), "norm": float(bsce_norm)},
     }
 
 
-def per_sample_logit_gradients(logits, target, *, weight, mode, gamma, norm) -> torch.Tensor:
+def per_sample_logit_gradients(logits, target, *, uncertainty, mode, gamma, norm) -> torch.Tensor:
     """``g_i = ∂L_i/∂z_i`` for every row, ``(N, C)`` float64, where ``L_i`` is the per-row uncertainty-weighted CE.
 
     ``mode="grad"`` (and plain CE) uses the closed form ``sg[u_i] (p_i - e_y)``; ``mode="loss"`` differentiates the
@@ -71,12 +71,12 @@ def per_sample_logit_gradients(logits, target, *, weight, mode, gamma, norm) -> 
     if mode == "grad":
         p = torch.softmax(z, dim=1)
         residual = p - torch.nn.functional.one_hot(target, z.shape[1]).to(z.dtype)
-        u = uncertainty_weight(z, target, uncertainty=weight, gamma=gamma, norm=norm)
+        u = uncertainty_weight(z, target, uncertainty=uncertainty, gamma=gamma, norm=norm)
         return u[:, None] * residual
     if mode != "loss":
         raise ValueError(f"unknown mode {mode!r}; expected 'grad' or 'loss'")
     z.requires_grad_(True)
-    total = uncertainty_weighted_ce(z, target, uncertainty=weight, mode="loss", gamma=gamma, norm=norm, reduction="sum")
+    total = uncertainty_weighted_ce(z, target, uncertainty=uncertainty, mode="loss", gamma=gamma, norm=norm, reduction="sum")
     (gradient,) = torch.autograd.grad(total, z)
     return gradient
 
