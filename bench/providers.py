@@ -21,7 +21,7 @@ import calibkernels as ck
 from bench.cases import Case, Step, fresh_logits, loss_step, make_inputs, target_call
 from bench.competitors import liger_cross_entropy_step, needs_module, torch_cross_entropy_step
 from calibkernels import _backends
-from calibkernels import _codes as ck_codes
+from calibkernels import _kernel_codes as ck_codes
 from calibkernels import reference as ck_reference
 
 

@@ -23,8 +23,8 @@ import subprocess
 import sys
 import tempfile
 
-from calibkernels._codes import MODE_CODES as MODES
-from calibkernels._codes import WEIGHT_CODES
+from calibkernels._kernel_codes import MODE_CODES as MODES
+from calibkernels._kernel_codes import WEIGHT_CODES
 
 # the weights whose kernel code differs: none, the focal formula with and without FLSD's bands, the Brier score
 WEIGHTS = {name: WEIGHT_CODES[name] for name in ("none", "focal", "flsd", "brier")}

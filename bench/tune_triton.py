@@ -90,7 +90,7 @@ def _setup(args) -> dict:
 
     import calibkernels as ck
     from bench.harness import machine_info
-    from calibkernels import _codes as codes
+    from calibkernels import _kernel_codes as codes
     from calibkernels import _target_checks
     from calibkernels.triton import uncertainty_weighted_ce as tri
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from . import _target_checks
-from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
 from ._validation import LossInputs, expanded, lambda_tensor
 

@@ -5,7 +5,7 @@ are NaN (so a mean or sum is NaN too), and a two-slot int64 device flag ``(code,
 counts the mean's divisor and returned by the op as its third output, records it: code 1 for a bad target (the value:
 the largest bad one). The same scan checks a mix (``mix_target`` and a ``mix_lambda`` tensor; a bad mix row is NaN
 too): code 2 for a ``mix_target`` that is not a class index on a non-ignored row (the first such row's value), 3 for
-a ``mix_lambda`` outside [0, 1] or NaN; 0 when all is well (:data:`calibkernels._codes.TARGET_FLAG_CODES`).
+a ``mix_lambda`` outside [0, 1] or NaN; 0 when all is well (:data:`calibkernels._kernel_codes.TARGET_FLAG_CODES`).
 A dense target's values (entries >= 0, rows summing to 1) are checked the same way: the Triton and CUDA kernels flag
 the rows in their own reads of the target (device reductions, :func:`calibkernels._validation.dense_target_flag`,
 where the kernels' float32 sums cannot decide), and the flag is ``(any bad row, the first bad row)``; those rows are
@@ -48,7 +48,7 @@ import threading
 
 import torch
 
-from ._codes import TARGET_FLAG_CODES
+from ._kernel_codes import TARGET_FLAG_CODES
 
 __all__ = ["POLICY", "submit", "submit_check", "checking", "poll", "synchronize_target_checks"]
 

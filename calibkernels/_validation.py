@@ -1,7 +1,7 @@
 """Input checking shared by every backend, so all of them reject bad input with the same clear message.
 
 Logits of shape ``(..., C)`` are flattened to rows ``(N, C)`` (class dimension last, docs/losses.md); targets of shape
-``(...)`` to ``(N,)``. The integer codes the kernels receive are declared in :mod:`calibkernels._codes`.
+``(...)`` to ``(N,)``. The integer codes the kernels receive are declared in :mod:`calibkernels._kernel_codes`.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ._codes import BACKENDS, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES  # noqa: F401  (re-exported)
+from ._kernel_codes import BACKENDS, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES  # noqa: F401  (re-exported)
 # the error texts are the device checks' too; dense_row_sum_tolerance is also read here by the Triton backend
 from ._target_checks import (DENSE_ROW_SUM_TOLERANCE, checking, dense_row_sum_tolerance, gamma_message,
                              lambda_message, mix_target_message, out_of_range_message, sample_weight_message,

@@ -56,7 +56,7 @@ import zlib
 import torch
 
 from . import _autograd
-from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import flsd_band, power_of_log, row_log_terms
 from ._target_checks import out_of_range_message
 from ._validation import (check_class_weight, check_gamma, check_ignore_index, check_mode, check_norm,

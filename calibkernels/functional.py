@@ -6,7 +6,7 @@ import torch
 
 from . import _autograd, _backends, _target_checks
 from . import reference as _reference
-from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._validation import INT64_MAX, INT64_MIN, check_loss_inputs, soft_target_request
 
 __all__ = ["uncertainty_weighted_ce", "bsce_gra_loss", "brier_loss", "label_smoothing_loss", "mmce_loss"]

@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from . import _autograd, _backends, _target_checks
-from ._codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
 from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_class_weight, check_dense_target,
                           check_gamma, check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,

@@ -52,7 +52,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
+from ._kernel_codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
 from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_logits_target, check_loss_inputs,
                           check_number, check_reduction, one_hot_for_dual_focal)
 
@@ -75,7 +75,7 @@ __all__ = [
     "check_mmce_form",
 ]
 
-# FLSD-53's thresholds (calibkernels._codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the band's
+# FLSD-53's thresholds (calibkernels._kernel_codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the band's
 # float32 p_y is compared with.
 _FLSD_LOW_THRESHOLD_F32 = float(torch.tensor(FLSD_LOW_THRESHOLD, dtype=torch.float32))
 _FLSD_MID_THRESHOLD_F32 = float(torch.tensor(FLSD_MID_THRESHOLD, dtype=torch.float32))

@@ -2,7 +2,7 @@
 //
 // The schema is declared once, in csrc/calibkernels.cpp (TORCH_LIBRARY); each device registers its kernel with
 // TORCH_LIBRARY_IMPL in csrc/<device>/uncertainty_weighted_ce.*. The integer codes are declared once, in
-// calibkernels/_codes.py; tests/test_codes.py checks the enums below against it.
+// calibkernels/_kernel_codes.py; tests/test_kernel_codes.py checks the enums below against it.
 //
 //   calibkernels::uncertainty_weighted_ce(
 //       Tensor logits (N, C) float32/float16/bfloat16 (float64 for gradcheck), any strides,
@@ -85,7 +85,7 @@ std::pair<int, const char*> cuda_kernels_probe(int device);
 #endif
 
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/
-// _codes.py DENSE_KERNEL_CHECK_MAX_CLASSES); wider rows are checked by device reductions with pairwise sums.
+// _kernel_codes.py DENSE_KERNEL_CHECK_MAX_CLASSES); wider rows are checked by device reductions with pairwise sums.
 constexpr int64_t kDenseKernelCheckMaxClasses = 262144;
 
 // FLSD-53 schedule (Mukhoti et al. 2020): gamma_i = 5 if p_y < 0.2, 3 if p_y < 0.5, else `gamma`.

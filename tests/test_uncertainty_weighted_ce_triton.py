@@ -1065,7 +1065,7 @@ import itertools, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from calibkernels._codes import WEIGHT_CODES
+from calibkernels._kernel_codes import WEIGHT_CODES
 from calibkernels.triton import uncertainty_weighted_ce as T
 
 assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, not interpreted ones"

@@ -3,7 +3,7 @@ docs/papers.md).
 
 ``--method meta-sece`` / ``--method meta-dece`` train any recipe with a focal loss whose exponent is predicted per
 sample by a γ-Net (:class:`calibkernels.GammaNet`, parameters φ) from the penultimate features, while φ is meta-learned
-to lower a differentiable calibration error (SECE or DECE, :mod:`calibkernels.metrics.smooth`) on a held-out
+to lower a differentiable calibration error (SECE or DECE, :mod:`calibkernels.metrics.differentiable`) on a held-out
 meta-validation split. One step of the slides' Algorithm 1, as :meth:`MetaRegularizer.train_step` runs it:
 
 1. training batch ``(x_t, y_t)``: features ``h_t = f(x_t)``, logits ``z_t = g_θc(h_t)``, ``γ = f^γ_φ(sg[h_t])``;
@@ -38,7 +38,7 @@ from torch.func import functional_call
 
 import calibkernels as ck
 from calibkernels.gamma_net import GammaNet
-from calibkernels.metrics.smooth import (
+from calibkernels.metrics.differentiable import (
     DECE_DEFAULT_BINS,
     DECE_DEFAULT_T_A,
     DECE_DEFAULT_T_B,

@@ -24,7 +24,7 @@ import functools
 import torch
 
 from .._autograd import is_plain_eager
-from .._codes import REDUCTION_CODES
+from .._kernel_codes import REDUCTION_CODES
 
 try:
     from .. import _C  # noqa: F401  (loading the library runs the TORCH_LIBRARY registrations)

@@ -16,7 +16,7 @@
 * :mod:`.streaming` — ``CalibrationMeter`` (update / compute / reset; merged across DDP ranks) and
   ``calibration_metrics`` (all metrics of one tensor in one pass).
 * :mod:`.reliability` — ``reliability_diagram`` (matplotlib, optional) and ``reliability_bins``.
-* :mod:`.smooth` — differentiable ``sece`` / ``dece`` for meta-regularisation.
+* :mod:`.differentiable` — differentiable ``sece`` / ``dece`` for meta-regularisation.
 * :mod:`.smooth_ece` — ``smooth_ece`` (Błasiok & Nakkiran's smECE, automatic bandwidth) and
   ``smooth_reliability_curve``; :mod:`.debiased` — ``debiased_ece`` (Kumar, Liang & Ma's debiased L2 calibration
   error on equal-mass bins); :mod:`.bootstrap` — ``bootstrap`` percentile intervals of any metric (batched for the
@@ -42,9 +42,9 @@ from .binned import (
 from .reliability import reliability_bins, reliability_diagram
 from .streaming import METRIC_KEYS, CalibrationMeter, calibration_metrics
 
-# --- differentiable calibration errors (meta-regularisation; calibkernels/metrics/smooth.py, meta engineer) ---
-from .smooth import dece, sece
-# --- end smooth metrics ---
+# --- differentiable calibration errors (meta-regularisation; calibkernels/metrics/differentiable.py, meta engineer) ---
+from .differentiable import dece, sece
+# --- end differentiable metrics ---
 
 # --- metrics past the anchors: smooth ECE, debiased L2 calibration error, bootstrap intervals ---
 from .bootstrap import BATCHED_METRICS, bin_accuracy_band, bootstrap, bootstrap_distribution

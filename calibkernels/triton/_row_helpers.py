@@ -9,7 +9,7 @@
   the reduction's factor of its gradient (1 / the mean's divisor, counted in the program for a small batch).
 * Target scans (``_target_chunk``, ``_mix_chunk``, ``_scan_start``, ``_scan_chunk``, ``_store_target_flag``,
   ``_count_valid``, ``_mean_divisor``): the mean's divisor and the target flag of class indices, a mix's
-  ``mix_target`` and λ checked in the same scan (calibkernels._codes.TARGET_FLAG_CODES).
+  ``mix_target`` and λ checked in the same scan (calibkernels._kernel_codes.TARGET_FLAG_CODES).
 * ``_finish``: the end of every loss launch. The last program to finish its row (a ticket from an atomic counter)
   sums the rows' losses in a fixed order, divides by the mean's divisor, writes the loss in its dtype and makes the
   target flag, so that the forward is one launch.
@@ -24,15 +24,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .. import _validation as V
-from .._codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD, TARGET_FLAG_CODES
+from .. import _validation as validation
+from .._kernel_codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD, TARGET_FLAG_CODES
 
 WEIGHT_NONE, WEIGHT_FOCAL, WEIGHT_FLSD, WEIGHT_DUAL_FOCAL, WEIGHT_BRIER, WEIGHT_EXTERNAL, WEIGHT_BRIER_FLSD = (
-    V.WEIGHT_CODES[k] for k in ("none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd")
+    validation.WEIGHT_CODES[k] for k in ("none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd")
 )
-MODE_LOSS, MODE_GRAD = V.MODE_CODES["loss"], V.MODE_CODES["grad"]
+MODE_LOSS, MODE_GRAD = validation.MODE_CODES["loss"], validation.MODE_CODES["grad"]
 REDUCTION_NONE, REDUCTION_MEAN, REDUCTION_SUM = (
-    V.REDUCTION_CODES["none"], V.REDUCTION_CODES["mean"], V.REDUCTION_CODES["sum"])
+    validation.REDUCTION_CODES["none"], validation.REDUCTION_CODES["mean"], validation.REDUCTION_CODES["sum"])
 
 # Where a launch's mean divisor comes from (the kernels' COUNT): every row counts (a dense target has no ignored
 # rows); the class-index targets counted in the loss launch itself (COUNT_INLINE: by every program, for the mean's
@@ -49,7 +49,7 @@ _LOSS_MODE = tl.constexpr(MODE_LOSS)
 _MEAN = tl.constexpr(REDUCTION_MEAN)
 _REDUCTION_NONE = tl.constexpr(REDUCTION_NONE)
 _COUNT_ROWS, _COUNT_INLINE, _COUNT_LOADED = (tl.constexpr(code) for code in (COUNT_ROWS, COUNT_INLINE, COUNT_LOADED))
-# FLSD-53 (Mukhoti et al.): the bands of calibkernels._codes, as in csrc/uncertainty_weighted_ce.h
+# FLSD-53 (Mukhoti et al.): the bands of calibkernels._kernel_codes, as in csrc/uncertainty_weighted_ce.h
 _FLSD_LOW_THRESHOLD, _FLSD_LOW_GAMMA, _FLSD_MID_THRESHOLD, _FLSD_MID_GAMMA = (tl.constexpr(v) for v in (
     FLSD_LOW_THRESHOLD, FLSD_LOW_GAMMA, FLSD_MID_THRESHOLD, FLSD_MID_GAMMA))
 # the first slot of a class-index target flag (_store_target_flag)
@@ -126,7 +126,7 @@ def _scan_chunk(count, bad_any, bad_value, first_mix, first_lambda, target_ptr, 
 @triton.jit
 def _store_target_flag(error_ptr, bad_any, bad_value, first_mix, first_lambda, mix_ptr, num_rows,
                        CHECK_MIX: tl.constexpr):
-    """The target flag of class indices, ``(code, value)`` (calibkernels._codes.TARGET_FLAG_CODES), from a scan's
+    """The target flag of class indices, ``(code, value)`` (calibkernels._kernel_codes.TARGET_FLAG_CODES), from a scan's
     per-lane results (:func:`_scan_chunk`): 1 and the largest bad target where a target is bad; else, with a mix
     (CHECK_MIX), 2 and the first bad row's ``mix_target`` (``first_mix``), or 3 and the first row of a bad λ
     (``first_lambda``; both ``num_rows`` when none is); else 0."""

@@ -60,8 +60,8 @@ from typing import Optional
 
 import torch
 
-from .. import _validation as V
-from .._codes import DENSE_KERNEL_CHECK_MAX_CLASSES
+from .. import _validation as validation
+from .._kernel_codes import DENSE_KERNEL_CHECK_MAX_CLASSES
 from ._batch_kernels import _uncertainty_weighted_ce_scale_grad_kernel, _uncertainty_weighted_ce_targets_kernel
 from ._hard_target_kernels import _uncertainty_weighted_ce_fwd_kernel
 # the codes, as tests and bench/ read them from the backend module
@@ -161,7 +161,7 @@ def _soft_target_arguments(logits, target, weight, mix_target, mix_lambda, label
     float32 tensor on the logits' device, and ``soft`` whether the row targets are anything but class indices."""
     if mix_target is None and mix_lambda is None and label_smoothing == 0.0 and not target.is_floating_point():
         return target, None, None, 0.0, False  # hard targets: the common case, checked first
-    if not V.is_number(label_smoothing):
+    if not validation.is_number(label_smoothing):
         raise TypeError(f"label_smoothing must be a number in [0, 1], got {type(label_smoothing).__name__}")
     label_smoothing = float(label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
@@ -184,7 +184,7 @@ def _soft_target_arguments(logits, target, weight, mix_target, mix_lambda, label
                 or mix_target.device != logits.device):
             raise ValueError(f"mix_target must be an int64 tensor of shape ({num_rows},) on {logits.device}, got "
                              f"{mix_target.dtype} {tuple(mix_target.shape)} on {mix_target.device}")
-        mix_lambda = V.lambda_tensor(mix_lambda, torch.float32, logits.device)
+        mix_lambda = validation.lambda_tensor(mix_lambda, torch.float32, logits.device)
         if (not mix_lambda.is_floating_point() or mix_lambda.shape not in ((), (num_rows,))
                 or mix_lambda.device != logits.device):
             raise ValueError(f"mix_lambda must be a floating tensor of shape () or ({num_rows},) on {logits.device}, "
@@ -263,17 +263,17 @@ def uncertainty_weighted_ce_forward(
     if num_rows == 0:  # nothing to launch: a mean or sum of no rows is 0, and no target is bad
         if reduced:
             loss.zero_()
-        error = V.dense_target_flag(target) if dense and not dense_flags else torch.zeros(2, dtype=torch.int64,
+        error = validation.dense_target_flag(target) if dense and not dense_flags else torch.zeros(2, dtype=torch.int64,
                                                                                            device=device)
         return loss, grad, error
     # a mix's values are checked with the targets, by the launch that checks those (the first slot of the flag says
-    # which was bad: calibkernels._codes.TARGET_FLAG_CODES)
+    # which was bad: calibkernels._kernel_codes.TARGET_FLAG_CODES)
     has_mix = mix_target is not None
     lambda_stride = mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         count, valid_count = COUNT_ROWS, row_loss  # placeholder
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
-        error = torch.empty(2, dtype=torch.int64, device=device) if dense_flags else V.dense_target_flag(target)
+        error = torch.empty(2, dtype=torch.int64, device=device) if dense_flags else validation.dense_target_flag(target)
     elif reduction == REDUCTION_MEAN and compute_grad and num_rows > INLINE_COUNT_MAX_ROWS:
         # the gradient's scale needs the count before any row is written: a launch of its own for a large batch.
         # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)
@@ -307,7 +307,7 @@ def uncertainty_weighted_ce_forward(
             mix_target if has_mix else target, mix_lambda if has_mix else row_loss, lambda_stride,
             *weight_args, *output_args, dense_bad if dense_flags else row_loss, *finish_args,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing,
-            V.dense_row_sum_tolerance(target.dtype),
+            validation.dense_row_sum_tolerance(target.dtype),
             DENSE=dense, HAS_MIX=has_mix, SMOOTH=label_smoothing != 0.0, DENSE_FLAGS=dense_flags, **meta,
         )
     else:
@@ -329,7 +329,7 @@ def _check_grad_out(logits: torch.Tensor, grad_out: torch.Tensor) -> None:
     if grad_out.dtype != logits.dtype or grad_out.device != logits.device:
         raise ValueError(f"{where}grad_out must have the logits' dtype and device ({logits.dtype} on "
                          f"{logits.device}), got {grad_out.dtype} on {grad_out.device}")
-    if V.expanded(grad_out):
+    if validation.expanded(grad_out):
         raise ValueError(f"{where}grad_out has elements that share memory (e.g. an expanded tensor), so its rows "
                          "would overwrite each other; for the gradient in place, the logits must not share memory "
                          "either (use inplace=False, or clone() them)")

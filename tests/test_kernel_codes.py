@@ -1,11 +1,11 @@
-"""The integer codes and FLSD constants are declared twice, for Python/Triton (calibkernels/_codes.py) and for the C++
-and CUDA kernels (csrc/uncertainty_weighted_ce.h): the header must say what _codes.py says. Needs no compiled
+"""The integer codes and FLSD constants are declared twice, for Python/Triton (calibkernels/_kernel_codes.py) and for the C++
+and CUDA kernels (csrc/uncertainty_weighted_ce.h): the header must say what _kernel_codes.py says. Needs no compiled
 extension (it reads the header's text)."""
 
 import re
 from pathlib import Path
 
-from calibkernels import _codes
+from calibkernels import _kernel_codes
 
 HEADER = Path(__file__).resolve().parents[1] / "csrc" / "uncertainty_weighted_ce.h"
 
@@ -34,28 +34,28 @@ def _constants(text):
 
 def test_enums_match_the_python_codes():
     text = HEADER.read_text()
-    for enum, codes in (("Weight", _codes.WEIGHT_CODES), ("Mode", _codes.MODE_CODES),
-                        ("Reduction", _codes.REDUCTION_CODES), ("TargetFlag", _codes.TARGET_FLAG_CODES)):
+    for enum, codes in (("Weight", _kernel_codes.WEIGHT_CODES), ("Mode", _kernel_codes.MODE_CODES),
+                        ("Reduction", _kernel_codes.REDUCTION_CODES), ("TargetFlag", _kernel_codes.TARGET_FLAG_CODES)):
         members = {_snake(key): value for key, value in _enum(text, enum).items()}
-        assert members == codes, f"enum {enum} in {HEADER.name}: {members} != _codes: {codes}"
+        assert members == codes, f"enum {enum} in {HEADER.name}: {members} != _kernel_codes: {codes}"
 
 
 def test_flsd_constants_match_the_python_constants():
     constants = _constants(HEADER.read_text())
     expected = {
-        "kFlsdLowThreshold": _codes.FLSD_LOW_THRESHOLD,
-        "kFlsdLowGamma": _codes.FLSD_LOW_GAMMA,
-        "kFlsdMidThreshold": _codes.FLSD_MID_THRESHOLD,
-        "kFlsdMidGamma": _codes.FLSD_MID_GAMMA,
+        "kFlsdLowThreshold": _kernel_codes.FLSD_LOW_THRESHOLD,
+        "kFlsdLowGamma": _kernel_codes.FLSD_LOW_GAMMA,
+        "kFlsdMidThreshold": _kernel_codes.FLSD_MID_THRESHOLD,
+        "kFlsdMidGamma": _kernel_codes.FLSD_MID_GAMMA,
     }
     assert constants == expected
-    assert (_codes.FLSD_LOW_THRESHOLD, _codes.FLSD_LOW_GAMMA, _codes.FLSD_MID_THRESHOLD, _codes.FLSD_MID_GAMMA) == (
+    assert (_kernel_codes.FLSD_LOW_THRESHOLD, _kernel_codes.FLSD_LOW_GAMMA, _kernel_codes.FLSD_MID_THRESHOLD, _kernel_codes.FLSD_MID_GAMMA) == (
         0.2, 5.0, 0.5, 3.0)
 
 
 def test_the_dense_check_width_matches_the_python_constant():
     match = re.search(r"constexpr\s+int64_t\s+kDenseKernelCheckMaxClasses\s*=\s*(\d+)\s*;", HEADER.read_text())
-    assert match and int(match.group(1)) == _codes.DENSE_KERNEL_CHECK_MAX_CLASSES
+    assert match and int(match.group(1)) == _kernel_codes.DENSE_KERNEL_CHECK_MAX_CLASSES
 
 
 def test_the_parser_sees_a_changed_value():

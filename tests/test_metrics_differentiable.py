@@ -1,12 +1,12 @@
-"""SECE and DECE (calibkernels.metrics.smooth) against brute-force loop versions, limits, gradcheck, errors."""
+"""SECE and DECE (calibkernels.metrics.differentiable) against brute-force loop versions, limits, gradcheck, errors."""
 
 import math
 
 import pytest
 import torch
 
-from calibkernels.metrics import smooth
-from calibkernels.metrics.smooth import dece, sece
+from calibkernels.metrics import differentiable
+from calibkernels.metrics.differentiable import dece, sece
 
 
 def _confidence_and_correct(logits, labels):
@@ -143,7 +143,7 @@ def test_sece_wide_bandwidth_is_global_accuracy_gap():
 def test_sece_row_chunks_give_the_same_value(monkeypatch):
     logits, labels = _random_problem(n=53)
     whole = sece(logits, labels)
-    monkeypatch.setattr(smooth, "_SECE_ROW_CHUNK", 7)
+    monkeypatch.setattr(differentiable, "_SECE_ROW_CHUNK", 7)
     assert sece(logits, labels).item() == pytest.approx(whole.item(), rel=1e-12)
 
 
