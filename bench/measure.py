@@ -119,7 +119,7 @@ def bench_cases(items: list[tuple[Case, list[Provider]]], *, warmup: int = 2, re
                 except Exception as exc:  # noqa: BLE001
                     results[key].status = _error_status(exc)
     finally:
-        del leaf, target, kinds, targets, steps
+        leaf = target = kinds = targets = steps = None  # released here; the closures above read them first
         if base.device == "cuda":
             torch.cuda.empty_cache()
     return list(results.values())

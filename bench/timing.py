@@ -392,5 +392,5 @@ def peak_extra_memory(step: Step, leaf: torch.Tensor, target: torch.Tensor) -> i
             return torch.cuda.max_memory_allocated() - before
         return _cpu_peak_from_profiler(lambda: step(logits, target))
     finally:
-        del logits
+        logits = None  # released here (the profiled closure reads it first)
         leaf.grad = None

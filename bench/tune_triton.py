@@ -192,8 +192,8 @@ def sweep_class(ctx: dict, args, c: int, record) -> None:
                                ms=ms, gbs=nbytes / ms / 1e6)
             finally:
                 ctx["target_checks"].POLICY = "async"
-            del leaf
-        del logits, target
+            leaf = None  # released before the next dtype allocates its own
+        logits = target = None
         torch.cuda.empty_cache()
 
 

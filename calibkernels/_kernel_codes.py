@@ -1,7 +1,8 @@
 """The loss family's constants, declared once for Python, Triton and C++.
 
 The integer codes are what the kernels receive; ``csrc/uncertainty_weighted_ce.h`` declares the same enums and FLSD
-constants for the C++ and CUDA kernels, and ``tests/test_kernel_codes.py`` checks the header against this file. Formulas and
+constants for the C++ and CUDA kernels, and ``tests/test_kernel_codes.py`` checks the header against this file.
+Formulas and
 sources: ``docs/losses.md``.
 """
 

@@ -18,7 +18,8 @@ from ._kernel_codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, F
 __all__ = ["FLSD_LOW_THRESHOLD_F32", "FLSD_MID_THRESHOLD_F32", "compute_dtype", "flsd_band", "flsd_gamma",
            "gamma_gradient_factor", "masked_rows", "power_of_log", "reduce_rows", "row_log_terms"]
 
-# FLSD-53's thresholds (calibkernels._kernel_codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the band's
+# FLSD-53's thresholds (calibkernels._kernel_codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the
+# band's
 # float32 p_y is compared with.
 FLSD_LOW_THRESHOLD_F32 = float(torch.tensor(FLSD_LOW_THRESHOLD, dtype=torch.float32))
 FLSD_MID_THRESHOLD_F32 = float(torch.tensor(FLSD_MID_THRESHOLD, dtype=torch.float32))

@@ -11,7 +11,8 @@ For features ``x ∈ R^{b×d}`` (the backbone's penultimate layer), with learnab
 
 The γs feed the focal loss ``-(1 - p_t)^{γ_i} log p_t`` (``calibkernels.uncertainty_weighted_ce(...,
 uncertainty="focal", gamma=γ)``); the γ-Net's parameters φ = (A, W) are meta-learned to lower a differentiable
-calibration error (SECE or DECE, :mod:`calibkernels.metrics.differentiable`) on held-out data (``training/meta_learning.py``).
+calibration error (SECE or DECE, :mod:`calibkernels.metrics.differentiable`) on held-out data
+(``training/meta_learning.py``).
 
 k, τ and the initialisation are not published; the choices here are documented on :class:`GammaNet`.
 """

@@ -2,7 +2,8 @@
 CUDA and Triton backends').
 
 The rule every implementation follows (``calibkernels.reference._flsd_gamma``, ``csrc/uncertainty_weights.h``,
-constants in ``calibkernels._kernel_codes``): the band value ``p_band`` (``p_y``, or ``<t, p>`` for soft targets) is rounded to
+constants in ``calibkernels._kernel_codes``): the band value ``p_band`` (``p_y``, or ``<t, p>`` for soft targets) is
+rounded to
 float32 and compared with the float32 thresholds, ``γ_i = 5 if p_band < 0.2f, 3 if p_band < 0.5f, else γ`` (the loss's
 argument). 0.2f is 0.20000000298..., so a band value of 0.19999999f (float32 ``exp(-logf(5))``) is in the low band.
 

@@ -7,7 +7,6 @@ weight gradient accumulated in float32), autograd contracts, torch.compile, inpu
 """
 
 import itertools
-import json
 import os
 import subprocess
 import sys

@@ -1,4 +1,5 @@
-"""The integer codes and FLSD constants are declared twice, for Python/Triton (calibkernels/_kernel_codes.py) and for the C++
+"""The integer codes and FLSD constants are declared twice, for Python/Triton (calibkernels/_kernel_codes.py) and for
+the C++
 and CUDA kernels (csrc/uncertainty_weighted_ce.h): the header must say what _kernel_codes.py says. Needs no compiled
 extension (it reads the header's text)."""
 
@@ -49,8 +50,8 @@ def test_flsd_constants_match_the_python_constants():
         "kFlsdMidGamma": _kernel_codes.FLSD_MID_GAMMA,
     }
     assert constants == expected
-    assert (_kernel_codes.FLSD_LOW_THRESHOLD, _kernel_codes.FLSD_LOW_GAMMA, _kernel_codes.FLSD_MID_THRESHOLD, _kernel_codes.FLSD_MID_GAMMA) == (
-        0.2, 5.0, 0.5, 3.0)
+    assert (_kernel_codes.FLSD_LOW_THRESHOLD, _kernel_codes.FLSD_LOW_GAMMA, _kernel_codes.FLSD_MID_THRESHOLD,
+            _kernel_codes.FLSD_MID_GAMMA) == (0.2, 5.0, 0.5, 3.0)
 
 
 def test_the_dense_check_width_matches_the_python_constant():

@@ -177,7 +177,6 @@ def _training_readme_loss_specs():
     """The ``--loss NAME:KEY=VALUE:...`` examples of training/README.md, parsed as training/train.py does."""
     text = (ROOT / "training" / "README.md").read_text()
     sentence = re.search(r"`--loss` takes.*?;", text, flags=re.S).group(0)
-    calls = []
     from training.train import parse_loss_spec
 
     return [parse_loss_spec(spec) for spec in re.findall(r"`([a-z_]+(?::[a-z_]+=[^:`]+)*)`", sentence)]

@@ -86,7 +86,8 @@ def test_focal_with_gamma_grad_matches_reference_and_fused_op():
         torch.testing.assert_close(grad_ours, grad_reference)
     # the public op (fused kernel where a backend exists, else the reference) agrees in float32
     z = logits.detach().float().requires_grad_(True)
-    fused = ck.uncertainty_weighted_ce(z, targets, uncertainty="focal", mode="loss", gamma=gamma.float(), backend="auto")
+    fused = ck.uncertainty_weighted_ce(z, targets, uncertainty="focal", mode="loss", gamma=gamma.float(),
+                                       backend="auto")
     torch.testing.assert_close(fused, focal_loss_with_gamma_grad(logits, targets, gamma).float(), rtol=1e-5,
                                atol=1e-6)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import bisect
 import math
 
-import numpy as np
 import pytest
 import torch
 

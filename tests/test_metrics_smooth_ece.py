@@ -239,7 +239,7 @@ def test_relplot_synthetic_miscalibration(power):
 
 
 def test_relplot_curve():
-    relplot = pytest.importorskip("relplot")
+    pytest.importorskip("relplot")
     from relplot.kernels import ReflectedGaussianKernel
 
     logits, labels = torch.randn(1500, 8, dtype=torch.float64) * 3, torch.randint(0, 8, (1500,))

@@ -1,8 +1,9 @@
 """The pure-PyTorch reference under ``torch.compile`` (Inductor): the same loss and gradient as eager.
 
 The reference is what ``backend="reference"`` runs, so a model compiled with it must train exactly as in eager mode.
-Dual focal's ``p_j`` once was an ``amax`` over ``softmax(z)``, whose backward mask ``p == amax(p)`` Inductor evaluated on
-a ``p`` recomputed through another exp than the forward's: no class matched, 0/0, NaN gradients (pytorch/pytorch#186799).
+Dual focal's ``p_j`` once was an ``amax`` over ``softmax(z)``, whose backward mask ``p == amax(p)`` Inductor evaluated
+on a ``p`` recomputed through another exp than the forward's: no class matched, 0/0, NaN gradients
+(pytorch/pytorch#186799).
 """
 
 import pytest

@@ -164,7 +164,8 @@ def test_no_flag_is_computed_when_nothing_reads_it(monkeypatch):
 
 
 def test_a_target_flag_code_names_what_was_bad():
-    """The first slot of a class-index target flag is a code (calibkernels._kernel_codes.TARGET_FLAG_CODES): each raises the
+    """The first slot of a class-index target flag is a code (calibkernels._kernel_codes.TARGET_FLAG_CODES): each
+    raises the
     host check's message for what it names; 0 raises nothing."""
     what = (5, -100, None)
     _target_checks._raise([0, -(2**63)], what, late=False)

@@ -310,7 +310,7 @@ def test_end_to_end_on_each_on_disk_format(tmp_path, fmt):
 # -------------------------------------------------------------------------------- digits: trains, reports, evaluates
 def test_digits_recipe_trains_reports_and_evaluate_reproduces_the_report(tmp_path, capsys):
     out = tmp_path / "digits"
-    result = run_main(["--loss", "bsce_gra", "--epochs", "40", "--output-dir", str(out)] + FAST)
+    run_main(["--loss", "bsce_gra", "--epochs", "40", "--output-dir", str(out)] + FAST)
     printed = capsys.readouterr().out
     assert "pre-T" in printed and "post-T" in printed and "ECE %" in printed
     report = json.loads((out / "report.json").read_text())
@@ -369,7 +369,8 @@ def test_interrupted_and_resumed_run_matches_uninterrupted(tmp_path):
     run_main(common + ["--output-dir", str(tmp_path / "split"), "--resume", str(tmp_path / "split" / "checkpoint.pt"),
                        "--stop-after", "1"])
     run_main(common + ["--output-dir", str(tmp_path / "split"), "--resume", str(tmp_path / "split" / "checkpoint.pt")])
-    _assert_same_training_state(_state(tmp_path / "full" / "checkpoint.pt"), _state(tmp_path / "split" / "checkpoint.pt"))
+    _assert_same_training_state(_state(tmp_path / "full" / "checkpoint.pt"),
+                                _state(tmp_path / "split" / "checkpoint.pt"))
     assert len((tmp_path / "split" / "log.csv").read_text().splitlines()) == 1 + 3
     full = json.loads((tmp_path / "full" / "report.json").read_text())
     split = json.loads((tmp_path / "split" / "report.json").read_text())
@@ -517,7 +518,8 @@ def test_two_process_gloo_ddp_run_reports_exactly_what_one_process_evaluates(tmp
     out = tmp_path / "ddp"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "training.train",
-           "--loss", "bsce_gra", "--epochs", "2", "--max-steps-per-epoch", "2", "--eval-every", "1", "--output-dir", str(out)] + FAST
+           "--loss", "bsce_gra", "--epochs", "2", "--max-steps-per-epoch", "2", "--eval-every", "1",
+           "--output-dir", str(out)] + FAST
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
                             cwd=Path(__file__).resolve().parents[1])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

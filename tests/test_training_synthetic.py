@@ -56,7 +56,8 @@ def test_synthetic_recipe_trains_evaluates_and_reports_both_losses(tmp_path, cap
     out = capsys.readouterr().out
     assert rc == 0, out
     classes = get_recipe(recipe).num_classes
-    assert f"synthetic {get_recipe(recipe).dataset}-shaped images ({'x'.join(map(str, shape))}, {classes} classes" in out
+    shape_text = "x".join(map(str, shape))
+    assert f"synthetic {get_recipe(recipe).dataset}-shaped images ({shape_text}, {classes} classes" in out
     size = int(extra[extra.index("--synthetic-size") + 1])
     assert f"({size} train / {size // 10} val / {size // 10} test)" in out
     for loss in ("cross_entropy", "bsce_gra"):

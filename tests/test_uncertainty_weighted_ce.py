@@ -1,7 +1,8 @@
 """Every fused backend against ``calibkernels.reference``: values and gradients.
 
 Parametrised over every (backend, device) pair this install can run: the reference itself through the public API
-(which checks this harness and the reference's low-precision path against float64), the C++ kernel on CPU, the Triton kernel on CPU
+(which checks this harness and the reference's low-precision path against float64), the C++ kernel on CPU, the Triton
+kernel on CPU
 tensors under ``TRITON_INTERPRET=1`` (small shapes only: the interpreter is slow), and on a GPU machine the Triton and
 CUDA kernels on CUDA tensors. Backend-specific checks (opcheck, torch.compile, inplace internals) live in
 ``test_uncertainty_weighted_ce_<backend>.py``.

@@ -1,7 +1,8 @@
 """FLSD-53's band choice at its thresholds in the compiled CPU op, for both weights on the schedule: ``flsd`` (the
 focal weight) and ``brier_flsd`` (the Brier weight, BSCE-GRA's adaptive form).
 
-The rule every implementation follows (csrc/uncertainty_weights.h, calibkernels/_kernel_codes.py): the band value of p_y is
+The rule every implementation follows (csrc/uncertainty_weights.h, calibkernels/_kernel_codes.py): the band value of
+p_y is
 float32(exp(z_y - lse)), evaluated at the accumulation precision (float32 for float32/float16/bfloat16 logits, float64
 for float64) and rounded to float32; γ_i = 5 if it is < 0.2f, 3 if it is < 0.5f, else γ. At z = [0, 0, 0, 0, 0] the
 exact p_y is 0.2 and the kernel's own e_y / Σ e is 0.2f exactly, but float32 exp(-log 5) is 0.19999999f: the band is
@@ -78,7 +79,7 @@ def test_rows_a_few_ulps_either_side_of_a_threshold(threshold, dtype, uncertaint
     p_y when that is more than 2 ulps from the threshold."""
     t32 = np.float32(threshold)
     ulp = float(np.spacing(t32))
-    rows, expected = [], []
+    rows = []
     for k in (-64, -16, -4, 4, 16, 64):
         p = float(t32) + k * ulp
         rows.append(math.log((1 - p) / p))  # s with 1 / (1 + e^s) = p

@@ -462,7 +462,8 @@ def test_dense_target_flag_of_rows_past_the_kernels_check_width():
 @pytest.mark.parametrize("lambda_dtype", [torch.float32, torch.float64])
 def test_the_target_flag_checks_a_mix(rows, lambda_dtype):
     """The op checks a mix in its scan of the targets (the row launch's fold, or the count launch of a mean with a
-    gradient over more than 1024 rows): the flag's code (calibkernels._kernel_codes.TARGET_FLAG_CODES) and value as the host
+    gradient over more than 1024 rows): the flag's code (calibkernels._kernel_codes.TARGET_FLAG_CODES) and value as the
+    host
     checks raise them, a bad target first, then a mix_target (the first bad row's value), then a λ (its first row);
     the rows with a bad mix_target or λ are NaN, the others as with a good mix. Float64 logits with a float64 λ too."""
     torch.manual_seed(0)

@@ -16,7 +16,6 @@ import torch.nn.functional as F
 import calibkernels as ck
 from calibkernels import _backends
 from calibkernels import _validation as V
-from calibkernels import reference as R
 
 from _tolerance import assert_within_reference_error
 

@@ -175,7 +175,8 @@ def _cifar(recipe: Recipe, root: Path, seed: int, meta_fraction: float, download
     except (RuntimeError, pickle.UnpicklingError, EOFError, KeyError, ValueError, OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{recipe.dataset}: could not read {folder} ({type(exc).__name__}: {exc}); expected "
                         f"{expected}") from exc
-    if train_full.data.ndim != 4 or train_full.data.shape[1:] != (32, 32, 3) or len(train_full.targets) != len(train_full.data):
+    if (train_full.data.ndim != 4 or train_full.data.shape[1:] != (32, 32, 3)
+            or len(train_full.targets) != len(train_full.data)):
         raise DataError(f"{recipe.dataset}: malformed data in {folder}: images of shape "
                         f"{train_full.data.shape[1:]} (expected 32x32x3); expected {expected}")
     num_classes = recipe.num_classes

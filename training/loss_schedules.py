@@ -61,8 +61,8 @@ def gamma_holder(criterion: nn.Module):
     """The module whose single number ``gamma`` a γ schedule sets, or ``None`` if the loss has no such exponent."""
     if isinstance(criterion, ck.losses.MDCALoss):
         return None if criterion.base is None else gamma_holder(criterion.base)
-    if isinstance(criterion, ck.losses.UncertaintyWeightedCE) and criterion.uncertainty in ("focal", "flsd", "dual_focal",
-                                                                                       "brier", "brier_flsd"):
+    scheduled = ("focal", "flsd", "dual_focal", "brier", "brier_flsd")
+    if isinstance(criterion, ck.losses.UncertaintyWeightedCE) and criterion.uncertainty in scheduled:
         return criterion
     return None
 

@@ -140,7 +140,8 @@ def get_recipe(name: str) -> Recipe:
 
 def describe_recipes() -> str:
     """A table of every recipe for ``--list-recipes``."""
-    header = f"{'recipe':28s} {'data':12s} {'arch':17s} {'ep':>4s} {'bs':>4s} {'opt':4s} {'lr':>7s} {'sched':10s} red  clip"
+    header = (f"{'recipe':28s} {'data':12s} {'arch':17s} {'ep':>4s} {'bs':>4s} {'opt':4s} {'lr':>7s} {'sched':10s} "
+              "red  clip")
     lines = [header, "-" * len(header)]
     for r in RECIPES.values():
         sched = r.scheduler + ("@" + "/".join(map(str, r.milestones)) if r.milestones else "")

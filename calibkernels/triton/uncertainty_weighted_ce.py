@@ -273,7 +273,8 @@ def uncertainty_weighted_ce_forward(
     if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
         count, valid_count = COUNT_ROWS, row_loss  # placeholder
         dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
-        error = torch.empty(2, dtype=torch.int64, device=device) if dense_flags else validation.dense_target_flag(target)
+        error = (torch.empty(2, dtype=torch.int64, device=device) if dense_flags
+                 else validation.dense_target_flag(target))
     elif reduction == REDUCTION_MEAN and compute_grad and num_rows > INLINE_COUNT_MAX_ROWS:
         # the gradient's scale needs the count before any row is written: a launch of its own for a large batch.
         # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)

@@ -36,7 +36,8 @@ def _load_backbone_weights(model: nn.Module, path: str | os.PathLike) -> None:
             state = state[key]
     if not isinstance(state, dict):
         raise ValueError(f"pretrained checkpoint {str(path)!r} does not hold a state dict")
-    state = {k.removeprefix("module."): v for k, v in state.items() if not k.removeprefix("module.").startswith(_HEAD_PREFIXES)}
+    state = {k.removeprefix("module."): v for k, v in state.items()
+             if not k.removeprefix("module.").startswith(_HEAD_PREFIXES)}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith(_HEAD_PREFIXES)]
     if missing or unexpected:

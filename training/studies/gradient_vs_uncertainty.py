@@ -1,4 +1,5 @@
-"""Gradient magnitude against uncertainty (BSCE-GRA paper §5.2, Figure 4) and focal loss's gradient weight (§4.1, Fig. 1).
+"""Gradient magnitude against uncertainty (BSCE-GRA paper §5.2, Figure 4) and focal loss's gradient weight
+(§4.1, Figure 1).
 
 **Figure 4.** For a trained classifier ``z = W h + b`` (``h = model.features(x)``, ``(W, b) = model.classifier``), the
 per-sample gradient of the loss with respect to the last linear layer is ``∂L_i/∂W = g_i h_iᵀ``, ``∂L_i/∂b = g_i`` with
@@ -76,7 +77,8 @@ def per_sample_logit_gradients(logits, target, *, uncertainty, mode, gamma, norm
     if mode != "loss":
         raise ValueError(f"unknown mode {mode!r}; expected 'grad' or 'loss'")
     z.requires_grad_(True)
-    total = uncertainty_weighted_ce(z, target, uncertainty=uncertainty, mode="loss", gamma=gamma, norm=norm, reduction="sum")
+    total = uncertainty_weighted_ce(z, target, uncertainty=uncertainty, mode="loss", gamma=gamma, norm=norm,
+                                    reduction="sum")
     (gradient,) = torch.autograd.grad(total, z)
     return gradient
 
@@ -140,7 +142,8 @@ def correlation(a, b) -> float:
 # --------------------------------------------------------------------------------------------------------------------
 @torch.no_grad()
 def collect_features_and_logits(model, loader, device, max_samples=None, progress=True):
-    """Run ``model.features`` then ``model.classifier`` over ``loader``; return ``h (N, d)``, ``z (N, C)``, ``y (N,)``."""
+    """Run ``model.features`` then ``model.classifier`` over ``loader``; return ``h (N, d)``, ``z (N, C)``,
+    ``y (N,)``."""
     for name in ("features", "classifier"):
         if not hasattr(model, name):
             raise TypeError(f"the model must expose .features and .classifier (training.models contract); "

@@ -22,7 +22,8 @@ Setup (paper §4.3; the unpublished details are options here, defaults documente
   reports; here it is picked on a separate selection set by default (``--select-on selection``), which is the honest
   version of the same search (``--select-on test`` reproduces the paper's protocol).
 
-Run ``python -m training.studies.toy_posterior --help``; the full study (5 seeds) takes a few minutes on a CPU and writes
+Run ``python -m training.studies.toy_posterior --help``; the full study (5 seeds) takes a few minutes on a CPU and
+writes
 ``toy_posterior.json``, ``toy_posterior.md`` and ``toy_posterior_scatter.png`` to ``--output-dir``.
 """
 
@@ -83,7 +84,8 @@ def sample_gaussian_classes(means, covariance, per_class: int, generator: torch.
 def true_posterior(x, means, covariance, priors=None) -> torch.Tensor:
     """Bayes posterior ``p*(k | x)`` of Gaussian classes with one shared covariance: ``(N, C)`` float64, rows sum to 1.
 
-    ``p*_k(x) = π_k N(x; μ_k, Σ) / Σ_j π_j N(x; μ_j, Σ)``. With a shared Σ, the factor ``(2π)^{-1} |Σ|^{-1/2}`` is common to
+    ``p*_k(x) = π_k N(x; μ_k, Σ) / Σ_j π_j N(x; μ_j, Σ)``. With a shared Σ, the factor ``(2π)^{-1} |Σ|^{-1/2}`` is
+    common to
     all classes and cancels, so the posterior is a softmax of ``log π_k - ½ (x - μ_k)ᵀ Σ⁻¹ (x - μ_k)`` (computed in log
     space, so far-away points do not underflow to 0/0). ``priors`` defaults to uniform.
     """
@@ -122,7 +124,8 @@ class ToyMLP(nn.Module):
 
 
 def train_classifier(x, y, num_classes, *, hidden, epochs, lr, batch_size, seed, progress=False):
-    """Train :class:`ToyMLP` with mean cross-entropy (Adam) on float32 copies of ``x``; return the model in eval mode."""
+    """Train :class:`ToyMLP` with mean cross-entropy (Adam) on float32 copies of ``x``; return the model in eval
+    mode."""
     generator = torch.Generator().manual_seed(seed)
     torch.manual_seed(seed)  # parameter initialisation
     model = ToyMLP(num_classes, hidden)
@@ -171,8 +174,8 @@ def config_key(config: dict) -> str:
 
 def weight_values(logits, target, config: dict) -> torch.Tensor:
     """``u(p_i, y_i)`` of one grid point, via the library's reference weights (float64)."""
-    return uncertainty_weight(logits.to(torch.float64), target, uncertainty=config["weight"], gamma=float(config["gamma"]),
-                              norm=float(config.get("norm", 2.0))).detach()
+    return uncertainty_weight(logits.to(torch.float64), target, uncertainty=config["weight"],
+                              gamma=float(config["gamma"]), norm=float(config.get("norm", 2.0))).detach()
 
 
 def run_seed(seed: int, args, grid, progress=False) -> dict:
@@ -270,7 +273,8 @@ def format_grid_table(records, grid, gammas) -> str:
 
 
 def save_scatter(path, arrays, summary, seed, error_norm):
-    """One panel per weight family: true calibration error against the weight (best grid point), test points of a run."""
+    """One panel per weight family: true calibration error against the weight (best grid point), test points of a
+    run."""
     import matplotlib
 
     matplotlib.use("Agg")
