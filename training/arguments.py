@@ -21,6 +21,7 @@ import torch
 import calibkernels as ck
 
 from . import distributed as dist_utils
+from . import meta_learning
 from .criterion import build_criterion, check_loss_spec, loss_schedule
 from .loss_schedules import GAMMA_SCHEDULES, switch_epochs
 from .models import ARCHITECTURES, PRETRAINED_ARCHITECTURES
@@ -234,9 +235,7 @@ def resolve_run_config(args) -> argparse.Namespace:
     if (mixing or args.label_smoothing) and args.method != "standard":
         raise ValueError("--label-smoothing, --mixup-alpha and --cutmix-alpha need --method standard")
     if args.method != "standard":
-        from . import meta_learning as meta_module
-
-        meta_module.check_meta_args(args)
+        meta_learning.check_meta_args(args)
     for name in ("epochs", "batch_size", "eval_every", "n_bins", "threads", "log_every", "synthetic_size"):
         if getattr(args, name, None) is not None and getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -340,9 +339,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     # the first pass only reads --method; a help request answered there would list no --meta-* option
     known, _ = parser.parse_known_args([arg for arg in argv if arg not in ("-h", "--help")])
     if known.method != "standard":
-        from . import meta_learning as meta_module
-
-        meta_module.add_meta_args(parser)
+        meta_learning.add_meta_args(parser)
     args = parser.parse_args(argv)
     # Parsing again into a namespace whose every attribute is already set keeps argparse from filling in defaults:
     # what it overwrites is what the command line gave.

@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .models import build_model
+
 __all__ = ["save_checkpoint", "load_checkpoint", "load_model_from_checkpoint", "rng_state", "set_rng_state"]
 
 
@@ -80,7 +82,6 @@ def load_model_from_checkpoint(path: str | os.PathLike, map_location="cpu"):
 
     Returns ``(model, checkpoint_dict)``; the model is in eval mode on ``map_location``.
     """
-    from .models import build_model
 
     checkpoint = load_checkpoint(path, map_location=map_location)
     args = checkpoint["args"]

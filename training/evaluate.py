@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import DataLoader
 
+from .arguments import CliArgumentParser, check_device, print_error
 from .checkpoint import load_model_from_checkpoint
 from .data import DataError, build_datasets
 from .recipes import get_recipe
@@ -42,7 +43,6 @@ def posthoc_names(text: str) -> tuple:
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    from .arguments import CliArgumentParser  # usage errors are one ``error:`` line, as training.train's
 
     parser = CliArgumentParser(description=__doc__.splitlines()[0], add_help=add_help,
                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -76,7 +76,6 @@ def rebuild_splits(saved: dict, data_root=None, seed: int | None = None):
 
 
 def main(args) -> dict:
-    from .arguments import check_device
 
     check_device(args.device)
     device = torch.device(args.device)
@@ -106,7 +105,6 @@ def main(args) -> dict:
 
 def cli(argv=None) -> int:
     """Exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument, device, data path or checkpoint."""
-    from .arguments import print_error
 
     args = get_args_parser().parse_args(argv)
     try:

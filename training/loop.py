@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 import calibkernels as ck
 
 from . import distributed as dist_utils
+from . import meta_learning
 from . import soft_targets
 from .arguments import explicit_options
 from .checkpoint import load_checkpoint, rng_state, save_checkpoint, set_rng_state
@@ -193,10 +194,7 @@ def _build_training(run: TrainingRun) -> None:
         run.ema = soft_targets.make_ema(model, decay, device=device)
     run.scaler = torch.amp.GradScaler(device.type, enabled=args.amp == "fp16")
 
-    meta_module = None
     if args.method != "standard":
-        from . import meta_learning as meta_module  # imported only when chosen
-
         if run.splits.meta is None:
             raise ValueError(f"--method {args.method} needs a meta split: pass --meta-fraction > 0")
         meta_batch = (getattr(args, "meta_batch_size", None) or args.batch_size) // run.world
@@ -221,8 +219,8 @@ def _build_training(run: TrainingRun) -> None:
         run.train_model = torch.compile(model) if args.compile else model
     run.eval_model = run.train_model if args.compile and not distributed and run.step_forward is forward_and_loss \
         else (torch.compile(run.model_without_ddp) if args.compile else run.model_without_ddp)
-    if meta_module is not None:
-        run.meta = meta_module.MetaRegularizer(run.train_model, args.num_classes, args.method.split("-", 1)[1], args,
+    if args.method != "standard":
+        run.meta = meta_learning.MetaRegularizer(run.train_model, args.num_classes, args.method.split("-", 1)[1], args,
                                                device)
 
 

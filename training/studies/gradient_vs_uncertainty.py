@@ -44,6 +44,11 @@ from tqdm.auto import tqdm
 
 from calibkernels.reference import uncertainty_weight, uncertainty_weighted_ce
 
+from ..arguments import CliArgumentParser, check_device, print_error
+from ..checkpoint import load_model_from_checkpoint
+from ..data import DataError
+from ..evaluate import rebuild_splits
+
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parent / "results"
 SPLITS = ("train", "val", "test")
 
@@ -261,7 +266,6 @@ def format_table(result) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ..arguments import CliArgumentParser  # usage errors are one ``error:`` line, as training.train's
 
     parser = CliArgumentParser(
         prog="python -m training.studies.gradient_vs_uncertainty",
@@ -294,7 +298,6 @@ def build_parser() -> argparse.ArgumentParser:
 def load_split(checkpoint: dict, split: str, data_root, seed):
     """The ``split`` dataset of the checkpoint's run, rebuilt as ``training.evaluate`` does (the run's recipe at its
     ``--image-size``, its meta split, its synthetic images), with the run's seed unless ``seed`` is given."""
-    from ..evaluate import rebuild_splits
 
     return getattr(rebuild_splits(checkpoint["args"], data_root, seed), split)
 
@@ -305,8 +308,6 @@ def main(argv=None) -> dict:
         raise ValueError(f"--max-samples must be >= 1, got {args.max_samples}")
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
-    from ..checkpoint import load_model_from_checkpoint
-    from ..arguments import check_device
 
     check_device(args.device)
     # Every checkpoint and its data are loaded before anything is written: a bad one stops the study up front.
@@ -355,8 +356,6 @@ def main(argv=None) -> dict:
 def cli(argv=None) -> int:
     """Command-line entry point: exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument,
     checkpoint or data path."""
-    from ..data import DataError
-    from ..arguments import print_error
 
     try:
         main(argv)

@@ -43,6 +43,8 @@ from tqdm.auto import tqdm
 
 from calibkernels.reference import uncertainty_weight
 
+from ..arguments import CliArgumentParser, print_error
+
 DEFAULT_OUTPUT_DIR = Path(__file__).resolve().parent / "results"
 PAPER_CORRELATIONS = {"brier": 0.664, "dual_focal": 0.638, "focal": 0.550}
 WEIGHT_LABELS = {"focal": "FL (1-p_y)^γ", "dual_focal": "DFL (1-p_y+p_j)^γ", "brier": "gBS ‖p-e_y‖_q^γ"}
@@ -302,7 +304,6 @@ def save_scatter(path, arrays, summary, seed, error_norm):
 # CLI
 # --------------------------------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    from ..arguments import CliArgumentParser  # usage errors are one ``error:`` line, as training.train's
 
     parser = CliArgumentParser(
         prog="python -m training.studies.toy_posterior",
@@ -402,7 +403,6 @@ def _run_study(args, argv) -> dict:
 
 def cli(argv=None) -> int:
     """Command-line entry point: exit code 0, or 2 with one ``error: …`` line on stderr for a bad argument."""
-    from ..arguments import print_error
 
     try:
         main(argv)
