@@ -135,7 +135,9 @@ do_test() {
   timeout --signal=INT --kill-after="$grace" "$((total - grace))" \
     $PY -m pytest -q -n "${TEST_WORKERS:-8}" -p no:cacheprovider --tb=short -rfE --durations=30 "${select[@]}" \
     tests/test_uncertainty_weighted_ce.py tests/test_uncertainty_weighted_ce_cuda.py \
-    tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_soft_targets.py \
+    tests/test_uncertainty_weighted_ce_cuda_brier_flsd.py tests/test_uncertainty_weighted_ce_cuda_launch.py \
+    tests/test_uncertainty_weighted_ce_triton.py tests/test_uncertainty_weighted_ce_triton_soft_targets.py \
+    tests/test_uncertainty_weighted_ce_triton_aot.py tests/test_uncertainty_weighted_ce_soft_targets.py \
     tests/test_uncertainty_weighted_ce_contracts.py tests/test_uncertainty_weighted_ce_faults.py \
     tests/test_soft_targets.py tests/test_target_checks.py tests/test_fused_linear.py \
     tests/test_calibration_posthoc.py tests/test_metrics_bootstrap.py tests/test_metrics_debiased.py \

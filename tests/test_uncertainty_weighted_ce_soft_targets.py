@@ -2,7 +2,7 @@
 probability targets, against the float64 reference and F.cross_entropy, in every weight × mode × reduction, every
 dtype, odd shapes, extreme and -inf logits, in place, the streaming-store and instruction-set forms, float64
 gradcheck, opcheck and torch.compile (docs/losses.md, "Soft targets"). The Triton kernel's soft targets are tested in
-test_uncertainty_weighted_ce_triton.py."""
+test_uncertainty_weighted_ce_triton_soft_targets.py."""
 
 import itertools
 import os

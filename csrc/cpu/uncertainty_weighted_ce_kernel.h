@@ -112,8 +112,8 @@ inline int64_t row_grain(int64_t c) { return std::max<int64_t>(1, 16384 / c); }
 // work) nor above (the scratch row would not fit L1); and only for gradients of at least 4 MiB, since a smaller one
 // would still be in the cache for whatever reads it next.
 // CALIBKERNELS_CPU_STREAMING_STORES=0 / =1 forces them off / on for every out-of-place float row the AVX-512 path
-// stores: a testing hook (tests/test_uncertainty_weighted_ce_cpu.py compares both forms bit for bit over rows the
-// automatic choice would not stream), not a user setting; read on every call so that one process can test both.
+// stores: a testing hook (tests/test_uncertainty_weighted_ce_cpu_sweeps.py compares both forms bit for bit over rows
+// the automatic choice would not stream), not a user setting; read on every call so that one process can test both.
 constexpr int64_t kStreamMinRowBytes = 1024;
 constexpr int64_t kStreamMaxRowBytes = 16384;
 constexpr int64_t kStreamMinGradientBytes = int64_t(4) << 20;
