@@ -32,9 +32,7 @@ def release_cpu_gradient_cache() -> int:
     (0 without the compiled extension). ``CALIBKERNELS_CPU_GRAD_CACHE=0`` turns the reuse off."""
     if _backends.unavailable_reason("cpu", torch.device("cpu")) is not None:
         return 0
-    from . import _C
-
-    return int(_C.release_cpu_gradient_cache())
+    return int(torch.ops.calibkernels.release_cpu_gradient_cache())
 
 
 __all__ = [

@@ -1,25 +1,24 @@
-"""The autograd of the fused loss: one contract, two implementations of it.
+"""The autograd of the fused loss: one contract, one implementation per op.
 
-Every backend provides the same forward, ``forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode,
-gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
+Every backend provides the same kernel call, ``forward(logits, target, sample_weight, gamma_per_sample, uncertainty,
+mode, gamma, norm, ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
 label_smoothing=0.0, *, loss_dtype=None) -> (loss, grad, target_flag)`` (the soft-target arguments only where the
 backend's module sets ``SOFT_TARGETS``; ``target`` is then class indices or a dense ``(N, C)`` target):
 
 * ``loss``: float32 (float64 for float64 logits), or ``loss_dtype`` where the backend writes that dtype itself (the
-  logits' dtype, asked for by the calls below, which the compiled op and the Triton kernels' eager calls write
-  directly: a 16-bit loss then costs no cast launch, and its backward no cast of ``grad_output``); the caller casts
-  what it gets. 0-dim for mean/sum, ``(N,)`` for none;
+  logits' dtype, asked for by the calls below: a 16-bit loss then costs no cast launch, and its backward no cast of
+  ``grad_output``); the caller casts what it gets. 0-dim for mean/sum, ``(N,)`` for none;
 * the gradient of the reduced loss for ``grad_output = 1`` ("gradient in the forward"), written into ``grad_out`` when
   given (the logits themselves for ``inplace=True``; ``grad`` is then empty) or returned as ``grad``;
 * ``target_flag``: ``None``, or a two-slot int64 device tensor ``(any bad target, a bad value)`` that
   :mod:`calibkernels._target_checks` turns into a ``ValueError`` without stalling the host.
 
-The backward only scales the saved gradient by ``grad_output``. :class:`UncertaintyWeightedCE` implements it for the
-Triton backend and for all traced code (torch.compile, opcheck, FakeTensor), where the backend's forward calls the
-registered op as one graph node. Eager calls of the compiled op (C++ CPU, CUDA C++) use the op's own autograd kernel,
-``csrc/uncertainty_weighted_ce_autograd.cpp``, the same contract in C++: a Python ``autograd.Function`` alone costs
-about as much host time per step as ``F.cross_entropy``'s whole step at classification shapes (docs/performance.md).
-Eager Triton calls launch the kernels directly, without the registered op's dispatch glue.
+The backward only scales the saved gradient by ``grad_output``. The compiled op (C++ CPU, CUDA C++) carries its
+autograd in C++, registered under the Autograd key (``csrc/uncertainty_weighted_ce_autograd.cpp``; its module's
+``loss_with_autograd``), for eager and traced calls alike: a Python ``autograd.Function`` alone costs about as much
+host time per step as ``F.cross_entropy``'s whole step at classification shapes (docs/performance.md). The Triton
+kernels, launched from Python, have :class:`UncertaintyWeightedCE`, the same contract; in traced code their forward
+calls the registered Triton op as one graph node, eager calls launch the kernels directly.
 
 Contracts (docs/losses.md, "Contracts"):
 
@@ -42,19 +41,13 @@ from __future__ import annotations
 import torch
 
 from . import _target_checks
+from ._target_checks import is_plain_eager
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
 from ._validation import LossInputs, expanded, lambda_tensor
 
-__all__ = ["UncertaintyWeightedCE", "run", "run_rows", "scale_saved_gradient", "is_plain_eager",
+__all__ = ["UncertaintyWeightedCE", "run", "scale_saved_gradient", "is_plain_eager",
            "raise_if_create_graph"]
-
-
-def is_plain_eager(*tensors: torch.Tensor) -> bool:
-    """True outside any tracer (Dynamo, make_fx/AOTAutograd, FakeTensor mode) when every tensor given is a plain
-    ``torch.Tensor`` (no subclass)."""
-    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and all(type(t) is torch.Tensor for t in tensors))
 
 
 def scale_saved_gradient(grad: torch.Tensor, grad_output, scale_inplace=None) -> torch.Tensor | None:
@@ -165,61 +158,54 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
 
 
 def run(backend_module, inputs: LossInputs, inplace: bool) -> torch.Tensor:
-    """The loss of validated ``inputs`` through the compiled backend whose module is ``backend_module`` (what
-    :func:`calibkernels._backends.module` returns), in the logits' dtype and batch shape."""
+    """The loss of validated ``inputs`` through the fused backend whose module is ``backend_module`` (what
+    :func:`calibkernels._backends.module` returns), in the logits' dtype and batch shape: the compiled op with its
+    C++ autograd, or the Triton kernels with :class:`UncertaintyWeightedCE`."""
+    logits = inputs.logits
+    compute_grad = logits.requires_grad and torch.is_grad_enabled()
+    gamma = inputs.gamma
+    gamma_per_sample = gamma if type(gamma) is not float else None
+    if inplace and compute_grad:
+        if _is_leaf_or_view_of_leaf(logits):
+            raise ValueError(
+                "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
+                "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
+                "use inplace=False"
+            )
+        if expanded(logits):
+            raise ValueError(
+                "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
+                "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() "
+                "them)"
+            )
     soft = ()
-    if inputs.soft:
+    if inputs.dense or inputs.mix_target is not None or inputs.label_smoothing != 0.0:
         lam = inputs.mix_lambda
         if lam is not None:
-            lam = lambda_tensor(lam, inputs.logits.dtype, inputs.logits.device)
+            lam = lambda_tensor(lam, logits.dtype, logits.device)
         soft = (inputs.mix_target, lam, inputs.label_smoothing)
-    return run_rows(backend_module, inputs.logits, inputs.target, inputs.sample_weight, inputs.gamma,
-                    WEIGHT_CODES[inputs.uncertainty], MODE_CODES[inputs.mode], inputs.norm, inputs.ignore_index,
-                    REDUCTION_CODES[inputs.reduction], soft, inplace, inputs.batch_shape)
-
-
-def run_rows(backend_module, logits: torch.Tensor, target: torch.Tensor, sample_weight, gamma, uncertainty: int,
-             mode: int, norm: float, ignore_index: int, reduction: int, soft: tuple = (), inplace: bool = False,
-             batch_shape: tuple | None = None) -> torch.Tensor:
-    """:func:`run` on arguments already checked and flattened: ``logits (N, C)``, the target as the backends take it,
-    the uncertainty weight, mode and reduction as codes, ``gamma`` a number or a per-sample tensor, ``soft`` the
-    backend's soft-target arguments ``(mix_target, mix_lambda tensor, label_smoothing)`` or ``()``; a
-    ``reduction="none"`` loss reshaped to ``batch_shape``. :func:`calibkernels.functional.uncertainty_weighted_ce`
-    calls it directly for the common eager Triton call, whose arguments it has checked itself."""
-    grad_enabled = torch.is_grad_enabled()
-    compute_grad = grad_enabled and logits.requires_grad
-    gamma_per_sample = gamma if isinstance(gamma, torch.Tensor) else None
-    gamma_value = 0.0 if gamma_per_sample is not None else float(gamma)
-    if inplace and compute_grad and _is_leaf_or_view_of_leaf(logits):
-        raise ValueError(
-            "inplace=True overwrites the logits with their gradient, so the logits must be an intermediate "
-            "result (e.g. a layer's output), not a leaf tensor that requires grad (or a view of one); "
-            "use inplace=False"
-        )
-    if inplace and compute_grad and expanded(logits):
-        raise ValueError(
-            "inplace=True overwrites the logits with their gradient, but elements of these logits share memory "
-            "(e.g. an expanded tensor), so their rows would overwrite each other; use inplace=False (or clone() them)"
-        )
-    codes = (uncertainty, mode, gamma_value, norm, ignore_index, reduction)
-    gamma_needs_grad = grad_enabled and gamma_per_sample is not None and gamma_per_sample.requires_grad
+    reduction = REDUCTION_CODES[inputs.reduction]
+    codes = (WEIGHT_CODES[inputs.uncertainty], MODE_CODES[inputs.mode], 0.0 if gamma_per_sample is not None else gamma,
+             inputs.norm, inputs.ignore_index, reduction)
+    inplace = inplace and compute_grad
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
-    if is_plain_eager(logits) and hasattr(backend_module, "forward_with_autograd"):
-        # the compiled op's own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp): the same contract as
-        # UncertaintyWeightedCE without a Python autograd.Function's host time
-        loss, flag = backend_module.forward_with_autograd(logits, target, sample_weight, gamma_per_sample, *codes,
-                                                          compute_grad, inplace and compute_grad, *soft)
-    elif compute_grad or gamma_needs_grad:
+    if hasattr(backend_module, "loss_with_autograd"):
+        # the compiled op with its own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), eager or traced
+        loss, flag = backend_module.loss_with_autograd(logits, inputs.target, inputs.sample_weight, gamma_per_sample,
+                                                       *codes, inplace, *soft)
+    elif compute_grad or (gamma_per_sample is not None and gamma_per_sample.requires_grad and torch.is_grad_enabled()):
         # autograd.Function.apply takes positional arguments only: the soft-target defaults spelled out
-        loss = UncertaintyWeightedCE.apply(logits, target, sample_weight, gamma_per_sample, *codes,
-                                           bool(inplace and compute_grad), backend_module, *(soft or (None, None, 0.0)),
-                                           logits.dtype)
+        loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
+                                           inplace, backend_module, *(soft or (None, None, 0.0)), logits.dtype)
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
-        loss, _, flag = backend_module.forward(logits, target, sample_weight, gamma_per_sample, *codes, False, None,
-                                               *soft, loss_dtype=logits.dtype)
+        loss, _, flag = backend_module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
+                                               False, None, *soft, loss_dtype=logits.dtype)
     if flag is not None:
-        _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
-    if batch_shape is not None and reduction == REDUCTION_CODES["none"] and loss.shape != batch_shape:
-        loss = loss.reshape(batch_shape)
+        _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index, _dense_dtype(inputs.target))
+    if reduction == _NONE and loss.shape != inputs.batch_shape:
+        loss = loss.reshape(inputs.batch_shape)
     return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)
+
+
+_NONE = REDUCTION_CODES["none"]

@@ -163,6 +163,41 @@ def resolve_for_shape(backend: str, device: torch.device, num_classes: int, kind
     return resolve_soft_targets(backend, device, gamma_needs_grad)
 
 
+# (backend, device, target kind, gamma needs grad, CUDA kernel preferred) -> backend name, for eager calls
+_chosen: dict = {}
+
+
+def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda) -> tuple:
+    """``(name, cannot_run)``: the backend that runs a call of :func:`calibkernels.uncertainty_weighted_ce` with these
+    arguments (:func:`resolve_for_shape`), or ``("reference", error)`` when the named backend cannot run it, so that
+    the arguments are checked (as the reference checks them) before ``error`` is raised. Read from the arguments'
+    types and shapes only; malformed arguments are left to the checks. Eager choices are kept per (backend, device,
+    target kind): the choice costs microseconds a small training step notices."""
+    is_tensor = isinstance(logits, torch.Tensor)
+    device = logits.device if is_tensor else torch.device("cpu")
+    dense = isinstance(target, torch.Tensor) and target.is_floating_point()
+    mix = mix_target is not None or mix_lambda is not None
+    soft = dense or mix or not (type(label_smoothing) in (float, int) and label_smoothing == 0)
+    # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
+    gamma_needs_grad = bool(soft and mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
+                            and torch.is_grad_enabled())
+    kind = target_kind(soft, dense, mix)
+    num_classes = logits.shape[-1] if is_tensor and logits.dim() > 0 else 0
+    eager = not torch.compiler.is_compiling()
+    key = None
+    if eager and type(backend) is str:
+        key = (backend, device, kind, gamma_needs_grad, device.type == "cuda" and auto_prefers_cuda(num_classes, kind))
+        if key in _chosen:
+            return _chosen[key], None
+    try:
+        name = resolve_for_shape(backend, device, num_classes, kind, gamma_needs_grad)
+    except RuntimeError as exc:  # NotImplementedError too: a named backend that cannot run this call
+        return "reference", exc
+    if key is not None:
+        _chosen[key] = name
+    return name, None
+
+
 def module(name: str):
     """The module of backend ``name`` (``None`` if it failed to import; :func:`resolve` checks that first)."""
     return _loaded_modules[name][0] if name in _loaded_modules else _module(name)[0]

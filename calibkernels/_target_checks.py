@@ -128,6 +128,13 @@ def _raise(flag, what, late: bool) -> None:
         raise ValueError(dense_target_message(bad_value, dense_dtype) + when)
 
 
+def is_plain_eager(*tensors: torch.Tensor) -> bool:
+    """True outside any tracer (Dynamo, make_fx/AOTAutograd, FakeTensor mode) when every tensor given is a plain
+    ``torch.Tensor`` (no subclass): the calls whose device flags this module reads."""
+    return (not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
+            and all(type(t) is torch.Tensor for t in tensors))
+
+
 def checking(tensor: torch.Tensor) -> bool:
     """Whether a flag of ``tensor``'s values handed to :func:`submit_check` now would be read: the policy is not
     ``off`` and nothing traces the call (``torch.compile``, a dispatch mode, a CUDA graph capture). Asked before the

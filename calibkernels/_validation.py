@@ -16,8 +16,8 @@ import torch
 from ._kernel_codes import BACKENDS, MODE_CODES, REDUCTION_CODES, WEIGHT_CODES  # noqa: F401  (re-exported)
 # the error texts are the device checks' too; dense_row_sum_tolerance is also read here by the Triton backend
 from ._target_checks import (DENSE_ROW_SUM_TOLERANCE, checking, dense_row_sum_tolerance, gamma_message,
-                             lambda_message, mix_target_message, out_of_range_message, sample_weight_message,
-                             submit_check)
+                             is_plain_eager, lambda_message, mix_target_message, out_of_range_message, poll,
+                             sample_weight_message, submit_check)
 
 
 def _check_choice(kind: str, value, choices) -> None:
@@ -474,7 +474,8 @@ def check_mix(mix_target, mix_lambda, target1d, target_shape, num_classes, ignor
     return mix1d, lam
 
 
-@dataclass(frozen=True)
+# slots and not frozen: a frozen dataclass sets each field through object.__setattr__, microseconds per call
+@dataclass(slots=True)
 class LossInputs:
     """Validated, flattened arguments of ``uncertainty_weighted_ce``, as every backend receives them."""
 
@@ -542,28 +543,116 @@ def check_loss_inputs(
     weight=None,
     reduction="mean",
     ignore_index=-100,
-    check_values: bool = True,
     label_smoothing=0.0,
     mix_target=None,
     mix_lambda=None,
-    kernel_checks_mix: bool = False,
-    kernel_checks_dense: bool = False,
+    checked_by: str = "reference",
+    check_values: bool | None = None,
 ) -> LossInputs:
     """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
 
-    ``check_values=True`` reads the tensors' values on the host and raises at once (the reference, CPU tensors).
-    ``check_values=False`` (the GPU backends) reads none, since on a GPU that is a device synchronisation: the kernels
-    flag class-index targets out of range on the device, and the values of ``sample_weight``, a per-sample
-    ``gamma``, ``mix_target`` and a ``mix_lambda`` tensor are flagged by a few device ops and queued
-    (:mod:`calibkernels._target_checks`), with the host checks' errors; a number ``mix_lambda`` is checked here.
-    ``kernel_checks_mix``: the kernel checks the mix's values itself, with the same errors (the C++ CPU op raises;
-    the GPU kernels flag them with the targets, :mod:`calibkernels._target_checks`). ``kernel_checks_dense``: the
-    kernel checks a dense target's values in the sweep that reads it (they are otherwise read on the host whatever
-    ``check_values`` says).
+    ``checked_by`` is the backend that will run the call, which decides where the values of the tensors are checked:
 
-    A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the target by
-    ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
+    * on the host, raising at once: the reference, and CPU tensors (each a read of the values, which on a GPU would
+      be a device synchronisation);
+    * by the kernel itself, with the same errors: the C++ CPU op checks the targets, a mix and a dense target (it
+      raises); the GPU kernels flag bad targets, a mix and (on plain eager calls) a dense target on the device;
+    * on a GPU otherwise (``sample_weight``, a per-sample ``gamma``): flagged by a few device ops and queued.
+
+    ``check_values`` overrides the first two: ``True`` on the host, ``False`` as on a GPU (tests of the device path).
+    The device flags are read by :mod:`calibkernels._target_checks` without stalling the host. A number ``mix_lambda``
+    is checked here. A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the
+    target by ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
     """
+    if check_values is None:
+        common = _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction,
+                              ignore_index, label_smoothing, mix_target, mix_lambda, checked_by)
+        if common is not None:
+            return common
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    on_host = (checked_by == "reference" or device.type == "cpu") if check_values is None else check_values
+    if not on_host and is_plain_eager(logits):
+        poll()  # before this call queues flags of its own: what poll raises belongs to an earlier call
+    # the dual-focal weight's soft targets become class indices before any kernel runs (calibkernels._backends), so
+    # no kernel sees their values
+    in_kernel = uncertainty != "dual_focal" and (checked_by == "cpu" or (
+        checked_by in ("triton", "cuda") and device.type == "cuda"))
+    return _checked_inputs(
+        logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
+        weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
+        mix_target=mix_target, mix_lambda=mix_lambda, check_values=on_host, kernel_checks_mix=in_kernel,
+        # the CPU op checks a dense target in its sweep; the GPU kernels flag it on plain eager calls (the calls whose
+        # flag calibkernels._target_checks reads)
+        kernel_checks_dense=in_kernel and (checked_by == "cpu" or is_plain_eager(logits)),
+        kernel_checks_targets=checked_by == "cpu")
+
+
+def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index,
+                 label_smoothing, mix_target, mix_lambda, checked_by) -> LossInputs | None:
+    """The checks of the common call, in a few type tests: ``(N, C)`` floating logits on a fused backend, whose kernel
+    checks the target values (the C++ CPU op raises; the Triton and CUDA kernels flag them on the device, the Triton
+    interpreter on CPU tensors alike), with ``(N,)`` int64 class indices or a dense
+    ``(N, C)`` target that needs no gradient, on one device; numbers for ``gamma``, ``norm`` and ``label_smoothing``;
+    no per-sample tensor and no mix. Its :class:`LossInputs`, or ``None`` for anything else, which takes the full
+    checks (that also make every error message). Nothing here reads a value."""
+    if not (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and weight is None
+            and mix_target is None and mix_lambda is None and type(uncertainty) is str and type(mode) is str
+            and type(reduction) is str and type(gamma) in (float, int) and type(norm) in (float, int)
+            and type(ignore_index) is int and type(label_smoothing) in (float, int)):
+        return None
+    if (uncertainty not in WEIGHT_CODES or uncertainty == "external" or mode not in MODE_CODES
+            or reduction not in REDUCTION_CODES or not 0 <= gamma < math.inf or not 0 < norm < math.inf
+            or not INT64_MIN <= ignore_index <= INT64_MAX or not 0 <= label_smoothing <= 1 or logits.dim() != 2
+            or not logits.is_floating_point() or target.device != logits.device or logits.shape[0] == 0
+            or logits.shape[1] == 0 or checked_by == "reference"
+            or (uncertainty == "dual_focal" and label_smoothing != 0)):
+        return None
+    dense = target.is_floating_point()
+    if dense:
+        # a dense target's values: the CPU op checks them in its sweep, the GPU kernels flag them on plain eager calls
+        if (target.shape != logits.shape or target.dtype not in _DENSE_DTYPES or ignore_index != -100
+                or uncertainty == "dual_focal" or (target.requires_grad and torch.is_grad_enabled())
+                or not (checked_by == "cpu" or is_plain_eager(logits))):
+            return None
+    elif target.dim() != 1 or target.dtype is not torch.int64 or target.shape[0] != logits.shape[0]:
+        return None
+    try:
+        gamma, norm = float(gamma), float(norm)
+    except OverflowError:
+        return None  # an int past float's range (e.g. 10**400): the full checks' ValueError
+    if logits.is_cuda and is_plain_eager(logits):
+        poll()  # raise for a bad target that an earlier call flagged
+    return LossInputs(logits, target, uncertainty, mode, gamma, norm, None, reduction, ignore_index,
+                      (logits.shape[0],), label_smoothing=float(label_smoothing), dense=dense)
+
+
+_DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def _checked_inputs(
+    logits,
+    target,
+    *,
+    uncertainty,
+    mode,
+    gamma,
+    norm,
+    sample_weight,
+    weight,
+    reduction,
+    ignore_index,
+    check_values: bool,
+    label_smoothing,
+    mix_target,
+    mix_lambda,
+    kernel_checks_mix: bool,
+    kernel_checks_dense: bool,
+    kernel_checks_targets: bool,
+) -> LossInputs:
+    """Every check of :func:`check_loss_inputs`. ``check_values=True`` reads the tensors' values on the host and
+    raises at once; ``False`` flags them on the device and queues the flags. ``kernel_checks_mix`` /
+    ``kernel_checks_dense`` / ``kernel_checks_targets``: the kernel checks a mix's values, a dense target's, the class
+    indices' itself, with the same errors."""
     check_class_weight(weight)
     check_uncertainty(uncertainty)
     check_mode(mode)
@@ -594,7 +683,7 @@ def check_loss_inputs(
         return LossInputs(logits2d, target2d, uncertainty, mode, gamma, float(norm), sample_weight, reduction,
                           ignore_index, batch_shape, label_smoothing=smoothing, dense=True)
     logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
-                                                          check_values=check_values)
+                                                          check_values=check_values and not kernel_checks_targets)
     sample_weight = check_sample_weight(sample_weight, uncertainty, target.shape, logits.device,
                                         check_values=check_values)
     gamma = check_per_sample_gamma(gamma, uncertainty, target.shape, logits.device, check_values=check_values)

@@ -48,8 +48,6 @@
 #include <tuple>
 #include <utility>
 
-typedef struct _object PyObject;  // CPython's, declared here so that the CUDA sources need no Python headers
-
 namespace calibkernels {
 
 enum class Weight : int64_t { None = 0, Focal = 1, Flsd = 2, DualFocal = 3, Brier = 4, External = 5, BrierFlsd = 6 };
@@ -71,18 +69,54 @@ enum class TargetFlag : int64_t { None = 0, Target = 1, MixTarget = 2, MixLambda
 // one-exponential path; the CPU has AVX-512 and ATen uses it), "avx2" or "default". Exposed as calibkernels._C.CPU_ISA.
 const char* cpu_vector_isa();
 
-// calibkernels._C.eager_loss (csrc/uncertainty_weighted_ce_autograd.cpp); a CPython function.
-PyObject* eager_loss(PyObject* module, PyObject* args);
-
 // Frees the CPU op's kept gradient buffers (csrc/cpu/gradient_buffer_cache.h); returns the bytes freed.
 int64_t release_cpu_gradient_cache();
 
 #ifdef CALIBKERNELS_WITH_CUDA
-// Whether this build's CUDA kernels can run on CUDA device `device` (calibkernels._C.cuda_kernels_probe; in
+// Whether this build's CUDA kernels can run on CUDA device `device` (the op calibkernels::cuda_kernels_probe; in
 // csrc/cuda/uncertainty_weighted_ce.cu): the CUDA status of querying one of its kernels there and the status's
 // name; cudaErrorNoKernelImageForDevice (or another image error) on a GPU the build compiled no code for.
 std::pair<int, const char*> cuda_kernels_probe(int device);
 #endif
+
+// The op's arguments, in the schema's order (csrc/calibkernels.cpp declares the schema): the device kernels and the
+// autograd kernel take them as this one struct.
+struct LossArguments {
+  at::Tensor logits;
+  at::Tensor target;
+  std::optional<at::Tensor> sample_weight;
+  std::optional<at::Tensor> gamma_per_sample;
+  int64_t weight;
+  int64_t mode;
+  double gamma;
+  double norm;
+  int64_t ignore_index;
+  int64_t reduction;
+  bool compute_grad;
+  std::optional<at::Tensor> grad_out;
+  std::optional<at::Tensor> mix_target;
+  std::optional<at::Tensor> mix_lambda;
+  double label_smoothing;
+  bool loss_in_logits_dtype;
+};
+
+// (loss, grad, target_flag): see the contract above.
+using LossOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+// A kernel of the op as the dispatcher calls it: the schema's positional arguments, gathered into LossArguments for
+// `Kernel` (registered as m.impl("uncertainty_weighted_ce", &dispatcher_entry<the kernel>)).
+template <LossOutputs (*Kernel)(const LossArguments&)>
+LossOutputs dispatcher_entry(const at::Tensor& logits, const at::Tensor& target,
+                             const std::optional<at::Tensor>& sample_weight,
+                             const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode,
+                             double gamma, double norm, int64_t ignore_index, int64_t reduction, bool compute_grad,
+                             const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& mix_target,
+                             const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
+                             bool loss_in_logits_dtype) {
+  return Kernel(LossArguments{logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                              reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
+                              loss_in_logits_dtype});
+}
 
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/
 // _kernel_codes.py DENSE_KERNEL_CHECK_MAX_CLASSES); wider rows are checked by device reductions with pairwise sums.

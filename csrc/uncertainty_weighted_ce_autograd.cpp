@@ -1,10 +1,10 @@
-// Autograd of calibkernels::uncertainty_weighted_ce for eager calls, in C++.
+// Autograd of calibkernels::uncertainty_weighted_ce, for eager and traced calls alike (torch.compile traces it).
 //
-// The same contract as calibkernels/_autograd.py (docs/losses.md, "Contracts"), which serves the Triton backend and
-// traced code: the forward computes the gradient of the reduced loss for grad_output = 1, the backward scales it.
-// It is written in C++ because a Python autograd.Function costs about as much host time per training step as the
-// whole of F.cross_entropy's step at classification shapes; registered under the Autograd key, an eager call with
-// logits that require grad goes from the dispatcher straight here.
+// The forward computes the gradient of the reduced loss for grad_output = 1 along with the loss (docs/losses.md,
+// "Contracts"); the backward scales it. Registered under the Autograd key, an eager call from Python
+// (torch.ops.calibkernels.uncertainty_weighted_ce, calibkernels/cpp/uncertainty_weighted_ce.py) with logits that
+// require grad goes from the dispatcher straight here: a Python autograd.Function would cost about as much host time
+// per training step as the whole of F.cross_entropy's step at classification shapes.
 //
 //   - in place (grad_out is the logits): the logits' version is bumped, so any other node that saved them raises at
 //     backward; the gradient handed to autograd is a new alias of the overwritten logits, so AccumulateGrad adopts it
@@ -17,17 +17,19 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
-#include <torch/csrc/autograd/graph_task.h>
-#include <torch/csrc/Exceptions.h>
-#include <torch/csrc/autograd/python_variable.h>
-#include <torch/csrc/jit/frontend/tracer.h>
-#include <torch/csrc/utils/pybind.h>
 #include <torch/library.h>
 
 #include <cmath>
 #include <tuple>
 
 #include "uncertainty_weighted_ce.h"
+
+namespace torch::autograd {
+// Whether the backward running on this thread keeps its graph (retain_graph=True): the in-place scaling of the saved
+// gradient is safe only when it does not. libtorch exports this one query of its engine (TORCH_API) but declares it
+// in an internal header (torch/csrc/autograd/graph_task.h), whose other contents this file has no use for.
+TORCH_API bool get_current_graph_task_keep_graph();
+}  // namespace torch::autograd
 
 namespace calibkernels {
 namespace {
@@ -36,16 +38,16 @@ using at::Tensor;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-using OpSignature = std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const Tensor&, const std::optional<Tensor>&,
-                                                       const std::optional<Tensor>&, int64_t, int64_t, double, double,
-                                                       int64_t, int64_t, bool, const std::optional<Tensor>&,
-                                                       const std::optional<Tensor>&, const std::optional<Tensor>&,
-                                                       double, bool);
-
-const c10::TypedOperatorHandle<OpSignature>& fused_op() {
-  static const auto handle =
-      c10::Dispatcher::singleton().findSchemaOrThrow("calibkernels::uncertainty_weighted_ce", "").typed<OpSignature>();
-  return handle;
+// The op below the Autograd key (the device kernel, or the fake one under a tracer), for arguments gathered in
+// LossArguments: the one place in C++ that passes the schema's positional arguments on.
+LossOutputs call_below_autograd(const LossArguments& a) {
+  static const auto handle = c10::Dispatcher::singleton()
+                                 .findSchemaOrThrow("calibkernels::uncertainty_weighted_ce", "")
+                                 .typed<decltype(dispatcher_entry<call_below_autograd>)>();
+  const at::AutoDispatchBelowADInplaceOrView below;
+  return handle.call(a.logits, a.target, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
+                     a.ignore_index, a.reduction, a.compute_grad, a.grad_out, a.mix_target, a.mix_lambda,
+                     a.label_smoothing, a.loss_in_logits_dtype);
 }
 
 const c10::TypedOperatorHandle<void(Tensor&, const Tensor&)>& scale_op() {
@@ -55,15 +57,15 @@ const c10::TypedOperatorHandle<void(Tensor&, const Tensor&)>& scale_op() {
   return handle;
 }
 
-// torch::autograd::Function records every tensor argument (it needs a device), so an absent optional argument is
+// torch::autograd::Function records every tensor argument (it needs a device), so an absent per-sample gamma is
 // passed as this placeholder.
 const Tensor& absent() {
   static const Tensor placeholder = at::empty({0});
   return placeholder;
 }
 
-std::optional<Tensor> detached_or_none(const Tensor& t) {
-  return t.is_same(absent()) ? std::nullopt : std::optional<Tensor>(t.detach());
+std::optional<Tensor> detached(const std::optional<Tensor>& t) {
+  return t.has_value() ? std::optional<Tensor>(t->detach()) : std::nullopt;
 }
 
 // Per row, d(reduced loss)/dgamma_i for grad_output = 1 of the focal loss (1 - p_y)^gamma_i CE_i, 0 on ignored rows
@@ -138,30 +140,29 @@ constexpr const char* kDoubleBackwardMessage =
     "calibkernels: the fused kernels do not support double backward (create_graph=True: differentiating a gradient of "
     "the loss, e.g. a gradient penalty or a look-ahead step); use backend='reference' for that loss";
 
+// The differentiable inputs are passed as tensors (logits, and a per-sample gamma or the placeholder), so that
+// autograd records their edges; the rest of the op's arguments ride along in `args`.
 struct FusedLoss : public torch::autograd::Function<FusedLoss> {
-  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& target,
-                               const Tensor& sample_weight, const Tensor& gamma_per_sample, int64_t weight,
-                               int64_t mode, double gamma, double norm, int64_t ignore_index, int64_t reduction,
-                               bool inplace, const Tensor& mix_target, const Tensor& mix_lambda, double label_smoothing,
-                               bool loss_in_logits_dtype) {
+  static variable_list forward(AutogradContext* ctx, const Tensor& logits, const Tensor& gamma_per_sample,
+                               LossArguments args) {
     const bool logits_grad = ctx->needs_input_grad(0);
     Tensor gamma_factor;
-    if (!gamma_per_sample.is_same(absent()) && ctx->needs_input_grad(3) && static_cast<Mode>(mode) == Mode::Loss) {
+    if (args.gamma_per_sample.has_value() && ctx->needs_input_grad(1) && static_cast<Mode>(args.mode) == Mode::Loss) {
       // the hard-target factor; calibkernels._backends sends soft targets with a γ that requires grad to the reference
-      TORCH_CHECK(!target.is_floating_point() && mix_target.is_same(absent()) && label_smoothing == 0.0,
+      TORCH_CHECK(!args.target.is_floating_point() && !args.mix_target.has_value() && args.label_smoothing == 0.0,
                   "calibkernels::uncertainty_weighted_ce: the gradient of a per-sample gamma is not implemented for "
                   "soft targets; use backend='reference'");
-      gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction);
+      gamma_factor = gamma_gradient_factor(logits, args.target, gamma_per_sample, args.ignore_index, args.reduction);
     }
-    const bool write_logits = inplace && logits_grad;
-    Tensor loss, grad, target_flag;
-    {
-      const at::AutoDispatchBelowADInplaceOrView below;
-      std::tie(loss, grad, target_flag) = fused_op().call(
-          logits, target, detached_or_none(sample_weight), detached_or_none(gamma_per_sample), weight, mode, gamma,
-          norm, ignore_index, reduction, logits_grad, write_logits ? std::optional<Tensor>(logits) : std::nullopt,
-          detached_or_none(mix_target), detached_or_none(mix_lambda), label_smoothing, loss_in_logits_dtype);
-    }
+    const bool write_logits = args.grad_out.has_value() && logits_grad;
+    args.logits = logits;
+    args.sample_weight = detached(args.sample_weight);
+    args.gamma_per_sample = detached(args.gamma_per_sample);
+    args.mix_target = detached(args.mix_target);
+    args.mix_lambda = detached(args.mix_lambda);
+    args.compute_grad = logits_grad;
+    if (!write_logits) args.grad_out = std::nullopt;
+    auto [loss, grad, target_flag] = call_below_autograd(args);
     Tensor saved = grad;
     if (write_logits) {
       torch::autograd::impl::bump_version(logits);
@@ -178,135 +179,32 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
     const auto saved = ctx->get_saved_variables();
     const Tensor& grad_loss = grad_outputs[0];
-    variable_list grads(15);
+    variable_list grads(3);  // logits, gamma_per_sample, the other arguments
     if (!grad_loss.defined()) return grads;
     TORCH_CHECK(!at::GradMode::is_enabled(), kDoubleBackwardMessage);
     if (saved[0].defined()) grads[0] = scale_saved_gradient(saved[0], grad_loss);
-    if (saved[1].defined()) grads[3] = saved[1] * grad_loss.to(saved[1].scalar_type());
+    if (saved[1].defined()) grads[1] = saved[1] * grad_loss.to(saved[1].scalar_type());
     return grads;
   }
 };
 
-// The op's autograd, for the op's arguments.
-std::tuple<Tensor, Tensor, Tensor> autograd_call(
-    const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
-    const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
-    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing,
-    bool loss_in_logits_dtype) {
+// The op's autograd kernel: the op below autograd when nothing needs a gradient, else FusedLoss.
+LossOutputs uncertainty_weighted_ce_autograd(const LossArguments& a) {
   const bool grad_mode = at::GradMode::is_enabled();
-  const bool logits_grad = grad_mode && compute_grad && logits.requires_grad();
-  const bool gamma_grad = grad_mode && gamma_per_sample.has_value() && gamma_per_sample->requires_grad();
-  if (!logits_grad && !gamma_grad) {
-    const at::AutoDispatchBelowADInplaceOrView below;
-    return fused_op().call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                           reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
-                           loss_in_logits_dtype);
-  }
-  const bool inplace = grad_out.has_value();
-  TORCH_CHECK_VALUE(!inplace || grad_out->is_same(logits),
+  const bool logits_grad = grad_mode && a.compute_grad && a.logits.requires_grad();
+  const bool gamma_grad = grad_mode && a.gamma_per_sample.has_value() && a.gamma_per_sample->requires_grad();
+  if (!logits_grad && !gamma_grad) return call_below_autograd(a);
+  TORCH_CHECK_VALUE(!a.grad_out.has_value() || a.grad_out->is_same(a.logits),
                     "calibkernels::uncertainty_weighted_ce: with logits that require grad, grad_out must be the "
                     "logits themselves (in place) or None");
-  auto outputs =
-      FusedLoss::apply(logits, target, sample_weight.has_value() ? *sample_weight : absent(),
-                       gamma_per_sample.has_value() ? *gamma_per_sample : absent(), weight, mode, gamma, norm,
-                       ignore_index, reduction, inplace, mix_target.has_value() ? *mix_target : absent(),
-                       mix_lambda.has_value() ? *mix_lambda : absent(), label_smoothing, loss_in_logits_dtype);
+  auto outputs = FusedLoss::apply(a.logits, a.gamma_per_sample.has_value() ? *a.gamma_per_sample : absent(), a);
   return {outputs[0], outputs[1], outputs[2]};
-}
-
-std::tuple<Tensor, Tensor, Tensor> uncertainty_weighted_ce_autograd(
-    const Tensor& logits, const Tensor& target, const std::optional<Tensor>& sample_weight,
-    const std::optional<Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<Tensor>& grad_out,
-    const std::optional<Tensor>& mix_target, const std::optional<Tensor>& mix_lambda, double label_smoothing,
-    bool loss_in_logits_dtype) {
-  return autograd_call(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                       reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
-                       loss_in_logits_dtype);
 }
 
 }  // namespace
 
-// calibkernels._C.eager_loss(logits, target, weight, mode, gamma, norm, ignore_index, reduction[, mix_target,
-// mix_lambda, label_smoothing, inplace]) -> (loss, target_flag): the common eager call (no sample weight, no
-// per-sample gamma; class-index targets, optionally mixed and smoothed, or a dense target, optionally smoothed)
-// through the op and its autograd above; the loss in the logits' dtype, and the op's target flag (empty on the CPU,
-// whose kernel raises instead).
-// A plain function rather than torch.ops: the boxed call of a fifteen-argument op from Python costs microseconds that
-// a small training step notices. mix_target is None or a tensor; mix_lambda None, a tensor or a number (a 0-dim
-// tensor is made for it here). inplace: the gradient overwrites the logits when they need one (the caller has
-// refused a leaf, or a view of one, that requires grad).
-PyObject* eager_loss(PyObject* /*module*/, PyObject* args) {
-  HANDLE_TH_ERRORS
-  PyObject* logits_obj = nullptr;
-  PyObject* target_obj = nullptr;
-  PyObject* mix_obj = Py_None;
-  PyObject* lambda_obj = Py_None;
-  long long weight = 0, mode = 0, ignore_index = 0, reduction = 0;
-  double gamma = 0, norm = 0, label_smoothing = 0;
-  int inplace = 0;
-  if (!PyArg_ParseTuple(args, "OOLLddLL|OOdp", &logits_obj, &target_obj, &weight, &mode, &gamma, &norm, &ignore_index,
-                        &reduction, &mix_obj, &lambda_obj, &label_smoothing, &inplace)) {
-    return nullptr;
-  }
-  TORCH_CHECK_TYPE(THPVariable_Check(logits_obj) && THPVariable_Check(target_obj),
-                   "eager_loss: logits and target must be tensors");
-  const Tensor& logits = THPVariable_Unpack(logits_obj);
-  const Tensor& target = THPVariable_Unpack(target_obj);
-  std::optional<Tensor> mix_target, mix_lambda;
-  if (mix_obj != Py_None) {
-    TORCH_CHECK_TYPE(THPVariable_Check(mix_obj), "eager_loss: mix_target must be a tensor or None");
-    mix_target = THPVariable_Unpack(mix_obj);
-  }
-  if (lambda_obj != Py_None) {
-    if (THPVariable_Check(lambda_obj)) {
-      mix_lambda = THPVariable_Unpack(lambda_obj);
-    } else {
-      const double lam = PyFloat_AsDouble(lambda_obj);
-      if (lam == -1.0 && PyErr_Occurred()) return nullptr;
-      mix_lambda = at::scalar_tensor(
-          lam, logits.options().dtype(logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat));
-    }
-  }
-  const bool compute_grad = at::GradMode::is_enabled() && logits.requires_grad();
-  Tensor loss, target_flag;
-  {
-    const pybind11::gil_scoped_release no_gil;
-    const std::optional<Tensor> grad_out = inplace && compute_grad ? std::optional<Tensor>(logits) : std::nullopt;
-    if (torch::jit::tracer::isTracing()) {
-      // the tracer records the op where the dispatcher passes its Tracer key, above the Autograd key
-      std::tie(loss, std::ignore, target_flag) =
-          fused_op().call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index,
-                          reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
-    } else {
-      // the op's autograd directly (what the dispatcher would call for plain tensors)
-      std::tie(loss, std::ignore, target_flag) =
-          autograd_call(logits, target, std::nullopt, std::nullopt, weight, mode, gamma, norm, ignore_index, reduction,
-                        compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, true);
-    }
-  }
-  PyObject* loss_obj = THPVariable_Wrap(std::move(loss));
-  if (loss_obj == nullptr) return nullptr;
-  PyObject* flag_obj = THPVariable_Wrap(std::move(target_flag));
-  if (flag_obj == nullptr) {
-    Py_DECREF(loss_obj);
-    return nullptr;
-  }
-  PyObject* result = PyTuple_New(2);
-  if (result == nullptr) {
-    Py_DECREF(loss_obj);
-    Py_DECREF(flag_obj);
-    return nullptr;
-  }
-  PyTuple_SET_ITEM(result, 0, loss_obj);  // steals the references
-  PyTuple_SET_ITEM(result, 1, flag_obj);
-  return result;
-  END_HANDLE_TH_ERRORS
-}
-
 }  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, Autograd, m) {
-  m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_autograd);
+  m.impl("uncertainty_weighted_ce", &calibkernels::dispatcher_entry<calibkernels::uncertainty_weighted_ce_autograd>);
 }

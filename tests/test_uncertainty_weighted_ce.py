@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import calibkernels as ck
-from calibkernels import _backends, functional
+from calibkernels import _backends
 from calibkernels import reference as R
 
 from _tolerance import assert_within_reference_error
@@ -378,7 +378,7 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(_backends, "_AUTO_ORDER", {"cpu": ("cpu",)})
     monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: "pretend it is not built")
     monkeypatch.setattr(_backends, "_warned_fallback", set())
-    monkeypatch.setattr(functional, "_FAST_KERNELS", {})  # the fast path's cached answer to the same question
+    monkeypatch.setattr(_backends, "_chosen", {})  # the kept choices of earlier calls
     z, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

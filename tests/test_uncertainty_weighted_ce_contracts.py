@@ -559,7 +559,7 @@ def test_every_loss_and_metric_refuses_an_ignore_index_outside_int64(ignore_inde
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("ignore_index", [2**63 - 1, -(2**63)])
 def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend, ignore_index):
-    """The ends of the int64 range are an ignore_index like any other, on the fast path and the general one."""
+    """The ends of the int64 range are an ignore_index like any other, with and without soft targets."""
     z, y = _batch()
     y[0], y[1] = 2, ignore_index
     for kwargs in (dict(), dict(uncertainty="focal", mode="loss", reduction="none"), dict(label_smoothing=0.1)):

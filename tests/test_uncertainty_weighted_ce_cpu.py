@@ -91,7 +91,7 @@ def test_opcheck(dtype, uncertainty, mode, reduction):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("soft", [{}, {"label_smoothing": 0.1}], ids=["hard", "smooth"])
 def test_a_16_bit_eager_step_casts_its_loss_once_and_nothing_in_the_backward(dtype, soft):
-    """The eager call (calibkernels._C.eager_loss) asks the op for its loss in the logits' dtype
+    """The eager call asks the op for its loss in the logits' dtype
     (loss_in_logits_dtype: the CPU kernel casts its float32 loss once, the CUDA kernel writes it so, with no launch of
     its own), below the op's autograd, where autograd records nothing: the backward has no ToCopyBackward to cast
     grad_output back (one node and, on a GPU, one launch per step); the scaling reads grad_output in the gradient's
@@ -207,9 +207,10 @@ def test_inplace_refuses_a_leaf_and_protects_other_users_of_the_logits():
 @pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "mix_smooth", "dense", "dense_smooth"])
 @pytest.mark.parametrize("dtype,reduction", [(torch.float32, "mean"), (torch.float32, "none"),
                                              (torch.bfloat16, "sum")])
-def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(kind, dtype, reduction, monkeypatch):
-    from calibkernels import functional
-
+def test_inplace_eager_call_gives_the_out_of_place_results(kind, dtype, reduction):
+    """In place the op writes the gradient over the logits: the same loss and gradient, bit for bit, as out of place,
+    the overwritten logits' version bumped; a leaf (or a view of one) is refused; without grad the logits are left
+    alone."""
     z = (torch.randn(11, 29) * 3).to(dtype)
     y = _targets(11, 29)
     kw = {}
@@ -221,27 +222,18 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
         y = torch.softmax(torch.randn(11, 29, dtype=torch.float64), 1).to(
             torch.bfloat16 if dtype == torch.bfloat16 else torch.float64)
 
-    def step():
+    def step(inplace):
         leaf = z.clone().requires_grad_()
         logits = leaf * 1.0
         loss = ck.uncertainty_weighted_ce(logits, y, uncertainty="focal", mode="loss", gamma=2.0, reduction=reduction,
-                                          inplace=True, **kw)
+                                          inplace=inplace, **kw)
         loss.sum().backward()
         return loss.detach(), leaf.grad, logits._version
 
-    assert functional._compiled_kernel("auto", torch.device("cpu"))
-    calls = []
-    fast_op = functional._EAGER_LOSS
-    monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
-    fast = step()
-    assert len(calls) == 1 and calls[0][-1] is True, "the in-place eager CPU call should take the fast path"
-    monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
-    general = step()
-    for a, b in zip(fast, general):
+    written, separate = step(True), step(False)
+    for a, b in zip(written[:2], separate[:2]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    assert fast[2] > 0, "the overwritten logits' version is bumped"
-    # a leaf, or a view of one, is refused on either path; without grad the logits are left alone
-    monkeypatch.undo()
+    assert written[2] > separate[2], "the overwritten logits' version is bumped"
     for logits in (z.clone().requires_grad_(), z.clone().requires_grad_()[:, :]):
         with pytest.raises(ValueError, match="leaf"):
             ck.uncertainty_weighted_ce(logits, y, inplace=True, **kw)
@@ -249,8 +241,32 @@ def test_inplace_eager_call_takes_the_fast_path_with_the_general_paths_results(k
     with torch.no_grad():
         ck.uncertainty_weighted_ce(plain.requires_grad_(), y, inplace=True, **kw)
     assert torch.equal(plain.detach(), z)
-    with pytest.raises(TypeError, match="inplace must be a bool"):  # as the general path: not taken for 0 / 1
+    with pytest.raises(TypeError, match="inplace must be a bool"):
         ck.uncertainty_weighted_ce(z.clone(), y, inplace=0, **kw)
+
+
+def test_the_common_call_gives_the_full_checks_results(monkeypatch):
+    """The common call (class indices, numbers for gamma and norm) is checked in a few type tests and leaves the
+    target values to the kernel: the same loss and gradient as with every check run."""
+    from calibkernels import _validation
+
+    z = torch.randn(11, 29) * 3
+    y = _targets(11, 29)
+
+    def step():
+        leaf = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(leaf * 1.0, y, uncertainty="focal", gamma=2.0, inplace=True)
+        loss.backward()
+        return loss.detach(), leaf.grad
+
+    served = []
+    common = _validation._common_call
+    monkeypatch.setattr(_validation, "_common_call", lambda *args: served.append(1) or common(*args))
+    fast = step()
+    assert served, "the common call should take the common checks"
+    monkeypatch.setattr(_validation, "_common_call", lambda *args: None)
+    for a, b in zip(fast, step()):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def _error_text(call):
@@ -262,12 +278,10 @@ def _error_text(call):
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_errors(inplace, monkeypatch):
-    """A dense target on CPU tensors goes straight into the compiled op like class indices: the general path's
-    values, and its errors (values, shapes, dtypes, a target that requires grad, ignore_index, a mix) whichever path
-    the call takes."""
-    from calibkernels import functional
-
+def test_dense_targets_checked_by_the_op_give_the_references_results_and_errors(inplace):
+    """A dense target on CPU tensors has its values checked by the compiled op itself, in the sweep that reads it:
+    the reference's values, and its errors (values, shapes, dtypes, a target that requires grad, ignore_index, a
+    mix)."""
     z = torch.randn(9, 13) * 2
     dense = torch.softmax(torch.randn(9, 13), 1)
     negative = dense.clone()
@@ -281,42 +295,30 @@ def test_dense_targets_take_the_fast_path_with_the_general_paths_results_and_err
         (dense, dict(mix_target=torch.zeros(9, dtype=torch.int64), mix_lambda=0.5)),
         (torch.softmax(torch.randn(9, 13, dtype=torch.complex64).abs(), 1).to(torch.complex64), {}),
     ]
-    z_empty = torch.randn(9, 0)  # zero classes: the general path's error either way
+    z_empty = torch.randn(9, 0)
     for target in (torch.ones(9, 0), torch.zeros(9, dtype=torch.int64)):
-        fast = _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target))
-        with monkeypatch.context() as patch:
-            patch.setattr(functional, "_fast_call", lambda *args: None)
-            assert fast == _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target)) == (
-                "ValueError", "logits have zero classes")
+        assert _error_text(lambda: ck.uncertainty_weighted_ce(z_empty, target, backend="cpu")) == (
+            "ValueError", "logits have zero classes")
 
-    def run(target, kw):
+    def run(target, kw, backend):
         leaf = z.clone().requires_grad_()
         logits = leaf * 1.0 if inplace else leaf
-        loss = ck.uncertainty_weighted_ce(logits, target, uncertainty=kw.pop("uncertainty", "brier"), inplace=inplace,
-                                          **kw)
+        loss = ck.uncertainty_weighted_ce(logits, target, uncertainty=kw.pop("uncertainty", "brier"),
+                                          inplace=inplace, backend=backend, **kw)
         loss.sum().backward()
         return loss.detach(), leaf.grad
 
-    calls = []
-    fast_op = functional._EAGER_LOSS if functional._compiled_kernel("auto", torch.device("cpu")) else None
     for number, (target, kw) in enumerate(cases):
-        monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
-        fast = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
-        took_fast = len(calls) > 0
-        calls.clear()
-        monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
-        general = _error_text(lambda: run(target, dict(kw))) or run(target, dict(kw))
-        monkeypatch.undo()
-        if number < 5:  # valid targets, and bad values that the op refuses itself
-            assert took_fast, f"case {number} should take the fast path"
+        kernel = _error_text(lambda: run(target, dict(kw), "cpu")) or run(target, dict(kw), "cpu")
+        reference = _error_text(lambda: run(target, dict(kw), "reference")) or run(target, dict(kw), "reference")
         if number < 3:
-            for a, b in zip(fast, general):
-                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            for a, b in zip(kernel, reference):
+                torch.testing.assert_close(a, b)
         else:
-            assert fast == general, (number, fast, general)
+            assert kernel == reference, (number, kernel, reference)
 
 
-def test_fast_path_leaves_a_backend_that_is_not_a_string_to_the_general_path():
+def test_a_backend_that_is_not_a_string_is_refused():
     z, y = torch.randn(4, 5), torch.tensor([0, 1, 2, 3])
     for backend in (["cpu"], None, 3):
         with pytest.raises(ValueError, match="unknown backend"):
@@ -463,9 +465,7 @@ def test_retain_graph_backward_twice_gives_the_same_gradient():
 
 # ------------------------------------------------------------------------------------- gradient-buffer reuse (cache)
 def _release_cache():
-    import calibkernels._C
-
-    return calibkernels._C.release_cpu_gradient_cache()
+    return torch.ops.calibkernels.release_cpu_gradient_cache()
 
 
 def _gradient(ops, z, y):
@@ -516,7 +516,7 @@ def test_gradient_cache_can_be_turned_off():
     code = ("import torch, calibkernels.cpp.uncertainty_weighted_ce; ops = torch.ops.calibkernels\n"
             "z = torch.randn(512, 1000); y = torch.randint(0, 1000, (512,))\n"
             "g = ops.uncertainty_weighted_ce(z, y, None, None, 4, 1, 2.0, 2.0, -100, 1, True, None)[1]; del g\n"
-            "import calibkernels._C; print(calibkernels._C.release_cpu_gradient_cache())\n")
+            "print(ops.release_cpu_gradient_cache())\n")
     env = dict(os.environ, CALIBKERNELS_CPU_GRAD_CACHE="0")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]

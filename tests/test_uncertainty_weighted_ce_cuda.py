@@ -83,14 +83,12 @@ def test_a_build_without_code_for_the_gpu_is_not_available(monkeypatch):
 def test_only_definite_probe_answers_are_kept(monkeypatch):
     """The probe's status: success, or an image error (no code for the device), is kept per device; any other failure
     (e.g. out of memory making the context) says nothing about the build and is asked again next time."""
-    import types
-
     from calibkernels.cpp import uncertainty_weighted_ce as cpp_backend
 
     answers = {0: (0, "cudaSuccess"), 1: (209, "cudaErrorNoKernelImageForDevice"), 2: (2, "cudaErrorMemoryAllocation")}
     asked = []
-    monkeypatch.setattr(cpp_backend, "_C", types.SimpleNamespace(
-        cuda_kernels_probe=lambda index: asked.append(index) or answers[index]))
+    monkeypatch.setattr(cpp_backend, "_cuda_kernels_probe",
+                        lambda: lambda index: asked.append(index) or answers[index])
     monkeypatch.setattr(cpp_backend, "_missing_code", {})
     for _ in range(2):
         assert cpp_backend._code_missing_on(0) is None
@@ -128,7 +126,7 @@ def test_the_build_has_code_for_this_gpu():
     holds code for the device) says yes on the GPU the tests run on."""
     from calibkernels import _backends
 
-    assert _C.cuda_kernels_probe(torch.cuda.current_device()) == (0, "cudaSuccess")
+    assert torch.ops.calibkernels.cuda_kernels_probe(torch.cuda.current_device()) == (0, "cudaSuccess")
     assert _backends.unavailable_reason("cuda", torch.device("cuda")) is None
 
 
@@ -415,15 +413,12 @@ def test_a_float64_lambda_just_outside_the_unit_interval_raises_beside_float32_l
 
 
 @needs_gpu
-def test_eager_calls_take_the_fast_path(monkeypatch):
-    """backend="cuda" eager calls go straight to the op's C++ autograd (functional._fast_call), with the same loss,
-    gradient and errors as the general path; a bad target raises through the op's own flag."""
-    from calibkernels import functional
+def test_eager_calls_with_the_common_checks_give_the_full_checks_results(monkeypatch):
+    """backend="cuda" eager calls: the same loss, gradient and errors whether the common call's few type tests or
+    every check run; a bad target raises through the op's own flag."""
+    from calibkernels import _validation
 
-    assert functional._compiled_kernel("cuda", torch.device("cuda"))
-    _fast_call = functional._fast_call
-    calls = []
-    fast_op = functional._EAGER_LOSS
+    common = _validation._common_call
     z, y = _logits(64, 100), _targets(64, 100)
     dense = torch.softmax(torch.randn(64, 100, device="cuda"), 1)
 
@@ -438,20 +433,16 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
     for target, kw in ((y, {}), (y, {"label_smoothing": 0.1, "inplace": True}), (dense, {"uncertainty": "focal"}),
                        (y, {"reduction": "none", "mode": "loss"}), (y, {"mix_target": mix, "mix_lambda": lam}),
                        (y, {"mix_target": mix, "mix_lambda": 0.3, "label_smoothing": 0.1})):
-        monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
-        fast = step(target, **kw)
-        assert len(calls) == 1, kw
-        calls.clear()
-        monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
-        general = step(target, **kw)
-        monkeypatch.undo()
-        for a, b in zip(fast, general):
+        common_checks = step(target, **kw)
+        monkeypatch.setattr(_validation, "_common_call", lambda *args: None)
+        full_checks = step(target, **kw)
+        monkeypatch.setattr(_validation, "_common_call", common)
+        for a, b in zip(common_checks, full_checks):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     bad = y.clone()
     bad[3] = 100
     bad_dense = dense.clone()
     bad_dense[9, 0] = -1.0
-    monkeypatch.setattr(functional, "_EAGER_LOSS", lambda *args: calls.append(args) or fast_op(*args))
     bad_mix, bad_lam = mix.clone(), lam.clone()
     bad_mix[5], bad_lam[7] = -3, float("nan")
     for target, kw, match in ((bad, {}, "target value 100 is out of range"), (bad_dense, {}, "row 9 is not"),
@@ -460,22 +451,13 @@ def test_eager_calls_take_the_fast_path(monkeypatch):
         with pytest.raises(ValueError, match=match):
             ck.uncertainty_weighted_ce(z, target, backend="cuda", **kw)
             ck.synchronize_target_checks()
-        assert len(calls) == 1, "the bad target should have taken the fast path"
-        calls.clear()
-    # what the fast path hands to the general path fails there with the general path's error
     leaf = z.clone().requires_grad_()
-    for call in (lambda: ck.uncertainty_weighted_ce(z, y.cpu(), backend="cuda"),
-                 lambda: ck.uncertainty_weighted_ce(z, dense, backend="cuda", ignore_index=3),
-                 lambda: ck.uncertainty_weighted_ce(leaf, y, backend="cuda", inplace=True),
-                 lambda: ck.uncertainty_weighted_ce(z, y, backend=["cuda"])):
-        with pytest.raises((ValueError, TypeError)) as fast_error:
+    for call, error in ((lambda: ck.uncertainty_weighted_ce(z, y.cpu(), backend="cuda"), ValueError),
+                        (lambda: ck.uncertainty_weighted_ce(z, dense, backend="cuda", ignore_index=3), ValueError),
+                        (lambda: ck.uncertainty_weighted_ce(leaf, y, backend="cuda", inplace=True), ValueError),
+                        (lambda: ck.uncertainty_weighted_ce(z, y, backend=["cuda"]), ValueError)):
+        with pytest.raises(error):
             call()
-        monkeypatch.setattr(functional, "_fast_call", lambda *args: None)
-        with pytest.raises((ValueError, TypeError)) as general_error:
-            call()
-        monkeypatch.setattr(functional, "_fast_call", _fast_call)
-        assert str(fast_error.value) == str(general_error.value)
-    assert not calls
 
 
 @needs_gpu

@@ -7,8 +7,10 @@ returned, or written into ``grad_out`` (the logits themselves for ``inplace=True
 Layers, as in pytorch/extension-cpp and torchvision's ``csrc/ops``:
 
 * the fake (meta) kernel registered here, for torch.compile and FakeTensor;
-* :func:`forward`, the typed call used by :mod:`calibkernels._autograd` (the one autograd of every backend): in plain
-  eager mode it dispatches below the Autograd key, straight to the device kernel;
+* :func:`loss_with_autograd`, the op with its autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), which
+  :mod:`calibkernels._autograd` calls for eager and traced code alike;
+* :func:`forward`, the op below the Autograd key (the kernel alone), for callers with an autograd of their own
+  (:mod:`calibkernels.fused_linear`);
 * :func:`scale_grad_`, the backward's in-place scaling on CUDA tensors (no host read of ``grad_output``);
 * :func:`is_available`, the backend interface of :mod:`calibkernels._backends` (``"cpu"``, ``"cuda"``).
 
@@ -23,7 +25,7 @@ import functools
 
 import torch
 
-from .._autograd import is_plain_eager
+from .._target_checks import is_plain_eager
 from .._kernel_codes import REDUCTION_CODES
 
 try:
@@ -35,7 +37,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"Original error: {exc}"
     ) from exc
 
-__all__ = ["forward", "scale_grad_", "is_available", "SOFT_TARGETS"]
+__all__ = ["loss_with_autograd", "forward", "scale_grad_", "is_available", "SOFT_TARGETS"]
 
 # The CPU and CUDA kernels take soft targets (label smoothing, a mix, a dense target): calibkernels._backends.
 SOFT_TARGETS = True
@@ -74,9 +76,9 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
 
 def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
-    """``(loss, grad, target_flag)`` of the compiled op (the backend forward of :mod:`calibkernels._autograd`); the
-    loss in the logits' dtype where ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the
-    op's float32 (float64)."""
+    """``(loss, grad, target_flag)`` of the op below its autograd (the backend forward of
+    :mod:`calibkernels._autograd`, for callers with an autograd of their own); the loss in the logits' dtype where
+    ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the op's float32 (float64)."""
     eager = is_plain_eager(logits)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
@@ -90,15 +92,18 @@ def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, 
     return loss, grad, _checked_flag(flag) if eager else None
 
 
-def forward_with_autograd(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
-                          reduction, compute_grad, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0):
-    """``(loss, target_flag)`` through the op's autograd kernel in C++ (csrc/uncertainty_weighted_ce_autograd.cpp),
-    for plain eager tensors: the backends that have it take it instead of :class:`calibkernels._autograd.
-    UncertaintyWeightedCE`. The loss in the logits' dtype."""
+def loss_with_autograd(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
+                       reduction, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0):
+    """``(loss, target_flag)`` of the op through its autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), in
+    eager and traced code alike: the one autograd of the compiled op, which computes the gradient only where the logits
+    need one. The loss in the logits' dtype; the target flag of an eager CUDA call, else ``None``. ``inplace``: the
+    gradient overwrites the logits (the caller passes it only when they need a gradient)."""
+    compute_grad = logits.requires_grad and torch.is_grad_enabled()
     loss, _, flag = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
                         reduction, compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing,
                         True)
-    return loss, _checked_flag(flag)
+    # the CPU kernel raises instead of flagging (an empty flag); a traced call's flag is nobody's to read
+    return loss, flag if flag.shape[0] and is_plain_eager(logits) else None
 
 
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
@@ -124,12 +129,18 @@ _NO_CODE = frozenset({"cudaErrorNoKernelImageForDevice", "cudaErrorInvalidDevice
 _missing_code: dict = {}
 
 
+def _cuda_kernels_probe():
+    """The op ``calibkernels::cuda_kernels_probe(device) -> (status, name)`` of a build with CUDA kernels, else
+    ``None``."""
+    return getattr(torch.ops.calibkernels, "cuda_kernels_probe", None)
+
+
 def _code_missing_on(index: int) -> str | None:
     """The CUDA status name if this build holds no code for CUDA device ``index``, else ``None``. backend="auto"
     must not pick a kernel that cannot launch; the build's architectures are fixed once it is loaded."""
     if index in _missing_code:
         return _missing_code[index]
-    probe = getattr(_C, "cuda_kernels_probe", None)
+    probe = _cuda_kernels_probe()
     if probe is None:
         return None
     status, name = probe(index)

@@ -219,28 +219,23 @@ SoftTargetTensors prepare_soft_targets(KernelArgs& args, const at::Tensor& z, co
   return held;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
-    const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
-    const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
-    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
-    bool loss_in_logits_dtype) {
+LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
   // the class-index tensors made contiguous once, for the target check and the kernel alike
-  const at::Tensor t = target.contiguous();
+  const at::Tensor t = a.target.contiguous();
   const std::optional<at::Tensor> mix =
-      mix_target.has_value() ? std::optional<at::Tensor>(mix_target->contiguous()) : std::nullopt;
-  KernelArgs args = check_args(logits, t, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                               reduction, mix, mix_lambda, label_smoothing);
+      a.mix_target.has_value() ? std::optional<at::Tensor>(a.mix_target->contiguous()) : std::nullopt;
+  KernelArgs args = check_args(a.logits, t, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
+                               a.ignore_index, a.reduction, mix, a.mix_lambda, a.label_smoothing);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
-  if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
+  if (a.compute_grad && a.grad_out.has_value()) check_grad_out(op, a.logits, *a.grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
-  const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
-  const at::Tensor z = direct ? logits : logits.contiguous();
-  const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix, mix_lambda);
+  const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
+  const at::Tensor z = direct ? a.logits : a.logits.contiguous();
+  const SoftTargetTensors soft_targets = prepare_soft_targets(args, z, t, mix, a.mix_lambda);
   const CpuIsa isa = selected_isa();
   std::atomic<bool> dense_invalid{false};
   args.soft.dense_invalid = &dense_invalid;
-  if (soft_targets.dense.defined() && compute_grad && grad_out.has_value() && grad_out->is_alias_of(logits)) {
+  if (soft_targets.dense.defined() && a.compute_grad && a.grad_out.has_value() && a.grad_out->is_alias_of(a.logits)) {
     // In place a bad dense target must raise before the kernel overwrites the logits: one flagging pass over the
     // target (the kernel's flag, with its margin), then the exact check only when it flags a row; the kernel need
     // not flag again.
@@ -254,19 +249,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cpu(
   }
   // In place each row is read before it is overwritten. A fresh gradient comes from the reused buffers (no page
   // faults for a new N×C each step, see gradient_buffer_cache.h).
-  const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out, [&] {
+  const at::Tensor dest = gradient_destination(a.logits, z, a.compute_grad, a.grad_out, [&] {
     return GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options());
   });
-  void* grad_ptr = compute_grad ? dest.data_ptr() : nullptr;
-  const int64_t grad_stride = compute_grad ? dest.stride(0) : 0;
-  at::Tensor loss = isa == CpuIsa::Default ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, sample_weight,
-                                                                     gamma_per_sample, args, false)
-                                           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, sample_weight,
-                                                                  gamma_per_sample, args, isa == CpuIsa::Avx512);
+  void* grad_ptr = a.compute_grad ? dest.data_ptr() : nullptr;
+  const int64_t grad_stride = a.compute_grad ? dest.stride(0) : 0;
+  at::Tensor loss = isa == CpuIsa::Default ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, a.sample_weight,
+                                                                     a.gamma_per_sample, args, false)
+                                           : isa_avx2::run_kernel(z, grad_ptr, grad_stride, t, a.sample_weight,
+                                                                  a.gamma_per_sample, args, isa == CpuIsa::Avx512);
   if (dense_invalid.load()) check_dense_target_values(t);
-  if (loss_in_logits_dtype && loss.scalar_type() != logits.scalar_type()) loss = loss.to(logits.scalar_type());
+  if (a.loss_in_logits_dtype && loss.scalar_type() != a.logits.scalar_type()) loss = loss.to(a.logits.scalar_type());
   // no flag: every bad target value has raised above
-  return finish_gradient(loss, dest, compute_grad, grad_out, at::empty({0}, t.options().dtype(at::kLong)));
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, at::empty({0}, t.options().dtype(at::kLong)));
 }
 
 }  // namespace
@@ -287,5 +282,5 @@ int64_t release_cpu_gradient_cache() { return GradientBufferCache::instance().re
 }  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, CPU, m) {
-  m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cpu);
+  m.impl("uncertainty_weighted_ce", &calibkernels::dispatcher_entry<calibkernels::uncertainty_weighted_ce_cpu>);
 }

@@ -286,29 +286,25 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   return {loss, target_flag};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> uncertainty_weighted_ce_cuda(
-    const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
-    const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma, double norm,
-    int64_t ignore_index, int64_t reduction, bool compute_grad, const std::optional<at::Tensor>& grad_out,
-    const std::optional<at::Tensor>& mix_target, const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
-    bool loss_in_logits_dtype) {
-  Args args =
-      check_args(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction);
+LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
+  Args args = check_args(a.logits, a.target, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
+                         a.ignore_index, a.reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
-  args.soft = check_soft_arguments(op, logits, target, mix_target, mix_lambda, label_smoothing, weight);
-  args.label_smoothing = label_smoothing;
-  args.loss_in_logits_dtype = loss_in_logits_dtype;
-  if (compute_grad && grad_out.has_value()) check_grad_out(op, logits, *grad_out);
-  const c10::cuda::CUDAGuard guard(logits.device());
+  args.soft = check_soft_arguments(op, a.logits, a.target, a.mix_target, a.mix_lambda, a.label_smoothing, a.weight);
+  args.label_smoothing = a.label_smoothing;
+  args.loss_in_logits_dtype = a.loss_in_logits_dtype;
+  if (a.compute_grad && a.grad_out.has_value()) check_grad_out(op, a.logits, *a.grad_out);
+  const c10::cuda::CUDAGuard guard(a.logits.device());
   // Rows may be strided; columns must be contiguous for the vector loads.
-  const bool direct = logits.stride(1) == 1 || logits.size(1) == 1;
-  const at::Tensor z = direct ? logits : logits.contiguous();
+  const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
+  const at::Tensor z = direct ? a.logits : a.logits.contiguous();
   // In place each thread overwrites only the elements it read itself, after the row's reduction.
-  const at::Tensor dest = gradient_destination(logits, z, compute_grad, grad_out,
+  const at::Tensor dest = gradient_destination(a.logits, z, a.compute_grad, a.grad_out,
                                                [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
-  const auto [loss, target_flag] = run(z, compute_grad ? dest.data_ptr() : nullptr, compute_grad ? dest.stride(0) : 0,
-                                       target, sample_weight, gamma_per_sample, mix_target, mix_lambda, args);
-  return finish_gradient(loss, dest, compute_grad, grad_out, target_flag);
+  const auto [loss, target_flag] =
+      run(z, a.compute_grad ? dest.data_ptr() : nullptr, a.compute_grad ? dest.stride(0) : 0, a.target, a.sample_weight,
+          a.gamma_per_sample, a.mix_target, a.mix_lambda, args);
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag);
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
@@ -392,6 +388,6 @@ std::pair<int, const char*> cuda_kernels_probe(int device) {
 }  // namespace calibkernels
 
 TORCH_LIBRARY_IMPL(calibkernels, CUDA, m) {
-  m.impl("uncertainty_weighted_ce", &calibkernels::uncertainty_weighted_ce_cuda);
+  m.impl("uncertainty_weighted_ce", &calibkernels::dispatcher_entry<calibkernels::uncertainty_weighted_ce_cuda>);
   m.impl("uncertainty_weighted_ce_scale_grad_", &calibkernels::uncertainty_weighted_ce_scale_grad_cuda);
 }
