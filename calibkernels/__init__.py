@@ -17,6 +17,7 @@ from ._target_checks import synchronize_target_checks
 from .functional import bsce_gra_loss, uncertainty_weighted_ce
 from .fused_linear import fused_linear_uncertainty_weighted_ce
 from .gamma_net import GammaNet
+from .loss_stats import LossStats
 
 __version__ = "0.1.0"
 
@@ -37,6 +38,7 @@ def release_cpu_gradient_cache() -> int:
 
 __all__ = [
     "GammaNet",
+    "LossStats",
     "available_backends",
     "bsce_gra_loss",
     "calibration",

@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from ._kernel_codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD
 from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_logits_target, check_loss_inputs,
                           check_number, check_reduction, one_hot_for_dual_focal)
+from .loss_stats import check_return_stats, loss_stats_of_inputs
 
 __all__ = [
     "uncertainty_weight",
@@ -250,6 +251,7 @@ def uncertainty_weighted_ce(
     mix_target=None,
     mix_lambda=None,
     gra_detach="weight",
+    return_stats=False,
 ):
     """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i`` (``mode="loss"``) or ``sg[u_i] · CE_i`` (``"grad"``).
 
@@ -277,9 +279,12 @@ def uncertainty_weighted_ce(
             -γ (1 - p_y + p_j)^{γ-1} p_y (δ_ky - p_k)``. The fused kernels implement ``"weight"`` only.
         backend: accepted for signature parity with :func:`calibkernels.uncertainty_weighted_ce`; must be
             ``"reference"`` or ``"auto"``.
+        return_stats: also return the logits' top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`).
 
     Returns:
-        the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
+        the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``; with
+        ``return_stats=True`` the pair ``(loss, stats)``, ``stats`` a :class:`calibkernels.LossStats` of the target's
+        batch shape (confidence ``max_k p_k`` in float32, prediction ``argmax_k z_k``; NaN / -1 on ignored rows).
     """
     check_backend(backend)
     if backend not in ("reference", "auto"):
@@ -290,7 +295,8 @@ def uncertainty_weighted_ce(
         mix_target=mix_target, mix_lambda=mix_lambda,
     )
     detach_p_j = check_gra_detach(gra_detach, uncertainty=inputs.uncertainty, mode=inputs.mode) == "p_j"
-    return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j)
+    return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j,
+                                               return_stats=check_return_stats(return_stats))
 
 
 GRA_DETACH = ("weight", "p_j")
@@ -308,10 +314,13 @@ def check_gra_detach(gra_detach, *, uncertainty, mode):
     return gra_detach
 
 
-def uncertainty_weighted_ce_from_inputs(inputs: LossInputs, detach_p_j=False):
+def uncertainty_weighted_ce_from_inputs(inputs: LossInputs, detach_p_j=False, return_stats=False):
     """:func:`uncertainty_weighted_ce` of inputs already validated by
     :func:`calibkernels._validation.check_loss_inputs` (what the ``"reference"`` backend runs); ``detach_p_j``: dual
-    focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole)."""
+    focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole); ``return_stats``:
+    return ``(loss, stats)`` (:func:`calibkernels.loss_stats.loss_stats_of_inputs`)."""
+    if return_stats:
+        return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j), loss_stats_of_inputs(inputs)
     if inputs.soft:
         if inputs.uncertainty == "dual_focal":
             inputs = one_hot_for_dual_focal(inputs)

@@ -8,7 +8,9 @@ merged across DDP ranks.
 0.0123
 
 Both follow :class:`calibkernels.metrics.CalibrationMeter`: ``update(inputs, labels)`` with logits or probabilities
-``(..., C)``, ``compute(sync=True)`` (a collective under ``torch.distributed``: every rank must call it), ``reset()``.
+``(..., C)``, ``update_top_label(confidence, correct)`` with top-label data (e.g. a loss's ``return_stats``; NaN
+confidences skipped, no host synchronisation; top-label mode only for the debiased meter), ``compute(sync=True)``
+(a collective under ``torch.distributed``: every rank must call it), ``reset()``.
 ``compute()`` equals the batch function of the concatenated data, up to float64 summation order.
 
 * :class:`SmoothECEMeter` keeps **constant** state. Spreading a sample onto the kernel grid is linear, so the grid of
@@ -37,7 +39,7 @@ from .smooth_ece import (
     curve_from_grid,
     grid_points,
 )
-from .streaming import _distributed_world_size, agree_on_width, all_gather_rows, communication_device
+from .streaming import _distributed_world_size, agree_on_width, all_gather_rows, check_top_label, communication_device
 
 __all__ = ["DebiasedECEMeter", "SmoothECEMeter"]
 
@@ -62,7 +64,14 @@ class SmoothECEMeter:
     def reset(self) -> None:
         """Forget every batch seen so far."""
         self._grids = None  # (2, Σ sizes) float64: residual and count grids of every size, side by side
-        self.num_samples = 0
+        self._num_from_update = 0
+        self._num_from_top_label = None  # float64 0-dim tensor on the grids' device, counted without a host sync
+
+    @property
+    def num_samples(self) -> int:
+        """Samples added on this rank (reading it after :meth:`update_top_label` synchronises with the device)."""
+        extra = 0 if self._num_from_top_label is None else int(self._num_from_top_label)
+        return self._num_from_update + extra
 
     @torch.no_grad()
     def update(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
@@ -75,7 +84,26 @@ class SmoothECEMeter:
         confidence, correct = confidence_and_correct(prepared)
         spread = [_spread(confidence[None], correct[None], size)[:, 0] for size in self.sizes]
         self._grids += torch.cat(spread, dim=-1).to(self._grids.device)
-        self.num_samples += prepared.num_samples
+        self._num_from_update += prepared.num_samples
+
+    @torch.no_grad()
+    def update_top_label(self, confidence: torch.Tensor, correct: torch.Tensor) -> None:
+        """Add samples given by their top-label ``confidence (...)`` and ``correct (...)`` (bool or 0/1), e.g. a
+        loss's ``stats.confidence`` and ``stats.prediction == labels``; NaN confidences (ignored rows) are skipped.
+        On the device, without a host synchronisation."""
+        confidence, correct = check_top_label(confidence, correct)
+        if self._grids is None:
+            self._grids = torch.zeros(2, sum(self.sizes), dtype=torch.float64, device=confidence.device)
+            self._num_from_top_label = torch.zeros((), dtype=torch.float64, device=confidence.device)
+        elif self._num_from_top_label is None:
+            self._num_from_top_label = torch.zeros((), dtype=torch.float64, device=self._grids.device)
+        counted = ~confidence.isnan()
+        confidence = torch.where(counted, confidence, torch.zeros((), dtype=confidence.dtype,
+                                                                  device=confidence.device))
+        weight = counted.to(torch.float64)[None]
+        spread = [_spread(confidence[None], correct[None], size, weight)[:, 0] for size in self.sizes]
+        self._grids += torch.cat(spread, dim=-1).to(self._grids.device)
+        self._num_from_top_label += weight.sum().to(self._grids.device)
 
     def _merged(self, sync: bool):
         """``(grids (2, Σ sizes), N)`` over every rank (``sync``) or this one."""
@@ -151,7 +179,14 @@ class DebiasedECEMeter:
         self._values: list[torch.Tensor] = []  # top-label: confidence; marginal: probabilities (n, C)
         self._targets: list[torch.Tensor] = []  # top-label: correctness; marginal: labels
         self._dtype = torch.float32
-        self.num_samples = 0
+        self._fed_top_label = False  # update_top_label's batches keep their skipped rows as NaN confidences
+
+    @property
+    def num_samples(self) -> int:
+        """Samples added on this rank (reading it after :meth:`update_top_label` synchronises with the device)."""
+        if self._fed_top_label:
+            return sum(int((~values.isnan()).sum()) for values in self._values)
+        return sum(values.shape[0] for values in self._values)
 
     @torch.no_grad()
     def update(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
@@ -171,7 +206,21 @@ class DebiasedECEMeter:
             confidence, correct = confidence_and_correct(prepared)
             self._values.append(confidence)
             self._targets.append(correct)
-        self.num_samples += prepared.num_samples
+
+    @torch.no_grad()
+    def update_top_label(self, confidence: torch.Tensor, correct: torch.Tensor) -> None:
+        """Add samples given by their top-label ``confidence (...)`` and ``correct (...)`` (bool or 0/1), e.g. a
+        loss's ``stats.confidence`` and ``stats.prediction == labels``; NaN confidences (ignored rows) are skipped
+        (kept until :meth:`compute`, so that adding them needs no host synchronisation). ``mode="top-label"`` only:
+        the marginal error needs every class's probability (``ValueError``)."""
+        if self.mode != "top-label":
+            raise ValueError("DebiasedECEMeter(mode='marginal') needs every class's probability: pass logits or "
+                             "probabilities to update(), or use mode='top-label' for top-label data")
+        confidence, correct = check_top_label(confidence, correct)
+        self._fed_top_label = True
+        self._dtype = confidence.dtype
+        self._values.append(confidence)
+        self._targets.append(correct.to(confidence.dtype))
 
     def _local(self):
         """This rank's samples as ``(n, w)`` float64 rows: (confidence, correct) or (p_1..p_C, label)."""
@@ -179,7 +228,8 @@ class DebiasedECEMeter:
             return None
         values, targets = torch.cat(self._values), torch.cat(self._targets)
         values = values[:, None] if values.dim() == 1 else values
-        return torch.cat([values.to(torch.float64), targets.to(torch.float64)[:, None]], dim=1)
+        rows = torch.cat([values.to(torch.float64), targets.to(torch.float64)[:, None]], dim=1)
+        return rows[~rows[:, 0].isnan()] if self._fed_top_label else rows
 
     @torch.no_grad()
     def compute(self, *, sync: bool = True) -> float:
@@ -187,7 +237,9 @@ class DebiasedECEMeter:
         rows = self._local()
         if sync and _distributed_world_size() > 1:
             comm = communication_device()
-            num_classes = agree_on_width(self.num_classes, comm, "DebiasedECEMeter")
+            # a rank fed top-label data only knows no class count; the top-label rows are 2 wide regardless
+            num_classes = agree_on_width(self.num_classes, comm, "DebiasedECEMeter",
+                                         allow_unknown=self.mode == "top-label")
             width = num_classes + 1 if self.mode == "marginal" else 2
             local = rows if rows is not None else torch.zeros(0, width, dtype=torch.float64)
             rows = all_gather_rows(local.to(comm))

@@ -86,15 +86,19 @@ def _reflected_smooth(grid: torch.Tensor, sigma: float) -> torch.Tensor:
     return torch.fft.irfft(product, length)[..., size - 1: 2 * size - 1]
 
 
-def _spread(confidence: torch.Tensor, correct: torch.Tensor, size: int) -> torch.Tensor:
+def _spread(confidence: torch.Tensor, correct: torch.Tensor, size: int,
+            sample_weight: torch.Tensor | None = None) -> torch.Tensor:
     """The residuals and the sample counts of rows ``(B, N)`` spread linearly onto a ``size``-point grid:
-    ``(2, B, size)`` float64 (weight ``1 - u`` on point ``j = ⌊f (G-1)⌋`` clipped to G-2, ``u`` on ``j + 1``)."""
+    ``(2, B, size)`` float64 (weight ``1 - u`` on point ``j = ⌊f (G-1)⌋`` clipped to G-2, ``u`` on ``j + 1``).
+    ``sample_weight (B, N)``: 1 to count a sample, 0 to leave it out (its confidence must still be finite)."""
     confidence = confidence.to(torch.float64)
     residual = confidence - correct.to(torch.float64)
     position = confidence * (size - 1)
     left = position.floor().long().clamp_(0, size - 2)
     upper_share = position - left
     weights = torch.stack([residual, torch.ones_like(residual)])  # (2, B, N): the residual and the density
+    if sample_weight is not None:
+        weights = weights * sample_weight.to(torch.float64)
     grid = torch.zeros(2, confidence.shape[0], size, dtype=torch.float64, device=confidence.device)
     grid.scatter_add_(-1, left.expand(2, -1, -1), weights * (1.0 - upper_share))
     grid.scatter_add_(-1, (left + 1).expand(2, -1, -1), weights * upper_share)
