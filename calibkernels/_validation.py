@@ -579,8 +579,8 @@ def check_loss_inputs(
     :func:`check_drop_in_options`. A ``weight`` tensor is taken only by a caller that computes class weights
     (``class_weight_supported=True``, the reference); otherwise :func:`check_class_weight` refuses it.
     """
-    if class_weight_supported and isinstance(weight, torch.Tensor):
-        class_weight = weight
+    if class_weight_supported and not isinstance(weight, str):
+        class_weight = weight  # checked with the logits (check_class_weight_tensor)
     else:
         check_class_weight(weight)
         class_weight = None
