@@ -15,6 +15,7 @@ import torch
 
 from . import _autograd
 from ._validation import LossInputs, check_backend, one_hot_for_dual_focal
+from .loss_stats import loss_stats_of_inputs
 from .reference import uncertainty_weighted_ce_from_inputs
 
 # backend name -> module implementing it (relative to the calibkernels package)
@@ -167,12 +168,17 @@ def resolve_for_shape(backend: str, device: torch.device, num_classes: int, kind
 _chosen: dict = {}
 
 
-def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda) -> tuple:
+def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda,
+                    reference_only: str | None = None) -> tuple:
     """``(name, cannot_run)``: the backend that runs a call of :func:`calibkernels.uncertainty_weighted_ce` with these
     arguments (:func:`resolve_for_shape`), or ``("reference", error)`` when the named backend cannot run it, so that
     the arguments are checked (as the reference checks them) before ``error`` is raised. Read from the arguments'
     types and shapes only; malformed arguments are left to the checks. Eager choices are kept per (backend, device,
-    target kind): the choice costs microseconds a small training step notices."""
+    target kind): the choice costs microseconds a small training step notices. ``reference_only``: the options of
+    the call that only the reference computes yet (e.g. ``"per-class weights"``), which a named fused backend refuses
+    with ``NotImplementedError`` and ``"auto"`` leaves to the reference with one ``RuntimeWarning``."""
+    if reference_only is not None:
+        return _reference_for(backend, logits, reference_only)
     is_tensor = isinstance(logits, torch.Tensor)
     device = logits.device if is_tensor else torch.device("cpu")
     dense = isinstance(target, torch.Tensor) and target.is_floating_point()
@@ -198,15 +204,44 @@ def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_t
     return name, None
 
 
+_warned_reference_only: set = set()
+
+
+def _reference_for(backend, logits, options: str) -> tuple:
+    """:func:`choose_for_call` for a call with options only the reference computes yet."""
+    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
+    try:
+        name = resolve(backend, device)
+    except RuntimeError as exc:
+        return "reference", exc
+    if name == "reference":
+        return name, None
+    if backend != "auto":
+        return "reference", NotImplementedError(
+            f"calibkernels backend {backend!r} does not compute {options} yet: use backend='reference' (or 'auto', "
+            "which runs it)")
+    if options not in _warned_reference_only:
+        _warned_reference_only.add(options)
+        warnings.warn(f"calibkernels: the fused kernels do not compute {options} yet; running the pure-PyTorch "
+                      "reference (slower, more memory).", RuntimeWarning, stacklevel=4)
+    return "reference", None
+
+
 def module(name: str):
     """The module of backend ``name`` (``None`` if it failed to import; :func:`resolve` checks that first)."""
     return _loaded_modules[name][0] if name in _loaded_modules else _module(name)[0]
 
 
-def run(backend: str, inputs: LossInputs, inplace: bool):
+def run(backend: str, inputs: LossInputs, inplace: bool, return_stats: bool = False):
+    """The loss of checked ``inputs`` on ``backend``; with ``return_stats`` also its
+    :class:`calibkernels.LossStats` last. The fused kernels do not compute the statistics in their own pass yet: they
+    are taken from the logits here, before a kernel may overwrite them in place."""
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
-        return uncertainty_weighted_ce_from_inputs(inputs)
+        return uncertainty_weighted_ce_from_inputs(inputs, return_stats=return_stats)
+    if return_stats:
+        stats = loss_stats_of_inputs(inputs)
+        return run(backend, inputs, inplace), stats
     if inputs.soft and inputs.uncertainty == "dual_focal":
         inputs = one_hot_for_dual_focal(inputs)  # one-hot targets given in a soft form, or the reference's ValueError
     if inputs.soft and not getattr(module(backend), "SOFT_TARGETS", False):  # resolve_soft_targets checked it

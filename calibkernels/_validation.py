@@ -495,6 +495,13 @@ class LossInputs:
     mix_target: torch.Tensor | None = None  # (N,) int64
     mix_lambda: float | torch.Tensor | None = None  # a number or (N,)
     dense: bool = False
+    # F.cross_entropy's and Liger-Kernel's drop-in options (docs/losses.md, "Coming from F.cross_entropy /
+    # Liger-Kernel"): per-class weights (`weight=` of the public functions; named apart from the uncertainty weight
+    # and sample_weight here), the z-loss s·lse² and its separate return, and logit soft-capping c·tanh(z/c)
+    class_weight: torch.Tensor | None = None  # (C,) floating, finite, >= 0, on the logits' device
+    lse_square_scale: float = 0.0
+    return_z_loss: bool = False
+    softcap: float | None = None
 
     @property
     def soft(self) -> bool:
@@ -548,6 +555,10 @@ def check_loss_inputs(
     mix_lambda=None,
     checked_by: str = "reference",
     check_values: bool | None = None,
+    lse_square_scale=0.0,
+    return_z_loss=False,
+    softcap=None,
+    class_weight_supported: bool = False,
 ) -> LossInputs:
     """Validate every argument of ``uncertainty_weighted_ce``; return them flattened as :class:`LossInputs`.
 
@@ -563,8 +574,13 @@ def check_loss_inputs(
     The device flags are read by :mod:`calibkernels._target_checks` without stalling the host. A number ``mix_lambda``
     is checked here. A number ``mix_lambda`` of exactly 1 drops the mix (``t = e_target``); exactly 0 replaces the
     target by ``mix_target`` on the non-ignored rows (``t = e_mix_target``): one-hot targets on the hard-target path.
+
+    ``weight`` (per-class weights), ``lse_square_scale``, ``return_z_loss`` and ``softcap``:
+    :func:`check_drop_in_options`. A ``weight`` tensor is taken only by a caller that computes class weights
+    (``class_weight_supported=True``, the reference); otherwise :func:`check_class_weight` refuses it.
     """
-    if check_values is None:
+    if (check_values is None and softcap is None and return_z_loss is False and type(lse_square_scale) in (float, int)
+            and lse_square_scale == 0):
         common = _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction,
                               ignore_index, label_smoothing, mix_target, mix_lambda, checked_by)
         if common is not None:
@@ -584,7 +600,8 @@ def check_loss_inputs(
         # the CPU op checks a dense target in its sweep; the GPU kernels flag it on plain eager calls (the calls whose
         # flag calibkernels._target_checks reads)
         kernel_checks_dense=in_kernel and (checked_by == "cpu" or is_plain_eager(logits)),
-        kernel_checks_targets=checked_by == "cpu")
+        kernel_checks_targets=checked_by == "cpu", lse_square_scale=lse_square_scale, return_z_loss=return_z_loss,
+        softcap=softcap, class_weight_supported=class_weight_supported)
 
 
 def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index,
@@ -648,12 +665,21 @@ def _checked_inputs(
     kernel_checks_mix: bool,
     kernel_checks_dense: bool,
     kernel_checks_targets: bool,
+    lse_square_scale,
+    return_z_loss,
+    softcap,
+    class_weight_supported: bool,
 ) -> LossInputs:
     """Every check of :func:`check_loss_inputs`. ``check_values=True`` reads the tensors' values on the host and
     raises at once; ``False`` flags them on the device and queues the flags. ``kernel_checks_mix`` /
     ``kernel_checks_dense`` / ``kernel_checks_targets``: the kernel checks a mix's values, a dense target's, the class
     indices' itself, with the same errors."""
-    check_class_weight(weight)
+    if class_weight_supported and not isinstance(weight, str):
+        class_weight = weight  # checked with the logits (check_class_weight_tensor)
+    else:
+        check_class_weight(weight)
+        class_weight = None
+    drop_in = check_drop_in_options(lse_square_scale=lse_square_scale, return_z_loss=return_z_loss, softcap=softcap)
     check_uncertainty(uncertainty)
     check_mode(mode)
     check_reduction(reduction)
@@ -680,10 +706,12 @@ def _checked_inputs(
         sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, logits.device,
                                             check_values=check_values)
         gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, logits.device, check_values=check_values)
+        drop_in["class_weight"] = check_class_weight_tensor(class_weight, logits, check_values=check_values)
         return LossInputs(logits2d, target2d, uncertainty, mode, gamma, float(norm), sample_weight, reduction,
-                          ignore_index, batch_shape, label_smoothing=smoothing, dense=True)
+                          ignore_index, batch_shape, label_smoothing=smoothing, dense=True, **drop_in)
     logits2d, target1d, batch_shape = check_logits_target(logits, target, ignore_index=ignore_index,
                                                           check_values=check_values and not kernel_checks_targets)
+    drop_in["class_weight"] = check_class_weight_tensor(class_weight, logits, check_values=check_values)
     sample_weight = check_sample_weight(sample_weight, uncertainty, target.shape, logits.device,
                                         check_values=check_values)
     gamma = check_per_sample_gamma(gamma, uncertainty, target.shape, logits.device, check_values=check_values)
@@ -706,5 +734,54 @@ def _checked_inputs(
             mix1d = lam = None
     return LossInputs(
         logits2d, target1d, uncertainty, mode, gamma, float(norm), sample_weight, reduction, ignore_index, batch_shape,
-        label_smoothing=smoothing, mix_target=mix1d, mix_lambda=lam,
+        label_smoothing=smoothing, mix_target=mix1d, mix_lambda=lam, **drop_in,
     )
+
+
+def class_weight_message(index) -> str:
+    """The ``ValueError`` text for a per-class weight entry that is negative, infinite or NaN."""
+    return (f"weight (the per-class weights) must be finite and >= 0 everywhere; entry {index} is not (it scales "
+            f"that class's cross-entropy)")
+
+
+def check_class_weight_tensor(weight, logits: torch.Tensor, *, check_values: bool = True) -> torch.Tensor | None:
+    """``weight``, ``F.cross_entropy``'s per-class weights: ``None``, or a floating ``(C,)`` tensor on the logits'
+    device, every entry finite and ``>= 0``; returned as given. Per-class weights are constants of the loss (no
+    gradient flows to them), so one that requires grad raises, as a dense target does.
+
+    ``TypeError`` for what is not a floating tensor (any floating dtype: it is used in the loss's compute dtype);
+    ``ValueError`` for a wrong shape, device or value. The values are read on the host (``check_values``) or
+    flagged on the device and queued (:mod:`calibkernels._target_checks`), as ``sample_weight``'s are.
+    """
+    if weight is None:
+        return None
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight (the per-class weights) must be None or a floating (C,) tensor, got "
+                        f"{type(weight).__name__}")
+    if not weight.is_floating_point():
+        raise TypeError(f"weight (the per-class weights) must be a floating-point tensor, got {weight.dtype}")
+    num_classes = logits.shape[-1]
+    if tuple(weight.shape) != (num_classes,):
+        raise ValueError(f"weight (the per-class weights) must have shape ({num_classes},), one entry per class of "
+                         f"logits {tuple(logits.shape)}, got {tuple(weight.shape)}")
+    if weight.device != logits.device:
+        raise ValueError(f"weight (the per-class weights) is on {weight.device} but logits are on {logits.device}")
+    if weight.requires_grad and torch.is_grad_enabled():
+        raise ValueError("weight (the per-class weights) requires grad, but class weights are constants here (no "
+                         "gradient flows to them): pass weight.detach()")
+    _check_values(weight, check_values, finite_nonnegative_flag, class_weight_message)
+    return weight
+
+
+def check_drop_in_options(*, lse_square_scale=0.0, return_z_loss=False, softcap=None) -> dict:
+    """Liger-Kernel's options, checked; returned as :class:`LossInputs` fields.
+
+    ``lse_square_scale``: the z-loss scale ``s`` of ``s · logsumexp(z)^2``, a finite number ``>= 0``.
+    ``return_z_loss``: a bool. ``softcap``: ``None`` or a finite number ``> 0`` (logits become ``c · tanh(z / c)``).
+    ``TypeError`` for a wrong type, ``ValueError`` for a value out of range.
+    """
+    scale = check_number("lse_square_scale (the z-loss scale)", lse_square_scale)
+    if not isinstance(return_z_loss, bool):
+        raise TypeError(f"return_z_loss must be a bool, got {type(return_z_loss).__name__}")
+    cap = None if softcap is None else check_number("softcap", softcap, positive=True)
+    return {"lse_square_scale": scale, "return_z_loss": return_z_loss, "softcap": cap}

@@ -7,6 +7,7 @@ import torch
 from . import _backends
 from . import reference as _reference
 from ._validation import check_loss_inputs
+from .loss_stats import check_return_stats
 
 __all__ = ["uncertainty_weighted_ce", "bsce_gra_loss", "brier_loss", "label_smoothing_loss", "mmce_loss"]
 
@@ -28,7 +29,11 @@ def uncertainty_weighted_ce(
     label_smoothing: float = 0.0,
     mix_target: torch.Tensor | None = None,
     mix_lambda: float | torch.Tensor | None = None,
-) -> torch.Tensor:
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+    softcap: float | None = None,
+    return_stats: bool = False,
+):
     """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i``, fused (softmax + weight + CE + backward in one pass).
 
     ``mode="grad"`` (default, the GRA losses) uses ``sg[u_i]``: gradient ``u_i (p_i - e_{y_i})``.
@@ -41,9 +46,16 @@ def uncertainty_weighted_ce(
         target: ``(...)`` int64 class indices in ``[0, C)`` or ``ignore_index``; or a floating ``(..., C)`` tensor
             of probabilities per row (soft targets, as ``F.cross_entropy`` accepts; no ``ignore_index`` then).
         uncertainty, mode, gamma, norm, sample_weight: see :func:`calibkernels.reference.uncertainty_weighted_ce`.
-        weight: reserved for ``F.cross_entropy``'s per-class ``(C,)`` weight tensor (not supported yet): ``None``.
-            A string raises ``TypeError`` (the uncertainty weight's keyword is ``uncertainty=``), a tensor
-            ``NotImplementedError``.
+        weight: ``F.cross_entropy``'s per-class ``(C,)`` weights: ``L_i = u_i · CE_i^w`` (docs/losses.md, "Coming
+            from F.cross_entropy / Liger-Kernel"). A string raises ``TypeError`` (the uncertainty weight's keyword is
+            ``uncertainty=``).
+        lse_square_scale, return_z_loss: the z-loss ``s · logsumexp(z_i)²`` added to each non-ignored row (Liger's
+            names); ``return_z_loss=True`` returns ``(loss, z_loss)``.
+        softcap: ``c``: the logits become ``c · tanh(z / c)`` first (Gemma-2's soft-capping).
+            Class weights, the z-loss and soft-capping run on the reference for now: ``backend="auto"`` takes it
+            with one ``RuntimeWarning``, a named fused backend raises ``NotImplementedError``.
+        return_stats: also return a :class:`calibkernels.LossStats` (top-label confidence and prediction per row,
+            NaN / -1 on ignored rows), last: ``(loss, stats)``; docs/metrics.md, "Monitor calibration while training".
         label_smoothing: α in [0, 1]; the target becomes ``(1 - α) t + α / C`` (``F.cross_entropy``'s convention).
         mix_target, mix_lambda: mixup / cutmix in O(N): ``t = λ e_target + (1 - λ) e_mix_target`` with
             ``mix_target`` int64 of the target's shape (usually ``target.flip(0)``) and ``λ`` in [0, 1], a number
@@ -59,23 +71,36 @@ def uncertainty_weighted_ce(
             are garbage afterwards. Backends that do not need to (the reference) leave them intact.
 
     Returns:
-        the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
+        the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``; with
+        ``return_z_loss`` and/or ``return_stats``, a tuple ``(loss, [z_loss,] [stats])``.
     """
     # The route of every call: which backend runs it, the argument checks (those of values where that backend does not
     # make them itself), the op.
+    reference_only = _reference_only_options(weight, lse_square_scale, return_z_loss, softcap)
     name, cannot_run = _backends.choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target,
-                                                 mix_lambda)
+                                                 mix_lambda, reference_only)
     inputs = check_loss_inputs(
         logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-        mix_target=mix_target, mix_lambda=mix_lambda, checked_by=name)
+        mix_target=mix_target, mix_lambda=mix_lambda, checked_by=name, lse_square_scale=lse_square_scale,
+        return_z_loss=return_z_loss, softcap=softcap, class_weight_supported=name == "reference")
     if type(inplace) is not bool:
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
+    check_return_stats(return_stats)
     if cannot_run is not None:
         # Bad inputs raise what the reference raises, whichever backend was asked for: the inputs are checked first,
         # and a named backend that cannot run this call says so only once they pass
         raise cannot_run
-    return _backends.run(name, inputs, inplace)
+    return _backends.run(name, inputs, inplace, return_stats)
+
+
+def _reference_only_options(weight, lse_square_scale, return_z_loss, softcap) -> str | None:
+    """The options of a call that only the reference computes yet, named for a message, or ``None``."""
+    wanted = [name for name, given in (
+        ("per-class weights", isinstance(weight, torch.Tensor)),
+        ("the z-loss", return_z_loss is True or not (type(lse_square_scale) in (float, int) and lse_square_scale == 0)),
+        ("logit soft-capping", softcap is not None)) if given]
+    return " and ".join(wanted) if wanted else None
 
 
 def bsce_gra_loss(

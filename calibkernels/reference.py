@@ -43,6 +43,11 @@ Soft targets (``docs/losses.md``, "Soft targets"): a target distribution ``t_i``
 ``brier_flsd: ‖p - t‖_q^γ_i`` with the band of ``<t, p>``
 (:func:`soft_uncertainty_weight`); dual focal has no soft form and refuses non-one-hot targets. One-hot class-index
 targets without smoothing run the hard-target code above, unchanged.
+
+``F.cross_entropy`` / Liger-Kernel options (``docs/losses.md``, "Coming from F.cross_entropy / Liger-Kernel"):
+per-class weights ``weight`` give ``L_i = u_i · CE_i^w`` with ``F.cross_entropy``'s weighted row and mean
+(:func:`_class_weighted`); the z-loss ``s · logsumexp(z_i)^2`` (``lse_square_scale``) is added to each non-ignored
+row outside both weights (:func:`_plus_z_loss`); ``softcap`` replaces the logits by ``c · tanh(z / c)`` first.
 """
 
 from __future__ import annotations
@@ -101,14 +106,35 @@ def _masked_rows(logits2d, target1d, ignore_index):
 
 
 def _reduce(per_row, valid, reduction, batch_shape, out_dtype):
+    return _as_output(_reduce_rows(per_row, valid, reduction), reduction, batch_shape, out_dtype)
+
+
+def _reduce_rows(per_row, valid, reduction, divisor=None):
+    """``per_row (N,)`` with ignored rows zeroed (``"none"``), summed, or its mean in the compute dtype: the sum over
+    ``divisor`` (a 0-dim tensor; the class-weighted means), or by default over the non-ignored rows. A mean whose
+    divisor is 0 (every row ignored, or every target class weighted 0) is 0, not NaN."""
     per_row = torch.where(valid, per_row, torch.zeros((), dtype=per_row.dtype, device=per_row.device))
     if reduction == "none":
-        return per_row.reshape(batch_shape).to(out_dtype)
+        return per_row
     total = per_row.sum()
     if reduction == "sum":
-        return total.to(out_dtype)
-    # mean over non-ignored rows; all rows ignored gives 0, not NaN
-    return (total / valid.sum().clamp_min(1)).to(out_dtype)
+        return total
+    if divisor is None:
+        return total / valid.sum().clamp_min(1)
+    # the division sees a divisor of 1 where it is 0, so that where's backward meets no 0/0 in the unused branch
+    positive = divisor > 0
+    return torch.where(positive, total / torch.where(positive, divisor, torch.ones_like(divisor)),
+                       torch.zeros_like(total))
+
+
+def _as_output(reduced, reduction, batch_shape, out_dtype):
+    return (reduced.reshape(batch_shape) if reduction == "none" else reduced).to(out_dtype)
+
+
+def _soft_capped(z, softcap):
+    """Gemma-2's logit soft-capping ``c · tanh(z / c)`` of ``z`` (compute dtype), or ``z`` itself (``softcap=None``).
+    Applied to the masked logits, so an ignored row (zeroed) stays 0 and passes no gradient."""
+    return z if softcap is None else softcap * torch.tanh(z / softcap)
 
 
 def _flsd_gamma(z, target, gamma):
@@ -251,6 +277,9 @@ def uncertainty_weighted_ce(
     mix_target=None,
     mix_lambda=None,
     gra_detach="weight",
+    lse_square_scale=0.0,
+    return_z_loss=False,
+    softcap=None,
     return_stats=False,
 ):
     """Uncertainty-weighted cross-entropy ``L_i = u_i · CE_i`` (``mode="loss"``) or ``sg[u_i] · CE_i`` (``"grad"``).
@@ -270,8 +299,18 @@ def uncertainty_weighted_ce(
             (differentiable: ``dL_i/dγ_i = L_i log(1 - p_{i,y})``, 0 where ``1 - p_y = 0``).
         norm: q > 0 of the generalised Brier score (``uncertainty="brier"`` or ``"brier_flsd"``).
         sample_weight: ``(...)`` per-sample weight for ``uncertainty="external"``, used as ``sg[w]``.
-        weight: reserved for ``F.cross_entropy``'s per-class ``(C,)`` weight tensor (not supported yet): ``None``.
+        weight: ``F.cross_entropy``'s per-class weights, a floating ``(C,)`` tensor (finite, ``>= 0``) or ``None``:
+            ``L_i = u_i · CE_i^w`` with ``CE_i^w`` the row of ``F.cross_entropy(weight=w, reduction="none")``
+            (``w_y · CE_i`` for class indices; ``-Σ_k w_k t_k log p_k`` for smoothed, mixed or dense targets);
+            ``u_i`` is computed from the unweighted target as without ``w``. ``"mean"`` divides by ``Σ w_y`` over
+            the non-ignored rows (class indices, smoothed or not), by ``Σ (λ w_y + (1 - λ) w_mix_target)`` for a
+            mix, by N for dense targets (:func:`_class_weighted`).
         reduction: ``"mean"`` (over non-ignored rows; 0 if none), ``"sum"`` or ``"none"`` (ignored rows → 0).
+        lse_square_scale: z-loss scale ``s >= 0`` (Liger-Kernel's name): ``s · logsumexp(z_i)^2`` is added to each
+            non-ignored row outside the uncertainty weight and the class weight; ``"mean"`` divides it by the
+            number of non-ignored rows.
+        return_z_loss: return ``(loss, z_loss)``, the z-loss reduced as the loss is (and included in it), detached.
+        softcap: ``None`` or ``c > 0``: the logits become ``c · tanh(z / c)`` before anything else (Gemma-2).
         gra_detach: what grad mode detaches. ``"weight"`` (default; the BSCE-GRA paper's definition of GRA,
             every weight): ``sg[u] · CE``. ``"p_j"`` (``uncertainty="dual_focal"``, ``mode="grad"`` only; the official
             BSCE-GRA code's ``DualFocalLossGra``, which produced the paper's DFL-GRA numbers):
@@ -283,8 +322,9 @@ def uncertainty_weighted_ce(
 
     Returns:
         the loss in the logits' dtype: a scalar, or ``target``-shaped for ``reduction="none"``; with
-        ``return_stats=True`` the pair ``(loss, stats)``, ``stats`` a :class:`calibkernels.LossStats` of the target's
-        batch shape (confidence ``max_k p_k`` in float32, prediction ``argmax_k z_k``; NaN / -1 on ignored rows).
+        ``return_z_loss=True`` a pair ``(loss, z_loss)``; with ``return_stats=True`` also ``stats`` last (``(loss,
+        stats)`` or ``(loss, z_loss, stats)``), a :class:`calibkernels.LossStats` of the target's batch shape
+        (confidence ``max_k p_k`` in float32, prediction ``argmax_k z_k``; NaN / -1 on ignored rows).
     """
     check_backend(backend)
     if backend not in ("reference", "auto"):
@@ -292,7 +332,8 @@ def uncertainty_weighted_ce(
     inputs = check_loss_inputs(
         logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
-        mix_target=mix_target, mix_lambda=mix_lambda,
+        mix_target=mix_target, mix_lambda=mix_lambda, lse_square_scale=lse_square_scale, return_z_loss=return_z_loss,
+        softcap=softcap, class_weight_supported=True,
     )
     detach_p_j = check_gra_detach(gra_detach, uncertainty=inputs.uncertainty, mode=inputs.mode) == "p_j"
     return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j,
@@ -318,27 +359,40 @@ def uncertainty_weighted_ce_from_inputs(inputs: LossInputs, detach_p_j=False, re
     """:func:`uncertainty_weighted_ce` of inputs already validated by
     :func:`calibkernels._validation.check_loss_inputs` (what the ``"reference"`` backend runs); ``detach_p_j``: dual
     focal's official-code GRA, ``(1 - p_y + sg[p_j])^γ · CE`` (weight not detached as a whole); ``return_stats``:
-    return ``(loss, stats)`` (:func:`calibkernels.loss_stats.loss_stats_of_inputs`)."""
+    the statistics last (:func:`calibkernels.loss_stats.loss_stats_of_inputs`)."""
     if return_stats:
-        return uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j), loss_stats_of_inputs(inputs)
+        loss = uncertainty_weighted_ce_from_inputs(inputs, detach_p_j=detach_p_j)
+        stats = loss_stats_of_inputs(inputs)
+        return (*loss, stats) if isinstance(loss, tuple) else (loss, stats)
+    # a dense target's class-weighted mean divides by N (F.cross_entropy's rule), also where dual focal reads its
+    # one-hot rows as class indices below
+    dense = inputs.dense
     if inputs.soft:
         if inputs.uncertainty == "dual_focal":
             inputs = one_hot_for_dual_focal(inputs)
         if inputs.soft:
             return _soft_target_ce(inputs)
     valid, z, safe_target = _masked_rows(inputs.logits, inputs.target, inputs.ignore_index)
+    z = _soft_capped(z, inputs.softcap)
     # -log_softmax rather than logsumexp(z) - z_y (equal in exact arithmetic): log_softmax subtracts the row max
     # first, so a confident row's CE carries an absolute error of an ulp of 1, as F.cross_entropy's does, not an ulp
     # of the logits (1e-4 at logits near 1000 in float32), and the backends' tests measured against it stay tight
     cross_entropy = -torch.log_softmax(z, dim=-1).gather(1, safe_target[:, None]).squeeze(1)
+    divisor = None
+    if inputs.class_weight is not None:
+        weight_of_target = inputs.class_weight.to(z.dtype)[safe_target]
+        cross_entropy = weight_of_target * cross_entropy
+        if not dense:
+            divisor = torch.where(valid, weight_of_target, torch.zeros_like(weight_of_target)).sum()
     return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: uncertainty_weight(
         z, safe_target, uncertainty=inputs.uncertainty, gamma=inputs.gamma, norm=inputs.norm,
-        sample_weight=sample_weight, detach_p_j=detach_p_j), detach_weight=not detach_p_j)
+        sample_weight=sample_weight, detach_p_j=detach_p_j), detach_weight=not detach_p_j, z=z, divisor=divisor)
 
 
-def _weighted_reduced(inputs: LossInputs, valid, cross_entropy, weight_of, detach_weight=True):
+def _weighted_reduced(inputs: LossInputs, valid, cross_entropy, weight_of, detach_weight=True, *, z, divisor=None):
     """``reduce(u · CE)`` with ``u = weight_of(sample_weight with ignored rows zeroed)``, detached in grad mode
-    (unless ``detach_weight=False``: the weight then detaches what it must itself)."""
+    (unless ``detach_weight=False``: the weight then detaches what it must itself), plus the z-loss of the
+    (capped) logits ``z`` (:func:`_plus_z_loss`); ``"mean"`` divides ``u · CE`` by ``divisor`` where given."""
     sample_weight = inputs.sample_weight
     if sample_weight is not None:
         sample_weight = torch.where(valid, sample_weight, torch.zeros((), dtype=sample_weight.dtype,
@@ -346,7 +400,25 @@ def _weighted_reduced(inputs: LossInputs, valid, cross_entropy, weight_of, detac
     u = weight_of(sample_weight)
     if inputs.mode == "grad" and detach_weight:
         u = u.detach()
-    return _reduce(u * cross_entropy, valid, inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
+    return _plus_z_loss(inputs, valid, _reduce_rows(u * cross_entropy, valid, inputs.reduction, divisor), z)
+
+
+def _plus_z_loss(inputs: LossInputs, valid, reduced_loss, z):
+    """The reduced loss plus the reduced z-loss ``s · lse_i²`` (``s = lse_square_scale``, ``lse_i =
+    logsumexp(z_i)`` of the capped logits) over the non-ignored rows, in the logits' dtype; ``(loss, z_loss)`` with
+    ``return_z_loss``. The z-loss's gradient ``2 s lse_i p_i`` comes by autograd; it is neither uncertainty- nor
+    class-weighted (as in Liger-Kernel), and its ``"mean"`` divides by the non-ignored rows whatever the class
+    weights. The returned ``z_loss`` is detached: the loss already carries its gradient."""
+    scale = inputs.lse_square_scale
+    z_loss = None
+    if scale != 0.0 or inputs.return_z_loss:
+        z_loss = _reduce_rows(scale * torch.logsumexp(z, dim=1).square(), valid, inputs.reduction)
+        if scale != 0.0:
+            reduced_loss = reduced_loss + z_loss
+    loss = _as_output(reduced_loss, inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
+    if not inputs.return_z_loss:
+        return loss
+    return loss, _as_output(z_loss.detach(), inputs.reduction, inputs.batch_shape, inputs.logits.dtype)
 
 
 def soft_target_distribution(z, target, *, valid=None, mix_target=None, mix_lambda=None, label_smoothing=0.0,
@@ -470,11 +542,10 @@ def _soft_target_ce(inputs: LossInputs):
         target = inputs.target
     else:
         valid, z, target = _masked_rows(logits, inputs.target, inputs.ignore_index)
+    z = _soft_capped(z, inputs.softcap)
     t = soft_target_distribution(z, target, valid=valid, mix_target=inputs.mix_target, mix_lambda=inputs.mix_lambda,
                                  label_smoothing=inputs.label_smoothing, dense=inputs.dense)
-    log_p = torch.log_softmax(z, dim=-1)
-    # 0 · log p = 0 where t_k = 0, also for a -inf logit (a masked class)
-    cross_entropy = -torch.where(t > 0, t * log_p, torch.zeros((), dtype=z.dtype, device=z.device)).sum(dim=1)
+    cross_entropy, divisor = _class_weighted(inputs, z, t, target, valid)
     band = None
     if inputs.uncertainty in ("flsd", "brier_flsd") and not inputs.dense:
         safe_mix = None if inputs.mix_target is None else torch.where(valid, inputs.mix_target, 0)
@@ -482,7 +553,32 @@ def _soft_target_ce(inputs: LossInputs):
                                  label_smoothing=inputs.label_smoothing)
     return _weighted_reduced(inputs, valid, cross_entropy, lambda sample_weight: soft_uncertainty_weight(
         z, t, uncertainty=inputs.uncertainty, gamma=inputs.gamma, norm=inputs.norm, sample_weight=sample_weight,
-        flsd_band=band))
+        flsd_band=band), z=z, divisor=divisor)
+
+
+def _class_weighted(inputs: LossInputs, z, t, target, valid):
+    """``(CE_i^w (N,), the "mean"'s divisor or None)`` for a soft target ``t (N, C)`` and per-class weights ``w``
+    (``inputs.class_weight``; ``w = 1`` without)::
+
+        CE_i^w = -Σ_k w_k t_ik log p_ik          (F.cross_entropy's row, for probability targets and smoothing)
+
+    ``"mean"`` divides as ``F.cross_entropy`` does: by N for a dense target; for class indices by ``Σ_i <w, t̄_i>``
+    over the non-ignored rows, ``t̄`` the target before smoothing: ``Σ w_y`` (``F.cross_entropy``'s divisor with
+    label smoothing), and ``Σ (λ w_y + (1 - λ) w_mix_target)`` for a mix, which is linear in λ and equals the
+    class-index divisor at λ = 0 and 1. ``None``: the non-ignored rows (no class weights, or a dense target).
+    """
+    log_p = torch.log_softmax(z, dim=-1)
+    zero = torch.zeros((), dtype=z.dtype, device=z.device)
+    if inputs.class_weight is None:
+        # 0 · log p = 0 where t_k = 0, also for a -inf logit (a masked class)
+        return -torch.where(t > 0, t * log_p, zero).sum(dim=1), None
+    w = inputs.class_weight.to(z.dtype)
+    cross_entropy = -torch.where(t > 0, w * t * log_p, zero).sum(dim=1)
+    if inputs.dense:
+        return cross_entropy, None
+    unsmoothed = soft_target_distribution(z, target, valid=valid, mix_target=inputs.mix_target,
+                                          mix_lambda=inputs.mix_lambda)
+    return cross_entropy, torch.where(valid, (unsmoothed * w).sum(dim=1), zero).sum()
 
 
 def bsce_gra_loss(logits, target, *, gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100, backend="reference",

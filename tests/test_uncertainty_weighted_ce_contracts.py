@@ -386,8 +386,8 @@ BAD_CALLS = [
     pytest.param(_call(inplace="yes"), TypeError, "inplace must be a bool", id="inplace-str"),
     pytest.param(_call(weight="focal"), TypeError, "the uncertainty weight is now uncertainty='focal'",
                  id="weight-str"),
-    pytest.param(_call(weight=torch.ones(5)), NotImplementedError, "per-class weights are not supported yet",
-                 id="weight-tensor"),
+    pytest.param(_call(weight=torch.ones(4)), ValueError, r"weight \(the per-class weights\) must have shape \(5,\)",
+                 id="weight-tensor-length"),
 ]
 
 # A call that a named fused backend refuses however good its inputs (NotImplementedError: no gradient for a per-sample
@@ -445,22 +445,41 @@ def _fused_linear(z, y, **kwargs):
     return ck.fused_linear_uncertainty_weighted_ce(z, torch.eye(5), y, **kwargs)
 
 
+def _fused_linear_module(z, y, **kwargs):
+    return ck.losses.FusedLinearUncertaintyWeightedCE(**kwargs)(z, torch.eye(5), y)
+
+
+def _module(z, y, **kwargs):
+    return ck.losses.UncertaintyWeightedCE(**kwargs)(z, y)
+
+
+# the entry points that do not take class weights yet
+_fused_linear_module.refuses_class_weight = _module.refuses_class_weight = True
+
+
 @pytest.mark.parametrize("loss", [
     pytest.param(R.uncertainty_weighted_ce, id="reference"), pytest.param(_fused_linear, id="fused-linear"),
     pytest.param(_vocab_parallel, id="vocab-parallel"),
-    pytest.param(lambda z, y, **kwargs: ck.losses.UncertaintyWeightedCE(**kwargs)(z, y), id="module"),
-    pytest.param(lambda z, y, **kwargs: ck.losses.FusedLinearUncertaintyWeightedCE(**kwargs)(z, torch.eye(5), y),
-                 id="fused-linear-module"),
+    pytest.param(_module, id="module"),
+    pytest.param(_fused_linear_module, id="fused-linear-module"),
 ])
 def test_weight_is_the_per_class_weight_keyword_not_the_uncertainty_weight(loss):
-    """``weight`` is reserved for ``F.cross_entropy``'s per-class ``(C,)`` tensor: a string (the uncertainty weight
-    under its former keyword) raises ``TypeError`` naming ``uncertainty=``, a tensor ``NotImplementedError``, both
-    before anything else runs (the vocab-parallel loss: before it needs a process group)."""
+    """``weight`` is ``F.cross_entropy``'s per-class ``(C,)`` tensor: a string (the uncertainty weight under its
+    former keyword) raises ``TypeError`` naming ``uncertainty=``, before anything else runs (the vocab-parallel loss:
+    before it needs a process group). The reference computes class weights; the modules, the fused linear and the
+    vocab-parallel losses refuse a tensor with ``NotImplementedError`` for now."""
     z, y = _batch()
     with pytest.raises(TypeError, match=r"per-class weight tensor; the uncertainty weight is now uncertainty='brier'"):
         loss(z, y, weight="brier")
-    with pytest.raises(NotImplementedError, match="per-class weights are not supported yet"):
-        loss(z, y, weight=torch.ones(5))
+    class_weight = torch.rand(5) + 0.5
+    if loss in (_fused_linear, _vocab_parallel) or getattr(loss, "refuses_class_weight", False):
+        with pytest.raises(NotImplementedError, match="per-class weights are not supported yet"):
+            loss(z, y, weight=class_weight)
+    else:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # "auto" says once that the reference runs them
+            torch.testing.assert_close(loss(z, y, weight=class_weight),
+                                       R.uncertainty_weighted_ce(z, y, weight=class_weight))
     if loss is _vocab_parallel:
         return
     torch.testing.assert_close(loss(z, y, weight=None, uncertainty="focal", mode="loss", gamma=2.0),
