@@ -179,6 +179,31 @@ def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_t
     with ``NotImplementedError`` and ``"auto"`` leaves to the reference with one ``RuntimeWarning``."""
     if reference_only is not None:
         return _reference_for(backend, logits, reference_only)
+    eager = not torch.compiler.is_compiling()
+    # class indices, the common call: kept per (backend, device, row width within the CUDA kernel's)
+    common = (eager and type(backend) is str and type(logits) is torch.Tensor and type(target) is torch.Tensor
+              and mix_target is None and mix_lambda is None and type(label_smoothing) is float and label_smoothing == 0
+              and not target.is_floating_point() and logits.ndim == 2)
+    if common:
+        # (get_device, -1 on the CPU: a new torch.device per call costs; is_cpu tells the CPU from other devices)
+        key = (backend, logits.get_device(), logits.is_cpu, logits.shape[1] <= _CUDA_MAX_HARD)
+        name = _chosen_hard.get(key)
+        if name is not None:
+            return name, None
+    name, cannot_run = _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda, eager)
+    if common and cannot_run is None:
+        _chosen_hard[key] = name
+    return name, cannot_run
+
+
+# (backend, device index, on the CPU, row width within AUTO_CUDA_MAX_CLASSES["hard"]) -> backend name, for eager
+# class-index calls
+_chosen_hard: dict = {}
+_CUDA_MAX_HARD = AUTO_CUDA_MAX_CLASSES["hard"]
+
+
+def _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda, eager) -> tuple:
+    """:func:`choose_for_call` beyond the common call."""
     is_tensor = isinstance(logits, torch.Tensor)
     device = logits.device if is_tensor else torch.device("cpu")
     dense = isinstance(target, torch.Tensor) and target.is_floating_point()
@@ -189,7 +214,6 @@ def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_t
                             and torch.is_grad_enabled())
     kind = target_kind(soft, dense, mix)
     num_classes = logits.shape[-1] if is_tensor and logits.dim() > 0 else 0
-    eager = not torch.compiler.is_compiling()
     key = None
     if eager and type(backend) is str:
         key = (backend, device, kind, gamma_needs_grad, device.type == "cuda" and auto_prefers_cuda(num_classes, kind))
@@ -242,9 +266,11 @@ def run(backend: str, inputs: LossInputs, inplace: bool, return_stats: bool = Fa
     if return_stats:
         stats = loss_stats_of_inputs(inputs)
         return run(backend, inputs, inplace), stats
-    if inputs.soft and inputs.uncertainty == "dual_focal":
-        inputs = one_hot_for_dual_focal(inputs)  # one-hot targets given in a soft form, or the reference's ValueError
-    if inputs.soft and not getattr(module(backend), "SOFT_TARGETS", False):  # resolve_soft_targets checked it
-        raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets: use "
-                                  "backend='reference'")
-    return _autograd.run(module(backend), inputs, inplace)
+    backend_module = _loaded_modules[backend][0]  # resolve imported it
+    if inputs.dense or inputs.mix_target is not None or inputs.label_smoothing != 0.0:  # soft targets
+        if inputs.uncertainty == "dual_focal":
+            inputs = one_hot_for_dual_focal(inputs)  # one-hot targets in a soft form, or the reference's ValueError
+        elif not getattr(backend_module, "SOFT_TARGETS", False):  # resolve_soft_targets checked it
+            raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets: use "
+                                      "backend='reference'")
+    return _autograd.run(backend_module, inputs, inplace)

@@ -611,7 +611,8 @@ def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, 
     interpreter on CPU tensors alike), with ``(N,)`` int64 class indices or a dense
     ``(N, C)`` target that needs no gradient, on one device; numbers for ``gamma``, ``norm`` and ``label_smoothing``;
     no per-sample tensor and no mix. Its :class:`LossInputs`, or ``None`` for anything else, which takes the full
-    checks (that also make every error message). Nothing here reads a value."""
+    checks (that also make every error message). Nothing here reads a value. (``get_device`` and ``ndim`` rather
+    than ``device`` and ``dim()``: this runs on every call, where each new ``torch.device`` costs.)"""
     if not (type(logits) is torch.Tensor and type(target) is torch.Tensor and sample_weight is None and weight is None
             and mix_target is None and mix_lambda is None and type(uncertainty) is str and type(mode) is str
             and type(reduction) is str and type(gamma) in (float, int) and type(norm) in (float, int)
@@ -619,8 +620,8 @@ def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, 
         return None
     if (uncertainty not in WEIGHT_CODES or uncertainty == "external" or mode not in MODE_CODES
             or reduction not in REDUCTION_CODES or not 0 <= gamma < math.inf or not 0 < norm < math.inf
-            or not INT64_MIN <= ignore_index <= INT64_MAX or not 0 <= label_smoothing <= 1 or logits.dim() != 2
-            or not logits.is_floating_point() or target.device != logits.device or logits.shape[0] == 0
+            or not INT64_MIN <= ignore_index <= INT64_MAX or not 0 <= label_smoothing <= 1 or logits.ndim != 2
+            or not logits.is_floating_point() or target.get_device() != logits.get_device() or logits.shape[0] == 0
             or logits.shape[1] == 0 or checked_by == "reference"
             or (uncertainty == "dual_focal" and label_smoothing != 0)):
         return None
@@ -631,7 +632,7 @@ def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, 
                 or uncertainty == "dual_focal" or (target.requires_grad and torch.is_grad_enabled())
                 or not (checked_by == "cpu" or is_plain_eager(logits))):
             return None
-    elif target.dim() != 1 or target.dtype is not torch.int64 or target.shape[0] != logits.shape[0]:
+    elif target.ndim != 1 or target.dtype is not torch.int64 or target.shape[0] != logits.shape[0]:
         return None
     try:
         gamma, norm = float(gamma), float(norm)

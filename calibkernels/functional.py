@@ -76,7 +76,10 @@ def uncertainty_weighted_ce(
     """
     # The route of every call: which backend runs it, the argument checks (those of values where that backend does not
     # make them itself), the op.
-    reference_only = _reference_only_options(weight, lse_square_scale, return_z_loss, softcap)
+    reference_only = None
+    if not (weight is None and softcap is None and return_z_loss is False and type(lse_square_scale) is float
+            and lse_square_scale == 0.0):
+        reference_only = _reference_only_options(weight, lse_square_scale, return_z_loss, softcap)
     name, cannot_run = _backends.choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target,
                                                  mix_lambda, reference_only)
     inputs = check_loss_inputs(
@@ -86,7 +89,8 @@ def uncertainty_weighted_ce(
         return_z_loss=return_z_loss, softcap=softcap, class_weight_supported=name == "reference")
     if type(inplace) is not bool:
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
-    check_return_stats(return_stats)
+    if return_stats is not False:
+        check_return_stats(return_stats)
     if cannot_run is not None:
         # Bad inputs raise what the reference raises, whichever backend was asked for: the inputs are checked first,
         # and a named backend that cannot run this call says so only once they pass

@@ -379,6 +379,7 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(_backends, "unavailable_reason", lambda name, device: "pretend it is not built")
     monkeypatch.setattr(_backends, "_warned_fallback", set())
     monkeypatch.setattr(_backends, "_chosen", {})  # the kept choices of earlier calls
+    monkeypatch.setattr(_backends, "_chosen_hard", {})
     z, y = torch.randn(4, 3), torch.randint(0, 3, (4,))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
