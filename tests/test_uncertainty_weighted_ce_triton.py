@@ -1,11 +1,12 @@
 """Triton backend internals: the chunked two-read path, inplace, the device-side target check, the backward's
-scaling, opcheck, torch.compile, the GPU's real block sizes and CUDA graphs, the target-check policies. Soft
+scaling, the GPU's real block sizes and CUDA graphs, the target-check policies. Soft
 targets are in ``test_uncertainty_weighted_ce_triton_soft_targets.py``, the ahead-of-time compilation in
 ``test_uncertainty_weighted_ce_triton_aot.py``.
 
 Runs on CPU tensors through ``TRITON_INTERPRET=1`` (set by conftest.py when no GPU is present; small shapes only, the
 interpreter is slow) and again on CUDA tensors when a GPU is present. The value checks against the reference for every
-weight × mode × reduction through the public API live in ``test_uncertainty_weighted_ce.py``; here the kernel is also
+weight × mode × reduction through the public API, opcheck and torch.compile live in
+``test_uncertainty_weighted_ce_contracts*.py``; here the kernel is also
 called directly, below the public API's host-side target check.
 """
 
@@ -16,7 +17,6 @@ import torch
 
 import calibkernels as ck
 from calibkernels import _backends, _target_checks
-from calibkernels import _validation as V
 from calibkernels import reference as R
 
 from _triton_helpers import (WEIGHTS, DEVICES, _targets, _inputs, _op_args, _run, _reference_loss_and_grad,
@@ -392,50 +392,8 @@ def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Registration: opcheck, torch.compile, backend interface
+# Backend interface
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("uncertainty,mode,reduction", [("brier", "loss", "mean"), ("focal", "grad", "none"),
-                                                   ("dual_focal", "loss", "sum")])
-def test_opcheck(device, uncertainty, mode, reduction):
-    # The op mutates its grad_out argument, so it has no registered autograd (calibkernels._autograd is its autograd
-    # in every mode): opcheck it on inputs that do not require grad, returning the gradient, writing it into a
-    # separate buffer, and in place.
-    z = torch.randn(5, 11, device=device)
-    y = _targets(5, 11, device, ignored=1)
-    args = _op_args(z, y, uncertainty=uncertainty, mode=mode, reduction=reduction)
-    op = torch.ops.calibkernels.uncertainty_weighted_ce_triton.default
-    torch.library.opcheck(op, (z, *args, True, None))
-    torch.library.opcheck(op, (z, *args, False, None))
-    torch.library.opcheck(op, (z, *args, True, torch.empty_like(z)))
-    logits = z.clone()
-    torch.library.opcheck(op, (logits, *args, True, logits))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
-def test_compiles_with_fullgraph(device, inplace):
-    """The op stays in one graph; forward and the parameters' gradients match eager."""
-    torch._dynamo.reset()
-    model = torch.nn.Linear(6, 9).to(device)
-    x, y = torch.randn(8, 6, device=device), _targets(8, 9, device)
-
-    def step(features, target):
-        inputs = V.check_loss_inputs(model(features), target, uncertainty="brier", mode="loss", check_values=False)
-        return _run(inputs, inplace)
-
-    # Inductor on GPU; on CPU the graph is checked with aot_eager (Inductor's C++ build adds nothing here)
-    compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    compiled_loss = compiled(x, y)
-    compiled_loss.backward()
-    compiled_grad = model.weight.grad.clone()
-    model.weight.grad = None
-    eager_loss = step(x, y)
-    eager_loss.backward()
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    torch.testing.assert_close(compiled_grad, model.weight.grad)
-
-
 def test_backend_interface():
     assert T.is_available("triton", torch.device("meta")) is not None
     if os.environ.get("TRITON_INTERPRET") == "1":
