@@ -304,7 +304,7 @@ def test_inplace_gradient_is_adopted_without_a_copy(backend):
 def test_out_of_range_targets_raise(backend_or_reference):
     backend, device = backend_or_reference
     z = torch.randn(4, 5, device=device)
-    for bad in (5, -1, 1000):
+    for bad in (5, -1, 1000, 10**6):
         y = torch.tensor([0, bad, 1, 2], device=device)
         with pytest.raises((ValueError, RuntimeError), match="out of range"):
             loss = ck.uncertainty_weighted_ce(z, y, backend=backend)
@@ -363,6 +363,26 @@ def test_opcheck_per_sample_gamma(backend):
     torch.library.opcheck(backend.op, (z, *args, True, None))
     buffer = z.clone()
     torch.library.opcheck(backend.op, (buffer, *args, True, buffer))
+
+
+def test_no_gradient_buffer_without_grad(backend):
+    """compute_grad=False writes no N×C gradient, and the loss is the reference's; the target flag is empty from the
+    C++ CPU op (which raises on a bad target) and two slots, no bad target, from the GPU and Triton ops. Logits that
+    require grad under no_grad: no gradient either, and inplace=True leaves them intact."""
+    z = torch.randn(6, 13, device=backend.device)
+    y = _targets(6, 13, backend.device)
+    loss, grad, flag = backend.op(z, *_op_args(z, y), False, None)
+    assert grad.shape == (0,) and loss.shape == (), "compute_grad=False must not write an N×C gradient"
+    if backend.name == "cpu":
+        assert flag.shape == (0,)
+    else:
+        assert flag.shape == (2,) and flag.tolist()[0] == 0
+    torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y), rtol=1e-5, atol=1e-6)
+    with torch.no_grad():
+        x = z.clone().requires_grad_()
+        before = x.detach().clone()
+        ck.uncertainty_weighted_ce(x, y, backend=backend.name, inplace=True)
+        assert torch.equal(x.detach(), before)
 
 
 @pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])

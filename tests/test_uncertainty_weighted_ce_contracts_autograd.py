@@ -72,11 +72,16 @@ def test_inplace_protects_other_users_of_the_logits(backend):
     """Another node that saved the logits raises at backward instead of reading the gradient written over them."""
     backend, device = backend
     leaf = torch.randn(5, 7, device=device, requires_grad=True)
-    logits = leaf * 2.0
-    other = (logits * logits).sum()  # MulBackward saved the logits
-    loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=backend, inplace=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        (loss + other).backward()
+    for other_users in (
+        lambda logits: (logits * logits).sum(),  # MulBackward saved the logits
+        # exp saves its output, not the logits; pow saves the logits (as sigmoid would)
+        lambda logits: logits.exp().sum() + (logits ** 2).sum(),
+    ):
+        logits = leaf * 2.0
+        other = other_users(logits)
+        loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=backend, inplace=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (loss + other).backward()
 
 
 # -------------------------------------------------------------------------------------------------- double backward
@@ -212,6 +217,25 @@ def test_retained_graph_returns_a_fresh_gradient(backend, reduction):
     first.mul_(10)
     (second,) = torch.autograd.grad(loss, x, grad_out)
     torch.testing.assert_close(second, expected)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_second_backward_through_a_retained_graph_gives_the_same_gradient(backend, inplace):
+    """The backward scales the saved gradient in place only when the graph is not retained; with retain_graph=True
+    the buffer survives, so a second backward gives the same (right) gradient instead of a rescaled one."""
+    backend, device = backend
+    z = torch.randn(6, 10, device=device)
+    y = _targets(6, 10, device)
+    leaf = z.clone().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(leaf * 1.0, y, backend=backend, inplace=inplace)
+    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
+    first = leaf.grad.clone()
+    exact = z.double().requires_grad_()
+    R.uncertainty_weighted_ce(exact, y).backward(torch.tensor(2.0, dtype=torch.float64, device=device))
+    torch.testing.assert_close(first.double(), exact.grad, rtol=1e-5, atol=1e-7)
+    leaf.grad = None
+    loss.backward(torch.tensor(2.0, device=device))
+    torch.testing.assert_close(leaf.grad, first)
 
 
 # --------------------------------------------------------------------------------------------------------- memory

@@ -222,16 +222,6 @@ def test_out_of_range_targets_poison_only_their_row(c):
 
 
 @needs_gpu
-def test_out_of_range_targets_raise_through_the_public_api():
-    z = _logits(4, 50)
-    for bad in (50, -1, 10**6):
-        y = torch.tensor([0, bad, 1, -100], device="cuda")
-        with pytest.raises(ValueError, match="out of range"):
-            ck.uncertainty_weighted_ce(z, y, backend="cuda")
-            ck.synchronize_target_checks()  # the default policy raises without stalling, i.e. a little later
-
-
-@needs_gpu
 def test_asynchronous_checks_reuse_their_buffers_and_read_fresh_flags():
     """A check's pinned buffer and event are reused once read, and a reused buffer reports the new call's flag."""
     from calibkernels import _target_checks

@@ -1,7 +1,8 @@
-"""The CUDA kernels' launches on a GPU: the last block folds every row, an eager forward is one launch, all-ignored
-batches, no gradient buffer without a gradient, no host synchronisation (CUDA-graph capture), opcheck over the
-kernel shapes (torch.compile(fullgraph=True) is in the contract suite), the backward's scaling op, and the streaming
-path (C > 4096): the kernel that ``auto`` runs and large rows against the reference.
+"""The CUDA kernels' launches on a GPU: the last block folds every row, an eager forward is one launch, no host
+synchronisation (CUDA-graph capture), opcheck over the kernel shapes, the backward's scaling op, and the streaming
+path (C > 4096): the kernel that ``auto`` runs and large rows against the reference. All-ignored batches, no
+gradient buffer without a gradient and torch.compile(fullgraph=True) are in the contract suite
+(``test_uncertainty_weighted_ce_contracts*.py``).
 """
 
 
@@ -105,21 +106,6 @@ def test_an_eager_forward_is_one_launch(dtype, target, batch):
     exact = R.uncertainty_weighted_ce(z.double(), y.double() if target == "dense" else y, **kwargs)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(loss.double(), exact, rtol=tolerance, atol=tolerance)
-
-
-@needs_gpu
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-def test_all_ignored_rows_give_zero_loss_and_gradient(reduction):
-    z = _logits(5, 300)
-    y = torch.full((5,), -100, device="cuda")
-    loss, grad = _op(z, y, reduction=reduction)
-    assert torch.all(loss == 0) and torch.all(grad == 0)
-
-
-@needs_gpu
-def test_without_gradient_no_buffer_is_written():
-    loss, grad = _op(_logits(6, 100), _targets(6, 100), compute_grad=False)
-    assert grad.shape == (0,) and loss.shape == ()
 
 
 @needs_gpu

@@ -185,38 +185,6 @@ def test_inplace_writes_stay_inside_a_strided_view(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_no_gradient_buffer_without_grad(device):
-    z = torch.randn(6, 13, device=device)
-    y = _targets(6, 13, device)
-    loss, grad, flag = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, None)
-    assert grad.shape == (0,), "compute_grad=False must not write an N×C gradient"
-    assert flag.tolist()[0] == 0 and flag.shape == (2,), "the target flag: two slots, no bad target"
-    torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y), rtol=1e-5, atol=1e-6)
-    with torch.no_grad():  # requires_grad logits under no_grad: no gradient either, and inplace leaves them intact
-        x = z.clone().requires_grad_()
-        before = x.detach().clone()
-        _run(_inputs(x, y), True)
-        assert torch.equal(x.detach(), before)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
-def test_second_backward_through_a_retained_graph_gives_the_same_gradient(device, inplace):
-    """Backward scales the saved gradient in place only when the graph is not retained; with retain_graph=True the
-    buffer survives, so a second backward gives the same (right) gradient instead of a rescaled one."""
-    z = torch.randn(4, 9, device=device)
-    y = _targets(4, 9, device, ignored=0)
-    leaf = z.clone().requires_grad_()
-    loss = _run(_inputs(leaf * 1.0, y), inplace)
-    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
-    first = leaf.grad.clone()
-    _close(first, _reference_loss_and_grad(z, y, torch.tensor(2.0, device=device))[1], torch.float32, "gradient")
-    leaf.grad = None
-    loss.backward(torch.tensor(2.0, device=device))
-    torch.testing.assert_close(leaf.grad, first)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 def test_backward_with_broadcast_and_unit_grad_output(device):
     """grad_output of exactly 1 leaves the buffer as is; an expanded (stride-0) per-row grad_output is read right."""
     z = torch.randn(7, 10, device=device)
