@@ -109,12 +109,12 @@ def test_a_call_leaves_nothing_in_a_memory_pool(backend):
     whose ticket counter the call creates: the backends keep those counters outside every pool."""
     if backend.device != "cuda":
         pytest.skip("memory pools need a GPU")
-    backend = backend.name
+    name = backend.name
     pool = torch.cuda.MemPool()
     z = torch.randn(64, 1000, device="cuda", requires_grad=True)
     y = torch.randint(0, 1000, (64,), device="cuda")
     with torch.cuda.stream(torch.cuda.Stream()), torch.cuda.use_mem_pool(pool):
-        loss = ck.uncertainty_weighted_ce(z, y, uncertainty="brier", backend=backend)
+        loss = ck.uncertainty_weighted_ce(z, y, uncertainty="brier", backend=name)
         loss.backward()
         del loss
     torch.cuda.synchronize()
@@ -131,12 +131,12 @@ def test_a_step_with_the_loss_inside_reduce_overhead_compilation(backend):
     synchronisation (torch.cuda.set_sync_debug_mode("error"))."""
     if backend.device != "cuda":
         pytest.skip("CUDA graphs need a GPU")
-    backend = backend.name
+    name = backend.name
     torch.manual_seed(0)
     model = torch.nn.Linear(64, 1000, device="cuda")
 
     def forward(x, y, mix_target, mix_lambda):
-        return ck.uncertainty_weighted_ce(model(x), y, uncertainty="brier", backend=backend, mix_target=mix_target,
+        return ck.uncertainty_weighted_ce(model(x), y, uncertainty="brier", backend=name, mix_target=mix_target,
                                           mix_lambda=mix_lambda)
 
     compiled_forward = torch.compile(forward, mode="reduce-overhead", fullgraph=True)
@@ -170,35 +170,35 @@ def test_dual_focal_soft_targets_have_their_values_checked_on_every_backend(back
     """The dual-focal weight takes soft targets only when they are one-hot, and turns them into class indices before
     any kernel runs, so no kernel sees their values: a mix class out of range or a dense row that is not a
     distribution raises on every backend (the CPU backend had left both to its kernel, which never saw them)."""
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(4, 5, device=device)
     with pytest.raises(ValueError, match="mix_target value 99 is out of range"):
         ck.uncertainty_weighted_ce(z, torch.tensor([0, 1, 2, 3], device=device), uncertainty="dual_focal",
-                                   backend=backend, mix_target=torch.tensor([1, 2, 99, 0], device=device),
+                                   backend=name, mix_target=torch.tensor([1, 2, 99, 0], device=device),
                                    mix_lambda=torch.tensor([1., 0., 1., 1.], device=device))
         ck.synchronize_target_checks()  # GPU backends raise without stalling the host, so possibly only here
     dense = torch.eye(5, device=device)[:4].clone()
     dense[1, 2] = 1.0  # sums to 2
     with pytest.raises(ValueError, match="row 1 sums to 2"):
-        ck.uncertainty_weighted_ce(z, dense, uncertainty="dual_focal", backend=backend)
+        ck.uncertainty_weighted_ce(z, dense, uncertainty="dual_focal", backend=name)
 
 
 def test_a_dense_target_call_checks_ignore_index_like_a_class_index_call(backend_or_reference):
     """``ignore_index`` must be an int whatever the target: a dense target had skipped the check (a float was taken
     silently by some backends, refused by the CPU op's schema with a RuntimeError)."""
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z, dense = torch.randn(3, 4, device=device), torch.softmax(torch.randn(3, 4, device=device), dim=1)
     for bad in (-100.0, True, 1.5):
         with pytest.raises(TypeError, match="ignore_index must be an int"):
-            ck.uncertainty_weighted_ce(z, dense, ignore_index=bad, backend=backend)
+            ck.uncertainty_weighted_ce(z, dense, ignore_index=bad, backend=name)
 
 
 def test_one_class_logits_with_any_column_stride(backend_or_reference):
     """(N, 1) logits whose column stride is not 1 (a transposed row): every backend gives the loss of one class, 0,
     with a zero gradient (Triton had refused them: PyTorch's contiguous() keeps the stride of a size-1 dimension)."""
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     x = torch.randn(1, 4, device=device).t().requires_grad_()
     assert x.stride(1) != 1
-    loss = ck.uncertainty_weighted_ce(x, torch.zeros(4, dtype=torch.long, device=device), backend=backend)
+    loss = ck.uncertainty_weighted_ce(x, torch.zeros(4, dtype=torch.long, device=device), backend=name)
     loss.backward()
     assert loss.item() == 0.0 and (x.grad == 0).all()

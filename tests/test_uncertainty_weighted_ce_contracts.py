@@ -77,14 +77,14 @@ def _grad_out(reduction, n, device):
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("uncertainty", WEIGHTS)
 def test_every_weight_mode_reduction(backend_or_reference, uncertainty, mode, reduction):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     n, c = 13, 37
     z = (torch.randn(n, c) * 3).to(device)
     y = _targets(n, c, device)
     sw = torch.rand(n, device=device) if uncertainty == "external" else None
     gamma = {"none": 0.0, "focal": 2.0, "flsd": 3.0, "dual_focal": 5.0, "brier": 4.0, "external": 0.0,
              "brier_flsd": 2.0}[uncertainty]
-    check_against_reference(backend, z, y, grad_out=_grad_out(reduction, n, device), uncertainty=uncertainty, mode=mode,
+    check_against_reference(name, z, y, grad_out=_grad_out(reduction, n, device), uncertainty=uncertainty, mode=mode,
                             gamma=gamma, norm=2.0, sample_weight=sw, reduction=reduction)
 
 
@@ -95,11 +95,11 @@ def test_every_weight_mode_reduction(backend_or_reference, uncertainty, mode, re
 def test_odd_shapes(backend_or_reference, shape, uncertainty, mode):
     if backend_or_reference.interpreted and shape[1] > 1000:
         pytest.skip("Triton interpreter: large C is covered on GPU and by the chunked-path test at small blocks")
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     n, c = shape
     z = (torch.randn(n, c) * 4).to(device)
     y = _targets(n, c, device)
-    check_against_reference(backend, z, y, grad_out=torch.tensor(1.0, device=device), uncertainty=uncertainty,
+    check_against_reference(name, z, y, grad_out=torch.tensor(1.0, device=device), uncertainty=uncertainty,
                             mode=mode, gamma=3.0, reduction="mean")
 
 
@@ -110,8 +110,8 @@ def test_half_integer_exponents(backend_or_reference, uncertainty, gamma, dtype)
     # (1 - p)^γ and S^(γ/2) with a half-integer exponent (gBS with γ = 1 or 3 and q = 2: S^(1/2), S^(3/2)): the
     # kernels take a square root times repeated squaring there instead of pow. Rows whose base is exactly 0 (a target
     # logit far above the rest) must give pow's 0, and smoothing/a mix the same exponents on soft rows.
-    backend, device = backend_or_reference
-    if backend == "triton" and dtype == torch.float64:
+    name, device = backend_or_reference
+    if name == "triton" and dtype == torch.float64:
         pytest.skip("the Triton backend takes no float64 logits")
     z = (torch.randn(12, 33, dtype=dtype) * 3)
     z[0, 4] = 200.0  # saturated rows: 1 - p_y and S underflow to 0
@@ -123,38 +123,38 @@ def test_half_integer_exponents(backend_or_reference, uncertainty, gamma, dtype)
     # reference, with pow as with the square root (the same bits); the reference then has no error of its own to scale
     for mode in MODES:
         ulps = 256 if dtype == torch.float64 and uncertainty == "focal" and mode == "loss" else 64
-        check_against_reference(backend, z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=2.0,
+        check_against_reference(name, z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=2.0,
                                 reduction="sum", ulps=ulps)
-        check_against_reference(backend, z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=2.0,
+        check_against_reference(name, z, y, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=2.0,
                                 reduction="sum", label_smoothing=0.1, mix_target=y.flip(0), mix_lambda=0.7, ulps=ulps)
 
 
 @pytest.mark.parametrize("norm", [1.0, 1.5, 3.0])
 def test_generalised_brier_norms(backend_or_reference, norm):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = (torch.randn(11, 29) * 2).to(device)
     y = _targets(11, 29, device)
     for mode in MODES:
-        check_against_reference(backend, z, y, uncertainty="brier", mode=mode, gamma=2.5, norm=norm, reduction="sum")
+        check_against_reference(name, z, y, uncertainty="brier", mode=mode, gamma=2.5, norm=norm, reduction="sum")
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("uncertainty", WEIGHTS)
 def test_half_precision(backend_or_reference, dtype, uncertainty, mode):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     n, c = 16, 50
     z = _distinct_logits(n, c, dtype, device)
     y = _targets(n, c, device)
     sw = torch.rand(n, device=device) if uncertainty == "external" else None
-    check_against_reference(backend, z, y, grad_out=_grad_out("none", n, device), uncertainty=uncertainty, mode=mode,
+    check_against_reference(name, z, y, grad_out=_grad_out("none", n, device), uncertainty=uncertainty, mode=mode,
                             gamma=3.0, sample_weight=sw, reduction="none", ulps=4)
 
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("uncertainty", ["none", "focal", "flsd", "dual_focal", "brier"])
 def test_extreme_infinite_and_confident_rows(backend_or_reference, uncertainty, mode):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     c = 9
     z = torch.randn(6, c)
     z[0, 0], z[0, 1] = 1e4, -1e4  # extreme logits, target 0: p_y = 1 exactly
@@ -165,7 +165,7 @@ def test_extreme_infinite_and_confident_rows(backend_or_reference, uncertainty, 
     z[4, 6] = 12.0  # p_y → 1 but representable
     z[5] = 0.0  # uniform row: all classes tie with the target
     y = torch.tensor([0, 3, 0, 2, 6, 4])
-    check_against_reference(backend, z.to(device), y.to(device), uncertainty=uncertainty, mode=mode, gamma=3.0,
+    check_against_reference(name, z.to(device), y.to(device), uncertainty=uncertainty, mode=mode, gamma=3.0,
                             reduction="none")
 
 
@@ -175,13 +175,13 @@ def test_logits_of_a_few_thousand_keep_full_precision(backend_or_reference, unce
     """Rows with a large common offset: p_k must come from (z_k - max) - log d, while e^{z_k - lse} carries the
     rounding of lse (half an ulp of 2000, ~6e-5) into every p_k, far above the reference's own error (this is what
     failed on an H200 for the CUDA kernel). GRA mode: its gradient u (p - e_y) is well conditioned."""
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     n, c = 8, 300
     z = torch.randn(n, c) * 3 + 2000  # a large common offset: lse ≈ 2000, ulp(2000) = 1.2e-4
     z[1] -= 4000
     y = torch.randint(0, c, (n,))
     y[0] = int(z[0].argmax())  # a confident row whose target is the max
-    check_against_reference(backend, z.to(device), y.to(device), uncertainty=uncertainty, mode="grad", gamma=3.0,
+    check_against_reference(name, z.to(device), y.to(device), uncertainty=uncertainty, mode="grad", gamma=3.0,
                             norm=norm, reduction="sum")
 
 
@@ -191,7 +191,7 @@ def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_or_referenc
     leak into other rows: a NaN beside finite logits, the target itself, a NaN alone in the last (partial) vector of
     its row, a NaN among -inf logits (a thread whose max stays -inf: the GPU kernels' sums must still take it), and a
     two-class row; for dense targets too (not dual focal, which takes none)."""
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(6, 37)
     z[1, 5] = float("nan")  # one NaN, not the target
     z[2, 0] = float("nan")  # the target itself
@@ -199,12 +199,12 @@ def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_or_referenc
     z[5] = float("-inf")
     z[5, 9], z[5, 20] = 1.0, float("nan")  # the one other finite logit is the target
     y = torch.tensor([3, 9, 0, 36, 9, 9])
-    loss, grad = _run(backend, z.to(device), y.to(device), uncertainty=uncertainty, reduction="none")
+    loss, grad = _run(name, z.to(device), y.to(device), uncertainty=uncertainty, reduction="none")
     loss, grad = loss.cpu(), grad.cpu()
     bad = [1, 2, 4, 5]
     assert torch.isnan(loss[bad]).all() and torch.isnan(grad[bad]).all()
     pair = torch.tensor([[0.0, float("nan")], [float("nan"), 0.0]])
-    pair_loss, pair_grad = _run(backend, pair.to(device), torch.tensor([0, 0], device=device), uncertainty=uncertainty,
+    pair_loss, pair_grad = _run(name, pair.to(device), torch.tensor([0, 0], device=device), uncertainty=uncertainty,
                                 reduction="none")
     assert torch.isnan(pair_loss).all() and torch.isnan(pair_grad).all()
     if uncertainty != "dual_focal":
@@ -212,7 +212,7 @@ def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_or_referenc
         dense[:, :2] = 0.5
         wide = torch.randn(2, 5)
         wide[0, 4] = float("nan")  # a column the target does not weigh, alone in its vector
-        dense_loss, dense_grad = _run(backend, wide.to(device), dense.to(device), uncertainty=uncertainty,
+        dense_loss, dense_grad = _run(name, wide.to(device), dense.to(device), uncertainty=uncertainty,
                                       reduction="none")
         dense_loss, dense_grad = dense_loss.cpu(), dense_grad.cpu()
         assert torch.isnan(dense_loss[0]) and torch.isnan(dense_grad[0]).all()
@@ -225,65 +225,65 @@ def test_nan_logits_give_nan_rows_and_leave_the_others_alone(backend_or_referenc
 
 
 def test_per_sample_gamma(backend_or_reference):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = (torch.randn(10, 17) * 2).to(device)
     y = _targets(10, 17, device)
     gamma = (torch.rand(10) * 5).to(device)
     for mode in MODES:
-        check_against_reference(backend, z, y, uncertainty="focal", mode=mode, gamma=gamma, reduction="mean")
+        check_against_reference(name, z, y, uncertainty="focal", mode=mode, gamma=gamma, reduction="mean")
 
 
 def test_non_contiguous_rows_and_columns(backend_or_reference):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     wide = torch.randn(12, 50, device=device)
     y = _targets(12, 40, device)
-    check_against_reference(backend, wide[:, 5:45], y, uncertainty="brier", mode="loss",
+    check_against_reference(name, wide[:, 5:45], y, uncertainty="brier", mode="loss",
                             reduction="sum")  # row stride 50
-    check_against_reference(backend, wide[::2, :40], y[:6], uncertainty="dual_focal", mode="grad", reduction="sum")
+    check_against_reference(name, wide[::2, :40], y[:6], uncertainty="dual_focal", mode="grad", reduction="sum")
     tall = torch.randn(40, 12, device=device)
-    check_against_reference(backend, tall.t(), y, uncertainty="focal", mode="loss",
+    check_against_reference(name, tall.t(), y, uncertainty="focal", mode="loss",
                             reduction="mean")  # column stride 12
     before = wide.clone()
-    _run(backend, wide[:, 5:45], y, uncertainty="brier")
+    _run(name, wide[:, 5:45], y, uncertainty="brier")
     assert torch.equal(wide, before), "a non-inplace call must not modify its input"
 
 
 def test_leading_dimensions(backend_or_reference):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(2, 3, 4, 11, device=device)
     y = torch.randint(0, 11, (2, 3, 4), device=device)
-    loss = ck.uncertainty_weighted_ce(z, y, backend=backend, reduction="none")
+    loss = ck.uncertainty_weighted_ce(z, y, backend=name, reduction="none")
     assert loss.shape == (2, 3, 4)
     torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y, reduction="none"), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_all_rows_ignored_gives_zero_not_nan(backend_or_reference, reduction):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(5, 7, device=device)
     y = torch.full((5,), -100, device=device)
-    loss, grad = _run(backend, z, y, reduction=reduction)
+    loss, grad = _run(name, z, y, reduction=reduction)
     assert (loss == 0).all() and (grad == 0).all()
 
 
 def test_custom_ignore_index_and_no_grad(backend_or_reference):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(8, 6, device=device)
     y = torch.randint(0, 6, (8,), device=device)
     y[2] = 6  # ignore_index may equal C
-    check_against_reference(backend, z, y, uncertainty="brier", ignore_index=6)
+    check_against_reference(name, z, y, uncertainty="brier", ignore_index=6)
     with torch.no_grad():
-        got = ck.uncertainty_weighted_ce(z, y, backend=backend, ignore_index=6, reduction="none")
+        got = ck.uncertainty_weighted_ce(z, y, backend=name, ignore_index=6, reduction="none")
     torch.testing.assert_close(got, R.uncertainty_weighted_ce(z, y, ignore_index=6, reduction="none"))
 
 
 def test_inplace_gradient_matches(backend_or_reference):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(9, 23, device=device)
     y = _targets(9, 23, device)
     leaf = z.clone().requires_grad_()
     logits = leaf * 1.0  # a non-leaf activation, as a model's output would be
-    loss = ck.uncertainty_weighted_ce(logits, y, backend=backend, uncertainty="brier", mode="grad", inplace=True)
+    loss = ck.uncertainty_weighted_ce(logits, y, backend=name, uncertainty="brier", mode="grad", inplace=True)
     loss.backward(torch.tensor(0.5, device=device))
     exact_loss, exact_grad = _reference(z.double(), y, torch.tensor(0.5, dtype=torch.float64), uncertainty="brier")
     torch.testing.assert_close(loss.double(), exact_loss, rtol=1e-5, atol=1e-6)
@@ -294,20 +294,20 @@ def test_inplace_gradient_is_adopted_without_a_copy(backend):
     """inplace=True promises no extra N×C buffer: the leaf's .grad must be the overwritten logits' own memory, also
     while the caller still holds the logits (AccumulateGrad copies a gradient that something else references).
     (The reference does not write in place.)"""
-    backend, device = backend
+    name, device = backend
     leaf = torch.randn(16, 40, device=device, requires_grad=True)
     logits = leaf.clone()  # non-leaf; CloneBackward passes the gradient on as it is
-    ck.uncertainty_weighted_ce(logits, _targets(16, 40, device), backend=backend, inplace=True).backward()
+    ck.uncertainty_weighted_ce(logits, _targets(16, 40, device), backend=name, inplace=True).backward()
     assert leaf.grad.data_ptr() == logits.data_ptr()
 
 
 def test_out_of_range_targets_raise(backend_or_reference):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     z = torch.randn(4, 5, device=device)
     for bad in (5, -1, 1000, 10**6):
         y = torch.tensor([0, bad, 1, 2], device=device)
         with pytest.raises((ValueError, RuntimeError), match="out of range"):
-            loss = ck.uncertainty_weighted_ce(z, y, backend=backend)
+            loss = ck.uncertainty_weighted_ce(z, y, backend=name)
             ck.synchronize_target_checks()  # GPU backends raise without stalling the host, so possibly only here
             loss.item()
 

@@ -32,14 +32,14 @@ def _targets(n, c, device, ignored=1):
 
 # ---------------------------------------------------------------------------------------------------------- in place
 def test_inplace_on_a_leaf_or_a_view_of_one_is_refused(backend):
-    backend, device = backend
+    name, device = backend
     leaf = torch.randn(4, 6, device=device, requires_grad=True)
     y = torch.randint(0, 5, (4,), device=device)
     before = leaf.detach().clone()
     for logits in (leaf, leaf[:, :5], leaf.view(2, 2, 6)):
         target = y if logits.dim() == 2 else y.view(2, 2)
         with pytest.raises(ValueError, match="inplace=True.*leaf"):
-            ck.uncertainty_weighted_ce(logits, target, backend=backend, inplace=True)
+            ck.uncertainty_weighted_ce(logits, target, backend=name, inplace=True)
     assert torch.equal(leaf.detach(), before), "a refused in-place call must leave the leaf untouched"
 
 
@@ -48,15 +48,15 @@ def test_inplace_on_logits_that_share_memory_is_refused(backend):
     overwrite each other and the logits other rows still read. Refused with ValueError on the public call and, for
     the compiled op, on its grad_out argument (also a separate buffer with shared rows); out of place it runs and
     matches the reference."""
-    backend, device = backend
+    name, device = backend
     row = torch.randn(1, 6, device=device, requires_grad=True)
     y = torch.tensor([0, 1, 2, 3], device=device)
     with pytest.raises(ValueError, match="share memory"):
-        ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend, inplace=True)
-    loss = ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend)
+        ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=name, inplace=True)
+    loss = ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=name)
     exact = R.uncertainty_weighted_ce(row.detach().double().expand(4, 6), y)
     torch.testing.assert_close(loss.double(), exact, rtol=1e-5, atol=1e-6)
-    op = (torch.ops.calibkernels.uncertainty_weighted_ce_triton if backend == "triton"
+    op = (torch.ops.calibkernels.uncertainty_weighted_ce_triton if name == "triton"
           else torch.ops.calibkernels.uncertainty_weighted_ce)
     z = torch.randn(4, 6, device=device)
     codes = (V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"], True)
@@ -70,7 +70,7 @@ def test_inplace_on_logits_that_share_memory_is_refused(backend):
 
 def test_inplace_protects_other_users_of_the_logits(backend):
     """Another node that saved the logits raises at backward instead of reading the gradient written over them."""
-    backend, device = backend
+    name, device = backend
     leaf = torch.randn(5, 7, device=device, requires_grad=True)
     for other_users in (
         lambda logits: (logits * logits).sum(),  # MulBackward saved the logits
@@ -79,7 +79,7 @@ def test_inplace_protects_other_users_of_the_logits(backend):
     ):
         logits = leaf * 2.0
         other = other_users(logits)
-        loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=backend, inplace=True)
+        loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=name, inplace=True)
         with pytest.raises(RuntimeError, match="modified by an inplace operation"):
             (loss + other).backward()
 
@@ -90,7 +90,7 @@ def test_double_backward_raises_instead_of_contributing_nothing(backend, dtype):
     """A backward with create_graph=True raises, in every form: a gradient returned as a value whose
     differentiation raises (as before) left the second-order term out of a look-ahead step differentiated with
     torch.autograd.grad(..., inputs), where autograd runs only the nodes on a path to the inputs."""
-    backend, device = backend
+    name, device = backend
     uncertainty = torch.randn(5, 5, device=device, dtype=dtype, requires_grad=True)
     features = torch.randn(6, 5, device=device, dtype=dtype)
     y = _targets(6, 5, device)
@@ -98,11 +98,11 @@ def test_double_backward_raises_instead_of_contributing_nothing(backend, dtype):
         lambda loss: torch.autograd.grad(loss, uncertainty, create_graph=True),  # the look-ahead's first step
         lambda loss: loss.backward(create_graph=True),
     ):
-        loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=backend)
+        loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=name)
         with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
             step(loss)
     # without create_graph, nothing changes
-    loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=backend)
+    loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=name)
     (grad,) = torch.autograd.grad(loss, uncertainty)
     reference = uncertainty.detach().double().requires_grad_()
     (exact,) = torch.autograd.grad(R.uncertainty_weighted_ce(features.double() @ reference, y), reference)
@@ -123,7 +123,7 @@ def test_double_backward_works_on_the_reference():
 # ------------------------------------------------------------------------------------------------ gamma as a tensor
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_per_sample_gamma_gets_the_reference_gradient(backend_or_reference, reduction):
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
     n, c = 7, 6
     z = torch.randn(n, c, device=device) * 3
     z[3] = torch.tensor([200.0, 0, 0, 0, 0, 0])  # a saturated row: p_y = 1, the limit of the gradient is 0
@@ -133,7 +133,7 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_or_reference, redu
     grad_out = torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.7, device=device)
     kw = dict(uncertainty="focal", mode="loss", reduction=reduction)
     x = z.clone().requires_grad_()
-    loss = ck.uncertainty_weighted_ce(x, y, gamma=gamma, backend=backend, **kw)
+    loss = ck.uncertainty_weighted_ce(x, y, gamma=gamma, backend=name, **kw)
     d_logits, d_gamma = torch.autograd.grad(loss, (x, gamma), grad_out)
     x64, g64 = z.double().requires_grad_(), gamma.detach().double().requires_grad_()
     exact = torch.autograd.grad(R.uncertainty_weighted_ce(x64, y, gamma=g64, **kw), (x64, g64), grad_out.double())
@@ -151,7 +151,7 @@ def test_per_sample_gamma_gradient_at_large_logits(backend, scale):
     float64 reference, itself checked here against log1p(-p_y) / log Σ_{k≠y} p_k in closed form (pow's gradient in
     the exponent had recomputed log x from an x rounded to 1). The float32 reference is as precise as
     F.cross_entropy, an ulp of 1 in absolute terms, not this."""
-    backend, device = backend
+    name, device = backend
     g = torch.Generator().manual_seed(int(scale))
     z = (scale * torch.randn(64, 50, generator=g, dtype=torch.float64)).float()
     y = torch.randint(0, 50, (64,), generator=g)
@@ -159,7 +159,7 @@ def test_per_sample_gamma_gradient_at_large_logits(backend, scale):
     gamma = (0.5 + 3 * torch.rand(64, generator=g)).to(device).requires_grad_()
     z, y = z.to(device), y.to(device)
     loss = ck.uncertainty_weighted_ce(z.clone().requires_grad_(), y, uncertainty="focal", mode="loss", gamma=gamma,
-                                      reduction="sum", backend=backend)
+                                      reduction="sum", backend=name)
     (d_gamma,) = torch.autograd.grad(loss, gamma)
     z64 = z.double()
     log_p = z64.log_softmax(dim=1)
@@ -176,10 +176,10 @@ def test_per_sample_gamma_gradient_at_large_logits(backend, scale):
 
 
 def test_per_sample_gamma_in_grad_mode_gets_no_gradient_as_in_the_reference(backend):
-    backend, device = backend
+    name, device = backend
     x = torch.randn(5, 4, device=device, requires_grad=True)
     y = _targets(5, 4, device)
-    for impl in (backend, "reference"):
+    for impl in (name, "reference"):
         gamma = torch.full((5,), 2.0, device=device, requires_grad=True)
         ck.uncertainty_weighted_ce(x, y, uncertainty="focal", mode="grad", gamma=gamma, backend=impl).backward()
         assert gamma.grad is None or not gamma.grad.any()
@@ -207,10 +207,10 @@ def test_gamma_learned_through_the_fused_loss_matches_the_reference():
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_retained_graph_returns_a_fresh_gradient(backend, reduction):
     """autograd.grad(retain_graph=True), the result edited in place, then a second grad: the second is unaffected."""
-    backend, device = backend
+    name, device = backend
     x = torch.randn(6, 9, device=device, requires_grad=True)
     y = _targets(6, 9, device)
-    loss = ck.uncertainty_weighted_ce(x, y, backend=backend, reduction=reduction)
+    loss = ck.uncertainty_weighted_ce(x, y, backend=name, reduction=reduction)
     grad_out = torch.ones_like(loss)
     (first,) = torch.autograd.grad(loss, x, grad_out, retain_graph=True)
     expected = first.clone()
@@ -223,11 +223,11 @@ def test_retained_graph_returns_a_fresh_gradient(backend, reduction):
 def test_second_backward_through_a_retained_graph_gives_the_same_gradient(backend, inplace):
     """The backward scales the saved gradient in place only when the graph is not retained; with retain_graph=True
     the buffer survives, so a second backward gives the same (right) gradient instead of a rescaled one."""
-    backend, device = backend
+    name, device = backend
     z = torch.randn(6, 10, device=device)
     y = _targets(6, 10, device)
     leaf = z.clone().requires_grad_()
-    loss = ck.uncertainty_weighted_ce(leaf * 1.0, y, backend=backend, inplace=inplace)
+    loss = ck.uncertainty_weighted_ce(leaf * 1.0, y, backend=name, inplace=inplace)
     loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
     first = leaf.grad.clone()
     exact = z.double().requires_grad_()
@@ -289,10 +289,10 @@ def test_bad_hyper_parameters_raise(backend_or_reference, monkeypatch):
     from calibkernels import _target_checks
 
     monkeypatch.setattr(_target_checks, "POLICY", "async")  # whatever CALIBKERNELS_VALIDATE says
-    backend, device = backend_or_reference
+    name, device = backend_or_reference
 
     def call(**kwargs):
-        ck.uncertainty_weighted_ce(z, y, backend=backend, **kwargs)
+        ck.uncertainty_weighted_ce(z, y, backend=name, **kwargs)
         if device == "cuda":
             ck.synchronize_target_checks()
 
@@ -300,7 +300,7 @@ def test_bad_hyper_parameters_raise(backend_or_reference, monkeypatch):
     y = _targets(4, 5, device, ignored=0)
     for gamma in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="gamma"):
-            ck.uncertainty_weighted_ce(z, y, uncertainty="focal", gamma=gamma, backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="focal", gamma=gamma, backend=name)
     for bad in (float("inf"), float("nan"), -1.0):
         gamma = torch.full((4,), 2.0, device=device)
         gamma[1] = bad
@@ -312,7 +312,7 @@ def test_bad_hyper_parameters_raise(backend_or_reference, monkeypatch):
             call(uncertainty="external", sample_weight=sample_weight)
     for norm in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="norm"):
-            ck.uncertainty_weighted_ce(z, y, uncertainty="brier", norm=norm, backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="brier", norm=norm, backend=name)
 
 
 # --------------------------------------------------------------------------------- bad input, every backend alike
@@ -583,13 +583,13 @@ def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend_name, igno
 def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend, uncertainty, norm):
     """mode="loss", p_y = 1 exactly: CE du/dz is 0 · inf for gamma < 1 (or gamma < q); the gradient is its limit, 0
     on that row, on every backend as on the reference."""
-    backend, device = backend
+    name, device = backend
     z = torch.tensor([[200.0, 0.0, 0.0], [0.5, 0.1, -0.3], [0.0, 90.0, -90.0]], device=device)
     y = torch.tensor([0, 1, 1], device=device)
     for gamma in (0.3, 0.5, 1.0, 1.5):
         kw = dict(uncertainty=uncertainty, mode="loss", gamma=gamma, norm=norm, reduction="sum")
         x = z.clone().requires_grad_()
-        ck.uncertainty_weighted_ce(x, y, backend=backend, **kw).backward()
+        ck.uncertainty_weighted_ce(x, y, backend=name, **kw).backward()
         x64 = z.double().requires_grad_()
         R.uncertainty_weighted_ce(x64, y, **kw).backward()
         assert torch.isfinite(x.grad).all(), (gamma, x.grad)
@@ -600,16 +600,16 @@ def test_a_per_sample_gamma_that_requires_grad_runs_soft_targets_in_grad_mode(ba
     """In "grad" mode the weight is detached, so a per-sample gamma gets no gradient and the fused backends run soft
     targets with it (only "loss" mode, which differentiates the weight, needs the reference's gamma gradient): the
     loss and logits' gradient as the reference's, and no gradient for gamma, as in the reference."""
-    backend, device = backend
+    name, device = backend
     torch.manual_seed(0)
     z = torch.randn(6, 7, device=device)
     y = torch.randint(0, 7, (6,), device=device)
     results = []
-    for name in ("reference", backend):
+    for impl in ("reference", name):
         x = z.clone().requires_grad_()
         gamma = torch.linspace(0.5, 3.0, 6, device=device).requires_grad_()
         loss = ck.uncertainty_weighted_ce(x, y, uncertainty="focal", mode="grad", gamma=gamma, label_smoothing=0.1,
-                                          backend=name)
+                                          backend=impl)
         loss.backward()
         assert gamma.grad is None
         results.append((loss.detach(), x.grad))

@@ -58,9 +58,9 @@ def test_every_error_reaches_python_as_an_exception(backend):
     """An error from the op's C++ checks, the kernels' target checks (on a GPU: the device flag, read synchronously
     here) or the Python checks is an exception in the caller, with its message, and the process survives (an
     extension built against another torch than the one it runs with can die with SIGSEGV there instead)."""
-    backend, device = backend
+    name, device = backend
     env = dict(os.environ, CALIBKERNELS_VALIDATE="sync", TORCH_SHOW_CPP_STACKTRACES="0")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _CHILD, backend, device],
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _CHILD, name, device],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, f"the child process died ({result.returncode}): {result.stderr[-3000:]}"
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
@@ -84,7 +84,7 @@ def test_rows_past_2_to_31_logits_elements_on_the_gpu(backend):
     gradient, as the reference computes them on those rows alone."""
     if backend.device != "cuda":
         pytest.skip("needs a GPU with about 20 GB free")
-    backend = backend.name
+    name = backend.name
     n, c = 65537, 32769
     assert n * c > 2**31
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -93,7 +93,7 @@ def test_rows_past_2_to_31_logits_elements_on_the_gpu(backend):
     rows = torch.tensor([0, 1, (2**31) // c - 1, (2**31) // c, (2**31) // c + 1, n - 2, n - 1], device="cuda")
     for uncertainty in ("none", "brier"):
         x = logits.detach().requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, reduction="none", backend=backend)
+        loss = ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, reduction="none", backend=name)
         loss.sum().backward()
         z_rows = logits[rows].float().requires_grad_()
         expected = R.uncertainty_weighted_ce(z_rows, target[rows], uncertainty=uncertainty, reduction="none")
