@@ -365,6 +365,43 @@ def test_opcheck_per_sample_gamma(backend):
     torch.library.opcheck(backend.op, (buffer, *args, True, buffer))
 
 
+def test_inplace_op_writes_the_gradient_only_inside_the_logits(backend):
+    """The op with grad_out = the logits, a view whose rows are wider than C: the loss as out of place, the gradient
+    left in the view and nowhere else (the padding between rows intact), no gradient returned; with grad_out a
+    separate buffer, the same loss and gradient there. The C++ CPU op also writes back through a transposed
+    (column-strided) view; the Triton op refuses one (its kernels need a unit column stride)."""
+    device = backend.device
+    n, c, pad = 5, 11, 4
+    buffer = torch.full((n, c + pad), 123.0, device=device)
+    view = buffer[:, :c]
+    view.copy_(torch.randn(n, c, device=device))
+    logits = view.clone()
+    y = _targets(n, c, device)
+    args = _op_args(logits, y, reduction="sum")
+    expected_loss, expected_grad, _ = backend.op(logits, *args, True, None)
+    loss, returned, _ = backend.op(view, *args, True, view)
+    assert returned.numel() == 0
+    assert (buffer[:, c:] == 123.0).all(), "padding between rows was written"
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(view, expected_grad)
+    into = torch.full_like(logits, float("nan"))
+    loss, returned, _ = backend.op(logits, *args, True, into)
+    assert returned.numel() == 0
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(into, expected_grad)
+    base = torch.randn(9, 6, device=device)
+    transposed = base.t()  # (6, 9), column stride 6
+    args = _op_args(transposed, _targets(6, 9, device))
+    if backend.name == "triton":
+        with pytest.raises(ValueError, match="unit column stride"):
+            backend.op(transposed, *args, True, transposed)
+    elif backend.name == "cpu":
+        expected_loss, expected_grad, _ = backend.op(transposed.contiguous(), *args, True, None)
+        loss, _, _ = backend.op(transposed, *args, True, transposed)
+        torch.testing.assert_close(loss, expected_loss)
+        torch.testing.assert_close(base.t(), expected_grad)
+
+
 def test_no_gradient_buffer_without_grad(backend):
     """compute_grad=False writes no N×C gradient, and the loss is the reference's; the target flag is empty from the
     C++ CPU op (which raises on a bad target) and two slots, no bad target, from the GPU and Triton ops. Logits that
