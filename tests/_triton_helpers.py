@@ -10,6 +10,8 @@ from calibkernels import _autograd, _backends
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
+from _tolerance import assert_within_largest_entry as _close  # noqa: F401  (the Triton files' name for it)
+
 
 WEIGHTS = ["none", "focal", "flsd", "dual_focal", "brier", "external", "brier_flsd"]
 # brier_flsd's γ (the band p_y ≥ 0.5) differs from its other bands' 5 and 3, so a row in the wrong band shows
@@ -76,15 +78,3 @@ def _triton_loss_and_grad(z, y, grad_out, **kw):
     loss = _run(_inputs(x, y, **kw), False)
     loss.backward(grad_out.to(loss.dtype).expand_as(loss))
     return loss.detach(), x.grad
-
-
-def _close(got, exact, dtype, what):
-    # fp32 kernels against a float64 reference: relative to the largest entry (a few thousand ulps of fp32 at most
-    # for these shapes; 16-bit outputs carry their own rounding)
-    tol = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 2e-2}[dtype]
-    got, exact = got.double().cpu(), exact.double().cpu()
-    assert torch.equal(torch.isfinite(got), torch.isfinite(exact)), f"{what}: non-finite entries differ"
-    finite = torch.isfinite(exact)
-    scale = exact[finite].abs().max().item() if finite.any() else 0.0
-    err = (got[finite] - exact[finite]).abs().max().item() if finite.any() else 0.0
-    assert err <= tol * max(scale, 1e-30) + 1e-30, f"{what}: max error {err:.3e} (scale {scale:.3e}, tol {tol})"

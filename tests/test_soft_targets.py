@@ -507,7 +507,7 @@ def test_triton_flags_a_bad_dense_target_on_the_device(read, target_dtype, monke
     from float64 reductions instead (its tolerance is below what the kernel's float32 sums can tell), and so does that
     of rows wider than DENSE_KERNEL_CHECK_MAX_CLASSES (here lowered to 4). Through the public API the call skips the
     host check and raises from that flag (read at the call here: the synchronous policy), on CUDA tensors and on CPU
-    tensors under the interpreter alike (the eager Triton call of calibkernels.functional._fast_call)."""
+    tensors under the interpreter alike (the common call leaves the values to the kernel)."""
     from calibkernels.triton import uncertainty_weighted_ce as T
 
     if read == "chunked":

@@ -2,8 +2,9 @@
 
 In place on a leaf, double backward, gradients of a per-sample ``gamma``, retained graphs, memory per reduction and
 the hyper-parameter checks: each either works as the reference does or raises a clear error, never a plausible wrong
-answer. Parametrised over every (backend, device) pair this install can run (Triton on CPU tensors under
-``TRITON_INTERPRET=1``).
+answer. Written once against conftest.py's ``backend`` fixture (every fused backend this install runs, with its
+device; Triton on CPU tensors under ``TRITON_INTERPRET=1``), and ``backend_or_reference`` where the reference is held
+to the same contract.
 """
 
 import os
@@ -20,13 +21,9 @@ from calibkernels import _backends
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
-FUSED = [
-    pytest.param((name, dev), id=f"{name}-{dev}")
-    for name in ("cpu", "cuda", "triton")
-    for dev in (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-    if _backends.unavailable_reason(name, torch.device(dev)) is None
-]
-EVERY = [pytest.param(("reference", "cpu"), id="reference-cpu")] + FUSED
+from _tolerance import assert_within_largest_entry
+
+from conftest import FUSED_BACKENDS
 
 
 def _targets(n, c, device, ignored=1):
@@ -36,34 +33,32 @@ def _targets(n, c, device, ignored=1):
 
 
 # ---------------------------------------------------------------------------------------------------------- in place
-@pytest.mark.parametrize("backend_device", FUSED)
-def test_inplace_on_a_leaf_or_a_view_of_one_is_refused(backend_device):
-    backend, device = backend_device
+def test_inplace_on_a_leaf_or_a_view_of_one_is_refused(backend):
+    name, device = backend
     leaf = torch.randn(4, 6, device=device, requires_grad=True)
     y = torch.randint(0, 5, (4,), device=device)
     before = leaf.detach().clone()
     for logits in (leaf, leaf[:, :5], leaf.view(2, 2, 6)):
         target = y if logits.dim() == 2 else y.view(2, 2)
         with pytest.raises(ValueError, match="inplace=True.*leaf"):
-            ck.uncertainty_weighted_ce(logits, target, backend=backend, inplace=True)
+            ck.uncertainty_weighted_ce(logits, target, backend=name, inplace=True)
     assert torch.equal(leaf.detach(), before), "a refused in-place call must leave the leaf untouched"
 
 
-@pytest.mark.parametrize("backend_device", FUSED)
-def test_inplace_on_logits_that_share_memory_is_refused(backend_device):
+def test_inplace_on_logits_that_share_memory_is_refused(backend):
     """In place on logits whose rows share memory (an expanded row, e.g. a broadcast bias): the rows' gradients would
     overwrite each other and the logits other rows still read. Refused with ValueError on the public call and, for
     the compiled op, on its grad_out argument (also a separate buffer with shared rows); out of place it runs and
     matches the reference."""
-    backend, device = backend_device
+    name, device = backend
     row = torch.randn(1, 6, device=device, requires_grad=True)
     y = torch.tensor([0, 1, 2, 3], device=device)
     with pytest.raises(ValueError, match="share memory"):
-        ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend, inplace=True)
-    loss = ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=backend)
+        ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=name, inplace=True)
+    loss = ck.uncertainty_weighted_ce((row * 1).expand(4, 6), y, backend=name)
     exact = R.uncertainty_weighted_ce(row.detach().double().expand(4, 6), y)
     torch.testing.assert_close(loss.double(), exact, rtol=1e-5, atol=1e-6)
-    op = (torch.ops.calibkernels.uncertainty_weighted_ce_triton if backend == "triton"
+    op = (torch.ops.calibkernels.uncertainty_weighted_ce_triton if name == "triton"
           else torch.ops.calibkernels.uncertainty_weighted_ce)
     z = torch.randn(4, 6, device=device)
     codes = (V.WEIGHT_CODES["brier"], V.MODE_CODES["grad"], 4.0, 2.0, -100, V.REDUCTION_CODES["mean"], True)
@@ -75,26 +70,29 @@ def test_inplace_on_logits_that_share_memory_is_refused(backend_device):
         op(z, y, None, None, *codes, torch.zeros(3, 6, device=device))
 
 
-@pytest.mark.parametrize("backend_device", FUSED)
-def test_inplace_protects_other_users_of_the_logits(backend_device):
+def test_inplace_protects_other_users_of_the_logits(backend):
     """Another node that saved the logits raises at backward instead of reading the gradient written over them."""
-    backend, device = backend_device
+    name, device = backend
     leaf = torch.randn(5, 7, device=device, requires_grad=True)
-    logits = leaf * 2.0
-    other = (logits * logits).sum()  # MulBackward saved the logits
-    loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=backend, inplace=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        (loss + other).backward()
+    for other_users in (
+        lambda logits: (logits * logits).sum(),  # MulBackward saved the logits
+        # exp saves its output, not the logits; pow saves the logits (as sigmoid would)
+        lambda logits: logits.exp().sum() + (logits ** 2).sum(),
+    ):
+        logits = leaf * 2.0
+        other = other_users(logits)
+        loss = ck.uncertainty_weighted_ce(logits, _targets(5, 7, device), backend=name, inplace=True)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (loss + other).backward()
 
 
 # -------------------------------------------------------------------------------------------------- double backward
-@pytest.mark.parametrize("backend_device", FUSED)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_double_backward_raises_instead_of_contributing_nothing(backend_device, dtype):
+def test_double_backward_raises_instead_of_contributing_nothing(backend, dtype):
     """A backward with create_graph=True raises, in every form: a gradient returned as a value whose
     differentiation raises (as before) left the second-order term out of a look-ahead step differentiated with
     torch.autograd.grad(..., inputs), where autograd runs only the nodes on a path to the inputs."""
-    backend, device = backend_device
+    name, device = backend
     uncertainty = torch.randn(5, 5, device=device, dtype=dtype, requires_grad=True)
     features = torch.randn(6, 5, device=device, dtype=dtype)
     y = _targets(6, 5, device)
@@ -102,11 +100,11 @@ def test_double_backward_raises_instead_of_contributing_nothing(backend_device, 
         lambda loss: torch.autograd.grad(loss, uncertainty, create_graph=True),  # the look-ahead's first step
         lambda loss: loss.backward(create_graph=True),
     ):
-        loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=backend)
+        loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=name)
         with pytest.raises(RuntimeError, match="double backward.*backend='reference'"):
             step(loss)
     # without create_graph, nothing changes
-    loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=backend)
+    loss = ck.uncertainty_weighted_ce(features @ uncertainty, y, backend=name)
     (grad,) = torch.autograd.grad(loss, uncertainty)
     reference = uncertainty.detach().double().requires_grad_()
     (exact,) = torch.autograd.grad(R.uncertainty_weighted_ce(features.double() @ reference, y), reference)
@@ -125,10 +123,9 @@ def test_double_backward_works_on_the_reference():
 
 
 # ------------------------------------------------------------------------------------------------ gamma as a tensor
-@pytest.mark.parametrize("backend_device", EVERY)
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
-def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction):
-    backend, device = backend_device
+def test_per_sample_gamma_gets_the_reference_gradient(backend_or_reference, reduction):
+    name, device = backend_or_reference
     n, c = 7, 6
     z = torch.randn(n, c, device=device) * 3
     z[3] = torch.tensor([200.0, 0, 0, 0, 0, 0])  # a saturated row: p_y = 1, the limit of the gradient is 0
@@ -138,7 +135,7 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
     grad_out = torch.rand(n, device=device) + 0.5 if reduction == "none" else torch.tensor(0.7, device=device)
     kw = dict(uncertainty="focal", mode="loss", reduction=reduction)
     x = z.clone().requires_grad_()
-    loss = ck.uncertainty_weighted_ce(x, y, gamma=gamma, backend=backend, **kw)
+    loss = ck.uncertainty_weighted_ce(x, y, gamma=gamma, backend=name, **kw)
     d_logits, d_gamma = torch.autograd.grad(loss, (x, gamma), grad_out)
     x64, g64 = z.double().requires_grad_(), gamma.detach().double().requires_grad_()
     exact = torch.autograd.grad(R.uncertainty_weighted_ce(x64, y, gamma=g64, **kw), (x64, g64), grad_out.double())
@@ -148,16 +145,15 @@ def test_per_sample_gamma_gets_the_reference_gradient(backend_device, reduction)
     torch.testing.assert_close(d_logits.double(), exact[0], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("backend_device", FUSED)
 @pytest.mark.parametrize("scale", [10.0, 100.0])
-def test_per_sample_gamma_gradient_at_large_logits(backend_device, scale):
+def test_per_sample_gamma_gradient_at_large_logits(backend, scale):
     """The fused backends' dL/dγ_i = u_i CE_i log(1 - p_y) to a few ulps of the row's own terms at logits of scale
     10 and 100, rows right and wrong: taken from z_y - logsumexp(z) it carried an ulp of the logits (1e-6 absolute at
     100: all of a confident row's digits), and log(1 - p_y) as log Σ_{k≠y} p_k lost a small p_y. Exact values: the
     float64 reference, itself checked here against log1p(-p_y) / log Σ_{k≠y} p_k in closed form (pow's gradient in
     the exponent had recomputed log x from an x rounded to 1). The float32 reference is as precise as
     F.cross_entropy, an ulp of 1 in absolute terms, not this."""
-    backend, device = backend_device
+    name, device = backend
     g = torch.Generator().manual_seed(int(scale))
     z = (scale * torch.randn(64, 50, generator=g, dtype=torch.float64)).float()
     y = torch.randint(0, 50, (64,), generator=g)
@@ -165,7 +161,7 @@ def test_per_sample_gamma_gradient_at_large_logits(backend_device, scale):
     gamma = (0.5 + 3 * torch.rand(64, generator=g)).to(device).requires_grad_()
     z, y = z.to(device), y.to(device)
     loss = ck.uncertainty_weighted_ce(z.clone().requires_grad_(), y, uncertainty="focal", mode="loss", gamma=gamma,
-                                      reduction="sum", backend=backend)
+                                      reduction="sum", backend=name)
     (d_gamma,) = torch.autograd.grad(loss, gamma)
     z64 = z.double()
     log_p = z64.log_softmax(dim=1)
@@ -181,12 +177,11 @@ def test_per_sample_gamma_gradient_at_large_logits(backend_device, scale):
     torch.testing.assert_close(d_gamma.double(), exact, rtol=4e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("backend_device", FUSED)
-def test_per_sample_gamma_in_grad_mode_gets_no_gradient_as_in_the_reference(backend_device):
-    backend, device = backend_device
+def test_per_sample_gamma_in_grad_mode_gets_no_gradient_as_in_the_reference(backend):
+    name, device = backend
     x = torch.randn(5, 4, device=device, requires_grad=True)
     y = _targets(5, 4, device)
-    for impl in (backend, "reference"):
+    for impl in (name, "reference"):
         gamma = torch.full((5,), 2.0, device=device, requires_grad=True)
         ck.uncertainty_weighted_ce(x, y, uncertainty="focal", mode="grad", gamma=gamma, backend=impl).backward()
         assert gamma.grad is None or not gamma.grad.any()
@@ -199,8 +194,7 @@ def test_gamma_learned_through_the_fused_loss_matches_the_reference():
     net = torch.nn.Linear(8, 1)
     feats, logits, y = torch.randn(16, 8), torch.randn(16, 10), torch.randint(0, 10, (16,))
     grads = {}
-    for pair in EVERY:
-        backend, device = pair.values[0]
+    for backend, device in [("reference", "cpu")] + FUSED_BACKENDS:
         if device != "cpu":
             continue
         net.zero_grad()
@@ -212,20 +206,62 @@ def test_gamma_learned_through_the_fused_loss_matches_the_reference():
 
 
 # ------------------------------------------------------------------------------------------------- retained graphs
-@pytest.mark.parametrize("backend_device", FUSED)
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_retained_graph_returns_a_fresh_gradient(backend_device, reduction):
+def test_retained_graph_returns_a_fresh_gradient(backend, reduction):
     """autograd.grad(retain_graph=True), the result edited in place, then a second grad: the second is unaffected."""
-    backend, device = backend_device
+    name, device = backend
     x = torch.randn(6, 9, device=device, requires_grad=True)
     y = _targets(6, 9, device)
-    loss = ck.uncertainty_weighted_ce(x, y, backend=backend, reduction=reduction)
+    loss = ck.uncertainty_weighted_ce(x, y, backend=name, reduction=reduction)
     grad_out = torch.ones_like(loss)
     (first,) = torch.autograd.grad(loss, x, grad_out, retain_graph=True)
     expected = first.clone()
     first.mul_(10)
     (second,) = torch.autograd.grad(loss, x, grad_out)
     torch.testing.assert_close(second, expected)
+
+
+def test_backward_with_broadcast_and_unit_grad_output(backend):
+    """grad_output of exactly 1 leaves the saved gradient as it is; an expanded (stride-0) per-row grad_output is
+    read right; the gradient of ``.sum()`` of the rows' losses too."""
+    name, device = backend
+    z = torch.randn(7, 10, device=device)
+    y = _targets(7, 10, device)
+    focal = dict(uncertainty="focal", mode="loss", gamma=2.0)
+    for reduction, grad_out, kw in (("mean", torch.tensor(1.0, device=device), focal),
+                                    ("none", torch.ones(7, device=device), focal),
+                                    ("none", torch.tensor(3.0, device=device).expand(7), focal),
+                                    ("none", None, {})):
+        x = z.clone().requires_grad_()
+        loss = ck.uncertainty_weighted_ce(x, y, reduction=reduction, backend=name, **kw)
+        exact_x = z.double().requires_grad_()
+        exact = R.uncertainty_weighted_ce(exact_x, y, reduction=reduction, **kw)
+        if grad_out is None:
+            loss.sum().backward()
+            exact.sum().backward()
+        else:
+            loss.backward(grad_out)
+            exact.backward(grad_out.double())
+        assert_within_largest_entry(x.grad, exact_x.grad, torch.float32, f"{reduction} gradient")
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
+def test_second_backward_through_a_retained_graph_gives_the_same_gradient(backend, inplace):
+    """The backward scales the saved gradient in place only when the graph is not retained; with retain_graph=True
+    the buffer survives, so a second backward gives the same (right) gradient instead of a rescaled one."""
+    name, device = backend
+    z = torch.randn(6, 10, device=device)
+    y = _targets(6, 10, device)
+    leaf = z.clone().requires_grad_()
+    loss = ck.uncertainty_weighted_ce(leaf * 1.0, y, backend=name, inplace=inplace)
+    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
+    first = leaf.grad.clone()
+    exact = z.double().requires_grad_()
+    R.uncertainty_weighted_ce(exact, y).backward(torch.tensor(2.0, dtype=torch.float64, device=device))
+    torch.testing.assert_close(first.double(), exact.grad, rtol=1e-5, atol=1e-7)
+    leaf.grad = None
+    loss.backward(torch.tensor(2.0, device=device))
+    torch.testing.assert_close(leaf.grad, first)
 
 
 # --------------------------------------------------------------------------------------------------------- memory
@@ -272,18 +308,17 @@ def test_backward_allocates_no_logits_sized_buffer(dtype, reduction):
 
 
 # ------------------------------------------------------------------------------------------- hyper-parameter checks
-@pytest.mark.parametrize("backend_device", EVERY)
-def test_bad_hyper_parameters_raise(backend_device, monkeypatch):
+def test_bad_hyper_parameters_raise(backend_or_reference, monkeypatch):
     """Bad numbers raise at the call. Bad values of a per-sample gamma or sample_weight tensor raise at the call on CPU
     tensors; on CUDA ones they are flagged on the device (no host synchronisation), so under the default (async)
     policy the error may come only at synchronize_target_checks."""
     from calibkernels import _target_checks
 
     monkeypatch.setattr(_target_checks, "POLICY", "async")  # whatever CALIBKERNELS_VALIDATE says
-    backend, device = backend_device
+    name, device = backend_or_reference
 
     def call(**kwargs):
-        ck.uncertainty_weighted_ce(z, y, backend=backend, **kwargs)
+        ck.uncertainty_weighted_ce(z, y, backend=name, **kwargs)
         if device == "cuda":
             ck.synchronize_target_checks()
 
@@ -291,7 +326,7 @@ def test_bad_hyper_parameters_raise(backend_device, monkeypatch):
     y = _targets(4, 5, device, ignored=0)
     for gamma in (float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="gamma"):
-            ck.uncertainty_weighted_ce(z, y, uncertainty="focal", gamma=gamma, backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="focal", gamma=gamma, backend=name)
     for bad in (float("inf"), float("nan"), -1.0):
         gamma = torch.full((4,), 2.0, device=device)
         gamma[1] = bad
@@ -303,7 +338,7 @@ def test_bad_hyper_parameters_raise(backend_device, monkeypatch):
             call(uncertainty="external", sample_weight=sample_weight)
     for norm in (float("inf"), float("nan"), 0.0):
         with pytest.raises(ValueError, match="norm"):
-            ck.uncertainty_weighted_ce(z, y, uncertainty="brier", norm=norm, backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="brier", norm=norm, backend=name)
 
 
 # --------------------------------------------------------------------------------- bad input, every backend alike
@@ -405,17 +440,17 @@ def _batch():
     return torch.randn(4, 5), y
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("arguments,error,message", BAD_CALLS)
-def test_a_bad_input_raises_the_references_error_on_every_backend(backend, arguments, error, message):
+def test_a_bad_input_raises_the_references_error_on_every_backend(backend_name, arguments, error, message):
     logits, target, kwargs = arguments(*_batch())
     with pytest.raises(error, match=message):
-        ck.uncertainty_weighted_ce(logits, target, backend=backend, **kwargs)
+        ck.uncertainty_weighted_ce(logits, target, backend=backend_name, **kwargs)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("arguments,error,message", BAD_CALLS)
-def test_a_bad_input_raises_its_own_error_before_a_backend_refuses_the_call(backend, arguments, error, message,
+def test_a_bad_input_raises_its_own_error_before_a_backend_refuses_the_call(backend_name, arguments, error, message,
                                                                            monkeypatch):
     """The inputs are checked before the backend's refusal is raised: a bad input in a call that a named fused
     backend cannot run raises what the reference raises, not NotImplementedError."""
@@ -425,7 +460,7 @@ def test_a_bad_input_raises_its_own_error_before_a_backend_refuses_the_call(back
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         with pytest.raises(error, match=message):
-            ck.uncertainty_weighted_ce(logits, target, backend=backend, **kwargs)
+            ck.uncertainty_weighted_ce(logits, target, backend=backend_name, **kwargs)
 
 
 @pytest.mark.parametrize("arguments,error,message", BAD_CALLS)
@@ -486,18 +521,18 @@ def test_weight_is_the_per_class_weight_keyword_not_the_uncertainty_weight(loss)
                                R.uncertainty_weighted_ce(z, y, uncertainty="focal", mode="loss", gamma=2.0))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_a_good_call_a_backend_cannot_run_is_still_refused(backend, monkeypatch):
+@pytest.mark.parametrize("backend_name", BACKENDS)
+def test_a_good_call_a_backend_cannot_run_is_still_refused(backend_name, monkeypatch):
     monkeypatch.setattr(_backends, "_warned_soft_targets", False)
     z, y = _batch()
-    if backend in ("reference", "auto"):
+    if backend_name in ("reference", "auto"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "auto" says once that it runs the reference
-            loss = ck.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), backend=backend, **_REFUSED)
+            loss = ck.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), backend=backend_name, **_REFUSED)
         torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), **_REFUSED))
     else:
         with pytest.raises(NotImplementedError, match="per-sample gamma"):
-            ck.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), backend=backend, **_REFUSED)
+            ck.uncertainty_weighted_ce(z, y, gamma=_refused_gamma(), backend=backend_name, **_REFUSED)
     with pytest.raises(RuntimeError, match="not available for cpu tensors"):
         ck.uncertainty_weighted_ce(z, y, backend="cuda")
 
@@ -507,9 +542,9 @@ _OUTSIDE_INT64 = [2**63, -(2**63) - 1, 2**64]
 _INT64_RANGE_MESSAGE = r"ignore_index must be in the int64 range \[-9223372036854775808, 9223372036854775807\]"
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("ignore_index", _OUTSIDE_INT64)
-def test_an_ignore_index_outside_int64_raises_one_value_error_on_every_path(backend, ignore_index):
+def test_an_ignore_index_outside_int64_raises_one_value_error_on_every_path(backend_name, ignore_index):
     """The fast eager call, the general path (soft targets, a mix, a per-sample gamma, sample weights, a dense
     target), in place, the modules at construction: the same ValueError (the compiled op had raised OverflowError,
     a Triton kernel had taken 2**63 as a uint64 and the reference had run)."""
@@ -528,20 +563,20 @@ def test_an_ignore_index_outside_int64_raises_one_value_error_on_every_path(back
     ]
     for kwargs in calls:
         with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
-            ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend, **kwargs)
+            ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend_name, **kwargs)
     with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
-        ck.uncertainty_weighted_ce(z, dense, ignore_index=ignore_index, backend=backend)
+        ck.uncertainty_weighted_ce(z, dense, ignore_index=ignore_index, backend=backend_name)
     with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
-        ck.bsce_gra_loss(z, y, ignore_index=ignore_index, backend=backend)
+        ck.bsce_gra_loss(z, y, ignore_index=ignore_index, backend=backend_name)
     leaf = z.clone().requires_grad_()
     logits = leaf * 1.0
     before = logits.detach().clone()
     with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
-        ck.uncertainty_weighted_ce(logits, y, ignore_index=ignore_index, backend=backend, inplace=True)
+        ck.uncertainty_weighted_ce(logits, y, ignore_index=ignore_index, backend=backend_name, inplace=True)
     assert torch.equal(logits.detach(), before), "a refused in-place call must leave the logits untouched"
-    for make in (lambda: ck.losses.UncertaintyWeightedCE(ignore_index=ignore_index, backend=backend),
-                 lambda: ck.losses.build("focal_loss", ignore_index=ignore_index, backend=backend),
-                 lambda: ck.losses.SoftTargetUncertaintyWeightedCE(ignore_index=ignore_index, backend=backend)):
+    for make in (lambda: ck.losses.UncertaintyWeightedCE(ignore_index=ignore_index, backend=backend_name),
+                 lambda: ck.losses.build("focal_loss", ignore_index=ignore_index, backend=backend_name),
+                 lambda: ck.losses.SoftTargetUncertaintyWeightedCE(ignore_index=ignore_index, backend=backend_name)):
         with pytest.raises(ValueError, match=_INT64_RANGE_MESSAGE):
             make()
 
@@ -575,53 +610,51 @@ def test_every_loss_and_metric_refuses_an_ignore_index_outside_int64(ignore_inde
             call()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend_name", BACKENDS)
 @pytest.mark.parametrize("ignore_index", [2**63 - 1, -(2**63)])
-def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend, ignore_index):
+def test_an_ignore_index_at_the_int64_bounds_ignores_its_rows(backend_name, ignore_index):
     """The ends of the int64 range are an ignore_index like any other, with and without soft targets."""
     z, y = _batch()
     y[0], y[1] = 2, ignore_index
     for kwargs in (dict(), dict(uncertainty="focal", mode="loss", reduction="none"), dict(label_smoothing=0.1)):
-        loss = ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend, **kwargs)
+        loss = ck.uncertainty_weighted_ce(z, y, ignore_index=ignore_index, backend=backend_name, **kwargs)
         expected = R.uncertainty_weighted_ce(z.double(), y, ignore_index=ignore_index, **kwargs)
         torch.testing.assert_close(loss.double(), expected, rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------------------------------------------- limits
-@pytest.mark.parametrize("backend_device", FUSED)
 @pytest.mark.parametrize("uncertainty,norm", [("focal", 2.0), ("flsd", 2.0), ("dual_focal", 2.0), ("brier", 2.0),
                                          ("brier", 0.5)])
-def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend_device, uncertainty, norm):
+def test_saturated_rows_with_gamma_below_one_have_the_limit_gradient(backend, uncertainty, norm):
     """mode="loss", p_y = 1 exactly: CE du/dz is 0 · inf for gamma < 1 (or gamma < q); the gradient is its limit, 0
     on that row, on every backend as on the reference."""
-    backend, device = backend_device
+    name, device = backend
     z = torch.tensor([[200.0, 0.0, 0.0], [0.5, 0.1, -0.3], [0.0, 90.0, -90.0]], device=device)
     y = torch.tensor([0, 1, 1], device=device)
     for gamma in (0.3, 0.5, 1.0, 1.5):
         kw = dict(uncertainty=uncertainty, mode="loss", gamma=gamma, norm=norm, reduction="sum")
         x = z.clone().requires_grad_()
-        ck.uncertainty_weighted_ce(x, y, backend=backend, **kw).backward()
+        ck.uncertainty_weighted_ce(x, y, backend=name, **kw).backward()
         x64 = z.double().requires_grad_()
         R.uncertainty_weighted_ce(x64, y, **kw).backward()
         assert torch.isfinite(x.grad).all(), (gamma, x.grad)
         torch.testing.assert_close(x.grad.double(), x64.grad, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("backend_device", FUSED)
-def test_a_per_sample_gamma_that_requires_grad_runs_soft_targets_in_grad_mode(backend_device):
+def test_a_per_sample_gamma_that_requires_grad_runs_soft_targets_in_grad_mode(backend):
     """In "grad" mode the weight is detached, so a per-sample gamma gets no gradient and the fused backends run soft
     targets with it (only "loss" mode, which differentiates the weight, needs the reference's gamma gradient): the
     loss and logits' gradient as the reference's, and no gradient for gamma, as in the reference."""
-    backend, device = backend_device
+    name, device = backend
     torch.manual_seed(0)
     z = torch.randn(6, 7, device=device)
     y = torch.randint(0, 7, (6,), device=device)
     results = []
-    for name in ("reference", backend):
+    for impl in ("reference", name):
         x = z.clone().requires_grad_()
         gamma = torch.linspace(0.5, 3.0, 6, device=device).requires_grad_()
         loss = ck.uncertainty_weighted_ce(x, y, uncertainty="focal", mode="grad", gamma=gamma, label_smoothing=0.1,
-                                          backend=name)
+                                          backend=impl)
         loss.backward()
         assert gamma.grad is None
         results.append((loss.detach(), x.grad))

@@ -1,7 +1,7 @@
-"""The compiled CPU op ``calibkernels::uncertainty_weighted_ce`` beyond value agreement (which the shared suite
-``test_uncertainty_weighted_ce.py`` checks): float64 gradcheck of its loss-mode gradient against finite differences,
-``torch.library.opcheck`` of the op (out of place, into a buffer, in place), ``torch.compile(fullgraph=True)``,
-autocast, in-place semantics, the kernel's own argument checks (the last line of defence under torch.compile, where
+"""The compiled CPU op ``calibkernels::uncertainty_weighted_ce`` beyond the contracts every backend meets (values,
+opcheck and torch.compile in ``test_uncertainty_weighted_ce_contracts*.py``): float64 gradcheck of its loss-mode
+gradient against finite differences, the loss in the logits' dtype, autocast, in-place semantics and the eager fast
+path, the kernel's own argument checks (the last line of defence under torch.compile, where
 Python-side checks are skipped) and the gradient-buffer cache.
 
 The vector sweeps, their exponential and the instruction-set builds are in
@@ -63,31 +63,7 @@ def test_gra_gradient_is_the_detached_weight_times_softmax_minus_onehot():
     torch.testing.assert_close(z.grad, expected, rtol=1e-12, atol=1e-14)
 
 
-# ---------------------------------------------------------------------------------------------------------- opcheck
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
-@pytest.mark.parametrize("uncertainty", WEIGHTS)
-@pytest.mark.parametrize("mode,reduction", [("loss", "mean"), ("grad", "none"), ("loss", "sum")])
-def test_opcheck(dtype, uncertainty, mode, reduction):
-    """The one op in its three uses: gradient returned (grad_out None), written into a caller's buffer, and in place
-    (grad_out is the logits); and with the loss in the logits' dtype (loss_in_logits_dtype). Inputs do not require
-    grad: the op is mutable (grad_out is Tensor(a!)?), so its autograd lives in calibkernels/_autograd.py, not in a
-    register_autograd formula that opcheck could test."""
-    ops = _op()
-    z = torch.randn(5, 11, dtype=dtype)
-    args = _op_args(z, _targets(5, 11), uncertainty=uncertainty, mode=mode, reduction=reduction)
-    op = ops.uncertainty_weighted_ce.default
-    torch.library.opcheck(op, (z, *args, True, None))
-    torch.library.opcheck(op, (z, *args, False, None))
-    torch.library.opcheck(op, (z, *args, True, torch.empty_like(z)))
-    buffer = z.clone()
-    torch.library.opcheck(op, (buffer, *args, True, buffer))
-    torch.library.opcheck(op, (z, *args, True, None), {"loss_in_logits_dtype": True})
-    loss, _, _ = op(z, *args, True, None, loss_in_logits_dtype=True)
-    wide, _, _ = op(z, *args, True, None)
-    assert loss.dtype == dtype and wide.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
-    assert torch.equal(loss, wide.to(dtype))  # rounded once, from the float32 loss
-
-
+# ---------------------------------------------------------------------------------------- the loss in the logits' dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("soft", [{}, {"label_smoothing": 0.1}], ids=["hard", "smooth"])
 def test_a_16_bit_eager_step_casts_its_loss_once_and_nothing_in_the_backward(dtype, soft):
@@ -114,41 +90,6 @@ def test_a_16_bit_eager_step_casts_its_loss_once_and_nothing_in_the_backward(dty
     torch.testing.assert_close(grad.double(), exact_grad, rtol=tolerance, atol=tolerance)
 
 
-def test_opcheck_per_sample_gamma():
-    ops = _op()
-    z = torch.randn(6, 5, requires_grad=True)
-    y = _targets(6, 5)
-    gammas = torch.rand(6) * 4
-    args = (y, None, gammas, V.WEIGHT_CODES["focal"], V.MODE_CODES["loss"], 0.0, 2.0, -100, V.REDUCTION_CODES["mean"])
-    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (z.detach(), *args, True, None))
-    buffer = z.detach().clone()
-    torch.library.opcheck(ops.uncertainty_weighted_ce.default, (buffer, *args, True, buffer))
-
-
-# ---------------------------------------------------------------------------------------------------- torch.compile
-@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
-def test_model_and_loss_compile_with_fullgraph(inplace):
-    """A model + the fused loss trace into one graph (fullgraph=True) and give eager's loss and parameter gradients."""
-    torch._dynamo.reset()
-    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Linear(16, 9))
-    x, y = torch.randn(8, 6), _targets(8, 9)
-
-    def step(features, target):
-        return ck.uncertainty_weighted_ce(model(features), target, uncertainty="brier", mode="grad", backend="cpu",
-                                          inplace=inplace)
-
-    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    compiled_loss = compiled(x, y)
-    compiled_loss.backward()
-    compiled_grads = [p.grad.clone() for p in model.parameters()]
-    model.zero_grad()
-    eager_loss = step(x, y)
-    eager_loss.backward()
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    for got, expected in zip(compiled_grads, [p.grad for p in model.parameters()]):
-        torch.testing.assert_close(got, expected)
-
-
 # --------------------------------------------------------------------------------------------------------- autocast
 def test_autocast_bf16_logits_are_computed_in_fp32():
     """Under autocast the op gets the bf16 logits the layer produced and matches the reference on exactly those."""
@@ -162,48 +103,7 @@ def test_autocast_bf16_logits_are_computed_in_fp32():
     torch.testing.assert_close(loss.double(), exact, rtol=2e-2, atol=1e-3)
 
 
-# --------------------------------------------------------------------------------------------------------- in-place
-def test_inplace_writes_the_gradient_into_the_logits_buffer():
-    ops = _op()
-    z = torch.randn(7, 33)
-    y = _targets(7, 33)
-    buffer = z.clone()
-    loss, returned, _ = ops.uncertainty_weighted_ce(buffer, *_op_args(z, y, reduction="sum"), True, buffer)
-    assert returned.numel() == 0
-    exact_loss, exact_grad, _ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, None)
-    torch.testing.assert_close(loss, exact_loss)
-    torch.testing.assert_close(buffer, exact_grad)
-    into = torch.full_like(z, float("nan"))
-    loss, returned, _ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, into)
-    assert returned.numel() == 0
-    torch.testing.assert_close(loss, exact_loss)
-    torch.testing.assert_close(into, exact_grad)
-
-
-def test_inplace_on_column_strided_logits_writes_back():
-    ops = _op()
-    base = torch.randn(9, 6)
-    view = base.t()  # (6, 9), column stride 6
-    y = _targets(6, 9)
-    expected_loss, expected_grad, _ = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True, None)
-    loss, _, _ = ops.uncertainty_weighted_ce(view, *_op_args(view, y), True, view)
-    torch.testing.assert_close(loss, expected_loss)
-    torch.testing.assert_close(base.t(), expected_grad)
-
-
-def test_inplace_refuses_a_leaf_and_protects_other_users_of_the_logits():
-    leaf = torch.randn(4, 5, requires_grad=True)
-    y = _targets(4, 5, ignored=0)
-    with pytest.raises(ValueError, match="leaf"):
-        ck.uncertainty_weighted_ce(leaf, y, backend="cpu", inplace=True)
-    logits = leaf * 2.0
-    other = (logits.exp()).sum()  # exp saves its output, not the logits; sigmoid/pow would save the input
-    squared = (logits ** 2).sum()  # pow saves the logits: after they are overwritten its backward must refuse
-    loss = ck.uncertainty_weighted_ce(logits, y, backend="cpu", inplace=True)
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        (loss + squared + other).backward()
-
-
+# --------------------------------------------------------------------------------------------- the eager fast path
 @pytest.mark.parametrize("kind", ["hard", "smooth", "mix", "mix_smooth", "dense", "dense_smooth"])
 @pytest.mark.parametrize("dtype,reduction", [(torch.float32, "mean"), (torch.float32, "none"),
                                              (torch.bfloat16, "sum")])
@@ -449,18 +349,6 @@ def test_large_row_count_uses_every_thread_and_stays_exact():
     finally:
         torch.set_num_threads(threads)
     assert torch.equal(single, multi)
-
-
-def test_retain_graph_backward_twice_gives_the_same_gradient():
-    """The backward scales the saved gradient in place only when the graph is not retained."""
-    z = torch.randn(6, 10, requires_grad=True)
-    y = _targets(6, 10)
-    loss = ck.bsce_gra_loss(z, y, backend="cpu")
-    first, = torch.autograd.grad(loss, z, torch.tensor(2.0), retain_graph=True)
-    second, = torch.autograd.grad(loss, z, torch.tensor(2.0))
-    torch.testing.assert_close(first, second)
-    expected, = torch.autograd.grad(R.bsce_gra_loss(z, y), z, torch.tensor(2.0))
-    torch.testing.assert_close(first, expected)
 
 
 # ------------------------------------------------------------------------------------- gradient-buffer reuse (cache)

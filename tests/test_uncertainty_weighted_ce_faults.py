@@ -1,7 +1,7 @@
 """Faults of the fused loss: every error the extension raises reaches Python as an exception (checked in a child
 process, so that a crash fails the test instead of the test run), and rows past 2^31 logits elements are indexed
-correctly on a GPU. Parametrised over every (backend, device) pair this install can run; the large-tensor test needs
-a GPU."""
+correctly on a GPU. Written against conftest.py's ``backend`` fixture (every fused backend this install runs, with its
+device); the large-tensor test needs a GPU."""
 
 import json
 import os
@@ -13,15 +13,7 @@ import pytest
 import torch
 
 import calibkernels as ck
-from calibkernels import _backends
 from calibkernels import reference as R
-
-FUSED = [
-    pytest.param((name, dev), id=f"{name}-{dev}")
-    for name in ("cpu", "cuda", "triton")
-    for dev in (["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
-    if _backends.unavailable_reason(name, torch.device(dev)) is None
-]
 
 # Each case calls the loss with one bad input and prints the exception's type and first line. On a GPU the target
 # checks are synchronous here (CALIBKERNELS_VALIDATE=sync), so the error comes from the call that made it.
@@ -62,14 +54,13 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("backend_device", FUSED)
-def test_every_error_reaches_python_as_an_exception(backend_device):
+def test_every_error_reaches_python_as_an_exception(backend):
     """An error from the op's C++ checks, the kernels' target checks (on a GPU: the device flag, read synchronously
     here) or the Python checks is an exception in the caller, with its message, and the process survives (an
     extension built against another torch than the one it runs with can die with SIGSEGV there instead)."""
-    backend, device = backend_device
+    name, device = backend
     env = dict(os.environ, CALIBKERNELS_VALIDATE="sync", TORCH_SHOW_CPP_STACKTRACES="0")
-    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _CHILD, backend, device],
+    result = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _CHILD, name, device],
                             capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, f"the child process died ({result.returncode}): {result.stderr[-3000:]}"
     outcome = json.loads(result.stdout.strip().splitlines()[-1])
@@ -88,13 +79,12 @@ def test_every_error_reaches_python_as_an_exception(backend_device):
     assert "finite and >= 0" in outcome["dense target with a negative entry"]
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU with about 20 GB free")
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
 def test_rows_past_2_to_31_logits_elements_on_the_gpu(backend):
     """65537 × 32769 bf16 logits (2^31 + 98305 elements): the rows whose offsets pass 2^31 get their own loss and
     gradient, as the reference computes them on those rows alone."""
-    if backend not in ck.available_backends():
-        pytest.skip(f"{backend} backend not built")
+    if backend.device != "cuda":
+        pytest.skip("needs a GPU with about 20 GB free")
+    name = backend.name
     n, c = 65537, 32769
     assert n * c > 2**31
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -103,7 +93,7 @@ def test_rows_past_2_to_31_logits_elements_on_the_gpu(backend):
     rows = torch.tensor([0, 1, (2**31) // c - 1, (2**31) // c, (2**31) // c + 1, n - 2, n - 1], device="cuda")
     for uncertainty in ("none", "brier"):
         x = logits.detach().requires_grad_()
-        loss = ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, reduction="none", backend=backend)
+        loss = ck.uncertainty_weighted_ce(x, target, uncertainty=uncertainty, reduction="none", backend=name)
         loss.sum().backward()
         z_rows = logits[rows].float().requires_grad_()
         expected = R.uncertainty_weighted_ce(z_rows, target[rows], uncertainty=uncertainty, reduction="none")

@@ -1,11 +1,12 @@
 """Triton backend internals: the chunked two-read path, inplace, the device-side target check, the backward's
-scaling, opcheck, torch.compile, the GPU's real block sizes and CUDA graphs, the target-check policies. Soft
+scaling, the GPU's real block sizes and CUDA graphs, the target-check policies. Soft
 targets are in ``test_uncertainty_weighted_ce_triton_soft_targets.py``, the ahead-of-time compilation in
 ``test_uncertainty_weighted_ce_triton_aot.py``.
 
 Runs on CPU tensors through ``TRITON_INTERPRET=1`` (set by conftest.py when no GPU is present; small shapes only, the
 interpreter is slow) and again on CUDA tensors when a GPU is present. The value checks against the reference for every
-weight × mode × reduction through the public API live in ``test_uncertainty_weighted_ce.py``; here the kernel is also
+weight × mode × reduction through the public API, opcheck and torch.compile live in
+``test_uncertainty_weighted_ce_contracts*.py``; here the kernel is also
 called directly, below the public API's host-side target check.
 """
 
@@ -16,7 +17,6 @@ import torch
 
 import calibkernels as ck
 from calibkernels import _backends, _target_checks
-from calibkernels import _validation as V
 from calibkernels import reference as R
 
 from _triton_helpers import (WEIGHTS, DEVICES, _targets, _inputs, _op_args, _run, _reference_loss_and_grad,
@@ -167,72 +167,6 @@ def test_inplace_overwrites_logits_with_gradient(monkeypatch, device, chunked, u
     # the logits buffer now holds the (scaled) gradient: no separate N×C buffer was allocated
     assert logits.data_ptr() == storage
     _close(logits.detach(), exact_grad, torch.float32, "gradient left in the logits buffer")
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_inplace_writes_stay_inside_a_strided_view(device):
-    """Row stride > C: inplace must write only the view's columns, never the padding between rows."""
-    n, c, pad = 5, 11, 4
-    buffer = torch.full((n, c + pad), 123.0, device=device)
-    view = buffer[:, :c]
-    view.copy_(torch.randn(n, c, device=device))
-    y = _targets(n, c, device)
-    expected_grad = _reference_loss_and_grad(view.clone(), y, torch.tensor(1.0, device=device))[1]
-    loss, grad, _ = torch.ops.calibkernels.uncertainty_weighted_ce_triton(view, *_op_args(view, y), True, view)
-    assert torch.isfinite(loss) and grad.shape == (0,)
-    assert (buffer[:, c:] == 123.0).all(), "padding between rows was written"
-    _close(view, expected_grad, torch.float32, "in-place gradient")
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_no_gradient_buffer_without_grad(device):
-    z = torch.randn(6, 13, device=device)
-    y = _targets(6, 13, device)
-    loss, grad, flag = torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y), False, None)
-    assert grad.shape == (0,), "compute_grad=False must not write an N×C gradient"
-    assert flag.tolist()[0] == 0 and flag.shape == (2,), "the target flag: two slots, no bad target"
-    torch.testing.assert_close(loss, R.uncertainty_weighted_ce(z, y), rtol=1e-5, atol=1e-6)
-    with torch.no_grad():  # requires_grad logits under no_grad: no gradient either, and inplace leaves them intact
-        x = z.clone().requires_grad_()
-        before = x.detach().clone()
-        _run(_inputs(x, y), True)
-        assert torch.equal(x.detach(), before)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
-def test_second_backward_through_a_retained_graph_gives_the_same_gradient(device, inplace):
-    """Backward scales the saved gradient in place only when the graph is not retained; with retain_graph=True the
-    buffer survives, so a second backward gives the same (right) gradient instead of a rescaled one."""
-    z = torch.randn(4, 9, device=device)
-    y = _targets(4, 9, device, ignored=0)
-    leaf = z.clone().requires_grad_()
-    loss = _run(_inputs(leaf * 1.0, y), inplace)
-    loss.backward(torch.tensor(2.0, device=device), retain_graph=True)
-    first = leaf.grad.clone()
-    _close(first, _reference_loss_and_grad(z, y, torch.tensor(2.0, device=device))[1], torch.float32, "gradient")
-    leaf.grad = None
-    loss.backward(torch.tensor(2.0, device=device))
-    torch.testing.assert_close(leaf.grad, first)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_backward_with_broadcast_and_unit_grad_output(device):
-    """grad_output of exactly 1 leaves the buffer as is; an expanded (stride-0) per-row grad_output is read right."""
-    z = torch.randn(7, 10, device=device)
-    y = _targets(7, 10, device)
-    for reduction, grad_out in (("mean", torch.tensor(1.0, device=device)),
-                                ("none", torch.ones(7, device=device)),
-                                ("none", torch.tensor(3.0, device=device).expand(7))):
-        x = z.clone().requires_grad_()
-        loss = _run(_inputs(x, y, uncertainty="focal", mode="loss", reduction=reduction), False)
-        loss.backward(grad_out)
-        exact = _reference_loss_and_grad(z, y, grad_out, uncertainty="focal", mode="loss", reduction=reduction)[1]
-        _close(x.grad, exact, torch.float32, f"{reduction} gradient")
-    x = z.clone().requires_grad_()
-    _run(_inputs(x, y, reduction="none"), False).sum().backward()
-    _close(x.grad, _reference_loss_and_grad(z, y, torch.ones(7, device=device), reduction="none")[1],
-           torch.float32, "gradient of .sum()")
 
 
 class _CountedLaunches:
@@ -392,50 +326,8 @@ def test_out_of_range_target_without_validation_poisons_only_its_row(monkeypatch
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Registration: opcheck, torch.compile, backend interface
+# Backend interface
 # ----------------------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("uncertainty,mode,reduction", [("brier", "loss", "mean"), ("focal", "grad", "none"),
-                                                   ("dual_focal", "loss", "sum")])
-def test_opcheck(device, uncertainty, mode, reduction):
-    # The op mutates its grad_out argument, so it has no registered autograd (calibkernels._autograd is its autograd
-    # in every mode): opcheck it on inputs that do not require grad, returning the gradient, writing it into a
-    # separate buffer, and in place.
-    z = torch.randn(5, 11, device=device)
-    y = _targets(5, 11, device, ignored=1)
-    args = _op_args(z, y, uncertainty=uncertainty, mode=mode, reduction=reduction)
-    op = torch.ops.calibkernels.uncertainty_weighted_ce_triton.default
-    torch.library.opcheck(op, (z, *args, True, None))
-    torch.library.opcheck(op, (z, *args, False, None))
-    torch.library.opcheck(op, (z, *args, True, torch.empty_like(z)))
-    logits = z.clone()
-    torch.library.opcheck(op, (logits, *args, True, logits))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("inplace", [False, True], ids=["out-of-place", "inplace"])
-def test_compiles_with_fullgraph(device, inplace):
-    """The op stays in one graph; forward and the parameters' gradients match eager."""
-    torch._dynamo.reset()
-    model = torch.nn.Linear(6, 9).to(device)
-    x, y = torch.randn(8, 6, device=device), _targets(8, 9, device)
-
-    def step(features, target):
-        inputs = V.check_loss_inputs(model(features), target, uncertainty="brier", mode="loss", check_values=False)
-        return _run(inputs, inplace)
-
-    # Inductor on GPU; on CPU the graph is checked with aot_eager (Inductor's C++ build adds nothing here)
-    compiled = torch.compile(step, fullgraph=True, backend="inductor" if device == "cuda" else "aot_eager")
-    compiled_loss = compiled(x, y)
-    compiled_loss.backward()
-    compiled_grad = model.weight.grad.clone()
-    model.weight.grad = None
-    eager_loss = step(x, y)
-    eager_loss.backward()
-    torch.testing.assert_close(compiled_loss, eager_loss)
-    torch.testing.assert_close(compiled_grad, model.weight.grad)
-
-
 def test_backend_interface():
     assert T.is_available("triton", torch.device("meta")) is not None
     if os.environ.get("TRITON_INTERPRET") == "1":

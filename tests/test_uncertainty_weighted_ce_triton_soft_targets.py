@@ -1,5 +1,9 @@
 """The Triton backend with soft targets (label smoothing, mixup / cutmix in the compact form, dense probabilities)
-through the module's forward, against the reference; runs as ``test_uncertainty_weighted_ce_triton.py`` does.
+through the module's forward, against the reference: the two-read (chunked) path, 16-bit logits and targets, rows
+above the single-read block, confident rows, FLSD's bands, per-sample γ, the soft kernel against the hard one;
+runs as ``test_uncertainty_weighted_ce_triton.py`` does. Every weight × mode × reduction × kind, odd class counts,
+F.cross_entropy, the op's argument checks and opcheck are in ``test_uncertainty_weighted_ce_contracts_soft_targets.py``
+(the ``backend`` fixture's Triton parameters).
 """
 
 import math
@@ -14,7 +18,7 @@ from calibkernels import _target_checks
 from calibkernels import _validation as V
 from calibkernels import reference as R
 
-from _triton_helpers import GAMMAS, DEVICES, _targets, _op_args, _close
+from _triton_helpers import GAMMAS, DEVICES, _targets, _close
 
 T = pytest.importorskip("calibkernels.triton.uncertainty_weighted_ce")
 
@@ -38,7 +42,6 @@ def small_block(monkeypatch):
 # forward, against the reference (loss, and the gradient of the reduced loss by autograd)
 # ----------------------------------------------------------------------------------------------------------------
 SOFT_WEIGHTS = ["none", "focal", "flsd", "brier", "external", "brier_flsd"]
-SOFT_KINDS = ["smoothing", "mix-scalar", "mix-per-row", "mix-smoothing", "dense", "dense-smoothing"]
 
 
 def _soft_case(kind, n, c, device, *, dtype=torch.float32, target_dtype=torch.float32, ignored=1):
@@ -116,19 +119,6 @@ def _check_soft(z, target, *, what="", **kw):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", SOFT_KINDS)
-@pytest.mark.parametrize("mode", ["loss", "grad"])
-@pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
-def test_soft_targets_match_reference(device, uncertainty, mode, kind):
-    n, c = 4, 7
-    z, target, soft = _soft_case(kind, n, c, device)
-    sw = torch.rand(n, device=device) if uncertainty == "external" else None
-    for reduction in ("none", "mean", "sum"):
-        _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction=reduction, sample_weight=sw,
-                    what=reduction, **soft)
-
-
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["mix-per-row", "mix-smoothing", "dense-smoothing"])
 @pytest.mark.parametrize("mode", ["loss", "grad"])
 @pytest.mark.parametrize("uncertainty", SOFT_WEIGHTS)
@@ -155,16 +145,6 @@ def test_soft_targets_brier_norms(monkeypatch, device, norm, kind, chunked):
     z, target, soft = _soft_case(kind, 3, 11, device)
     for mode in ("loss", "grad"):
         _check_soft(z, target, uncertainty="brier", mode=mode, reduction="sum", norm=norm, gamma=3.0, what=mode, **soft)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("c", [1, 2, 33])
-@pytest.mark.parametrize("kind", ["mix-per-row", "mix-smoothing", "dense-smoothing"])
-def test_soft_targets_odd_class_counts(device, c, kind):
-    z, target, soft = _soft_case(kind, 5, c, device)
-    for uncertainty, mode in (("brier", "loss"), ("focal", "loss"), ("flsd", "grad")):
-        _check_soft(z, target, uncertainty=uncertainty, mode=mode, reduction="mean", what=f"{uncertainty}/{mode}",
-                    **soft)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -211,7 +191,6 @@ def test_label_smoothing_with_a_masked_class(monkeypatch, device, chunked):
         _close(grad, exact_grad, torch.float32, f"{uncertainty} gradient")
 
 
-@pytest.mark.parametrize("device", DEVICES)
 def _confident_compact_oracle(z, target, mix, lam, uncertainty, gamma):
     """float64 loss and target-column GRA gradient of compact rows whose target class dominates, from the odds
     o_k = e^{z_k - z_y} (a plain log-softmax loses -log p_y ≈ Σ o_k to the rounding of lse, even in float64)."""
@@ -261,35 +240,6 @@ def test_soft_targets_confident_rows_keep_precision(monkeypatch, device, chunked
         assert (loss > 0).all()
         torch.testing.assert_close(loss.double().cpu(), exact_loss, rtol=1e-5, atol=0)
         torch.testing.assert_close(grad[:, 4].double().cpu(), exact_grad, rtol=1e-5, atol=0)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_soft_targets_against_f_cross_entropy(device):
-    """Weight none is cross-entropy: F.cross_entropy with label_smoothing (ignored rows: the mean over the others),
-    with probability targets (the mean over all N rows), and mixup as λ CE(y) + (1 - λ) CE(m)."""
-    import torch.nn.functional as F
-
-    n, c = 6, 9
-    z = torch.randn(n, c, device=device) * 2
-    y = _targets(n, c, device, ignored=2)
-    probabilities = torch.softmax(torch.randn(n, c, device=device), dim=1)
-    every_row = torch.randint(0, c, (n,), device=device)
-    mix = torch.randint(0, c, (n,), device=device)
-    lam = 0.3
-    cases = [
-        (y, dict(label_smoothing=0.2), lambda x: F.cross_entropy(x, y, label_smoothing=0.2)),
-        (probabilities, {}, lambda x: F.cross_entropy(x, probabilities)),
-        (probabilities, dict(label_smoothing=0.1), lambda x: F.cross_entropy(x, probabilities, label_smoothing=0.1)),
-        (every_row, dict(mix_target=mix, mix_lambda=torch.tensor(lam, device=device)),
-         lambda x: lam * F.cross_entropy(x, every_row) + (1 - lam) * F.cross_entropy(x, mix)),
-    ]
-    for target, soft, expected_of in cases:
-        loss, grad = _soft_forward(z, target, uncertainty="none", reduction="mean", **soft)
-        x = z.double().requires_grad_()
-        expected = expected_of(x)
-        expected.backward()
-        _close(loss, expected.detach(), torch.float32, f"{sorted(soft)} loss")
-        _close(grad, x.grad, torch.float32, f"{sorted(soft)} gradient")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -429,26 +379,10 @@ def test_soft_targets_in_place_and_without_gradient(monkeypatch, device, chunked
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_soft_target_arguments_are_checked(device):
+def test_a_number_mix_lambda_is_taken_as_a_0_dim_tensor(device):
+    """The forward takes a number λ as a 0-dim tensor (the op's own argument checks are in the contract suite)."""
     z = torch.randn(4, 5, device=device)
     y = torch.tensor([0, 1, 2, 3], device=device)
-    lam = torch.rand(4, device=device)
-    with pytest.raises(ValueError, match="dual-focal"):
-        _soft_forward(z, y, uncertainty="dual_focal", label_smoothing=0.1)
-    with pytest.raises(ValueError, match="dual-focal"):
-        _soft_forward(z, torch.softmax(z, dim=1), uncertainty="dual_focal")
-    with pytest.raises(ValueError, match="dual-focal"):
-        torch.ops.calibkernels.uncertainty_weighted_ce_triton(z, *_op_args(z, y, uncertainty="dual_focal"), True, None,
-                                                              y, lam, 0.0)
-    with pytest.raises(ValueError, match="go together"):
-        _soft_forward(z, y, uncertainty="brier", mix_target=y)
-    with pytest.raises(ValueError, match="dense"):
-        _soft_forward(z, torch.softmax(z, dim=1), uncertainty="brier", mix_target=y, mix_lambda=lam)
-    with pytest.raises(ValueError, match="mix_lambda"):
-        _soft_forward(z, y, uncertainty="brier", mix_target=y, mix_lambda=lam[:3])
-    with pytest.raises(ValueError, match="label_smoothing"):
-        _soft_forward(z, y, uncertainty="brier", label_smoothing=1.5)
-    # a number λ is taken as a 0-dim tensor
     loss, _ = _soft_forward(z, y, uncertainty="brier", mix_target=y.flip(0), mix_lambda=0.25, reduction="none")
     torch.testing.assert_close(loss, _soft_forward(z, y, uncertainty="brier", mix_target=y.flip(0), reduction="none",
                                                    mix_lambda=torch.tensor(0.25, device=device))[0])
@@ -473,25 +407,6 @@ def test_soft_target_bad_indices_poison_their_rows(monkeypatch, device):
                                              mix_target=mix[good], mix_lambda=lam[good], label_smoothing=0.1)
     _close(loss[good], exact_loss, torch.float32, "loss")
     _close(grad[good], exact_grad, torch.float32, "gradient")
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("kind", ["mix-smoothing", "dense"])
-def test_soft_targets_opcheck(device, kind):
-    z, target, soft = _soft_case(kind, 5, 11, device)
-    uncertainty, reduction = ("brier", "mean") if kind == "dense" else ("focal", "none")
-    args = _op_args(z, target, uncertainty=uncertainty, mode="loss", reduction=reduction)
-    tail = (soft.get("mix_target"), soft.get("mix_lambda"), soft["label_smoothing"])
-    op = torch.ops.calibkernels.uncertainty_weighted_ce_triton.default
-    torch.library.opcheck(op, (z, *args, True, None, *tail))
-    torch.library.opcheck(op, (z, *args, False, None, *tail))
-    logits = z.clone()
-    torch.library.opcheck(op, (logits, *args, True, logits, *tail))
-    loss, grad, _ = op(z, *args, True, None, *tail)
-    exact_loss, exact_grad = _soft_reference(z, target, uncertainty=uncertainty, mode="loss", reduction=reduction,
-                                             **soft)
-    _close(loss, exact_loss, torch.float32, "loss")
-    _close(grad, exact_grad, torch.float32, "gradient")
 
 
 def test_soft_targets_flag():
