@@ -17,6 +17,10 @@ gradients are multiplied by ``1 / n_valid`` with ``n_valid`` the number of non-i
 (``max(n_valid, 1)``: all rows ignored gives loss 0 and zero gradients). That scale is a device tensor, so no host
 synchronisation is needed, and it touches ``N × H + C × H + C`` numbers instead of ``N × C``.
 
+``return_stats=True``: each chunk's top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`) are read
+from ``Z_c`` before the kernel writes ``G_c`` over it, into ``(N,)`` buffers, in the forward's pass over the chunks
+(the backward of ``reduction="none"`` recomputes the logits without them).
+
 Autograd (``reduction="mean"``/``"sum"``): all gradients are computed in the forward for ``grad_output = 1`` and the
 backward only scales them by the scalar ``grad_output``, in place where that is safe (as the fused op does).
 ``reduction="none"``: ``grad_output`` is one factor per row, which must scale ``G_c`` before the matmuls, so the
