@@ -116,6 +116,30 @@ def batch_top_label(logits, stats, targets):
     return stats.confidence, stats.prediction == targets
 
 
+class TopLabelBuffer:
+    """Batches' ``(confidence, correct)`` on their way to a :class:`calibkernels.metrics.CalibrationMeter`, handed
+    to its ``update_top_label`` concatenated every ``flush_every`` batches (and by :meth:`flush`): one meter update
+    (a dozen small ops) costs about as much as a small model's whole step on the CPU, so it is paid once per
+    ``flush_every`` steps, for ``flush_every`` batches of rows held meanwhile."""
+
+    def __init__(self, meter, flush_every: int = 64):
+        self.meter, self.flush_every = meter, flush_every
+        self._confidence: list[torch.Tensor] = []
+        self._correct: list[torch.Tensor] = []
+
+    def add(self, confidence: torch.Tensor, correct: torch.Tensor) -> None:
+        self._confidence.append(confidence.reshape(-1))
+        self._correct.append(correct.reshape(-1))
+        if len(self._confidence) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._confidence:
+            self.meter.update_top_label(torch.cat(self._confidence), torch.cat(self._correct))
+            self._confidence.clear()
+            self._correct.clear()
+
+
 def compiled_forward_and_loss(fullgraph: bool):
     """:func:`forward_and_loss` under ``torch.compile``: the model and the loss in one graph; ``fullgraph=True``
     makes a graph break an error instead of a silent split (single-process runs; under DDP, its optimiser splits the
@@ -139,7 +163,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     (:func:`forward_and_loss`, or with ``--compile`` :func:`compiled_forward_and_loss`). ``progress``: a
     :class:`training.progress.RunProgress` told of every step (or None). ``train_meter``: a
     :class:`calibkernels.metrics.CalibrationMeter` fed every batch's top-label confidence and correctness
-    (:func:`batch_top_label`), without a synchronisation (or None).
+    (:func:`batch_top_label`, through a :class:`TopLabelBuffer` flushed by the epoch's end), without a
+    synchronisation (or None).
 
     Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted", "lr", "global_step"}``
     where ``loss`` is the mean per-sample training loss, merged over DDP ranks, ``lr`` the learning rate this epoch
@@ -160,6 +185,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     mixup_alpha, cutmix_alpha = getattr(args, "mixup_alpha", 0.0), getattr(args, "cutmix_alpha", 0.0)
     mixing = mixup_alpha > 0 or cutmix_alpha > 0
     dense_mixer = None
+    train_top_label = TopLabelBuffer(train_meter) if train_meter is not None else None
     if mixing and getattr(args, "mix_dense", False):
         dense_mixer = soft_targets.dense_mixer(args.num_classes, mixup_alpha, cutmix_alpha)
     for images, targets in loader:
@@ -207,8 +233,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
         if logits is not None:
             confidence, hit = batch_top_label(logits, stats, targets)
             correct += hit.sum()
-            if train_meter is not None:
-                train_meter.update_top_label(confidence, hit)
+            if train_top_label is not None:
+                train_top_label.add(confidence, hit)
         samples += images.shape[0]
         step += 1
         if progress is not None and progress.bar is not None:
@@ -216,6 +242,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
             progress.step(loss_sum.item() / samples if step % 10 == 0 or step == total_steps else None, lr)
         if stop.requested():
             break
+    if train_top_label is not None:
+        train_top_label.flush()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # img/s counts finished steps, not steps still queued on the GPU
     elapsed = time.perf_counter() - start
