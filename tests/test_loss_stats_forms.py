@@ -18,9 +18,13 @@ from calibkernels.loss_stats import LossStats, top_label_stats
 
 HAS_CPU_KERNEL = _backends.unavailable_reason("cpu", torch.device("cpu")) is None
 BACKENDS = ["reference"] + (["cpu"] if HAS_CPU_KERNEL else [])
+# (backend, device): the CPU's, and on a machine with a GPU its fused backends
+BACKEND_DEVICES = [pytest.param((name, "cpu"), id=name) for name in BACKENDS] + [
+    pytest.param((name, "cuda"), id=f"{name}-cuda") for name in ("cuda", "triton")
+    if torch.cuda.is_available() and _backends.unavailable_reason(name, torch.device("cuda")) is None]
 
 
-def _exact_problem(n=11, h=8, c=9, dtype=torch.float32, seed=0):
+def _exact_problem(n=11, h=8, c=9, dtype=torch.float32, seed=0, device="cpu"):
     """``(hidden, weight, bias, target)`` whose logits are exact in ``dtype``; rows 2 and 7 ignored; row 4 has tied
     maxima (classes 1 and 6), row 5 every class tied."""
     g = torch.Generator().manual_seed(seed)
@@ -35,7 +39,7 @@ def _exact_problem(n=11, h=8, c=9, dtype=torch.float32, seed=0):
     bias[:] = 0.0  # with hidden[5] = 0, row 5's logits are all 0
     target = torch.randint(0, c, (n,), generator=g)
     target[2] = target[7] = -100
-    return hidden.to(dtype), weight.to(dtype), bias.to(dtype), target
+    return hidden.to(device, dtype), weight.to(device, dtype), bias.to(device, dtype), target.to(device)
 
 
 def _logits(hidden, weight, bias):
@@ -52,10 +56,11 @@ def _assert_same_stats(got: LossStats, want: LossStats, what: str):
 
 
 # ------------------------------------------------------------------------------------------------- fused linear
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend_device", BACKEND_DEVICES)
 @pytest.mark.parametrize("chunk_size", [1, 2, 4, 5, 11, None])
-def test_fused_linear_stats_equal_those_of_the_full_logits_at_every_chunk_size(backend, chunk_size):
-    hidden, weight, bias, target = _exact_problem()
+def test_fused_linear_stats_equal_those_of_the_full_logits_at_every_chunk_size(backend_device, chunk_size):
+    backend, device = backend_device
+    hidden, weight, bias, target = _exact_problem(device=device)
     logits = _logits(hidden, weight, bias)
     assert logits[4, 1] == logits[4, 6] == logits[4].max() and (logits[5] == 0).all()
     want = top_label_stats(logits, target == -100, (11,))
@@ -69,7 +74,7 @@ def test_fused_linear_stats_equal_those_of_the_full_logits_at_every_chunk_size(b
         plain = fused_linear(*(t.detach().requires_grad_() for t in (hidden, weight)), target,
                              bias.detach().requires_grad_(), **kw)
         torch.testing.assert_close(loss, plain, rtol=0, atol=0)
-        grad_output = torch.linspace(0.5, 1.5, 11) if reduction == "none" else torch.tensor(1.3)
+        grad_output = (torch.linspace(0.5, 1.5, 11) if reduction == "none" else torch.tensor(1.3)).to(device)
         got_grads = torch.autograd.grad(loss, leaves, grad_output)
         plain_leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
         want_grads = torch.autograd.grad(fused_linear(plain_leaves[0], plain_leaves[1], target, plain_leaves[2],
@@ -91,10 +96,11 @@ def test_fused_linear_stats_of_a_chunk_whose_rows_are_all_ignored(backend):
     assert stats.confidence[:4].isnan().all() and (stats.prediction[:4] == -1).all()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend_device", BACKEND_DEVICES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_fused_linear_stats_in_half_precision(backend, dtype):
-    hidden, weight, bias, target = _exact_problem(dtype=dtype)
+def test_fused_linear_stats_in_half_precision(backend_device, dtype):
+    backend, device = backend_device
+    hidden, weight, bias, target = _exact_problem(dtype=dtype, device=device)
     want = top_label_stats(_logits(hidden, weight, bias), target == -100, (11,))
     loss, stats = fused_linear(hidden.requires_grad_(), weight, target, bias, backend=backend, chunk_size=3,
                                return_stats=True)
