@@ -17,12 +17,15 @@ statistic (per row)   local contribution                                        
 ``d_¬y``              ``Σ_{k≠y} e^{z_k − m}``                                      SUM   (round 3)
 ``S_q`` (Brier)       ``Σ_{k≠y} e^{q (z_k − m)}``                                  SUM   (round 3)
 ties (dual focal)     ``#{k : z_k = z_j}``                                         SUM   (round 3)
+arg-max (stats)       the lowest global index ``o_r + k`` with ``z_k = m``         MIN   (round 4)
 ====================  ===========================================================  ==================
 
 From them, on every rank: ``CE = (m − z_y) + log d``, ``log p_k = (z_k − m) − log d`` (relative to the max, never
 through ``lse = m + log d``, whose rounding is an ulp of ``m``; ``log d = log1p(d_¬y)`` where the target holds the
 max), ``1 − p_y = d_¬y / d`` (no cancellation), ``Σ_{k≠y} p_k^q = S_q / d^q`` and the weight ``u`` of
-docs/losses.md.
+docs/losses.md. With ``return_stats`` the top-label statistics reuse ``m`` and ``d``: ``confidence = 1 / d`` (the
+arg-max class's ``e^{z − m}`` is 1, as in :func:`calibkernels.loss_stats.top_label_stats`) and ``prediction`` comes
+from round 4, the one all-reduce of ``N`` integers they add.
 The non-ignored row count comes from the (replicated) targets, without communication; ignored rows are 0 whatever
 their logits hold. Before that, one ``all_gather`` of ``(C_r, N)`` and the call's settings (uncertainty, mode,
 reduction, ``ignore_index``, dtype, ``gamma``, ``norm``, which optional tensors are given) gives every rank the block
@@ -57,6 +60,7 @@ import torch
 
 from . import _autograd
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
+from .loss_stats import LossStats, check_return_stats
 from ._row_math import flsd_band, power_of_log, row_log_terms
 from ._target_checks import out_of_range_message
 from ._validation import (check_class_weight, check_gamma, check_ignore_index, check_mode, check_norm,
@@ -84,7 +88,7 @@ def _dist():
 
 # What every rank must pass alike, in the order of the gathered table's columns after ``(C_r, N)``.
 _SETTINGS = ("uncertainty", "mode", "reduction", "ignore_index", "dtype", "gamma", "norm", "sample_weight",
-             "per-sample gamma")
+             "per-sample gamma", "return_stats")
 
 
 def _float_bits(value: float) -> int:
@@ -98,15 +102,16 @@ def _row_bits(values: torch.Tensor) -> torch.Tensor:
     return (values.detach().reshape(-1).to(torch.float64) + 0.0).view(torch.int64)
 
 
-def _settings_row(uncertainty, mode, reduction, ignore_index, dtype, gamma_value, norm, sample_weight, gamma_tensor):
+def _settings_row(uncertainty, mode, reduction, ignore_index, dtype, gamma_value, norm, sample_weight, gamma_tensor,
+                  return_stats=False):
     """The settings of :data:`_SETTINGS` as int64s: codes, the bits of ``gamma`` (weights that use it) and ``norm``
-    (Brier weights), a CRC of the dtype's name (stable across processes) and whether the two optional tensors are
-    given."""
+    (Brier weights), a CRC of the dtype's name (stable across processes), whether the two optional tensors are given
+    and whether the statistics are (their all-reduce is one more collective)."""
     uses_gamma = uncertainty not in ("none", "external") and gamma_tensor is None
     return [WEIGHT_CODES[uncertainty], MODE_CODES[mode], REDUCTION_CODES[reduction], ignore_index,
             zlib.crc32(str(dtype).encode()), _float_bits(gamma_value) if uses_gamma else 0,
             _float_bits(norm) if uncertainty in ("brier", "brier_flsd") else 0, int(sample_weight is not None),
-            int(gamma_tensor is not None)]
+            int(gamma_tensor is not None), int(return_stats)]
 
 
 def _block_layout(num_local: int, target1d: torch.Tensor, group, device, settings=(), row_tensors=()):
@@ -189,10 +194,28 @@ def _flsd_gamma(log_p_y: torch.Tensor, gamma: float) -> torch.Tensor:
     return flsd_band(torch.exp(log_p_y).float(), gamma, log_p_y.dtype)
 
 
+def _top_label_prediction(z, m, offset, group):
+    """Round 4: each row's arg-max over all ranks, the lowest global index among the classes equal to the global max
+    ``m`` (``torch.argmax``'s tie rule; a NaN logit counts as a maximum, as there), from one all-reduce (MIN) of each
+    rank's first candidate (``int64``'s largest value where it holds none)."""
+    dist = _dist()
+    num_rows, num_local = z.shape
+    none_here = torch.iinfo(torch.int64).max
+    candidates = torch.full((num_rows,), none_here, dtype=torch.int64, device=z.device)
+    if num_local > 0:
+        is_max = (z == m[:, None]) | z.isnan()
+        first = is_max.to(torch.uint8).argmax(dim=1)  # the first True (argmax takes the lowest index on ties)
+        candidates = torch.where(is_max.any(dim=1), first + offset, candidates)
+    dist.all_reduce(candidates, op=dist.ReduceOp.MIN, group=group)
+    # no candidate anywhere (a NaN maximum that no rank matched): class 0, as torch.argmax gives an all -inf row
+    return torch.where(candidates == none_here, torch.zeros_like(candidates), candidates)
+
+
 def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, mode, norm, ignore_index, group,
-                         compute_grad, gamma_grad):
-    """``(row_loss (N,), gradient of Σ_i L_i w.r.t. the local logits (N, C_r) or None, dL_i/dγ_i (N,) or None)``
-    in the compute dtype (module docstring for the statistics and formulas)."""
+                         compute_grad, gamma_grad, return_stats=False):
+    """``(row_loss (N,), gradient of Σ_i L_i w.r.t. the local logits (N, C_r) or None, dL_i/dγ_i (N,) or None,
+    stats)`` in the compute dtype (module docstring for the statistics and formulas); ``stats`` an ``(N,)``
+    :class:`LossStats` with ``return_stats`` (the same on every rank), else ``None``."""
     dist = _dist()
     num_rows, num_local = z.shape
     device, dtype = z.device, z.dtype
@@ -232,6 +255,10 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, m
     second = torch.stack(sums)
     dist.all_reduce(second, op=dist.ReduceOp.SUM, group=group)
     d, d_not_y = second[0], second[1]
+    stats = None
+    if return_stats:
+        stats = LossStats(torch.where(valid, d.reciprocal(), math.nan).float(),
+                          torch.where(valid, _top_label_prediction(z, m, offset, group), -1))
 
     # Everything relative to the row max m rather than through lse = m + log d, whose rounding (an ulp of m) would
     # be carried into every log-probability: z - m is exact near the max
@@ -263,7 +290,7 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, m
     if gamma_grad:  # focal with a per-sample gamma, mode "loss": dL_i/dγ_i = L_i log(1 - p_y), 0 where L_i = 0
         gamma_factor = torch.where(row_loss != 0, row_loss * log_one_minus, zero)
     if not compute_grad:
-        return row_loss, None, gamma_factor
+        return row_loss, None, gamma_factor, stats
 
     p = e / d[:, None]
     base = torch.where(is_target, -(d_not_y / d)[:, None], p)  # p_k - δ_ky, without cancellation at k = y
@@ -298,19 +325,21 @@ def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, m
         differentiable = valid & (cross_entropy > 0)
         grad = grad + torch.where(differentiable[:, None], ce_du, zero)
     grad = torch.where(valid[:, None], grad, zero)
-    return row_loss, grad, gamma_factor
+    return row_loss, grad, gamma_factor, stats
 
 
 class _VocabParallelUWCE(torch.autograd.Function):
-    """Forward: the loss and this rank's gradient slice for ``grad_output = 1``; backward: that slice scaled by
-    ``grad_output`` (a scalar, or per row for ``reduction="none"``)."""
+    """Forward: the loss and this rank's gradient slice for ``grad_output = 1`` (with ``return_stats`` also the
+    confidence and prediction, not differentiable); backward: that slice scaled by ``grad_output`` (a scalar, or per
+    row for ``reduction="none"``)."""
 
     @staticmethod
     def forward(ctx, local_logits, target, sample_weight, gamma, offset, uncertainty, mode, gamma_value, norm,
-                reduction, ignore_index, group):
+                reduction, ignore_index, group, return_stats=False):
         gamma_grad = gamma is not None and ctx.needs_input_grad[3] and mode == "loss"
-        row_loss, grad, gamma_factor = _run(local_logits, target, sample_weight, gamma, offset, uncertainty, mode,
-                                            gamma_value, norm, ignore_index, group, True, gamma_grad)
+        row_loss, grad, gamma_factor, stats = _run(local_logits, target, sample_weight, gamma, offset, uncertainty,
+                                                   mode, gamma_value, norm, ignore_index, group, True, gamma_grad,
+                                                   return_stats)
         loss, scale = _reduce(row_loss, target, reduction, ignore_index)
         if scale is not None:
             grad = grad * scale
@@ -318,26 +347,29 @@ class _VocabParallelUWCE(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad.to(local_logits.dtype),
                               None if gamma_factor is None else gamma_factor.to(gamma.dtype))
-        return loss
+        if stats is None:
+            return loss
+        ctx.mark_non_differentiable(*stats)
+        return (loss, *stats)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_stats_grads):
         grad, gamma_factor = ctx.saved_tensors
         _autograd.raise_if_create_graph(grad, _DOUBLE_BACKWARD_MESSAGE)
         d_logits = _autograd.scale_saved_gradient(grad, grad_loss)
         d_gamma = None
         if gamma_factor is not None and grad_loss is not None:
             d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
-        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None
+        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None
 
 
 def _run(local_logits, target, sample_weight, gamma, offset, uncertainty, mode, gamma_value, norm, ignore_index,
-         group, compute_grad, gamma_grad):
+         group, compute_grad, gamma_grad, return_stats=False):
     compute_dtype = torch.float64 if local_logits.dtype == torch.float64 else torch.float32
     z = local_logits.detach().to(compute_dtype)
     gamma_arg = gamma_value if gamma is None else gamma.detach().to(compute_dtype)
     return _vocab_parallel_rows(z, target, sample_weight, gamma_arg, offset, uncertainty, mode, norm, ignore_index,
-                                group, compute_grad, gamma_grad)
+                                group, compute_grad, gamma_grad, return_stats)
 
 
 def _reduce(row_loss, target, reduction, ignore_index):
@@ -351,9 +383,10 @@ def _reduce(row_loss, target, reduction, ignore_index):
 
 
 def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction,
-                     ignore_index):
+                     ignore_index, return_stats=False):
     """The checks that need no other rank (types, shapes, names, values), and what the call needs from them."""
     check_class_weight(weight)
+    check_return_stats(return_stats)
     check_uncertainty(uncertainty)
     check_mode(mode)
     check_reduction(reduction)
@@ -389,7 +422,7 @@ def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sampl
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
 
     settings = _settings_row(uncertainty, mode, reduction, ignore_index, local_logits.dtype, gamma_value, float(norm),
-                             sample_weight, gamma_tensor)
+                             sample_weight, gamma_tensor, return_stats)
     row_tensors = [(name, t) for name, t in (("sample_weight", sample_weight), ("per-sample gamma", gamma_tensor))
                    if t is not None]
     return (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
@@ -409,7 +442,8 @@ def vocab_parallel_uncertainty_weighted_ce(
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """:func:`calibkernels.uncertainty_weighted_ce` of logits whose class dimension is sharded across ``group``.
 
     Args:
@@ -424,23 +458,31 @@ def vocab_parallel_uncertainty_weighted_ce(
             the same on every rank (checked, values of ``sample_weight`` and a per-sample ``gamma`` included). A
             per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
             (times the reduction's scale) in ``mode="loss"``, on every rank.
+        return_stats: also return a :class:`calibkernels.LossStats` of the unsharded logits, the same on every rank:
+            ``(loss, stats)``. ``confidence = 1 / Σ_k e^{z_k − m}`` from the loss's own global max and sum, and
+            ``prediction`` the lowest global index of a maximum (whichever ranks hold it), from one more all-reduce
+            (MIN) of ``N`` integers; NaN / -1 on ignored rows (docs/metrics.md, "Monitor calibration while
+            training"). Equal to :func:`calibkernels.loss_stats.top_label_stats` of the unsharded logits, the
+            confidence up to the order of the sum's terms.
 
     Returns:
         the same loss on every rank, in ``local_logits``' dtype (a scalar, or ``target``-shaped for ``"none"``);
-        ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient.
+        ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient. With
+        ``return_stats``, ``(loss, stats)``.
 
     Raises ``ValueError`` on every rank alike when the ranks' row counts, arguments or targets differ, or no rank
     holds a class. The checks that need no other rank (types, shapes, names, values) raise their own error on the
     rank that fails them, which first tells the others in the call's first collective: they raise a ``ValueError``
-    naming that rank instead of waiting for it. Communication per call: one ``all_gather`` of 12 integers, an
+    naming that rank instead of waiting for it. Communication per call: one ``all_gather`` of 13 integers, an
     all-reduce (MAX) of ``2N`` integers (``2N`` more per optional tensor) with more than one rank, then all-reduces
-    of ``2N`` (MAX), ``N`` (MAX, dual focal only) and ``2N``–``3N`` numbers (SUM). The targets are checked on the
+    of ``2N`` (MAX), ``N`` (MAX, dual focal only) and ``2N``–``3N`` numbers (SUM), and with ``return_stats`` one of
+    ``N`` integers (MIN). The targets are checked on the
     host (a synchronisation on GPU). Double backward is not supported.
     """
     try:
         (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
          row_tensors) = _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight,
-                                         reduction, ignore_index)
+                                         reduction, ignore_index, return_stats)
     except (TypeError, ValueError, NotImplementedError):
         _share_refusal(local_logits, group)  # the other ranks raise too, in the collective they are waiting in
         raise
@@ -453,12 +495,16 @@ def vocab_parallel_uncertainty_weighted_ce(
 
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and (logits2d.requires_grad or (gamma_tensor is not None and gamma_tensor.requires_grad)):
-        loss = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
-                                        gamma_value, float(norm), reduction, ignore_index, group)
+        out = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
+                                       gamma_value, float(norm), reduction, ignore_index, group, return_stats)
+        loss, stats = (out[0], LossStats(*out[1:])) if return_stats else (out, None)
     else:
-        row_loss, _, _ = _run(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
-                              gamma_value, float(norm), ignore_index, group, False, False)
+        row_loss, _, _, stats = _run(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
+                                     gamma_value, float(norm), ignore_index, group, False, False, return_stats)
         loss, _ = _reduce(row_loss, target1d, reduction, ignore_index)
     if reduction == "none":
         loss = loss.reshape(batch_shape)
-    return loss if loss.dtype == local_logits.dtype else loss.to(local_logits.dtype)
+    loss = loss if loss.dtype == local_logits.dtype else loss.to(local_logits.dtype)
+    if not return_stats:
+        return loss
+    return loss, LossStats(stats.confidence.reshape(batch_shape), stats.prediction.reshape(batch_shape))

@@ -17,6 +17,10 @@ gradients are multiplied by ``1 / n_valid`` with ``n_valid`` the number of non-i
 (``max(n_valid, 1)``: all rows ignored gives loss 0 and zero gradients). That scale is a device tensor, so no host
 synchronisation is needed, and it touches ``N × H + C × H + C`` numbers instead of ``N × C``.
 
+``return_stats=True``: each chunk's top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`) are read
+from ``Z_c`` before the kernel writes ``G_c`` over it, into ``(N,)`` buffers, in the forward's pass over the chunks
+(the backward of ``reduction="none"`` recomputes the logits without them).
+
 Autograd (``reduction="mean"``/``"sum"``): all gradients are computed in the forward for ``grad_output = 1`` and the
 backward only scales them by the scalar ``grad_output``, in place where that is safe (as the fused op does).
 ``reduction="none"``: ``grad_output`` is one factor per row, which must scale ``G_c`` before the matmuls, so the
@@ -46,6 +50,7 @@ from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, ch
                           check_per_sample_gamma, check_reduction, check_sample_weight, check_scalar_gamma,
                           check_target_values, check_uncertainty, device_target_flag, lambda_tensor,
                           one_hot_for_dual_focal, soft_target_request)
+from .loss_stats import LossStats, check_return_stats, top_label_stats
 from .more_losses import common_repr
 from .reference import uncertainty_weighted_ce_from_inputs
 
@@ -306,10 +311,12 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, hidden: torch
 
 def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec: _Spec, chunk: int,
                   need_hidden: bool, need_weight: bool, need_bias: bool, need_gamma: bool, row_scale=None,
-                  mix_target=None, mix_lambda=None):
+                  mix_target=None, mix_lambda=None, stats: LossStats | None = None):
     """One pass over the chunks: ``(row_loss (N,), d hidden, d weight, d bias, d gamma)`` of ``Σ_i s_i L_i``, with
     ``s_i = row_scale[i]`` (1 when ``None``); a gradient not asked for is ``None``. The weight and bias gradients are
-    float32 for half-precision inputs (the accumulators); the caller casts them."""
+    float32 for half-precision inputs (the accumulators); the caller casts them. ``stats``: ``(N,)`` buffers that
+    receive each chunk's :func:`calibkernels.loss_stats.top_label_stats`, taken from the chunk's logits before the
+    kernel writes its gradient over them (ignored rows: those whose class-index target is ``ignore_index``)."""
     num_rows, hidden_size = hidden.shape
     num_classes = linear_weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -331,6 +338,12 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
             torch.mm(h, weight_t, out=z)
         else:
             torch.addmm(linear_bias, h, weight_t, out=z)
+        if stats is not None:
+            chunk_target = target[start:stop]
+            ignored = None if spec.dense else chunk_target == spec.ignore_index
+            chunk_stats = top_label_stats(z, ignored, (stop - start,))
+            stats.confidence[start:stop] = chunk_stats.confidence
+            stats.prediction[start:stop] = chunk_stats.prediction
         loss, grad, gamma_factor = _chunk_kernel(
             z, target[start:stop], None if sample_weight is None else sample_weight[start:stop],
             None if gamma is None else gamma[start:stop], spec, compute_grad, need_gamma,
@@ -372,30 +385,42 @@ _DOUBLE_BACKWARD_MESSAGE = (
 )
 
 
+def _stats_buffers(num_rows: int, device) -> LossStats:
+    """The ``(N,)`` float32 confidence and int64 prediction that :func:`_chunked_pass` fills chunk by chunk."""
+    return LossStats(torch.empty(num_rows, dtype=torch.float32, device=device),
+                     torch.empty(num_rows, dtype=torch.int64, device=device))
+
+
 class FusedLinearUWCE(torch.autograd.Function):
-    """Autograd of :func:`fused_linear_uncertainty_weighted_ce` on validated 2-D inputs (module docstring)."""
+    """Autograd of :func:`fused_linear_uncertainty_weighted_ce` on validated 2-D inputs (module docstring).
+
+    With ``return_stats`` the forward returns ``(loss, confidence (N,), prediction (N,))``, the last two not
+    differentiable (:func:`_chunked_pass`'s ``stats``, taken in the forward's pass over the chunks)."""
 
     @staticmethod
     def forward(ctx, hidden, linear_weight, linear_bias, target, sample_weight, gamma, backend, uncertainty, mode,
                 gamma_value, norm, reduction, ignore_index, chunk, mix_target=None, mix_lambda=None,
-                label_smoothing=0.0):
+                label_smoothing=0.0, return_stats=False):
         spec = _Spec(backend, uncertainty, mode, gamma_value, norm, ignore_index, label_smoothing,
                      target.is_floating_point())
         need_gamma = gamma is not None and ctx.needs_input_grad[5] and mode == "loss"
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.chunk, ctx.reduction = spec, chunk, reduction
         ctx.weight_dtype = linear_weight.dtype
+        stats = _stats_buffers(hidden.shape[0], hidden.device) if return_stats else None
+        if stats is not None:
+            ctx.mark_non_differentiable(*stats)
         if reduction == "none":
             # grad_output is per row: the backward recomputes the chunks (module docstring)
             row_loss, *_ = _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec,
-                                         chunk, False, False, False, False, None, mix_target, mix_lambda)
+                                         chunk, False, False, False, False, None, mix_target, mix_lambda, stats)
             ctx.save_for_backward(hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
                                   mix_lambda)
-            return row_loss
+            return row_loss if stats is None else (row_loss, *stats)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         row_loss, d_hidden, d_weight, d_bias, d_gamma = _chunked_pass(
             hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec, chunk, need_hidden, need_weight,
-            need_bias, need_gamma, None, mix_target, mix_lambda)
+            need_bias, need_gamma, None, mix_target, mix_lambda, stats)
         loss = row_loss.sum()
         if reduction == "mean":
             scale = 1.0 / _valid_rows(target, ignore_index).to(loss.dtype)
@@ -406,12 +431,12 @@ class FusedLinearUWCE(torch.autograd.Function):
         ctx.save_for_backward(d_hidden, _to(d_weight, linear_weight.dtype),
                               None if d_bias is None else _to(d_bias, linear_bias.dtype),
                               None if d_gamma is None else _to(d_gamma, gamma.dtype))
-        return loss
+        return loss if stats is None else (loss, *stats)
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_stats_grads):
         if grad_loss is None:  # the loss was not used
-            return (None,) * 17
+            return (None,) * 18
         _autograd.raise_if_create_graph(grad_loss, _DOUBLE_BACKWARD_MESSAGE)
         if ctx.reduction == "none":
             (hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
@@ -428,7 +453,7 @@ class FusedLinearUWCE(torch.autograd.Function):
         else:
             d_hidden, d_weight, d_bias, d_gamma = (
                 None if t is None else _autograd.scale_saved_gradient(t, grad_loss) for t in ctx.saved_tensors)
-        return (d_hidden, d_weight, d_bias, None, None, d_gamma) + (None,) * 11
+        return (d_hidden, d_weight, d_bias, None, None, d_gamma) + (None,) * 12
 
 
 # ------------------------------------------------------------------------------------------------------ public API
@@ -451,7 +476,8 @@ def fused_linear_uncertainty_weighted_ce(
     label_smoothing: float = 0.0,
     mix_target: torch.Tensor | None = None,
     mix_lambda: float | torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """``uncertainty_weighted_ce(hidden @ linear_weight.T + linear_bias, target, ...)`` without materialising the
     ``N × C`` logits (the output layer of a language model: ``C`` = vocabulary size).
 
@@ -474,9 +500,15 @@ def fused_linear_uncertainty_weighted_ce(
         chunk_size: rows per chunk, ``>= 1``; ``None`` picks :func:`default_chunk_size`.
         label_smoothing, mix_target, mix_lambda: soft targets, as in :func:`calibkernels.uncertainty_weighted_ce`
             (O(N) target data per chunk for the compact forms).
+        return_stats: also return a :class:`calibkernels.LossStats` of the logits ``hidden @ linear_weight.T +
+            linear_bias``: ``(loss, stats)``. Each chunk's statistics are taken from its logits before the kernel
+            writes the gradient over them, so they cost one more read of the chunk (no ``N × C`` tensor) and equal
+            :func:`calibkernels.loss_stats.top_label_stats` of the full logits (docs/metrics.md, "Monitor
+            calibration while training").
 
     Returns:
-        the loss in ``hidden``'s dtype: a scalar, or ``target``-shaped for ``reduction="none"``.
+        the loss in ``hidden``'s dtype: a scalar, or ``target``-shaped for ``reduction="none"``; with
+        ``return_stats``, ``(loss, stats)`` (``stats`` shaped like ``target``'s batch shape ``(...)``).
 
     The matmuls run in the input dtype (half-precision inputs accumulate in float32 inside the matmul, as PyTorch's
     do); the kernels compute softmax and weight in float32; the weight and bias gradients are accumulated over the
@@ -486,6 +518,7 @@ def fused_linear_uncertainty_weighted_ce(
     """
     chunk_size, smoothing = _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size,
                                             ignore_index, label_smoothing)
+    check_return_stats(return_stats)
     soft = soft_target_request(target, smoothing, mix_target, mix_lambda)
     hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
     num_rows, hidden_size = hidden2d.shape
@@ -541,11 +574,14 @@ def fused_linear_uncertainty_weighted_ce(
         num_rows, num_classes, hidden_size, hidden.element_size(), device.type)
     chunk = min(chunk, num_rows)
     spec = _Spec(name, uncertainty, mode, gamma_value, float(norm), ignore_index, smoothing, dense)
-    loss = _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec, reduction,
-                         chunk, mix1d, lam)
+    loss, stats = _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec,
+                                reduction, chunk, mix1d, lam, return_stats)
     if reduction == "none":
         loss = loss.reshape(batch_shape)
-    return loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
+    loss = loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
+    if not return_stats:
+        return loss
+    return loss, LossStats(stats.confidence.reshape(batch_shape), stats.prediction.reshape(batch_shape))
 
 
 def _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size, ignore_index,
@@ -565,25 +601,28 @@ def _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, 
 
 
 def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec: _Spec,
-                  reduction: str, chunk: int, mix1d, lam) -> torch.Tensor:
-    """The loss of checked 2-D inputs, through :class:`FusedLinearUWCE` where a gradient is needed, else one pass of
-    the chunks without autograd; in the compute dtype, ``(N,)`` for ``reduction="none"``."""
+                  reduction: str, chunk: int, mix1d, lam, return_stats: bool = False):
+    """``(loss, stats)`` of checked 2-D inputs, through :class:`FusedLinearUWCE` where a gradient is needed, else one
+    pass of the chunks without autograd; the loss in the compute dtype, ``(N,)`` for ``reduction="none"``; ``stats``
+    a ``(N,)`` :class:`LossStats` with ``return_stats``, else ``None``."""
     needs_grad = torch.is_grad_enabled() and (
         hidden2d.requires_grad or linear_weight.requires_grad
         or (linear_bias is not None and linear_bias.requires_grad)
         or (gamma_tensor is not None and gamma_tensor.requires_grad and spec.mode == "loss"))
     if needs_grad:
-        return FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor,
-                                     spec.backend, spec.uncertainty, spec.mode, spec.gamma, spec.norm, reduction,
-                                     spec.ignore_index, chunk, mix1d, lam, spec.label_smoothing)
+        out = FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor,
+                                    spec.backend, spec.uncertainty, spec.mode, spec.gamma, spec.norm, reduction,
+                                    spec.ignore_index, chunk, mix1d, lam, spec.label_smoothing, return_stats)
+        return (out[0], LossStats(*out[1:])) if return_stats else (out, None)
+    stats = _stats_buffers(hidden2d.shape[0], hidden2d.device) if return_stats else None
     with torch.no_grad():
         row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
                                      None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
-                                     False, False, False, False, None, mix1d, lam)
+                                     False, False, False, False, None, mix1d, lam, stats)
         loss = row_loss if reduction == "none" else row_loss.sum()
         if reduction == "mean":
             loss = loss / _valid_rows(target1d, ignore_index=spec.ignore_index).to(loss.dtype)
-    return loss
+    return loss, stats
 
 
 class FusedLinearUncertaintyWeightedCE(nn.Module):
@@ -591,11 +630,13 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
     ``forward(hidden (..., H), linear_weight (C, H), target (...), linear_bias=None, sample_weight=None,
     mix_target=None, mix_lambda=None)``, as with Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer
     keeps owning its parameters. ``weight`` is reserved for per-class weights (``None``; see
-    :func:`calibkernels.uncertainty_weighted_ce`)."""
+    :func:`calibkernels.uncertainty_weighted_ce`). ``return_stats=True``: ``forward`` returns ``(loss, stats)``, the
+    logits' top-label statistics as :func:`fused_linear_uncertainty_weighted_ce` computes them."""
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None):
+                 backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None, return_stats=False):
         super().__init__()
+        self.return_stats = check_return_stats(return_stats)
         check_class_weight(weight)
         check_uncertainty(uncertainty)
         check_mode(mode)
@@ -616,7 +657,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
             hidden, linear_weight, target, linear_bias, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, chunk_size=self.chunk_size, label_smoothing=self.label_smoothing,
-            mix_target=mix_target, mix_lambda=mix_lambda)
+            mix_target=mix_target, mix_lambda=mix_lambda, return_stats=self.return_stats)
 
     def extra_repr(self):
         parts = [f"uncertainty={self.uncertainty!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
@@ -625,4 +666,6 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
             parts.append(f"chunk_size={self.chunk_size}")
         if self.label_smoothing:
             parts.append(f"label_smoothing={self.label_smoothing}")
+        if self.return_stats:
+            parts.append("return_stats=True")
         return ", ".join(parts)

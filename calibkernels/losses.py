@@ -21,6 +21,7 @@ from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_class_we
                           check_label_smoothing, check_mode, check_norm, check_reduction, check_scalar_gamma,
                           check_uncertainty, is_number)
 from .functional import uncertainty_weighted_ce
+from .loss_stats import check_return_stats
 from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: F401  (module form of the fused linear loss)
 from .more_losses import AdaFocalLoss, MbLSLoss, MDCALoss, common_repr
 
@@ -42,11 +43,16 @@ class UncertaintyWeightedCE(nn.Module):
     ``gra_detach="p_j"`` (``uncertainty="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
     ``DualFocalLossGra``, ``(1 - p_y + sg[p_j])^γ · CE``; the fused kernels implement the default ``"weight"``
     (``sg[u] · CE``) only, so this form runs the reference (``backend`` must be ``"auto"`` or ``"reference"``).
+
+    ``return_stats=True``: ``forward`` returns ``(loss, stats)``, ``stats`` a :class:`calibkernels.LossStats` of the
+    logits' top label per row (docs/metrics.md, "Monitor calibration while training").
     """
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight", *, weight=None):
+                 backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight", *, weight=None,
+                 return_stats=False):
         super().__init__()
+        self.return_stats = check_return_stats(return_stats)
         check_class_weight(weight)
         check_uncertainty(uncertainty)
         check_mode(mode)
@@ -79,12 +85,12 @@ class UncertaintyWeightedCE(nn.Module):
                 gamma=self.gamma if gamma is None else gamma,
                 norm=self.norm, sample_weight=sample_weight, reduction=self.reduction,
                 ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, mix_target=mix_target,
-                mix_lambda=mix_lambda, gra_detach=self.gra_detach)
+                mix_lambda=mix_lambda, gra_detach=self.gra_detach, return_stats=self.return_stats)
         return uncertainty_weighted_ce(
             logits, target, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, inplace=self.inplace, label_smoothing=self.label_smoothing, mix_target=mix_target,
-            mix_lambda=mix_lambda,
+            mix_lambda=mix_lambda, return_stats=self.return_stats,
         )
 
     def _weight_repr(self) -> list:
@@ -107,6 +113,8 @@ class UncertaintyWeightedCE(nn.Module):
         parts.append(common_repr(self.reduction, self.ignore_index, self.backend))
         if self.inplace:
             parts.append("inplace=True")
+        if self.return_stats:
+            parts.append("return_stats=True")
         return ", ".join(parts)
 
 
@@ -120,9 +128,10 @@ class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
     """
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", label_smoothing=0.0, *, weight=None):
+                 backend="auto", label_smoothing=0.0, *, weight=None, return_stats=False):
         super().__init__(uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
-                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing, weight=weight)
+                         ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing, weight=weight,
+                         return_stats=return_stats)
 
     def forward(self, x, target):
         return super().forward(x, target)
@@ -138,9 +147,10 @@ class AdaptiveBSCEGRA(UncertaintyWeightedCE):
     """
 
     def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto", inplace=False,
-                 label_smoothing=0.0):
+                 label_smoothing=0.0, return_stats=False):
         super().__init__(uncertainty="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
-                         ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing)
+                         ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing,
+                         return_stats=return_stats)
 
     def _weight_repr(self) -> list:
         return [f"gamma={self.gamma} (where <t, p> >= 0.5; 5 below 0.2, 3 below 0.5)", f"norm={self.norm}"]
@@ -242,7 +252,8 @@ class _Factory:
 
 
 _COMMON = ("reduction", "ignore_index", "backend")  # every loss
-_FUSED = _COMMON + ("inplace", "label_smoothing")  # losses with a fused kernel (UncertaintyWeightedCE)
+# losses with a fused kernel (UncertaintyWeightedCE); return_stats: forward returns (loss, stats)
+_FUSED = _COMMON + ("inplace", "label_smoothing", "return_stats")
 
 
 def _uwce(uncertainty, mode, extra=(), **defaults):
@@ -254,7 +265,7 @@ def _uwce(uncertainty, mode, extra=(), **defaults):
 def _soft_target(uncertainty, mode, **defaults):
     def make(**hp):
         return SoftTargetUncertaintyWeightedCE(uncertainty=uncertainty, mode=mode, **hp)
-    return _Factory(make, tuple(defaults) + _COMMON + ("label_smoothing",), **defaults)
+    return _Factory(make, tuple(defaults) + _COMMON + ("label_smoothing", "return_stats"), **defaults)
 
 
 def _mmce(weighted):
@@ -281,6 +292,9 @@ class _MDCAFactory(_Factory):
         base_hyperparameters = {k: v for k, v in hyperparameters.items() if k not in self.accepted}
         if base_hyperparameters.get("inplace"):
             raise ValueError("mdca reads the logits after its base loss: inplace=True is not supported")
+        if base_hyperparameters.get("return_stats"):
+            raise ValueError("mdca adds a term to its base loss and returns the loss alone: return_stats=True is not "
+                             "supported")
         common = {k: own[k] for k in _COMMON if k in own}
         try:
             base = REGISTRY[base_name](**common, **base_hyperparameters)

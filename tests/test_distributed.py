@@ -24,6 +24,7 @@ import datetime, itertools, json, sys
 import torch
 import torch.distributed as dist
 from calibkernels import reference as R
+from calibkernels.loss_stats import top_label_stats
 from calibkernels.distributed import vocab_parallel_uncertainty_weighted_ce as vocab_parallel
 
 rank, world, init_method = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -170,6 +171,50 @@ for sizes in layouts:
                     failures.append(f"{sizes} float32 scale {scale} {uncertainty} {mode} {what}: {excess:.3e} past "
                                     "the bound")
 
+    # return_stats: the unsharded logits' top-label statistics, the same on every rank, whichever ranks hold the max
+    zs = z.clone()
+    zs[0] = -1.0
+    zs[0, 0] = zs[0, -1] = 5.0      # tied maxima on the first and the last class (the first and the last block)
+    zs[2, num_classes // 2] = 60.0  # the max inside a middle block
+    zs[5] = 0.0                     # every class tied: class 0
+    zs[6, -1] = 50.0                # the max on the last class
+    zs[8] = -float("inf")           # no distribution: NaN confidence, prediction 0 (torch.argmax's)
+    zs[8, 0] = -float("inf")
+    want_stats = top_label_stats(zs, y == -100, (9,))
+    local = zs[:, local_slice]
+    for reduction, dtype, grad in (("none", torch.float64, False), ("mean", torch.float64, True),
+                                   ("sum", torch.bfloat16, True)):
+        name = f"{sizes} stats {reduction} {dtype} grad={grad}"
+        want_stats_here = want_stats if dtype == torch.float64 else top_label_stats(zs.to(dtype), y == -100, (9,))
+        leaf = local.to(dtype).clone().requires_grad_(grad)
+        loss, stats = vocab_parallel(leaf, y, uncertainty="focal", reduction=reduction, return_stats=True)
+        if stats.confidence.dtype != torch.float32 or stats.prediction.dtype != torch.int64:
+            failures.append(f"{name}: dtypes {stats.confidence.dtype} {stats.prediction.dtype}")
+        if stats.confidence.requires_grad:
+            failures.append(f"{name}: the confidence requires grad")
+        if not torch.equal(stats.prediction, want_stats_here.prediction):
+            failures.append(f"{name}: prediction {stats.prediction.tolist()} != {want_stats_here.prediction.tolist()}")
+        if not torch.allclose(stats.confidence, want_stats_here.confidence, rtol=1e-6, atol=0, equal_nan=True):
+            failures.append(f"{name}: confidence {stats.confidence.tolist()} != "
+                            f"{want_stats_here.confidence.tolist()}")
+        everyone_stats = [torch.empty(2, 9, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(everyone_stats, torch.stack([stats.confidence.double(), stats.prediction.double()]))
+        if not all(torch.equal(other.nan_to_num(-7.0), everyone_stats[0].nan_to_num(-7.0))
+                   for other in everyone_stats):
+            failures.append(f"{name}: the ranks' statistics differ")
+        plain = vocab_parallel(leaf, y, uncertainty="focal", reduction=reduction)
+        if not torch.equal(loss.detach().nan_to_num(), plain.detach().nan_to_num()):
+            failures.append(f"{name}: the loss changed")
+        if grad:
+            (with_stats,) = torch.autograd.grad(loss, leaf, retain_graph=True)
+            (without,) = torch.autograd.grad(plain, leaf)
+            if not torch.equal(with_stats.nan_to_num(), without.nan_to_num()):
+                failures.append(f"{name}: the gradient changed")
+    # (..., C) logits: stats shaped like the target
+    _, stats = vocab_parallel(z[:, local_slice].reshape(3, 3, -1), y.view(3, 3), return_stats=True)
+    if tuple(stats.prediction.shape) != (3, 3):
+        failures.append(f"{sizes} stats shape {tuple(stats.prediction.shape)}")
+
     # every row ignored: mean 0, zero gradient
     local = z[:, local_slice].clone().requires_grad_()
     loss = vocab_parallel(local, torch.full_like(y, -100))
@@ -238,7 +283,8 @@ for sizes in layouts:
             ("sample_weight", "sample_weight values differ",
              dict(uncertainty="external", sample_weight=sample_weight + (0.5 if last else 0.0))),
             ("per-sample gamma", "per-sample gamma values differ",
-             dict(uncertainty="focal", gamma=sample_weight + (0.5 if last else 0.0)))]:
+             dict(uncertainty="focal", gamma=sample_weight + (0.5 if last else 0.0))),
+            ("return_stats", "different return_stats", dict(return_stats=last))]:
         expect(ValueError, message, f"different {what}", vocab_parallel, kw.pop("local_logits", local), y, **kw)
 
     # ignored rows are 0 whatever their logits hold, as in the reference (NaN or inf there must not reach the mean)
@@ -311,6 +357,8 @@ def test_bad_input_raises_before_any_collective():
         ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, uncertainty="nope")
     with pytest.raises(ValueError, match="sample_weight"):
         ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, uncertainty="external")
+    with pytest.raises(TypeError, match="return_stats"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, return_stats=1)
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="process group"):
             ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y)

@@ -34,10 +34,12 @@ _FUSED_MODULES = (ck.losses.UncertaintyWeightedCE, ck.losses.AdaptiveBSCEGRA, ck
 
 
 def build_criterion(spec: str, reduction: str, backend: str, label_smoothing: float = 0.0,
-                    mmce_form: str | None = None) -> nn.Module:
+                    mmce_form: str | None = None, return_stats: bool = False) -> nn.Module:
     """The loss module of ``spec`` with the recipe's reduction; ``backend`` goes to losses that have fused kernels;
     ``label_smoothing`` (> 0) needs a loss of the uncertainty-weighted CE family; ``mmce_form`` (the recipe's) is the
-    MMCE form of ``mmce`` / ``mmce_weighted`` unless ``spec`` gives ``form=``."""
+    MMCE form of ``mmce`` / ``mmce_weighted`` unless ``spec`` gives ``form=``. ``return_stats``: losses that call
+    the functional loss (those whose registry entry takes ``return_stats``) return ``(loss, stats)``, the top-label
+    statistics the training loop's calibration meter takes; the others return the loss alone."""
     name, hyperparameters = parse_loss_spec(spec)
     # The run decides these two: the recipe the reduction (the training loop scales the loss for it) and --backend the
     # kernel; a value in the spec would clash with or silently lose to them.
@@ -45,6 +47,10 @@ def build_criterion(spec: str, reduction: str, backend: str, label_smoothing: fl
         raise ValueError("reduction= cannot be set in a loss spec: the recipe sets the reduction (--list-recipes)")
     if "backend" in hyperparameters:
         raise ValueError(f"backend= cannot be set in a loss spec: pass --backend {hyperparameters['backend']}")
+    if "return_stats" in hyperparameters:
+        raise ValueError("return_stats= cannot be set in a loss spec: the training loop asks for the statistics")
+    if return_stats and "return_stats" in getattr(ck.losses.REGISTRY[name], "accepted", ()):
+        hyperparameters["return_stats"] = True
     if label_smoothing:
         if "label_smoothing" in hyperparameters:
             raise ValueError(f"label smoothing given twice: --label-smoothing and in the loss {spec!r}")
@@ -74,7 +80,7 @@ def loss_schedule(args, criterion: nn.Module, recipe) -> LossSchedule:
     warmup_criterion = None
     if warmup:
         warmup_criterion = build_criterion("cross_entropy", args.reduction, args.backend,
-                                           getattr(args, "label_smoothing", 0.0))
+                                           getattr(args, "label_smoothing", 0.0), return_stats=True)
     return LossSchedule(criterion, gamma_schedule=gamma_schedule, switch=switch, ce_warmup_epochs=warmup,
                         warmup_criterion=warmup_criterion)
 

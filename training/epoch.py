@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 import calibkernels as ck
+from calibkernels.loss_stats import top_label_stats
 
 from . import distributed as dist_utils
 from . import soft_targets
@@ -94,11 +95,49 @@ class ResumableDistributedSampler(DistributedSampler):
 
 def forward_and_loss(model, criterion, images, targets, mix_kwargs, amp_dtype):
     """A training step's forward: the logits under autocast, then the loss outside it (the fused kernels take
-    bf16/fp16 logits and accumulate in fp32); ``(logits, loss)``. One function, so that ``--compile`` traces the model
-    and the loss into one graph (:func:`compiled_forward_and_loss`)."""
+    bf16/fp16 logits and accumulate in fp32); ``(logits, loss, stats)``, ``stats`` the loss's
+    :class:`calibkernels.LossStats` where the criterion returns them (built with ``return_stats=True``), else
+    ``None``. One function, so that ``--compile`` traces the model and the loss into one graph
+    (:func:`compiled_forward_and_loss`)."""
     with torch.autocast(images.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
         logits = model(images)
-    return logits, criterion(logits, targets, **mix_kwargs)
+    out = criterion(logits, targets, **mix_kwargs)
+    loss, stats = out if isinstance(out, tuple) else (out, None)
+    return logits, loss, stats
+
+
+def batch_top_label(logits, stats, targets):
+    """``(confidence, correct)`` of a training batch for :meth:`calibkernels.metrics.CalibrationMeter.update_top_label`
+    against the hard labels ``targets`` (a mixed batch's unmixed labels): from the loss's ``stats`` where it returned
+    them (no pass over the logits), else from the ``logits`` (losses without statistics, the meta methods' step)."""
+    if stats is None:
+        logits = logits.detach()
+        stats = top_label_stats(logits.reshape(-1, logits.shape[-1]), None, targets.shape)
+    return stats.confidence, stats.prediction == targets
+
+
+class TopLabelBuffer:
+    """Batches' ``(confidence, correct)`` on their way to a :class:`calibkernels.metrics.CalibrationMeter`, handed
+    to its ``update_top_label`` concatenated every ``flush_every`` batches (and by :meth:`flush`): one meter update
+    (a dozen small ops) costs about as much as a small model's whole step on the CPU, so it is paid once per
+    ``flush_every`` steps, for ``flush_every`` batches of rows held meanwhile."""
+
+    def __init__(self, meter, flush_every: int = 64):
+        self.meter, self.flush_every = meter, flush_every
+        self._confidence: list[torch.Tensor] = []
+        self._correct: list[torch.Tensor] = []
+
+    def add(self, confidence: torch.Tensor, correct: torch.Tensor) -> None:
+        self._confidence.append(confidence.reshape(-1))
+        self._correct.append(correct.reshape(-1))
+        if len(self._confidence) >= self.flush_every:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._confidence:
+            self.meter.update_top_label(torch.cat(self._confidence), torch.cat(self._correct))
+            self._confidence.clear()
+            self._correct.clear()
 
 
 def compiled_forward_and_loss(fullgraph: bool):
@@ -111,7 +150,7 @@ def compiled_forward_and_loss(fullgraph: bool):
 
 def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, scaler, stop: StopRequest,
                     first_step: int = 0, meta=None, meta_iterator=None, ema=None,
-                    step_forward=forward_and_loss, global_step: int = 0, progress=None) -> dict:
+                    step_forward=forward_and_loss, global_step: int = 0, progress=None, train_meter=None) -> dict:
     """One pass over ``loader`` (starting at batch ``first_step`` when resuming mid-epoch).
 
     With ``args.mixup_alpha`` / ``args.cutmix_alpha`` each batch is mixed with its reversal: compact form
@@ -122,7 +161,10 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     ``model_ema_steps`` still updates it and no epoch's last steps are skipped; during the warm-up epochs it keeps
     copying the weights (torchvision's reference does the same). ``step_forward``: the step's forward and loss
     (:func:`forward_and_loss`, or with ``--compile`` :func:`compiled_forward_and_loss`). ``progress``: a
-    :class:`training.progress.RunProgress` told of every step (or None).
+    :class:`training.progress.RunProgress` told of every step (or None). ``train_meter``: a
+    :class:`calibkernels.metrics.CalibrationMeter` fed every batch's top-label confidence and correctness
+    (:func:`batch_top_label`, through a :class:`TopLabelBuffer` flushed by the epoch's end), without a
+    synchronisation (or None).
 
     Returns ``{"loss", "accuracy", "samples", "images_per_s", "steps_done", "interrupted", "lr", "global_step"}``
     where ``loss`` is the mean per-sample training loss, merged over DDP ranks, ``lr`` the learning rate this epoch
@@ -143,6 +185,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
     mixup_alpha, cutmix_alpha = getattr(args, "mixup_alpha", 0.0), getattr(args, "cutmix_alpha", 0.0)
     mixing = mixup_alpha > 0 or cutmix_alpha > 0
     dense_mixer = None
+    train_top_label = TopLabelBuffer(train_meter) if train_meter is not None else None
     if mixing and getattr(args, "mix_dense", False):
         dense_mixer = soft_targets.dense_mixer(args.num_classes, mixup_alpha, cutmix_alpha)
     for images, targets in loader:
@@ -160,7 +203,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
             batch_loss = torch.tensor(out["loss"], dtype=torch.float64, device=device)
             if args.reduction == "sum":
                 batch_loss = batch_loss / images.shape[0]
-            logits = out.get("logits")
+            logits, stats = out.get("logits"), None
         else:
             loss_targets, mix_kwargs = targets, {}
             if dense_mixer is not None:
@@ -170,7 +213,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 # λ as a device tensor (a fill, no copy from the host): a compiled step takes it as an input
                 mix_kwargs = {"mix_target": targets[partner],
                               "mix_lambda": torch.full((), lam, dtype=torch.float32, device=device)}
-            logits, loss = step_forward(model, criterion, images, loss_targets, mix_kwargs, amp_dtype)
+            logits, loss, stats = step_forward(model, criterion, images, loss_targets, mix_kwargs, amp_dtype)
             optimizer.zero_grad(set_to_none=True)
             scaler.scale(loss * loss_scale).backward()
             if args.clip_grad_norm:
@@ -188,7 +231,10 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
                 ema.n_averaged.fill_(0)  # the next update copies the weights again
         loss_sum += batch_loss * images.shape[0]
         if logits is not None:
-            correct += (logits.detach().argmax(dim=1) == targets).sum()
+            confidence, hit = batch_top_label(logits, stats, targets)
+            correct += hit.sum()
+            if train_top_label is not None:
+                train_top_label.add(confidence, hit)
         samples += images.shape[0]
         step += 1
         if progress is not None and progress.bar is not None:
@@ -196,6 +242,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, epoch, args, sc
             progress.step(loss_sum.item() / samples if step % 10 == 0 or step == total_steps else None, lr)
         if stop.requested():
             break
+    if train_top_label is not None:
+        train_top_label.flush()
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # img/s counts finished steps, not steps still queued on the GPU
     elapsed = time.perf_counter() - start

@@ -114,6 +114,8 @@ class TrainingRun:
     start_epoch: int = 0
     first_step: int = 0
     global_step: int = 0
+    # the training batches' top-label statistics since the last evaluation (reset at each)
+    train_meter: ck.metrics.CalibrationMeter | None = None
 
     @property
     def main_process(self) -> bool:
@@ -183,7 +185,9 @@ def _build_training(run: TrainingRun) -> None:
         model = model.to(memory_format=torch.channels_last)
     run.model_without_ddp = model
     run.criterion = build_criterion(args.loss, args.reduction, args.backend, getattr(args, "label_smoothing", 0.0),
-                                    getattr(args, "mmce_form", recipe.mmce_form))
+                                    getattr(args, "mmce_form", recipe.mmce_form), return_stats=True)
+    # constant memory (no AdaECE): bins and sums on the device, read once per evaluation
+    run.train_meter = ck.metrics.CalibrationMeter(n_bins=args.n_bins, track_adaptive=False)
     run.schedule = loss_schedule(args, run.criterion, recipe)
     run.optimizer = _make_optimizer(recipe, model, args.lr)
     run.scheduler = soft_targets.make_scheduler(run.optimizer, recipe.scheduler, args.epochs, recipe.milestones,
@@ -295,10 +299,17 @@ def _describe_run(run: TrainingRun) -> str:
             f"batch {args.batch_size}, lr {args.lr}, {run.world} process(es) on {run.device}")
 
 
+# The training batches' metrics logged at each evaluation (train_batch_<key>), from the loss's statistics
+TRAIN_BATCH_KEYS = ("accuracy", "ece")
+
+
 def _log_row(run: TrainingRun, epoch: int, stats: dict, val: dict, val_ema: dict) -> dict:
-    """The epoch's row of ``log.csv`` / ``log.jsonl``."""
+    """The epoch's row of ``log.csv`` / ``log.jsonl``: ``train_batch_accuracy`` / ``train_batch_ece`` are those of
+    the training batches since the previous evaluation (NaN on the epochs between evaluations), as the model was
+    when it trained on each."""
     row = {"epoch": epoch + 1, "lr": stats["lr"], "train_loss": stats["loss"],  # the lr it trained at
            "train_accuracy": stats["accuracy"], "images_per_s": stats["images_per_s"],
+           **{f"train_batch_{k}": stats.get(f"batch_{k}", math.nan) for k in TRAIN_BATCH_KEYS},
            **{f"val_{k}": val.get(k, math.nan) for k in ck.metrics.METRIC_KEYS}}
     if run.ema is not None:
         row.update({f"val_ema_{k}": val_ema.get(k, math.nan) for k in ck.metrics.METRIC_KEYS})
@@ -312,6 +323,18 @@ def _log_row(run: TrainingRun, epoch: int, stats: dict, val: dict, val_ema: dict
     if isinstance(run.criterion, ck.losses.AdaFocalLoss):
         row["adafocal_gamma"] = run.criterion.gamma.tolist()  # log.jsonl only (a list)
     return row
+
+
+def _training_batch_metrics(meter: ck.metrics.CalibrationMeter) -> dict:
+    """``{"batch_accuracy", "batch_ece"}`` of the training batches ``meter`` took since the last evaluation (merged
+    over DDP ranks: a collective), then reset; ``{}`` if no rank took a batch (a run resumed at an evaluation)."""
+    try:
+        metrics = meter.compute()
+    except ValueError:  # no samples on any rank: every rank raises alike
+        return {}
+    finally:
+        meter.reset()
+    return {f"batch_{key}": metrics[key] for key in TRAIN_BATCH_KEYS}
 
 
 def _evaluate_epoch(run: TrainingRun, epoch: int) -> tuple[dict, dict]:
@@ -353,7 +376,7 @@ def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | Non
                                     run.train_loader, run.device, epoch, args, run.scaler, stop,
                                     first_step=run.first_step, meta=run.meta, meta_iterator=run.meta_iterator,
                                     ema=run.ema, step_forward=run.step_forward, global_step=run.global_step,
-                                    progress=progress)
+                                    progress=progress, train_meter=run.train_meter)
             run.first_step, run.global_step = 0, stats["global_step"]
             run.train_sampler.skip = 0
             if stats["interrupted"]:
@@ -364,6 +387,8 @@ def _train_epochs(run: TrainingRun, checkpoint: dict | None, log: EpochLog | Non
                           f"{stats['steps_done']}; continue with --resume {run.checkpoint_path}", flush=True)
                 raise TrainingInterrupted(stop.signal_name, stop.signum)
             val, val_ema = _evaluate_epoch(run, epoch)
+            if val:
+                stats.update(_training_batch_metrics(run.train_meter))
             epochs_this_run += 1
             if run.main_process:
                 log.write(_log_row(run, epoch, stats, val, val_ema))

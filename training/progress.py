@@ -66,8 +66,11 @@ class RunProgress:
         self.evaluations += 1
         if self.evaluations % self.log_every and epoch + 1 != self.epochs:
             return
+        # the training batches' ECE since the previous evaluation, from the loss's statistics (when it gave them)
+        train_ece = f"ECE {100 * stats['batch_ece']:.2f}%  " if "batch_ece" in stats else ""
         line = (f"epoch {epoch + 1:{len(str(self.epochs))}d}/{self.epochs}  train loss {format_loss(stats['loss'])}  "
-                f"acc {100 * stats['accuracy']:.2f}%  lr {stats['lr']:.3g}  {stats['images_per_s']:.0f} img/s  "
+                f"acc {100 * stats['accuracy']:.2f}%  {train_ece}lr {stats['lr']:.3g}  "
+                f"{stats['images_per_s']:.0f} img/s  "
                 f"val acc {100 * val['accuracy']:.2f}%  ECE {100 * val['ece']:.2f}%  NLL {val['nll']:.4g}")
         print(f"{self.label}  {line}" if self.label else line, file=self.stream, flush=True)
 
