@@ -10,6 +10,8 @@
 * Target scans (``_target_chunk``, ``_mix_chunk``, ``_scan_start``, ``_scan_chunk``, ``_store_target_flag``,
   ``_count_valid``, ``_mean_divisor``): the mean's divisor and the target flag of class indices, a mix's
   ``mix_target`` and λ checked in the same scan (calibkernels._kernel_codes.TARGET_FLAG_CODES).
+* Top-label statistics (STATS launches: ``return_stats=True``): ``_top_key`` / ``_running_top_key``, the arg-max of a
+  block or of a streamed row, and ``_store_top_label``, a row's confidence ``1/d`` and prediction.
 * ``_finish``: the end of every loss launch. The last program to finish its row (a ticket from an atomic counter)
   sums the rows' losses in a fixed order, divides by the mean's divisor, writes the loss in its dtype and makes the
   target flag, so that the forward is one launch.
@@ -265,3 +267,33 @@ def _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE: tl.constexpr, PER_S
     else:
         g = gamma
     return g
+
+
+@triton.jit
+def _top_key(z, offs, col_mask, m, num_classes):
+    """The arg-max key of a block of a row's fp32 logits ``z`` at columns ``offs``, against the row's (running) max
+    ``m``: the least over the block of ``offs - C`` where ``z`` is NaN, ``offs`` where ``z == m``, ``C`` elsewhere and
+    past the row. NaN ranks first whether or not ``tl.max`` propagated it into ``m`` (it does under the interpreter,
+    not on the GPU), as ``torch.argmax`` returns the first NaN; the keys lie in ``[-C, C]`` (int32, as the columns)."""
+    key = tl.where(z != z, offs - num_classes, tl.where(z == m, offs, num_classes))
+    return tl.min(tl.where(col_mask, key, num_classes), 0)
+
+
+@triton.jit
+def _running_top_key(top_key, chunk_key, m, m_new, num_classes):
+    """A streamed row's arg-max key after a chunk (:func:`_top_key` against the new running max ``m_new``): where the
+    max rose past ``m`` the earlier columns hold no maximum, so the chunk's key replaces the running one unless that
+    one is a NaN's; otherwise the lesser key, the first column."""
+    return tl.where((m_new > m) & (top_key >= 0), chunk_key, tl.minimum(top_key, chunk_key))
+
+
+@triton.jit
+def _store_top_label(confidence_ptr, prediction_ptr, row, inv_d, top_key, num_classes, is_valid):
+    """A row's top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`): ``confidence = 1/d`` (float32;
+    ``d = Σ e^{z - m}`` holds ``e^0 = 1`` for the max, so this is ``max_k p_k``), NaN where ``d = 0`` (a row of only
+    -inf logits) or ``d`` is NaN (a NaN or +inf logit); ``prediction`` the first column of the max (int64; the first
+    NaN if any, 0 for a row of only -inf logits, as ``torch.argmax``); NaN / -1 on an ignored row."""
+    confidence = tl.where(inv_d == float("inf"), float("nan"), inv_d)
+    prediction = tl.where(top_key < 0, top_key + num_classes, tl.where(top_key < num_classes, top_key, 0))
+    tl.store(confidence_ptr + row, tl.where(is_valid, confidence, float("nan")))
+    tl.store(prediction_ptr + row, tl.where(is_valid, prediction.to(tl.int64), -1))
