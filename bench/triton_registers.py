@@ -31,9 +31,9 @@ WEIGHTS = {name: WEIGHT_CODES[name] for name in ("none", "focal", "flsd", "brier
 TARGETS = ("hard", "compact", "dense")
 
 _COMMON = {"logits_row_stride": "i32", "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-           "grad_row_stride": "i32", "confidence_ptr": "*fp32", "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "loss_ptr": "*fp32", "error_ptr": "*i64",
-           "counter_ptr": "*i32", "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
-           "ignore_index": "i32"}
+           "grad_row_stride": "i32", "confidence_ptr": "*fp32", "prediction_ptr": "*i64", "valid_count_ptr": "*i64",
+           "loss_ptr": "*fp32", "error_ptr": "*i64", "counter_ptr": "*i32", "num_rows": "i32", "num_classes": "i32",
+           "gamma": "fp32", "norm": "fp32", "ignore_index": "i32"}
 
 
 def _cuobjdump() -> str:
@@ -90,7 +90,7 @@ def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode
 
     element_size = 4 if dtype == "fp32" else 2
     single_read, block, num_warps = T._launch_config(num_classes, element_size, target, WEIGHTS[weight],
-                                                     MODES[mode])
+                                                     MODES[mode], stats)
     # the mean's divisor as the launcher takes it: every row for a dense target, else counted in each program for
     # a small batch or loaded from the targets kernel's count
     count = (T.COUNT_ROWS if target == "dense" else

@@ -53,8 +53,8 @@ import triton
 import triton.language as tl
 
 from ._row_helpers import (_BRIER, _BRIER_FLSD, _EXTERNAL, _FLSD, _FOCAL, _LOSS_MODE, _NONE, _REDUCTION_NONE, _finish,
-                           _gradient_scale, _pow, _row_gamma, _running_top_key, _statistics_chunk, _store_row_loss,
-                           _store_top_label, _top_key)
+                           _first_top_index, _gradient_scale, _pow, _row_gamma, _running_top_index,
+                           _statistics_chunk, _store_row_loss, _store_top_label)
 
 
 @triton.jit
@@ -300,10 +300,11 @@ def _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe
                                  GAPS: tl.constexpr, POWERS: tl.constexpr, SQUARES: tl.constexpr,
                                  NORM_IS_TWO: tl.constexpr, STATS: tl.constexpr):
     """The statistics of a row held in one block: ``(mask, z, e, raw, t, m_safe, Σe, gap, Σq, Σ e(1-t), Σ e t, Σt,
-    Σt², given Σ, not_nonneg, top_key)`` with ``e = e^{z - m}``, the sums of :func:`_dense_sums` (dense; ``raw`` and
+    Σt², given Σ, not_nonneg, top_index)`` with ``e = e^{z - m}``, the sums of :func:`_dense_sums` (dense; ``raw`` and
     ``t`` the target's entries and smoothed values, and with DENSE_FLAGS the entries' float32 sum and count of
-    negative or NaN ones) or of :func:`_compact_sums` (compact), and with STATS the arg-max key of
-    :func:`._row_helpers._top_key`. Values a form does not have are the stand-in ``zero`` (or ``e``), never read."""
+    negative or NaN ones) or of :func:`_compact_sums` (compact), and with STATS the first column of the max
+    (:func:`._row_helpers._first_top_index`). Values a form does not have are the stand-in ``zero`` (or ``e``), never
+    read."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     sum_e_omt = zero
@@ -315,11 +316,11 @@ def _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe
     col_mask = cols < num_classes
     z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
     m = tl.max(z, 0)
+    top_index = num_classes
+    if STATS:
+        top_index = _first_top_index(z, cols, m, num_classes)
     m_safe = tl.where(m == NEG_INF, 0.0, m)
     e = tl.exp2((z - m_safe) * LOG2E)
-    top_key = num_classes
-    if STATS:
-        top_key = _top_key(z, cols, col_mask, m, num_classes)
     if DENSE:
         raw = tl.load(target_row + cols, mask=col_mask, other=0.0).to(tl.float32)
         t, one_minus_t = _smoothed_target(raw, col_mask, one_minus_a, c, a_minus_c)
@@ -333,7 +334,7 @@ def _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe
         special = (cols == safe_target) | (cols == safe_mix)
         sum_e, gap, sum_q = _compact_sums(z, e, special, col_mask, m_safe, norm, GAPS, POWERS, NORM_IS_TWO)
     return (col_mask, z, e, raw, t, m_safe, sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq, given_sum,
-            not_nonneg, top_key)
+            not_nonneg, top_index)
 
 
 @triton.jit
@@ -343,8 +344,8 @@ def _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_ta
                               SQUARES: tl.constexpr, NORM_IS_TWO: tl.constexpr, STATS: tl.constexpr):
     """The statistics pass of a row read in chunks of BLOCK classes, with the online max: the tuple of
     :func:`_soft_single_read_statistics`, whose row vectors (mask, z, e, raw, t) are the stand-in ``zero`` here and
-    whose arg-max key follows the running max (:func:`._row_helpers._running_top_key`). The dense target is asked to
-    stay in L2 beside the logits for the later passes."""
+    whose first column of the max follows the running max (:func:`._row_helpers._running_top_index`). The dense
+    target is asked to stay in L2 beside the logits for the later passes."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     m = tl.full((), NEG_INF, tl.float32)
@@ -358,13 +359,12 @@ def _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_ta
     sum_t_sq = zero
     given_sum = zero
     not_nonneg = tl.full((), 0, tl.int32)
-    top_key = num_classes + tl.zeros((), tl.int32)  # no column yet
+    top_index = num_classes + tl.zeros((), tl.int32)  # no column yet
     for start in range(0, num_classes, BLOCK):
         offs = start + cols
         z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
         if STATS:
-            top_key = _running_top_key(top_key, _top_key(z, offs, col_mask, m_new, num_classes), m, m_new,
-                                       num_classes)
+            top_index = _running_top_index(top_index, z, cols, start, m, m_new, BLOCK)
         e = tl.exp2((z - m_new_safe) * LOG2E)
         if NORM_IS_TWO:
             rescale_q = rescale * rescale
@@ -394,7 +394,7 @@ def _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_ta
         m = m_new
         m_safe = m_new_safe
     return (zero, zero, zero, zero, zero, m_safe, sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq, given_sum,
-            not_nonneg, top_key)
+            not_nonneg, top_index)
 
 
 @triton.jit
@@ -616,7 +616,7 @@ def _soft_target_ce_fwd_kernel(
                                                one_minus_a, c, a_minus_c, norm, zero, BLOCK, DENSE, DENSE_FLAGS, GAPS,
                                                POWERS, SQUARES, NORM_IS_TWO, STATS)
     (col_mask, z, e, raw, t, m_safe, sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq, given_sum,
-     not_nonneg, top_key) = statistics
+     not_nonneg, top_index) = statistics
 
     # ---- per-row scalars: CE, 1 - P, FLSD's band value, and the compact form's target / mix columns -------------
     if DENSE:
@@ -630,7 +630,8 @@ def _soft_target_ce_fwd_kernel(
     (log2_d, inv_d, cross_entropy, one_minus_P, P, Q, p_y, p_m, t_minus_P_target, t_minus_P_mix, delta_target,
      delta_mix, p_band) = row_scalars
     if STATS:
-        _store_top_label(confidence_ptr, prediction_ptr, row, inv_d, top_key, num_classes, is_valid)
+        _store_top_label(confidence_ptr, prediction_ptr, logits_row, row, inv_d, top_index, num_classes, is_valid,
+                         BLOCK)
 
     # ---- the Brier weight's S = Σ |p - t|^q and H = Σ h_k p_k -------------------------------------------------------
     # In registers a row vector that stays live across the weight's scalar chain is 32-64 registers per thread at the

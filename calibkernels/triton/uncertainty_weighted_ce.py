@@ -104,6 +104,13 @@ TWO_READ_CHUNK = {2: (2048, 4), 4: (16384, 16)}  # element size -> (chunk, num_w
 MAX_BLOCK_DENSE = 16384
 SOFT_BLOCK_CAPS = {("compact", "brier", "loss"): 16384, ("dense", "focal", "loss"): 8192,
                    ("dense", "focal", "grad"): 8192}
+# * Launches that also write the top-label statistics (stats_out) hold the first column of the max and a rare path
+#   that re-reads a NaN row: the soft Brier blocks that then spilled (bench/triton_registers.py --stats) stream past
+#   these caps instead. (The hard-target Brier block of 32768 classes spills a few registers with or without them;
+#   the hard two-read launch takes 85-94 registers instead of 64 with them, one program of 16 warps per
+#   multiprocessor instead of two; launches without stats_out compile to the same code as before.)
+STATS_BLOCK_CAPS = {("compact", "brier", "grad"): 16384, ("dense", "brier", "loss"): 8192,
+                    ("dense", "brier", "grad"): 8192}
 # Whether the kernels were defined under the Triton interpreter (decided when triton.jit ran, at the import of the
 # kernel modules above).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -139,10 +146,10 @@ def _num_warps(block: int) -> int:
 
 
 def _launch_config(num_classes: int, element_size: int, target: str = "hard", weight: Optional[int] = None,
-                   mode: Optional[int] = None) -> tuple[bool, int, int]:
+                   mode: Optional[int] = None, stats: bool = False) -> tuple[bool, int, int]:
     """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` with ``target`` ``"hard"`` (class indices),
-    ``"compact"`` (smoothing or a mix) or ``"dense"``, and the weight and mode codes (see the launch-shape notes at
-    the top)."""
+    ``"compact"`` (smoothing or a mix) or ``"dense"``, the weight and mode codes, and whether the launch writes the
+    top-label statistics (see the launch-shape notes at the top)."""
     base_cap = MAX_BLOCK
     if element_size <= 2:
         base_cap = min(base_cap, MAX_BLOCK_16BIT)
@@ -150,8 +157,10 @@ def _launch_config(num_classes: int, element_size: int, target: str = "hard", we
     if target == "dense":
         cap = min(cap, MAX_BLOCK_DENSE)
     if target != "hard":
-        mode_name = "loss" if mode == MODE_LOSS else "grad"
-        cap = min(cap, SOFT_BLOCK_CAPS.get((target, _FORMULA_NAMES.get(weight), mode_name), cap))
+        variant = (target, _FORMULA_NAMES.get(weight), "loss" if mode == MODE_LOSS else "grad")
+        cap = min(cap, SOFT_BLOCK_CAPS.get(variant, cap))
+        if stats:
+            cap = min(cap, STATS_BLOCK_CAPS.get(variant, cap))
     if num_classes <= cap:
         block = _next_power_of_2(num_classes)
         # 16-bit rows: 8 values per thread (one 16-byte load); fp32: 4; up to 16 warps (the tuned shapes)
@@ -258,7 +267,8 @@ def uncertainty_weighted_ce_forward(
     num_rows, num_classes = logits.shape
     device = logits.device
     single_read, block, num_warps = _launch_config(
-        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode)
+        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode,
+        stats_out is not None)
 
     if compute_grad and grad_out is not None:
         _check_grad_out(logits, grad_out)
