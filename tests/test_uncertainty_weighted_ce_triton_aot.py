@@ -37,7 +37,8 @@ def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, ar
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "confidence_ptr": "*fp32",
-                 "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "loss_ptr": f"*{dtype}", "error_ptr": "*i64", "counter_ptr": "*i32",
+                 "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "loss_ptr": f"*{dtype}", "error_ptr": "*i64",
+                 "counter_ptr": "*i32",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
     # the mean's divisor counted in every program (a small batch) or loaded; the last program's fold of the batch
     count = T.COUNT_INLINE if reduction != T.REDUCTION_MEAN or block <= 1024 else T.COUNT_LOADED
@@ -82,7 +83,8 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
                  "target_row_stride": "i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
                  "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "confidence_ptr": "*fp32",
-                 "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "dense_bad_ptr": "*i8", "loss_ptr": "*fp32", "error_ptr": "*i64", "counter_ptr": "*i32",
+                 "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "dense_bad_ptr": "*i8", "loss_ptr": "*fp32",
+                 "error_ptr": "*i64", "counter_ptr": "*i32",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
                  "ignore_index": "i64", "smoothing": "fp32", "dense_tolerance": "fp32"}
     if count is None:

@@ -582,8 +582,7 @@ def _soft_target_ce_fwd_kernel(
     class indices with an optional mix (HAS_MIX: ``mix_target (N,)``, λ at ``lambda_ptr + row * lambda_stride``),
     both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``). A dense row's value check rides on its reads
     (DENSE_FLAGS): ``dense_bad_ptr[row]`` is 1 where an entry is negative or NaN or the entries' float32 sum is off 1
-    by more than ``dense_tolerance``, else 0. With STATS the row's top-label statistics (the logits' own, whatever the
-    target) go to ``confidence`` / ``prediction`` from the statistics pass (:func:`._row_helpers._store_top_label`)."""
+    by more than ``dense_tolerance``, else 0. STATS: the logits' top-label statistics (``_store_top_label``)."""
     # the weight's formula and whether its γ follows FLSD-53's bands, as in the hard-target kernel
     FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
     FLSD_SCHEDULE: tl.constexpr = WEIGHT == _FLSD or WEIGHT == _BRIER_FLSD
