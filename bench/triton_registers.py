@@ -31,9 +31,9 @@ WEIGHTS = {name: WEIGHT_CODES[name] for name in ("none", "focal", "flsd", "brier
 TARGETS = ("hard", "compact", "dense")
 
 _COMMON = {"logits_row_stride": "i32", "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-           "grad_row_stride": "i32", "valid_count_ptr": "*i64", "loss_ptr": "*fp32", "error_ptr": "*i64",
-           "counter_ptr": "*i32", "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
-           "ignore_index": "i32"}
+           "grad_row_stride": "i32", "confidence_ptr": "*fp32", "prediction_ptr": "*i64", "valid_count_ptr": "*i64",
+           "loss_ptr": "*fp32", "error_ptr": "*i64", "counter_ptr": "*i32", "num_rows": "i32", "num_classes": "i32",
+           "gamma": "fp32", "norm": "fp32", "ignore_index": "i32"}
 
 
 def _cuobjdump() -> str:
@@ -77,11 +77,11 @@ def _specialisation(arg_names, signature, values) -> dict:
 
 
 def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode: str, arch: int = 90,
-                    num_rows: int = 8192) -> dict:
+                    num_rows: int = 8192, stats: bool = False) -> dict:
     """Compile the forward kernel that the launcher would run for ``num_rows`` contiguous rows of ``num_classes``
     (``dtype`` ``bf16`` / ``fp16`` / ``fp32``; ``target`` one of :data:`TARGETS`; compact rows with a mix and
-    smoothing), specialised as the JIT would specialise that launch, and return its launch shape and
-    :func:`cubin_resources`."""
+    smoothing; ``stats``: with the top-label statistics of ``return_stats=True``), specialised as the JIT would
+    specialise that launch, and return its launch shape and :func:`cubin_resources`."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -90,7 +90,7 @@ def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode
 
     element_size = 4 if dtype == "fp32" else 2
     single_read, block, num_warps = T._launch_config(num_classes, element_size, target, WEIGHTS[weight],
-                                                     MODES[mode])
+                                                     MODES[mode], stats)
     # the mean's divisor as the launcher takes it: every row for a dense target, else counted in each program for
     # a small batch or loaded from the targets kernel's count
     count = (T.COUNT_ROWS if target == "dense" else
@@ -98,7 +98,7 @@ def compile_forward(num_classes: int, dtype: str, target: str, weight: str, mode
     constexprs = dict(WEIGHT=WEIGHTS[weight], MODE=MODES[mode], REDUCTION=1, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=False, BLOCK=block, SINGLE_READ=single_read,
                       NORM_IS_TWO=weight == "brier", COUNT=count, CHECK_TARGETS=count == T.COUNT_INLINE,
-                      FINISH_BLOCK=T._finish_block(num_rows, num_warps))
+                      FINISH_BLOCK=T._finish_block(num_rows, num_warps), STATS=stats)
     signature = dict(_COMMON, logits_ptr=f"*{dtype}", grad_ptr=f"*{dtype}", target_ptr="*i64")
     if target == "hard":
         kernel = T._uncertainty_weighted_ce_fwd_kernel
@@ -129,6 +129,7 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", nargs="+", default=list(WEIGHTS), choices=list(WEIGHTS))
     parser.add_argument("--arch", type=int, default=90, help="compute capability x 10 (default 90: H100 / H200)")
     parser.add_argument("--json", help="also write the rows to this JSON file")
+    parser.add_argument("--stats", action="store_true", help="the launches with return_stats=True")
     args = parser.parse_args(argv)
     if any(c < 1 for c in args.classes):
         print("error: --classes must be positive", file=sys.stderr)
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     print("|--:|---|---|---|---|---|---|--:|--:|--:|")
     for c, dtype, target, weight, mode in itertools.product(args.classes, args.dtypes, args.targets, args.weights,
                                                             MODES):
-        r = compile_forward(c, dtype, target, weight, mode, args.arch)
+        r = compile_forward(c, dtype, target, weight, mode, args.arch, stats=args.stats)
         rows.append(dict(classes=c, dtype=dtype, target=target, weight=weight, mode=mode, arch=args.arch, **r))
         print(f"| {c} | {dtype} | {target} | {weight} | {mode} | {'single' if r['single_read'] else 'two-read'} | "
               f"{r['block']} x {r['num_warps']} | {r['registers']} | {r['stack']} | "

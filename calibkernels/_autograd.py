@@ -34,6 +34,10 @@ Contracts (docs/losses.md, "Contracts"):
   reference). ``sample_weight`` is always used detached.
 * Memory: the saved gradient is the only ``N×C`` buffer (none with ``inplace=True``); the backward scales it in place
   unless the graph is retained, in which case it returns a fresh tensor (the saved one stays valid).
+* Top-label statistics (:func:`run` with ``return_stats=True``, :class:`calibkernels.LossStats`): a backend module
+  with ``STATS_IN_KERNEL`` (the Triton kernels) takes ``stats_out=(confidence, prediction)`` in its ``forward`` and
+  writes them in the loss launch, from the logits before an in-place gradient overwrites them; for the others
+  :func:`calibkernels.loss_stats.loss_stats_of_inputs` reads the logits before the kernel runs.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from ._target_checks import is_plain_eager
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
 from ._validation import LossInputs, expanded, lambda_tensor
+from .loss_stats import LossStats, loss_stats_of_inputs
 
 __all__ = ["UncertaintyWeightedCE", "run", "scale_saved_gradient", "is_plain_eager",
            "raise_if_create_graph"]
@@ -85,16 +90,18 @@ class UncertaintyWeightedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
                 reduction, inplace, backend_module, mix_target=None, mix_lambda=None, label_smoothing=0.0,
-                loss_dtype=None):
+                loss_dtype=None, return_stats=False):
+        # return_stats (a backend with STATS_IN_KERNEL): (loss, confidence, prediction), the last two without gradient
         gamma_factor = None
         if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == MODE_CODES["loss"]:
             # read the logits before an in-place kernel overwrites them
             gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
+        stats = _stats_buffers(logits) if return_stats else None
         loss, grad, flag = backend_module.forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode,
                                                   gamma, norm, ignore_index, reduction, True,
                                                   logits if inplace else None,
                                                   *_soft_arguments(mix_target, mix_lambda, label_smoothing),
-                                                  loss_dtype=loss_dtype)
+                                                  loss_dtype=loss_dtype, **_stats_keyword(stats))
         if flag is not None:
             _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
         if inplace:
@@ -108,10 +115,13 @@ class UncertaintyWeightedCE(torch.autograd.Function):
         ctx.save_for_backward(grad, gamma_factor)
         ctx.scale_inplace = getattr(backend_module, "scale_grad_", None)
         ctx.on_gpu = logits.device.type == "cuda"
-        return loss
+        if stats is None:
+            return loss
+        ctx.mark_non_differentiable(*stats)
+        return loss, *stats
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_loss, *_statistics):
         if ctx.on_gpu and not torch.compiler.is_compiling():
             _target_checks.poll()  # raise for a bad target that this or an earlier call flagged
         grad, gamma_factor = ctx.saved_tensors
@@ -120,7 +130,8 @@ class UncertaintyWeightedCE(torch.autograd.Function):
         d_gamma = None
         if gamma_factor is not None and grad_loss is not None:
             d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
-        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None, None
+        return (d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None, None,
+                None)
 
 
 DOUBLE_BACKWARD_MESSAGE = (
@@ -150,6 +161,18 @@ def _soft_arguments(mix_target=None, mix_lambda=None, label_smoothing=0.0) -> tu
     return mix_target, mix_lambda, label_smoothing
 
 
+def _stats_buffers(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``(N,)`` float32 confidence and int64 prediction buffers a kernel writes the rows' statistics into."""
+    num_rows = logits.shape[0]
+    return (torch.empty(num_rows, dtype=torch.float32, device=logits.device),
+            torch.empty(num_rows, dtype=torch.int64, device=logits.device))
+
+
+def _stats_keyword(stats) -> dict:
+    """The backend forward's ``stats_out`` keyword: none at all without statistics (the backends' default)."""
+    return {} if stats is None else {"stats_out": stats}
+
+
 def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
     if tensor.is_leaf:
         return True
@@ -157,10 +180,14 @@ def _is_leaf_or_view_of_leaf(tensor: torch.Tensor) -> bool:
     return base is not None and base.is_leaf and base.requires_grad
 
 
-def run(backend_module, inputs: LossInputs, inplace: bool) -> torch.Tensor:
+def run(backend_module, inputs: LossInputs, inplace: bool, return_stats: bool = False):
     """The loss of validated ``inputs`` through the fused backend whose module is ``backend_module`` (what
     :func:`calibkernels._backends.module` returns), in the logits' dtype and batch shape: the compiled op with its
-    C++ autograd, or the Triton kernels with :class:`UncertaintyWeightedCE`."""
+    C++ autograd, or the Triton kernels with :class:`UncertaintyWeightedCE`.
+
+    ``return_stats``: ``(loss, LossStats)``, the rows' top-label statistics in the batch shape
+    (:func:`calibkernels.loss_stats.top_label_stats`), written by the loss launch itself where the module has
+    ``STATS_IN_KERNEL``, else read from the logits before the kernel runs."""
     logits = inputs.logits
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     gamma = inputs.gamma
@@ -189,6 +216,11 @@ def run(backend_module, inputs: LossInputs, inplace: bool) -> torch.Tensor:
              inputs.norm, inputs.ignore_index, reduction)
     inplace = inplace and compute_grad
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
+    stats = None
+    stats_in_kernel = (return_stats and getattr(backend_module, "STATS_IN_KERNEL", False)
+                       and not hasattr(backend_module, "loss_with_autograd"))
+    if return_stats and not stats_in_kernel:
+        stats = loss_stats_of_inputs(inputs)  # before an in-place kernel overwrites the logits
     if hasattr(backend_module, "loss_with_autograd"):
         # the compiled op with its own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), eager or traced
         loss, flag = backend_module.loss_with_autograd(logits, inputs.target, inputs.sample_weight, gamma_per_sample,
@@ -196,16 +228,27 @@ def run(backend_module, inputs: LossInputs, inplace: bool) -> torch.Tensor:
     elif compute_grad or (gamma_per_sample is not None and gamma_per_sample.requires_grad and torch.is_grad_enabled()):
         # autograd.Function.apply takes positional arguments only: the soft-target defaults spelled out
         loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
-                                           inplace, backend_module, *(soft or (None, None, 0.0)), logits.dtype)
+                                           inplace, backend_module, *(soft or (None, None, 0.0)), logits.dtype,
+                                           stats_in_kernel)
+        if stats_in_kernel:
+            loss, *stats = loss
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
+        buffers = _stats_buffers(logits) if stats_in_kernel else None
         loss, _, flag = backend_module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
-                                               False, None, *soft, loss_dtype=logits.dtype)
+                                               False, None, *soft, loss_dtype=logits.dtype, **_stats_keyword(buffers))
+        if stats_in_kernel:
+            stats = buffers
     if flag is not None:
         _target_checks.submit(flag, logits.shape[-1], inputs.ignore_index, _dense_dtype(inputs.target))
     if reduction == _NONE and loss.shape != inputs.batch_shape:
         loss = loss.reshape(inputs.batch_shape)
-    return loss if loss.dtype == logits.dtype else loss.to(logits.dtype)
+    loss = loss if loss.dtype == logits.dtype else loss.to(logits.dtype)
+    if not return_stats:
+        return loss
+    if stats_in_kernel:
+        stats = LossStats(stats[0].reshape(inputs.batch_shape), stats[1].reshape(inputs.batch_shape))
+    return loss, stats
 
 
 _NONE = REDUCTION_CODES["none"]

@@ -36,15 +36,17 @@ assert not T._INTERPRETED, "the kernels must be real triton.jit functions here, 
 def fwd(dtype, weight, mode, reduction, block, single_read, per_sample_gamma, arch, num_warps=None):
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": "*i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
-                 "loss_ptr": f"*{dtype}", "error_ptr": "*i64", "counter_ptr": "*i32",
+                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "confidence_ptr": "*fp32",
+                 "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "loss_ptr": f"*{dtype}", "error_ptr": "*i64",
+                 "counter_ptr": "*i32",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32", "ignore_index": "i64"}
     # the mean's divisor counted in every program (a small batch) or loaded; the last program's fold of the batch
     count = T.COUNT_INLINE if reduction != T.REDUCTION_MEAN or block <= 1024 else T.COUNT_LOADED
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=reduction, COMPUTE_GRAD=True,
                       PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block, SINGLE_READ=single_read,
                       NORM_IS_TWO=weight in (T.WEIGHT_BRIER, T.WEIGHT_BRIER_FLSD), COUNT=count,
-                      CHECK_TARGETS=count == T.COUNT_INLINE, FINISH_BLOCK=min(4096, 256 * (num_warps or 4)))
+                      CHECK_TARGETS=count == T.COUNT_INLINE, FINISH_BLOCK=min(4096, 256 * (num_warps or 4)),
+                      STATS=False)
     signature.update({name: "constexpr" for name in constexprs})
     triton.compile(ASTSource(fn=T._uncertainty_weighted_ce_fwd_kernel, signature=signature, constexprs=constexprs),
                    target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps or T._num_warps(block)})
@@ -80,8 +82,9 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
     signature = {"logits_ptr": f"*{dtype}", "logits_row_stride": "i64", "target_ptr": f"*{target_dtype}",
                  "target_row_stride": "i64", "mix_ptr": "*i64", "lambda_ptr": "*fp32", "lambda_stride": "i64",
                  "sample_weight_ptr": "*fp32", "gamma_ptr": "*fp32", "row_loss_ptr": "*fp32",
-                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "valid_count_ptr": "*i64",
-                 "dense_bad_ptr": "*i8", "loss_ptr": "*fp32", "error_ptr": "*i64", "counter_ptr": "*i32",
+                 "grad_ptr": f"*{dtype}", "grad_row_stride": "i64", "confidence_ptr": "*fp32",
+                 "prediction_ptr": "*i64", "valid_count_ptr": "*i64", "dense_bad_ptr": "*i8", "loss_ptr": "*fp32",
+                 "error_ptr": "*i64", "counter_ptr": "*i32",
                  "num_rows": "i32", "num_classes": "i32", "gamma": "fp32", "norm": "fp32",
                  "ignore_index": "i64", "smoothing": "fp32", "dense_tolerance": "fp32"}
     if count is None:
@@ -89,7 +92,7 @@ def soft(dtype, target_dtype, weight, mode, block, single_read, dense, has_mix, 
     constexprs = dict(WEIGHT=weight, MODE=mode, REDUCTION=1, COMPUTE_GRAD=True, PER_SAMPLE_GAMMA=False, BLOCK=block,
                       SINGLE_READ=single_read, NORM_IS_TWO=norm_is_two, DENSE=dense, HAS_MIX=has_mix, SMOOTH=smooth,
                       DENSE_FLAGS=dense and target_dtype != "fp64", COUNT=count,
-                      CHECK_TARGETS=count == T.COUNT_INLINE, FINISH_BLOCK=min(4096, 256 * num_warps))
+                      CHECK_TARGETS=count == T.COUNT_INLINE, FINISH_BLOCK=min(4096, 256 * num_warps), STATS=False)
     if num_rows is not None:  # an integer argument equal to 1 arrives as a constant
         constexprs["num_rows"] = num_rows
     signature.update({name: "constexpr" for name in constexprs})

@@ -39,6 +39,9 @@ Kernel design (docs/performance.md):
   second read mostly hits L2.
 * An out-of-range target reads class 0 (never out of bounds) and makes its row's loss and gradient NaN; the launch's
   last program flags it (:func:`._row_helpers._finish`).
+* STATS (``return_stats=True``): the row's top-label statistics from the same read, ``1/d`` and the first column of
+  the max (on the two-read path, of the running max while the statistics pass streams; a row with a NaN, rare, is
+  read once more for its first NaN, as ``torch.argmax``); compiled out otherwise.
 """
 
 from __future__ import annotations
@@ -47,21 +50,25 @@ import triton
 import triton.language as tl
 
 from ._row_helpers import (_BRIER, _BRIER_FLSD, _DUAL_FOCAL, _EXTERNAL, _FLSD, _FOCAL, _LOSS_MODE, _NONE,
-                           _REDUCTION_NONE, _finish, _gradient_scale, _pow, _row_gamma, _statistics_chunk,
-                           _store_row_loss)
+                           _REDUCTION_NONE, _finish, _first_top_index, _gradient_scale, _pow, _row_gamma,
+                           _running_top_index, _statistics_chunk, _store_row_loss, _store_top_label)
 
 
 @triton.jit
 def _hard_single_read_statistics(logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA: tl.constexpr,
-                                 NORM_IS_TWO: tl.constexpr):
+                                 NORM_IS_TWO: tl.constexpr, STATS: tl.constexpr):
     """The statistics of a row held in one block: ``(z, mask, e, is_target_col, m_safe, d_¬y, Σ_{k≠y} e^{q(z-m)},
-    below, max{z < z_y}, n_ties)`` with ``e = e^{z - m}`` and ``below = z < z_y``; the gBS sum only for the Brier
-    weight, the last three only for dual focal (otherwise stand-ins that are never read)."""
+    below, max{z < z_y}, n_ties, top_index)`` with ``e = e^{z - m}`` and ``below = z < z_y``; the gBS sum only for the
+    Brier weight, the next three only for dual focal (otherwise stand-ins that are never read), the first column of
+    the max (:func:`._row_helpers._first_top_index`) only with STATS."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     col_mask = cols < num_classes
     z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
     m = tl.max(z, 0)
+    top_index = num_classes
+    if STATS:
+        top_index = _first_top_index(z, cols, m, num_classes)
     m_safe = tl.where(m == NEG_INF, 0.0, m)  # an all -inf row must not produce inf - inf
     e = tl.exp2((z - m_safe) * LOG2E)
     is_target_col = cols == safe_target
@@ -80,15 +87,15 @@ def _hard_single_read_statistics(logits_row, cols, num_classes, safe_target, z_t
         below = z < z_target
         z_below_max = tl.max(tl.where(below, z, NEG_INF), 0)
         n_ties = tl.sum(tl.where(below & (z == z_below_max), 1.0, 0.0), 0)
-    return z, col_mask, e, is_target_col, m_safe, d_others, sum_q_others, below, z_below_max, n_ties
+    return z, col_mask, e, is_target_col, m_safe, d_others, sum_q_others, below, z_below_max, n_ties, top_index
 
 
 @triton.jit
 def _hard_streamed_statistics(logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA: tl.constexpr,
-                              BLOCK: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+                              BLOCK: tl.constexpr, NORM_IS_TWO: tl.constexpr, STATS: tl.constexpr):
     """The statistics pass of a row read in chunks of BLOCK classes, with the online max: ``(m_safe, d_¬y,
-    Σ_{k≠y} e^{q(z-m)}, max{z < z_y}, n_ties)``, the gBS sum only for the Brier weight, the last two only for dual
-    focal.
+    Σ_{k≠y} e^{q(z-m)}, max{z < z_y}, n_ties, top_index)``, the gBS sum only for the Brier weight, the next two only
+    for dual focal, the first column of the running max (:func:`._row_helpers._running_top_index`) only with STATS.
 
     Scalar running sums, reduced per chunk, not per-lane sums reduced once after the loop: two more BLOCK-wide live
     vectors cost occupancy, which this memory-bound loop needs more than it needs fewer block reductions
@@ -101,9 +108,12 @@ def _hard_streamed_statistics(logits_row, cols, num_classes, safe_target, z_targ
     sum_q_others = tl.full((), 0.0, tl.float32)
     z_below_max = tl.full((), NEG_INF, tl.float32)
     n_ties = tl.full((), 0.0, tl.float32)
+    top_index = num_classes + tl.zeros((), tl.int32)  # no column yet
     for start in range(0, num_classes, BLOCK):
         offs = start + cols
         z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
+        if STATS:
+            top_index = _running_top_index(top_index, z, cols, start, m, m_new, BLOCK)
         e_others = tl.where(offs == safe_target, 0.0, tl.exp2((z - m_new_safe) * LOG2E))
         d_others = d_others * rescale + tl.sum(e_others, 0)
         if FORMULA == _BRIER:
@@ -121,7 +131,7 @@ def _hard_streamed_statistics(logits_row, cols, num_classes, safe_target, z_targ
             z_below_max = tl.maximum(z_below_max, chunk_max)
         m = m_new
         m_safe = m_new_safe
-    return m_safe, d_others, sum_q_others, z_below_max, n_ties
+    return m_safe, d_others, sum_q_others, z_below_max, n_ties, top_index
 
 
 @triton.jit
@@ -283,16 +293,17 @@ def _uncertainty_weighted_ce_row(
     row,
     logits_ptr, logits_row_stride,
     target_ptr, sample_weight_ptr, gamma_ptr,
-    row_loss_ptr, grad_ptr, grad_row_stride,
+    row_loss_ptr, grad_ptr, grad_row_stride, confidence_ptr, prediction_ptr,
     valid_count_ptr,
     num_rows, num_classes, gamma, norm, ignore_index,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
-    COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr,
+    COUNT: tl.constexpr, COUNT_BLOCK: tl.constexpr, STATS: tl.constexpr,
 ):
-    """Row loss ``u_i CE_i`` of row ``row`` (int64; stored in ``row_loss``'s dtype) and, if COMPUTE_GRAD, its
-    gradient of the reduced loss (the mean's divisor from COUNT, :func:`_gradient_scale`)."""
+    """Row loss ``u_i CE_i`` of row ``row`` (int64; stored in ``row_loss``'s dtype), if COMPUTE_GRAD its gradient
+    of the reduced loss (the mean's divisor from COUNT, :func:`_gradient_scale`), and with STATS its top-label
+    statistics into ``confidence`` / ``prediction`` (:func:`._row_helpers._store_top_label`) from the same read."""
     # the weight's formula and whether its γ follows FLSD-53's bands (weight_formula / uses_flsd_schedule of
     # csrc/uncertainty_weighted_ce.h): FLSD's rows are focal rows, Brier-FLSD's Brier rows
     FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
@@ -312,12 +323,12 @@ def _uncertainty_weighted_ce_row(
     # Only non-target sums are accumulated: d = d_¬y + e^{z_y-m} is formed once at the end, so 1 - p_y = d_¬y / d
     # never cancels and each chunk costs one reduction less. For q = 2 (the default) e^{q(z-m)} = e², no second exp.
     if SINGLE_READ:
-        z, col_mask, e, is_target_col, m_safe, d_others, sum_q_others, below, z_below_max, n_ties = (
+        z, col_mask, e, is_target_col, m_safe, d_others, sum_q_others, below, z_below_max, n_ties, top_index = (
             _hard_single_read_statistics(logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA,
-                                         NORM_IS_TWO))
+                                         NORM_IS_TWO, STATS))
     else:
-        m_safe, d_others, sum_q_others, z_below_max, n_ties = _hard_streamed_statistics(
-            logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA, BLOCK, NORM_IS_TWO)
+        m_safe, d_others, sum_q_others, z_below_max, n_ties, top_index = _hard_streamed_statistics(
+            logits_row, cols, num_classes, safe_target, z_target, norm, FORMULA, BLOCK, NORM_IS_TWO, STATS)
 
     # ---- per-row scalars: CE, the weight and its gradient's coefficients, the row loss -------------------------------
     d, log2_d, p_target, cross_entropy, one_minus_p = _hard_cross_entropy(z_target, d_others, m_safe)
@@ -325,6 +336,9 @@ def _uncertainty_weighted_ce_row(
         row, cross_entropy, one_minus_p, p_target, z_target, m_safe, d, log2_d, z_below_max, n_ties, sum_q_others,
         sample_weight_ptr, gamma_ptr, gamma, norm, FORMULA, FLSD_SCHEDULE, MODE, PER_SAMPLE_GAMMA, NORM_IS_TWO)
     _store_row_loss(row_loss_ptr, row, u, cross_entropy, is_valid, is_bad)
+    if STATS:
+        _store_top_label(confidence_ptr, prediction_ptr, logits_row, row, 1.0 / d, top_index, num_classes, is_valid,
+                         BLOCK)
 
     # ---- gradient of the reduced loss for grad_output = 1 ----------------------------------------------------------
     if COMPUTE_GRAD:
@@ -347,19 +361,21 @@ def _uncertainty_weighted_ce_row(
 def _uncertainty_weighted_ce_fwd_kernel(
     logits_ptr, logits_row_stride,
     target_ptr, sample_weight_ptr, gamma_ptr,
-    row_loss_ptr, grad_ptr, grad_row_stride,
+    row_loss_ptr, grad_ptr, grad_row_stride, confidence_ptr, prediction_ptr,
     valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
     num_rows, num_classes, gamma, norm, ignore_index,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
-    COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+    COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FINISH_BLOCK: tl.constexpr, STATS: tl.constexpr,
 ):
-    """Row losses and gradient rows, one program per row; then the batch's loss and target flag (:func:`_finish`)."""
+    """Row losses, gradient rows and (STATS) top-label statistics, one program per row; then the batch's loss and
+    target flag (:func:`_finish`)."""
     _uncertainty_weighted_ce_row(
         tl.program_id(0).to(tl.int64), logits_ptr, logits_row_stride, target_ptr, sample_weight_ptr, gamma_ptr,
-        row_loss_ptr, grad_ptr, grad_row_stride, valid_count_ptr, num_rows, num_classes, gamma, norm, ignore_index,
-        WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK, SINGLE_READ, NORM_IS_TWO, COUNT, FINISH_BLOCK)
+        row_loss_ptr, grad_ptr, grad_row_stride, confidence_ptr, prediction_ptr, valid_count_ptr, num_rows,
+        num_classes, gamma, norm, ignore_index, WEIGHT, MODE, REDUCTION, COMPUTE_GRAD, PER_SAMPLE_GAMMA, BLOCK,
+        SINGLE_READ, NORM_IS_TWO, COUNT, FINISH_BLOCK, STATS)
     if REDUCTION != _REDUCTION_NONE or CHECK_TARGETS:
         _finish(row_loss_ptr, target_ptr, row_loss_ptr, valid_count_ptr, loss_ptr, error_ptr, counter_ptr,
                 target_ptr, row_loss_ptr, 0, num_rows, num_classes, ignore_index, REDUCTION, COUNT, CHECK_TARGETS,

@@ -10,6 +10,9 @@
 * Target scans (``_target_chunk``, ``_mix_chunk``, ``_scan_start``, ``_scan_chunk``, ``_store_target_flag``,
   ``_count_valid``, ``_mean_divisor``): the mean's divisor and the target flag of class indices, a mix's
   ``mix_target`` and λ checked in the same scan (calibkernels._kernel_codes.TARGET_FLAG_CODES).
+* Top-label statistics (STATS launches: ``return_stats=True``): the first column of the max of a block or of a
+  streamed row (``_first_top_index``, ``_running_top_index``), and ``_store_top_label``, a row's confidence ``1/d``
+  and prediction (re-reading a row with a NaN for its first NaN).
 * ``_finish``: the end of every loss launch. The last program to finish its row (a ticket from an atomic counter)
   sums the rows' losses in a fixed order, divides by the mean's divisor, writes the loss in its dtype and makes the
   target flag, so that the forward is one launch.
@@ -265,3 +268,49 @@ def _row_gamma(row, p_band, gamma, gamma_ptr, FLSD_SCHEDULE: tl.constexpr, PER_S
     else:
         g = gamma
     return g
+
+
+@triton.jit
+def _first_top_index(z, cols, m, none):
+    """The first lane ``cols`` (``tl.arange(0, BLOCK)``) of a block or chunk of a row's fp32 logits ``z`` where ``z``
+    equals the (running) max ``m``; ``none`` where none does (a chunk below the running max, or a NaN max under the
+    interpreter, whose ``tl.max`` propagates NaN). Lanes past the row hold -inf, which equals ``m`` only where every
+    logit so far is -inf, and then lane 0 comes first.
+
+    One compare-select and a reduction over the lanes: a NaN test beside it made the largest float32 blocks spill and
+    doubled the two-read loop's registers (64 → 125 at 16 warps: half the rows in flight), as did a reduction over the
+    columns ``start + cols`` (bench/triton_registers.py --stats), so a row with a NaN is read again instead
+    (:func:`_store_top_label`)."""
+    return tl.min(tl.where(z == m, cols, none), 0)
+
+
+@triton.jit
+def _running_top_index(top_index, z, cols, start, m, m_new, BLOCK: tl.constexpr):
+    """A streamed row's first column of the running max after the chunk ``z`` at columns ``start + cols`` (``C``
+    before the first). Where the max rose past ``m`` the chunk holds it first; otherwise an earlier chunk holds ``m``
+    first (a lower column than any of this chunk's, or the chunk's stand-in ``start + BLOCK``, one past it): the
+    lesser of the two."""
+    chunk_top = start + _first_top_index(z, cols, m_new, BLOCK)
+    return tl.where(m_new > m, chunk_top, tl.minimum(top_index, chunk_top))
+
+
+@triton.jit
+def _store_top_label(confidence_ptr, prediction_ptr, logits_row, row, inv_d, top_index, num_classes, is_valid,
+                     BLOCK: tl.constexpr):
+    """A row's top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`): ``confidence = 1/d`` (float32;
+    ``d = Σ e^{z - m}`` holds ``e^0 = 1`` for the max, so this is ``max_k p_k``), NaN where ``d = 0`` (a row of only
+    -inf logits) or ``d`` is NaN (a NaN or +inf logit); ``prediction`` (int64) the first column of the max
+    (``top_index``) or, as ``torch.argmax``, of the first NaN: a row whose ``d`` is NaN is read once more for it, in
+    chunks of at most 1024 (rare; called before any gradient store, so also in place); NaN / -1 on an ignored row."""
+    SCAN: tl.constexpr = 1024 if BLOCK > 1024 else BLOCK
+    prediction = top_index
+    if inv_d != inv_d:
+        first_nan = num_classes + tl.zeros((), tl.int32)
+        for start in range(0, num_classes, SCAN):
+            offs = start + tl.arange(0, SCAN)
+            z = tl.load(logits_row + offs, mask=offs < num_classes, other=0.0).to(tl.float32)
+            first_nan = tl.minimum(first_nan, tl.min(tl.where(z != z, offs, num_classes), 0))
+        prediction = tl.where(first_nan < num_classes, first_nan, prediction)
+    confidence = tl.where(inv_d == float("inf"), float("nan"), inv_d)
+    tl.store(confidence_ptr + row, tl.where(is_valid, confidence, float("nan")))
+    tl.store(prediction_ptr + row, tl.where(is_valid, prediction.to(tl.int64), -1))

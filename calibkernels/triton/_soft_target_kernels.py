@@ -43,7 +43,8 @@ on the two-read path the Brier weight with q ≠ 2 and smoothing or a dense targ
 reads the row once more before the gradient pass. The gradient of a compact row is a function of ``p`` alone (the
 target and mix columns' values are row scalars), and float32 soft rows are held in registers only up to the
 launcher's ``MAX_BLOCK_DENSE`` (dense) and ``SOFT_BLOCK_CAPS`` classes, so that no launch spills
-(bench/triton_registers.py).
+(bench/triton_registers.py). With STATS (``return_stats=True``) the statistics pass also gives the logits' own
+top-label statistics, ``1/d`` and the first column of the (running) max, as the hard-target kernel does.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ import triton
 import triton.language as tl
 
 from ._row_helpers import (_BRIER, _BRIER_FLSD, _EXTERNAL, _FLSD, _FOCAL, _LOSS_MODE, _NONE, _REDUCTION_NONE, _finish,
-                           _gradient_scale, _pow, _row_gamma, _statistics_chunk, _store_row_loss)
+                           _first_top_index, _gradient_scale, _pow, _row_gamma, _running_top_index,
+                           _statistics_chunk, _store_row_loss, _store_top_label)
 
 
 @triton.jit
@@ -296,12 +298,13 @@ def _soft_row_target(target_ptr, mix_ptr, lambda_ptr, lambda_stride, logits_row,
 def _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe_target, safe_mix, one_minus_a, c,
                                  a_minus_c, norm, zero, DENSE: tl.constexpr, DENSE_FLAGS: tl.constexpr,
                                  GAPS: tl.constexpr, POWERS: tl.constexpr, SQUARES: tl.constexpr,
-                                 NORM_IS_TWO: tl.constexpr):
+                                 NORM_IS_TWO: tl.constexpr, STATS: tl.constexpr):
     """The statistics of a row held in one block: ``(mask, z, e, raw, t, m_safe, Σe, gap, Σq, Σ e(1-t), Σ e t, Σt,
-    Σt², given Σ, not_nonneg)`` with ``e = e^{z - m}``, the sums of :func:`_dense_sums` (dense; ``raw`` and ``t`` the
-    target's entries and smoothed values, and with DENSE_FLAGS the entries' float32 sum and count of negative or NaN
-    ones) or of :func:`_compact_sums` (compact). Values a form does not have are the stand-in ``zero`` (or ``e``),
-    never read."""
+    Σt², given Σ, not_nonneg, top_index)`` with ``e = e^{z - m}``, the sums of :func:`_dense_sums` (dense; ``raw`` and
+    ``t`` the target's entries and smoothed values, and with DENSE_FLAGS the entries' float32 sum and count of
+    negative or NaN ones) or of :func:`_compact_sums` (compact), and with STATS the first column of the max
+    (:func:`._row_helpers._first_top_index`). Values a form does not have are the stand-in ``zero`` (or ``e``), never
+    read."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     sum_e_omt = zero
@@ -313,6 +316,9 @@ def _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe
     col_mask = cols < num_classes
     z = tl.load(logits_row + cols, mask=col_mask, other=NEG_INF).to(tl.float32)
     m = tl.max(z, 0)
+    top_index = num_classes
+    if STATS:
+        top_index = _first_top_index(z, cols, m, num_classes)
     m_safe = tl.where(m == NEG_INF, 0.0, m)
     e = tl.exp2((z - m_safe) * LOG2E)
     if DENSE:
@@ -328,17 +334,18 @@ def _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe
         special = (cols == safe_target) | (cols == safe_mix)
         sum_e, gap, sum_q = _compact_sums(z, e, special, col_mask, m_safe, norm, GAPS, POWERS, NORM_IS_TWO)
     return (col_mask, z, e, raw, t, m_safe, sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq, given_sum,
-            not_nonneg)
+            not_nonneg, top_index)
 
 
 @triton.jit
 def _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_target, safe_mix, one_minus_a, c,
                               a_minus_c, norm, zero, BLOCK: tl.constexpr, DENSE: tl.constexpr,
                               DENSE_FLAGS: tl.constexpr, GAPS: tl.constexpr, POWERS: tl.constexpr,
-                              SQUARES: tl.constexpr, NORM_IS_TWO: tl.constexpr):
+                              SQUARES: tl.constexpr, NORM_IS_TWO: tl.constexpr, STATS: tl.constexpr):
     """The statistics pass of a row read in chunks of BLOCK classes, with the online max: the tuple of
-    :func:`_soft_single_read_statistics`, whose row vectors (mask, z, e, raw, t) are the stand-in ``zero`` here. The
-    dense target is asked to stay in L2 beside the logits for the later passes."""
+    :func:`_soft_single_read_statistics`, whose row vectors (mask, z, e, raw, t) are the stand-in ``zero`` here and
+    whose first column of the max follows the running max (:func:`._row_helpers._running_top_index`). The dense
+    target is asked to stay in L2 beside the logits for the later passes."""
     NEG_INF: tl.constexpr = float("-inf")
     LOG2E: tl.constexpr = 1.4426950408889634
     m = tl.full((), NEG_INF, tl.float32)
@@ -352,9 +359,12 @@ def _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_ta
     sum_t_sq = zero
     given_sum = zero
     not_nonneg = tl.full((), 0, tl.int32)
+    top_index = num_classes + tl.zeros((), tl.int32)  # no column yet
     for start in range(0, num_classes, BLOCK):
         offs = start + cols
         z, col_mask, m_new, m_new_safe, rescale = _statistics_chunk(logits_row, offs, num_classes, m)
+        if STATS:
+            top_index = _running_top_index(top_index, z, cols, start, m, m_new, BLOCK)
         e = tl.exp2((z - m_new_safe) * LOG2E)
         if NORM_IS_TWO:
             rescale_q = rescale * rescale
@@ -384,7 +394,7 @@ def _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_ta
         m = m_new
         m_safe = m_new_safe
     return (zero, zero, zero, zero, zero, m_safe, sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq, given_sum,
-            not_nonneg)
+            not_nonneg, top_index)
 
 
 @triton.jit
@@ -559,20 +569,20 @@ def _soft_target_ce_fwd_kernel(
     logits_ptr, logits_row_stride,
     target_ptr, target_row_stride, mix_ptr, lambda_ptr, lambda_stride,
     sample_weight_ptr, gamma_ptr,
-    row_loss_ptr, grad_ptr, grad_row_stride,
+    row_loss_ptr, grad_ptr, grad_row_stride, confidence_ptr, prediction_ptr,
     valid_count_ptr, dense_bad_ptr, loss_ptr, error_ptr, counter_ptr,
     num_rows, num_classes, gamma, norm, ignore_index, smoothing, dense_tolerance,
     WEIGHT: tl.constexpr, MODE: tl.constexpr, REDUCTION: tl.constexpr,
     COMPUTE_GRAD: tl.constexpr, PER_SAMPLE_GAMMA: tl.constexpr,
     BLOCK: tl.constexpr, SINGLE_READ: tl.constexpr, NORM_IS_TWO: tl.constexpr,
     DENSE: tl.constexpr, HAS_MIX: tl.constexpr, SMOOTH: tl.constexpr, DENSE_FLAGS: tl.constexpr,
-    COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FINISH_BLOCK: tl.constexpr,
+    COUNT: tl.constexpr, CHECK_TARGETS: tl.constexpr, FINISH_BLOCK: tl.constexpr, STATS: tl.constexpr,
 ):
     """Row losses and gradient rows for soft targets, one program per row: a dense ``target (N, C)`` (DENSE) or
     class indices with an optional mix (HAS_MIX: ``mix_target (N,)``, λ at ``lambda_ptr + row * lambda_stride``),
     both with label smoothing ``a = smoothing`` (SMOOTH: ``a > 0``). A dense row's value check rides on its reads
     (DENSE_FLAGS): ``dense_bad_ptr[row]`` is 1 where an entry is negative or NaN or the entries' float32 sum is off 1
-    by more than ``dense_tolerance``, else 0."""
+    by more than ``dense_tolerance``, else 0. STATS: the logits' top-label statistics (``_store_top_label``)."""
     # the weight's formula and whether its γ follows FLSD-53's bands, as in the hard-target kernel
     FORMULA: tl.constexpr = _FOCAL if WEIGHT == _FLSD else (_BRIER if WEIGHT == _BRIER_FLSD else WEIGHT)
     FLSD_SCHEDULE: tl.constexpr = WEIGHT == _FLSD or WEIGHT == _BRIER_FLSD
@@ -599,13 +609,13 @@ def _soft_target_ce_fwd_kernel(
     if SINGLE_READ:
         statistics = _soft_single_read_statistics(logits_row, target_row, cols, num_classes, safe_target, safe_mix,
                                                   one_minus_a, c, a_minus_c, norm, zero, DENSE, DENSE_FLAGS, GAPS,
-                                                  POWERS, SQUARES, NORM_IS_TWO)
+                                                  POWERS, SQUARES, NORM_IS_TWO, STATS)
     else:
         statistics = _soft_streamed_statistics(logits_row, target_row, cols, num_classes, safe_target, safe_mix,
                                                one_minus_a, c, a_minus_c, norm, zero, BLOCK, DENSE, DENSE_FLAGS, GAPS,
-                                               POWERS, SQUARES, NORM_IS_TWO)
+                                               POWERS, SQUARES, NORM_IS_TWO, STATS)
     (col_mask, z, e, raw, t, m_safe, sum_e, gap, sum_q, sum_e_omt, sum_e_t, sum_t, sum_t_sq, given_sum,
-     not_nonneg) = statistics
+     not_nonneg, top_index) = statistics
 
     # ---- per-row scalars: CE, 1 - P, FLSD's band value, and the compact form's target / mix columns -------------
     if DENSE:
@@ -618,6 +628,9 @@ def _soft_target_ce_fwd_kernel(
         sum_t = zero + 1.0  # placeholder: Σ_k t_k = 1
     (log2_d, inv_d, cross_entropy, one_minus_P, P, Q, p_y, p_m, t_minus_P_target, t_minus_P_mix, delta_target,
      delta_mix, p_band) = row_scalars
+    if STATS:
+        _store_top_label(confidence_ptr, prediction_ptr, logits_row, row, inv_d, top_index, num_classes, is_valid,
+                         BLOCK)
 
     # ---- the Brier weight's S = Σ |p - t|^q and H = Σ h_k p_k -------------------------------------------------------
     # In registers a row vector that stays live across the weight's scalar chain is 32-64 registers per thread at the

@@ -22,6 +22,10 @@ Launch design (docs/performance.md):
 * Soft targets run their own kernel with the same launch shapes, except that float32 soft rows are held in registers
   only up to ``MAX_BLOCK_DENSE`` (dense) and ``SOFT_BLOCK_CAPS`` classes, so that no launch spills
   (bench/triton_registers.py).
+* Top-label statistics (``return_stats=True``, :class:`calibkernels.LossStats`): with ``stats_out`` the loss launch
+  also writes each row's confidence ``max_k p_k = 1/d`` and prediction (the first column of the max) from the row
+  statistics it already has, in the same read of the logits (before an in-place gradient overwrites them); without
+  it the kernels compile without those stores (``STATS`` is a compile-time constant).
 * No host synchronisation on the hot path, and one launch in the forward: the last program of the loss launch to
   finish (a ticket from an atomic counter, ``_finish``) sums the rows' losses in a fixed order, divides by the
   mean's divisor, writes the loss in the logits' dtype and makes the target flag. The mean's gradient needs its
@@ -72,6 +76,7 @@ from ._soft_target_kernels import _soft_target_ce_fwd_kernel
 
 __all__ = [
     "SOFT_TARGETS",
+    "STATS_IN_KERNEL",
     "MAX_BLOCK",
     "MAX_BLOCK_16BIT",
     "uncertainty_weighted_ce_forward",
@@ -99,6 +104,13 @@ TWO_READ_CHUNK = {2: (2048, 4), 4: (16384, 16)}  # element size -> (chunk, num_w
 MAX_BLOCK_DENSE = 16384
 SOFT_BLOCK_CAPS = {("compact", "brier", "loss"): 16384, ("dense", "focal", "loss"): 8192,
                    ("dense", "focal", "grad"): 8192}
+# * Launches that also write the top-label statistics (stats_out) hold the first column of the max and a rare path
+#   that re-reads a NaN row: the soft Brier blocks that then spilled (bench/triton_registers.py --stats) stream past
+#   these caps instead. (The hard-target Brier block of 32768 classes spills a few registers with or without them;
+#   the hard two-read launch takes 85-94 registers instead of 64 with them, one program of 16 warps per
+#   multiprocessor instead of two; launches without stats_out compile to the same code as before.)
+STATS_BLOCK_CAPS = {("compact", "brier", "grad"): 16384, ("dense", "brier", "loss"): 8192,
+                    ("dense", "brier", "grad"): 8192}
 # Whether the kernels were defined under the Triton interpreter (decided when triton.jit ran, at the import of the
 # kernel modules above).
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -106,6 +118,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Soft targets (label smoothing, a compact mix, a dense target) run here: calibkernels._backends routes them to
 # backends whose module says so.
 SOFT_TARGETS = True
+
+# The loss launch writes the top-label statistics itself (stats_out of forward), so calibkernels._autograd.run takes
+# them from the kernels instead of a pass of its own over the logits.
+STATS_IN_KERNEL = True
 
 # The largest batch whose programs each count the class-index targets for the mean's gradient (COUNT_INLINE);
 # a larger one counts them in the targets kernel first (COUNT_LOADED; _row_helpers, where the codes are defined).
@@ -130,10 +146,10 @@ def _num_warps(block: int) -> int:
 
 
 def _launch_config(num_classes: int, element_size: int, target: str = "hard", weight: Optional[int] = None,
-                   mode: Optional[int] = None) -> tuple[bool, int, int]:
+                   mode: Optional[int] = None, stats: bool = False) -> tuple[bool, int, int]:
     """``(single_read, BLOCK, num_warps)`` for rows of ``num_classes`` with ``target`` ``"hard"`` (class indices),
-    ``"compact"`` (smoothing or a mix) or ``"dense"``, and the weight and mode codes (see the launch-shape notes at
-    the top)."""
+    ``"compact"`` (smoothing or a mix) or ``"dense"``, the weight and mode codes, and whether the launch writes the
+    top-label statistics (see the launch-shape notes at the top)."""
     base_cap = MAX_BLOCK
     if element_size <= 2:
         base_cap = min(base_cap, MAX_BLOCK_16BIT)
@@ -141,8 +157,10 @@ def _launch_config(num_classes: int, element_size: int, target: str = "hard", we
     if target == "dense":
         cap = min(cap, MAX_BLOCK_DENSE)
     if target != "hard":
-        mode_name = "loss" if mode == MODE_LOSS else "grad"
-        cap = min(cap, SOFT_BLOCK_CAPS.get((target, _FORMULA_NAMES.get(weight), mode_name), cap))
+        variant = (target, _FORMULA_NAMES.get(weight), "loss" if mode == MODE_LOSS else "grad")
+        cap = min(cap, SOFT_BLOCK_CAPS.get(variant, cap))
+        if stats:
+            cap = min(cap, STATS_BLOCK_CAPS.get(variant, cap))
     if num_classes <= cap:
         block = _next_power_of_2(num_classes)
         # 16-bit rows: 8 values per thread (one 16-byte load); fp32: 4; up to 16 warps (the tuned shapes)
@@ -214,6 +232,7 @@ def uncertainty_weighted_ce_forward(
     mix_target: Optional[torch.Tensor] = None,
     mix_lambda: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
+    stats_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the kernels; return ``(loss, grad, target_flag)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in
     ``loss_dtype``). One launch: the rows' loss and gradient, then the batch's loss and target flag in its last
@@ -229,6 +248,10 @@ def uncertainty_weighted_ce_forward(
     ``label_smoothing``, or a floating ``target (N, C)`` (dense: the mean divides by N, and ``target_flag`` is
     ``(any bad row, the first bad row)`` of the kernel's value check, folded by the launch's last program; of float64
     reductions for a float64 target, :func:`calibkernels._validation.dense_target_flag`).
+    ``stats_out``: ``(confidence, prediction)``, contiguous ``(N,)`` float32 and int64 buffers on the logits' device,
+    into which the loss launch writes each row's top-label statistics
+    (:func:`calibkernels.loss_stats.top_label_stats`: ``1/d`` and the first column of the max; NaN and -1 on a row
+    whose class-index target is ``ignore_index``; the logits' own, whatever the target).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
     """
@@ -244,10 +267,13 @@ def uncertainty_weighted_ce_forward(
     num_rows, num_classes = logits.shape
     device = logits.device
     single_read, block, num_warps = _launch_config(
-        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode)
+        num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode,
+        stats_out is not None)
 
     if compute_grad and grad_out is not None:
         _check_grad_out(logits, grad_out)
+    if stats_out is not None:
+        _check_stats_out(logits, stats_out)
     if compute_grad and grad_out is None:
         dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
     else:  # no gradient, or written into grad_out: an empty placeholder
@@ -293,14 +319,15 @@ def uncertainty_weighted_ce_forward(
     # placeholders (here and for the flags of rows without DENSE_FLAGS) are never read
     weight_args = (sample_weight if sample_weight is not None else row_loss,
                    gamma_per_sample if per_sample_gamma else row_loss)
+    confidence, prediction = stats_out if stats_out is not None else (row_loss, row_loss)  # placeholders: no STATS
     output_args = (row_loss, dest if dest is not None else logits, dest.stride(0) if dest is not None else 0,
-                   valid_count)
+                   confidence, prediction, valid_count)
     finish_args = (loss, error, _counter(device))
     meta = dict(WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction),
                 COMPUTE_GRAD=bool(compute_grad), PER_SAMPLE_GAMMA=per_sample_gamma, BLOCK=block,
                 SINGLE_READ=single_read, NORM_IS_TWO=weight in (WEIGHT_BRIER, WEIGHT_BRIER_FLSD) and float(norm) == 2.0,
                 COUNT=count, CHECK_TARGETS=count == COUNT_INLINE, FINISH_BLOCK=_finish_block(num_rows, num_warps),
-                num_warps=num_warps)
+                STATS=stats_out is not None, num_warps=num_warps)
     if soft:
         _soft_target_ce_fwd_kernel[(num_rows,)](
             logits, logits.stride(0),
@@ -334,6 +361,22 @@ def _check_grad_out(logits: torch.Tensor, grad_out: torch.Tensor) -> None:
         raise ValueError(f"{where}grad_out has elements that share memory (e.g. an expanded tensor), so its rows "
                          "would overwrite each other; for the gradient in place, the logits must not share memory "
                          "either (use inplace=False, or clone() them)")
+
+
+def _check_stats_out(logits: torch.Tensor, stats_out) -> None:
+    """The statistics buffers ``(confidence, prediction)``: contiguous ``(N,)`` float32 and int64 tensors on the
+    logits' device, which the loss launch writes row by row."""
+    where = "calibkernels::uncertainty_weighted_ce_triton: "
+    if not isinstance(stats_out, (tuple, list)) or len(stats_out) != 2:
+        raise ValueError(f"{where}stats_out must be a pair (confidence, prediction)")
+    num_rows = logits.shape[0]
+    for name, buffer, dtype in zip(("confidence", "prediction"), stats_out, (torch.float32, torch.int64)):
+        if (not isinstance(buffer, torch.Tensor) or buffer.dtype != dtype or tuple(buffer.shape) != (num_rows,)
+                or buffer.device != logits.device or buffer.stride(0) != 1 and num_rows > 1):
+            described = (f"{buffer.dtype} {tuple(buffer.shape)} stride {buffer.stride()} on {buffer.device}"
+                         if isinstance(buffer, torch.Tensor) else type(buffer).__name__)
+            raise ValueError(f"{where}{name} must be a contiguous {dtype} tensor of shape ({num_rows},) on "
+                             f"{logits.device}, got {described}")
 
 
 def _unit_columns(tensor: torch.Tensor) -> bool:
@@ -423,38 +466,56 @@ def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
 # ---------------------------------------------------------------------------------------------------------------------
 # The registered op (the tracer's view) and the backend interface (calibkernels._backends, calibkernels._autograd)
 # ---------------------------------------------------------------------------------------------------------------------
-@torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton", mutates_args=("grad_out",))
+@torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton",
+                         mutates_args=("grad_out", "confidence_out", "prediction_out"))
 def uncertainty_weighted_ce_triton(
     logits: torch.Tensor, target: torch.Tensor, sample_weight: Optional[torch.Tensor],
     gamma_per_sample: Optional[torch.Tensor], weight: int, loss_mode: int, gamma: float, norm: float, ignore_index: int,
     reduction: int, compute_grad: bool, grad_out: Optional[torch.Tensor], mix_target: Optional[torch.Tensor] = None,
     mix_lambda: Optional[torch.Tensor] = None, label_smoothing: float = 0.0,
+    confidence_out: Optional[torch.Tensor] = None, prediction_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compiled op's contract (``csrc/uncertainty_weighted_ce.h``) on the Triton kernels: ``(loss, grad,
     target_flag)``, the gradient written into ``grad_out`` when given, the flag always two slots (these kernels never
     raise on a bad target). No target check is queued from here (traced code never reads the flag back; the bad rows
-    are NaN)."""
+    are NaN). ``confidence_out`` / ``prediction_out`` (both or neither): the ``(N,)`` float32 / int64 buffers of the
+    rows' top-label statistics (``stats_out`` of :func:`uncertainty_weighted_ce_forward`), written in the loss
+    launch."""
     return uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
                                            norm, ignore_index, reduction, compute_grad, grad_out, torch.float32,
-                                           mix_target, mix_lambda, label_smoothing)
+                                           mix_target, mix_lambda, label_smoothing,
+                                           _stats_pair(confidence_out, prediction_out))
+
+
+def _stats_pair(confidence_out, prediction_out):
+    """``(confidence_out, prediction_out)``, or ``None`` when neither is given."""
+    if confidence_out is None and prediction_out is None:
+        return None
+    if confidence_out is None or prediction_out is None:
+        raise ValueError("calibkernels::uncertainty_weighted_ce_triton: confidence_out and prediction_out go together")
+    return confidence_out, prediction_out
 
 
 @uncertainty_weighted_ce_triton.register_fake
 def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index, reduction,
-      compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0):
+      compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, confidence_out=None,
+      prediction_out=None):
     loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_NONE else (), dtype=torch.float32)
     grad = logits.new_empty(tuple(logits.shape) if compute_grad and grad_out is None else (0,))
     return loss, grad, logits.new_empty((2,), dtype=torch.int64)
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
+            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None,
+            stats_out=None):
     """``(loss, grad, target_flag)``: the backend forward of :mod:`calibkernels._autograd`. Eager calls launch the
     kernels directly (a ``custom_op`` call pays dispatcher and mutation bookkeeping in Python, more host time than the
     launches); traced calls go through the registered op. Soft targets: ``mix_target``/``mix_lambda`` (a number or
     a tensor), ``label_smoothing``, or a floating ``(N, C)`` ``target`` (refused with the dual-focal weight).
     ``loss_dtype``: an eager call's reduction writes the loss in this dtype (the logits' own, for the caller: no cast
-    launch in the forward and none in the backward); traced calls return float32 as the op does."""
+    launch in the forward and none in the backward); traced calls return float32 as the op does. ``stats_out``: the
+    ``(confidence, prediction)`` buffers the loss launch writes the rows' top-label statistics into
+    (:func:`uncertainty_weighted_ce_forward`), from the logits as given (before an in-place gradient)."""
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
                         "(use backend='reference' for float64)")
@@ -479,11 +540,14 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
             compute_grad, grad_out)
     soft_args = (mix_target, mix_lambda, label_smoothing) if soft else ()
     if torch.compiler.is_compiling() or type(logits) is not torch.Tensor:
+        if stats_out is not None:  # the op's statistics buffers follow its soft-target arguments
+            soft_args = (mix_target, mix_lambda, label_smoothing, *stats_out)
         loss, grad, _ = uncertainty_weighted_ce_triton(*args, *soft_args)
         flag = None
     else:
         # _target_checks ignores the flag during a capture
-        loss, grad, flag = uncertainty_weighted_ce_forward(*args, loss_dtype or torch.float32, *soft_args)
+        loss, grad, flag = uncertainty_weighted_ce_forward(*args, loss_dtype or torch.float32, *soft_args,
+                                                           stats_out=stats_out)
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
