@@ -15,7 +15,6 @@ import torch
 
 from . import _autograd
 from ._validation import LossInputs, check_backend, one_hot_for_dual_focal
-from .loss_stats import loss_stats_of_inputs
 from .reference import uncertainty_weighted_ce_from_inputs
 
 # backend name -> module implementing it (relative to the calibkernels package)
@@ -257,15 +256,11 @@ def module(name: str):
 
 
 def run(backend: str, inputs: LossInputs, inplace: bool, return_stats: bool = False):
-    """The loss of checked ``inputs`` on ``backend``; with ``return_stats`` also its
-    :class:`calibkernels.LossStats` last. The fused kernels do not compute the statistics in their own pass yet: they
-    are taken from the logits here, before a kernel may overwrite them in place."""
+    """The loss of checked ``inputs`` on ``backend``; with ``return_stats`` also its :class:`calibkernels.LossStats`
+    last (:func:`calibkernels._autograd.run`: from the loss pass where the kernels write them)."""
     if backend == "reference":
         # ``inplace`` lets a kernel overwrite the logits with the gradient; the reference never needs to
         return uncertainty_weighted_ce_from_inputs(inputs, return_stats=return_stats)
-    if return_stats:
-        stats = loss_stats_of_inputs(inputs)
-        return run(backend, inputs, inplace), stats
     backend_module = _loaded_modules[backend][0]  # resolve imported it
     if inputs.dense or inputs.mix_target is not None or inputs.label_smoothing != 0.0:  # soft targets
         if inputs.uncertainty == "dual_focal":
@@ -273,4 +268,4 @@ def run(backend: str, inputs: LossInputs, inplace: bool, return_stats: bool = Fa
         elif not getattr(backend_module, "SOFT_TARGETS", False):  # resolve_soft_targets checked it
             raise NotImplementedError(f"calibkernels backend {backend!r} does not support soft targets: use "
                                       "backend='reference'")
-    return _autograd.run(backend_module, inputs, inplace)
+    return _autograd.run(backend_module, inputs, inplace, return_stats)
