@@ -120,18 +120,21 @@ def bsce_gra_loss(
     label_smoothing: float = 0.0,
     mix_target: torch.Tensor | None = None,
     mix_lambda: float | torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_stats: bool = False,
+):
     """BSCE-GRA (BSCE-GRA paper, Eq. 11): ``L_i = sg[‖p_i - e_{y_i}‖_q^γ] · CE_i``.
 
     The detached generalised Brier score scales the cross-entropy *gradient*: ``∂L_i/∂z_i = ‖p_i - e_{y_i}‖_q^γ
     (p_i - e_{y_i})``, so confident, correct samples stop pushing their logits apart. Defaults γ = 4, q = 2.
     With soft targets ``t`` (``label_smoothing``, ``mix_target``/``mix_lambda``, a dense ``target``) ``e_y``
     becomes ``t``: ``L_i = sg[‖p_i - t_i‖_q^γ] · CE_i``, gradient ``‖p_i - t_i‖_q^γ (p_i - t_i)``
-    (see :func:`uncertainty_weighted_ce`).
+    (see :func:`uncertainty_weighted_ce`). ``return_stats=True`` returns ``(loss, stats)``, the rows' top-label
+    statistics (:class:`calibkernels.LossStats`).
     """
     return uncertainty_weighted_ce(logits, target, uncertainty="brier", mode="grad", gamma=gamma, norm=norm,
                                    reduction=reduction, ignore_index=ignore_index, backend=backend, inplace=inplace,
-                                   label_smoothing=label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda)
+                                   label_smoothing=label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
+                                   return_stats=return_stats)
 
 
 # Batch-level and non-CE-weighted members of the family have no fused kernel; they are the reference's.

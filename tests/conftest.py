@@ -44,6 +44,9 @@ def _seed_each_test(request):
         np.random.seed(seed)
     except ImportError:
         pass
+    # The backend choices kept from earlier calls: a test that patches what a backend can run asks afresh.
+    _backends._chosen.clear()
+    _backends._chosen_hard.clear()
     yield
     # A GPU loss's target check that a test left pending (async policy) must not raise in the next test.
     from calibkernels import _target_checks

@@ -460,5 +460,8 @@ def test_return_stats_on_every_backend_are_the_references(inplace):
         plain = z.clone().requires_grad_()
         ck.uncertainty_weighted_ce(plain, y, backend=backend).backward()
         torch.testing.assert_close(leaf.grad, plain.grad)
+    loss, stats = ck.bsce_gra_loss(z, y, return_stats=True)
+    torch.testing.assert_close(loss, ck.bsce_gra_loss(z, y))
+    assert torch.equal(stats.prediction, expected.prediction)
     with pytest.raises(TypeError, match="return_stats must be a bool"):
         ck.uncertainty_weighted_ce(z, y, return_stats=1)
