@@ -603,3 +603,44 @@ def test_peak_memory_is_far_below_the_materialised_logits(reduction):
     assert result.returncode == 0, result.stderr[-2000:]
     peak = float(result.stdout.strip().splitlines()[-1])
     assert peak < 1 / 8, f"peak {peak:.3f} x the logits' size"
+
+
+@pytest.mark.parametrize("accum_dtype", [None, torch.float32, torch.bfloat16])
+def test_accum_dtype_sets_the_weight_gradient_accumulator(accum_dtype):
+    """``accum_dtype`` (Liger-Kernel's name): the weight and bias gradients are summed over the chunks in that dtype;
+    float32 (the default for 16-bit inputs) matches the float64 reference closely, bfloat16 within its rounding of
+    each chunk's sum."""
+    torch.manual_seed(0)
+    hidden = torch.randn(12, 8, dtype=torch.bfloat16, requires_grad=True)
+    weight = (torch.randn(6, 8) * 0.3).to(torch.bfloat16).requires_grad_()
+    bias = torch.zeros(6, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(0, 6, (12,))
+    loss = ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, bias, chunk_size=3, backend="reference",
+                                                   accum_dtype=accum_dtype)
+    loss.backward()
+    exact_w = weight.detach().double().requires_grad_()
+    exact_b = bias.detach().double().requires_grad_()
+    logits = hidden.detach().double() @ exact_w.T + exact_b
+    ck.reference.uncertainty_weighted_ce(logits, target).backward()
+    tolerance = 2e-2 if accum_dtype == torch.bfloat16 else 1e-2
+    torch.testing.assert_close(weight.grad.double(), exact_w.grad, rtol=tolerance, atol=tolerance)
+    torch.testing.assert_close(bias.grad.double(), exact_b.grad, rtol=tolerance, atol=tolerance)
+    with pytest.raises(TypeError, match="accum_dtype"):
+        ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, accum_dtype="float32")
+
+
+def test_a_bfloat16_accumulator_rounds_each_chunks_sum():
+    """The accumulator's dtype is the one asked for: over many one-row chunks a bfloat16 sum rounds where float32
+    does not."""
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 8, dtype=torch.bfloat16)
+    weight = (torch.randn(6, 8) * 0.3).to(torch.bfloat16)
+    target = torch.randint(0, 6, (64,))
+    grads = {}
+    for accum_dtype in (torch.float32, torch.bfloat16):
+        w = weight.clone().requires_grad_()
+        ck.fused_linear_uncertainty_weighted_ce(hidden, w, target, chunk_size=1, reduction="sum",
+                                                accum_dtype=accum_dtype).backward()
+        grads[accum_dtype] = w.grad
+    assert not torch.equal(grads[torch.float32], grads[torch.bfloat16])
+    torch.testing.assert_close(grads[torch.bfloat16], grads[torch.float32], rtol=5e-2, atol=5e-2)
