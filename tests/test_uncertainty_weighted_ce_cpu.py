@@ -82,8 +82,8 @@ def test_opcheck(dtype, uncertainty, mode, reduction):
     buffer = z.clone()
     torch.library.opcheck(op, (buffer, *args, True, buffer))
     torch.library.opcheck(op, (z, *args, True, None), {"loss_in_logits_dtype": True})
-    loss, _, _ = op(z, *args, True, None, loss_in_logits_dtype=True)
-    wide, _, _ = op(z, *args, True, None)
+    loss, *_ = op(z, *args, True, None, loss_in_logits_dtype=True)
+    wide, *_ = op(z, *args, True, None)
     assert loss.dtype == dtype and wide.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert torch.equal(loss, wide.to(dtype))  # rounded once, from the float32 loss
 
