@@ -168,13 +168,13 @@ def test_inplace_writes_the_gradient_into_the_logits_buffer():
     z = torch.randn(7, 33)
     y = _targets(7, 33)
     buffer = z.clone()
-    loss, returned, _ = ops.uncertainty_weighted_ce(buffer, *_op_args(z, y, reduction="sum"), True, buffer)
+    loss, returned, *_ = ops.uncertainty_weighted_ce(buffer, *_op_args(z, y, reduction="sum"), True, buffer)
     assert returned.numel() == 0
-    exact_loss, exact_grad, _ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, None)
+    exact_loss, exact_grad, *_ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, None)
     torch.testing.assert_close(loss, exact_loss)
     torch.testing.assert_close(buffer, exact_grad)
     into = torch.full_like(z, float("nan"))
-    loss, returned, _ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, into)
+    loss, returned, *_ = ops.uncertainty_weighted_ce(z, *_op_args(z, y, reduction="sum"), True, into)
     assert returned.numel() == 0
     torch.testing.assert_close(loss, exact_loss)
     torch.testing.assert_close(into, exact_grad)
@@ -185,8 +185,8 @@ def test_inplace_on_column_strided_logits_writes_back():
     base = torch.randn(9, 6)
     view = base.t()  # (6, 9), column stride 6
     y = _targets(6, 9)
-    expected_loss, expected_grad, _ = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True, None)
-    loss, _, _ = ops.uncertainty_weighted_ce(view, *_op_args(view, y), True, view)
+    expected_loss, expected_grad, *_ = ops.uncertainty_weighted_ce(view.contiguous(), *_op_args(view, y), True, None)
+    loss, *_ = ops.uncertainty_weighted_ce(view, *_op_args(view, y), True, view)
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(base.t(), expected_grad)
 
@@ -331,7 +331,7 @@ def test_kernel_rejects_out_of_range_targets_without_python_checks(bad):
     ops = _op()
     z = torch.randn(4, 5)
     y = torch.tensor([0, bad, 1, -100])
-    *_, flag = ops.uncertainty_weighted_ce(z, *_op_args(z, y.clamp(0, 4)), True, None)
+    _, _, flag, *_ = ops.uncertainty_weighted_ce(z, *_op_args(z, y.clamp(0, 4)), True, None)
     assert flag.dtype == torch.int64 and flag.shape == (0,), "the CPU op raises; its target flag is empty"
     with pytest.raises(ValueError, match=f"target value {bad} is out of range for 5 classes"):
         ops.uncertainty_weighted_ce(z, *_op_args(z, y), True, None)
