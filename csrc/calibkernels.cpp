@@ -52,7 +52,8 @@ TORCH_LIBRARY(calibkernels, m) {
   // device-side target flag of the GPU kernels, which never raise on a bad target value (uncertainty_weighted_ce.h).
   // loss_in_logits_dtype: the loss in the logits' dtype, written so by the kernel (an eager step's loss then costs no
   // cast launch); float32 (float64) otherwise. return_stats: the fourth and fifth outputs are the logits' top-label
-  // statistics (confidence float32, prediction int64, (N,) each), computed in the loss pass; empty (0,) otherwise.
+  // statistics (confidence float32, prediction int64, (N,) each), computed in the CPU kernel's loss pass (on CUDA by
+  // ATen ops before the kernel); empty (0,) otherwise.
   m.def(
       "uncertainty_weighted_ce(Tensor logits, Tensor target, Tensor? sample_weight, Tensor? gamma_per_sample, "
       "int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad, "

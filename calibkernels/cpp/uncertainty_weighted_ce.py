@@ -2,7 +2,8 @@
 
 The schema is declared once in ``csrc/calibkernels.cpp`` and its contract in ``csrc/uncertainty_weighted_ce.h``: one
 forward computes ``L_i = u_i · CE_i`` (docs/losses.md) and the gradient of the reduced loss for ``grad_output = 1``,
-returned, or written into ``grad_out`` (the logits themselves for ``inplace=True``).
+returned, or written into ``grad_out`` (the logits themselves for ``inplace=True``), and with ``return_stats`` the
+logits' top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`) from the same pass over the rows.
 
 Layers, as in pytorch/extension-cpp and torchvision's ``csrc/ops``:
 

@@ -333,21 +333,39 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 
 #include "cpu/soft_target_rows.h"
 
-// return_stats (the op's contract in ../uncertainty_weighted_ce.h): a row's confidence max_k p_k from its top label
-// (row_top_label, taken before the row's loss pass, which may overwrite the row in place) and the normaliser that pass
-// left: exp(max - ref) / denom, which is 1 / denom where the pass referenced its exponentials to the max; NaN for a
-// row without a finite max, as calibkernels.loss_stats.top_label_stats.
+// return_stats (the op's contract in ../uncertainty_weighted_ce.h), row by row in a chunk of the row loop: the row's
+// top label (row_top_label), taken before the row's loss pass, which may overwrite the row in place; the normaliser
+// that pass leaves; then the confidence max_k p_k = exp(max - ref) / denom (1 / denom where the pass referenced its
+// exponentials to the max), NaN for a row without a finite max, and ignored rows' NaN / -1, as
+// calibkernels.loss_stats.top_label_stats. Each step is a no-op without return_stats (null outputs).
 template <typename T>
-float top_label_confidence(const TopLabel<T>& top, const RowNormaliser<T>& normaliser) {
-  if (!std::isfinite(top.max)) return std::numeric_limits<float>::quiet_NaN();
-  return static_cast<float>(std::exp(top.max - normaliser.ref) / normaliser.denom);
-}
+class RowStatsWriter {
+ public:
+  RowStatsWriter(float* confidence, int64_t* prediction) : confidence_(confidence), prediction_(prediction) {}
+  // where the row's loss pass leaves its normaliser (null: not asked for)
+  RowNormaliser<T>* normaliser() { return confidence_ != nullptr ? &normaliser_ : nullptr; }
+  void take_top_label(const T* row, int64_t C) {
+    if (confidence_ != nullptr) top_ = row_top_label(row, C);
+  }
+  void write(int64_t i) const {
+    if (confidence_ == nullptr) return;
+    confidence_[i] = std::isfinite(top_.max)
+                         ? static_cast<float>(std::exp(top_.max - normaliser_.ref) / normaliser_.denom)
+                         : std::numeric_limits<float>::quiet_NaN();
+    prediction_[i] = top_.index;
+  }
+  void write_ignored(int64_t i) const {
+    if (confidence_ == nullptr) return;
+    confidence_[i] = std::numeric_limits<float>::quiet_NaN();
+    prediction_[i] = -1;
+  }
 
-// The row statistics of an ignored row: NaN / -1.
-inline void write_ignored_stats(float* confidence, int64_t* prediction, int64_t i) {
-  confidence[i] = std::numeric_limits<float>::quiet_NaN();
-  prediction[i] = -1;
-}
+ private:
+  float* confidence_;
+  int64_t* prediction_;
+  TopLabel<T> top_{};
+  RowNormaliser<T> normaliser_{};
+};
 
 template <typename T>
 std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
@@ -417,10 +435,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
       const auto misalign = reinterpret_cast<uintptr_t>(exp_storage.data()) % 64;
       acc_t* const exps = exp_storage.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
       RowLoss<acc_t>* const parts = row_parts.data();
-      float* const confidence = args.confidence;
-      int64_t* const prediction = args.prediction;
-      RowNormaliser<acc_t> normaliser{};
-      RowNormaliser<acc_t>* const normaliser_out = confidence != nullptr ? &normaliser : nullptr;
+      RowStatsWriter<acc_t> stats(args.confidence, args.prediction);
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
         soft::RowTarget<acc_t> tg{nullptr, row_keep, row_uniform, acc_t(0), acc_t(0), 0, 0};
@@ -433,7 +448,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
           if (y == ignore_index) {
             parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
             if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
-            if (confidence != nullptr) write_ignored_stats(confidence, prediction, i);
+            stats.write_ignored(i);
             continue;
           }
           const acc_t lam = lambda_float != nullptr    ? static_cast<acc_t>(lambda_float[i * lambda_stride])
@@ -447,22 +462,18 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
         const acc_t gamma = gammas ? gammas[i] : default_gamma;
         const acc_t ext = weights ? weights[i] : acc_t(1);
         const scalar_t* const z_row = logits + i * zs;
-        TopLabel<acc_t> top{};
         if constexpr (kWiden) {
           at::vec::convert(z_row, scratch.data(), classes);
-          if (confidence != nullptr) top = row_top_label(scratch.data(), classes);
+          stats.take_top_label(scratch.data(), classes);
           parts[i] =
-              row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0, normaliser_out);
+              row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0, stats.normaliser());
           if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
         } else {
-          if (confidence != nullptr) top = row_top_label(z_row, classes);
+          stats.take_top_label(z_row, classes);
           parts[i] = row_fn(z_row, grad_row, tg, gamma, ext, exps, kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
-                            normaliser_out);
+                            stats.normaliser());
         }
-        if (confidence != nullptr) {
-          confidence[i] = top_label_confidence(top, normaliser);
-          prediction[i] = top.index;
-        }
+        stats.write(i);
       }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
       if (stream) avx512::stream_fence();  // make the streamed rows visible before the op returns
@@ -586,40 +597,33 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
         const acc_t row_scale = scale;
         const bool row_stream = stream;
         RowLoss<acc_t>* const parts = row_parts.data();
-        float* const confidence = args.confidence;
-        int64_t* const prediction = args.prediction;
-        RowNormaliser<acc_t> normaliser{};
-        RowNormaliser<acc_t>* const normaliser_out = confidence != nullptr ? &normaliser : nullptr;
+        RowStatsWriter<acc_t> stats(args.confidence, args.prediction);
         for (int64_t i = begin; i < end; ++i) {
           scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
           const int64_t y = targets[i];
           if (y == ignore_index) {
             parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
             if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
-            if (confidence != nullptr) write_ignored_stats(confidence, prediction, i);
+            stats.write_ignored(i);
             continue;
           }
           const scalar_t* const z_row = logits + i * zs;
           const acc_t gamma = gammas ? gammas[i] : row_spec.gamma;
           const acc_t ext = weights ? weights[i] : acc_t(1);
-          TopLabel<acc_t> top{};
           if constexpr (kWiden) {
             at::vec::convert(z_row, scratch.data(), classes);
-            if (confidence != nullptr) top = row_top_label(scratch.data(), classes);
+            stats.take_top_label(scratch.data(), classes);
             parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
                                                                 classes, y, row_spec, gamma, ext, row_scale, 0, exp_ptr,
-                                                                false, normaliser_out);
+                                                                false, stats.normaliser());
             if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
-            if (confidence != nullptr) top = row_top_label(z_row, classes);
+            stats.take_top_label(z_row, classes);
             parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
                 z_row, grad_row, classes, y, row_spec, gamma, ext, row_scale,
-                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream, normaliser_out);
+                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream, stats.normaliser());
           }
-          if (confidence != nullptr) {
-            confidence[i] = top_label_confidence(top, normaliser);
-            prediction[i] = top.index;
-          }
+          stats.write(i);
         }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
         // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads

@@ -11,12 +11,8 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/core/Tensor.h>
-#include <ATen/ops/amax.h>
 #include <ATen/ops/arange.h>
-#include <ATen/ops/argmax.h>
 #include <ATen/ops/empty.h>
-#include <ATen/ops/exp.h>
-#include <ATen/ops/sum.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -298,7 +294,7 @@ StatsOutputs top_label_stats_pass(const at::Tensor& logits, const at::Tensor& ta
   const at::Tensor z = logits.scalar_type() == at::kDouble ? logits.detach() : logits.detach().to(at::kFloat);
   const at::Tensor top = z.amax({1}, /*keepdim=*/true);
   at::Tensor prediction = z.argmax(1);  // the first maximum (the first NaN if any), as torch.argmax
-  at::Tensor confidence = at::exp(z - top).sum(1).reciprocal().to(at::kFloat);
+  at::Tensor confidence = z.sub(top).exp_().sum(1).reciprocal_().to(at::kFloat);
   if (!target.is_floating_point()) {
     const at::Tensor ignored = target.eq(ignore_index);
     confidence.masked_fill_(ignored, std::numeric_limits<float>::quiet_NaN());
