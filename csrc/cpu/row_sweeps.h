@@ -200,10 +200,18 @@ TopLabel<T> row_top_label(const T* z, int64_t C) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
   const Vec neg_inf(-std::numeric_limits<T>::infinity());
-  Vec best = neg_inf;
+  // four running maxima: one would be a chain of dependent NaN-propagating maxima (a max, a compare and an or each)
+  Vec best0 = neg_inf, best1 = neg_inf, best2 = neg_inf, best3 = neg_inf;
   int64_t k = 0;
-  for (; k + W <= C; k += W) best = at::vec::maximum(best, Vec::loadu(z + k));
-  if (k < C) best = at::vec::maximum(best, Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k));
+  for (; k + 4 * W <= C; k += 4 * W) {
+    best0 = at::vec::maximum(best0, Vec::loadu(z + k));
+    best1 = at::vec::maximum(best1, Vec::loadu(z + k + W));
+    best2 = at::vec::maximum(best2, Vec::loadu(z + k + 2 * W));
+    best3 = at::vec::maximum(best3, Vec::loadu(z + k + 3 * W));
+  }
+  for (; k + W <= C; k += W) best0 = at::vec::maximum(best0, Vec::loadu(z + k));
+  if (k < C) best1 = at::vec::maximum(best1, Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k));
+  const Vec best = at::vec::maximum(at::vec::maximum(best0, best1), at::vec::maximum(best2, best3));
   alignas(64) T lanes[W];
   best.store(lanes);
   T top = lanes[0];

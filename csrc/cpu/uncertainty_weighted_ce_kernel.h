@@ -334,10 +334,11 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 #include "cpu/soft_target_rows.h"
 
 // return_stats (the op's contract in ../uncertainty_weighted_ce.h), row by row in a chunk of the row loop: the row's
-// top label (row_top_label), taken before the row's loss pass, which may overwrite the row in place; the normaliser
-// that pass leaves; then the confidence max_k p_k = exp(max - ref) / denom (1 / denom where the pass referenced its
-// exponentials to the max), NaN for a row without a finite max, and ignored rows' NaN / -1, as
-// calibkernels.loss_stats.top_label_stats. Each step is a no-op without return_stats (null outputs).
+// top label (row_top_label), taken before the row's loss pass where that pass overwrites the row (in place, or a
+// widened scratch row), after it otherwise (the row is then in the cache); the normaliser that pass leaves; then the
+// confidence max_k p_k = exp(max - ref) / denom (1 / denom where the pass referenced its exponentials to the max), NaN
+// for a row without a finite max, and ignored rows' NaN / -1, as calibkernels.loss_stats.top_label_stats. Each step
+// is a no-op without return_stats (null outputs).
 template <typename T>
 class RowStatsWriter {
  public:
@@ -349,9 +350,10 @@ class RowStatsWriter {
   }
   void write(int64_t i) const {
     if (confidence_ == nullptr) return;
-    confidence_[i] = std::isfinite(top_.max)
-                         ? static_cast<float>(std::exp(top_.max - normaliser_.ref) / normaliser_.denom)
-                         : std::numeric_limits<float>::quiet_NaN();
+    // exp(0) = 1 needs no exponential: the pass referenced to the max, or to a target that holds it
+    const T top_over_ref = top_.max == normaliser_.ref ? T(1) : std::exp(top_.max - normaliser_.ref);
+    confidence_[i] = std::isfinite(top_.max) ? static_cast<float>(top_over_ref / normaliser_.denom)
+                                             : std::numeric_limits<float>::quiet_NaN();
     prediction_[i] = top_.index;
   }
   void write_ignored(int64_t i) const {
@@ -469,9 +471,12 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
               row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0, stats.normaliser());
           if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
         } else {
-          stats.take_top_label(z_row, classes);
+          // the top label before the row pass when it overwrites the row (in place), else after it, from the cache
+          const bool in_place = static_cast<const void*>(grad_row) == static_cast<const void*>(z_row);
+          if (in_place) stats.take_top_label(z_row, classes);
           parts[i] = row_fn(z_row, grad_row, tg, gamma, ext, exps, kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
                             stats.normaliser());
+          if (!in_place) stats.take_top_label(z_row, classes);
         }
         stats.write(i);
       }
@@ -618,10 +623,13 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
                                                                 false, stats.normaliser());
             if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
-            stats.take_top_label(z_row, classes);
+            // as in launch_soft_rows: the top label after the row pass unless that pass overwrites the row
+            const bool in_place = static_cast<const void*>(grad_row) == static_cast<const void*>(z_row);
+            if (in_place) stats.take_top_label(z_row, classes);
             parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
                 z_row, grad_row, classes, y, row_spec, gamma, ext, row_scale,
                 kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream, stats.normaliser());
+            if (!in_place) stats.take_top_label(z_row, classes);
           }
           stats.write(i);
         }
