@@ -217,14 +217,16 @@ def run(backend_module, inputs: LossInputs, inplace: bool, return_stats: bool = 
     inplace = inplace and compute_grad
     flag = None  # the target flag, where this function (not UncertaintyWeightedCE.forward) ran the kernel
     stats = None
-    stats_in_kernel = (return_stats and getattr(backend_module, "STATS_IN_KERNEL", False)
-                       and not hasattr(backend_module, "loss_with_autograd"))
+    stats_in_kernel = return_stats and getattr(backend_module, "STATS_IN_KERNEL", False)
     if return_stats and not stats_in_kernel:
         stats = loss_stats_of_inputs(inputs)  # before an in-place kernel overwrites the logits
     if hasattr(backend_module, "loss_with_autograd"):
         # the compiled op with its own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), eager or traced
-        loss, flag = backend_module.loss_with_autograd(logits, inputs.target, inputs.sample_weight, gamma_per_sample,
-                                                       *codes, inplace, *soft)
+        loss, flag, kernel_stats = backend_module.loss_with_autograd(
+            logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, inplace,
+            *(soft or (None, None, 0.0)), return_stats=stats_in_kernel)
+        if stats_in_kernel:
+            stats = kernel_stats
     elif compute_grad or (gamma_per_sample is not None and gamma_per_sample.requires_grad and torch.is_grad_enabled()):
         # autograd.Function.apply takes positional arguments only: the soft-target defaults spelled out
         loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,

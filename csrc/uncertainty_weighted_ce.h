@@ -14,8 +14,9 @@
 //       Tensor? mix_target=None (N,) int64: a mixup/cutmix partner class per row (valid on non-ignored rows),
 //       Tensor? mix_lambda=None () or (N,) float, in [0, 1]: t = λ e_target + (1 - λ) e_mix_target (with mix_target),
 //       float label_smoothing=0.0 in [0, 1]: t <- (1 - a) t + a / C),
-//       bool loss_in_logits_dtype=False)
-//     -> (Tensor loss, Tensor grad, Tensor target_flag)
+//       bool loss_in_logits_dtype=False,
+//       bool return_stats=False)
+//     -> (Tensor loss, Tensor grad, Tensor target_flag, Tensor confidence, Tensor prediction)
 //
 //   Soft targets (csrc/uncertainty_weights.h): the compact form above, or a dense target: a floating (N, C) `target`
 //   of probabilities per row (any float dtype; no ignored rows, the mean divides by N; no mix_target). Not with the
@@ -98,10 +99,11 @@ struct LossArguments {
   std::optional<at::Tensor> mix_lambda;
   double label_smoothing;
   bool loss_in_logits_dtype;
+  bool return_stats;
 };
 
-// (loss, grad, target_flag): see the contract above.
-using LossOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+// (loss, grad, target_flag, confidence, prediction): see the contract above.
+using LossOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // A kernel of the op as the dispatcher calls it: the schema's positional arguments, gathered into LossArguments for
 // `Kernel` (registered as m.impl("uncertainty_weighted_ce", &dispatcher_entry<the kernel>)).
@@ -112,10 +114,10 @@ LossOutputs dispatcher_entry(const at::Tensor& logits, const at::Tensor& target,
                              double gamma, double norm, int64_t ignore_index, int64_t reduction, bool compute_grad,
                              const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& mix_target,
                              const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
-                             bool loss_in_logits_dtype) {
+                             bool loss_in_logits_dtype, bool return_stats) {
   return Kernel(LossArguments{logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
                               reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
-                              loss_in_logits_dtype});
+                              loss_in_logits_dtype, return_stats});
 }
 
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/
@@ -255,15 +257,24 @@ at::Tensor gradient_destination(const at::Tensor& logits, const at::Tensor& z, b
   return (z_is_a_copy && grad_out->is_alias_of(logits)) ? z : at::empty({z.size(0), z.size(1)}, z.options());
 }
 
-// The op's outputs: (loss, the gradient buffer, flag), or (loss, an empty tensor, flag) once the gradient is in
-// grad_out.
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> finish_gradient(const at::Tensor& loss, const at::Tensor& dest,
-                                                                      bool compute_grad,
-                                                                      const std::optional<at::Tensor>& grad_out,
-                                                                      const at::Tensor& target_flag) {
-  if (!compute_grad || !grad_out.has_value()) return {loss, dest, target_flag};
+// The top-label statistics' outputs (confidence float32, prediction int64) on the logits' device: (N,) each to be
+// written by the kernel with return_stats, else empty (0,) tensors.
+struct StatsOutputs {
+  at::Tensor confidence, prediction;
+};
+inline StatsOutputs stats_outputs(const at::Tensor& logits, bool return_stats) {
+  const int64_t rows = return_stats ? logits.size(0) : 0;
+  return {at::empty({rows}, logits.options().dtype(at::kFloat)), at::empty({rows}, logits.options().dtype(at::kLong))};
+}
+
+// The op's outputs: (loss, the gradient buffer, flag, stats), or (loss, an empty tensor, flag, stats) once the
+// gradient is in grad_out.
+inline LossOutputs finish_gradient(const at::Tensor& loss, const at::Tensor& dest, bool compute_grad,
+                                   const std::optional<at::Tensor>& grad_out, const at::Tensor& target_flag,
+                                   const StatsOutputs& stats) {
+  if (!compute_grad || !grad_out.has_value()) return {loss, dest, target_flag, stats.confidence, stats.prediction};
   if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
-  return {loss, at::empty({0}, dest.options()), target_flag};
+  return {loss, at::empty({0}, dest.options()), target_flag, stats.confidence, stats.prediction};
 }
 
 }  // namespace calibkernels

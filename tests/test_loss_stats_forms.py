@@ -51,8 +51,8 @@ def _assert_same_stats(got: LossStats, want: LossStats, what: str):
     assert got.confidence.dtype == torch.float32 and got.prediction.dtype == torch.int64, what
     assert not got.confidence.requires_grad, what
     assert torch.equal(got.prediction, want.prediction), (what, got.prediction, want.prediction)
-    assert torch.equal(got.confidence.nan_to_num(-1.0), want.confidence.nan_to_num(-1.0)), (
-        what, got.confidence, want.confidence)
+    # a kernel's sum of exponentials may round its last bit otherwise than top_label_stats' (ignored rows NaN)
+    torch.testing.assert_close(got.confidence, want.confidence, rtol=1e-6, atol=0, equal_nan=True, msg=what)
 
 
 # ------------------------------------------------------------------------------------------------- fused linear

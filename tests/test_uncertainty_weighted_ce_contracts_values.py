@@ -350,8 +350,8 @@ def test_opcheck(backend, dtype, uncertainty, mode, reduction):
     if backend.name == "triton":
         return  # the Triton op writes its loss in float32 only
     torch.library.opcheck(op, (z, *args, True, None), {"loss_in_logits_dtype": True})
-    loss, _, _ = op(z, *args, True, None, loss_in_logits_dtype=True)
-    wide, _, _ = op(z, *args, True, None)
+    loss, *_ = op(z, *args, True, None, loss_in_logits_dtype=True)
+    wide, *_ = op(z, *args, True, None)
     assert loss.dtype == dtype and wide.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert torch.equal(loss, wide.to(dtype))  # rounded once, from the float32 loss
 
@@ -378,14 +378,14 @@ def test_inplace_op_writes_the_gradient_only_inside_the_logits(backend):
     logits = view.clone()
     y = _targets(n, c, device)
     args = _op_args(logits, y, reduction="sum")
-    expected_loss, expected_grad, _ = backend.op(logits, *args, True, None)
-    loss, returned, _ = backend.op(view, *args, True, view)
+    expected_loss, expected_grad, *_ = backend.op(logits, *args, True, None)
+    loss, returned, *_ = backend.op(view, *args, True, view)
     assert returned.numel() == 0
     assert (buffer[:, c:] == 123.0).all(), "padding between rows was written"
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(view, expected_grad)
     into = torch.full_like(logits, float("nan"))
-    loss, returned, _ = backend.op(logits, *args, True, into)
+    loss, returned, *_ = backend.op(logits, *args, True, into)
     assert returned.numel() == 0
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(into, expected_grad)
@@ -396,8 +396,8 @@ def test_inplace_op_writes_the_gradient_only_inside_the_logits(backend):
         with pytest.raises(ValueError, match="unit column stride"):
             backend.op(transposed, *args, True, transposed)
     elif backend.name == "cpu":
-        expected_loss, expected_grad, _ = backend.op(transposed.contiguous(), *args, True, None)
-        loss, _, _ = backend.op(transposed, *args, True, transposed)
+        expected_loss, expected_grad, *_ = backend.op(transposed.contiguous(), *args, True, None)
+        loss, *_ = backend.op(transposed, *args, True, transposed)
         torch.testing.assert_close(loss, expected_loss)
         torch.testing.assert_close(base.t(), expected_grad)
 
@@ -408,7 +408,7 @@ def test_no_gradient_buffer_without_grad(backend):
     require grad under no_grad: no gradient either, and inplace=True leaves them intact."""
     z = torch.randn(6, 13, device=backend.device)
     y = _targets(6, 13, backend.device)
-    loss, grad, flag = backend.op(z, *_op_args(z, y), False, None)
+    loss, grad, flag, *_ = backend.op(z, *_op_args(z, y), False, None)
     assert grad.shape == (0,) and loss.shape == (), "compute_grad=False must not write an N×C gradient"
     if backend.name == "cpu":
         assert flag.shape == (0,)

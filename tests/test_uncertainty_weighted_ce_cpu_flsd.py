@@ -39,7 +39,7 @@ SCHEDULED = ["flsd", "brier_flsd"]
 
 
 def _kernel_loss(z, y, uncertainty):
-    loss, _, _ = _op().uncertainty_weighted_ce(z, y, None, None, K.WEIGHT_CODES[uncertainty], K.MODE_CODES["grad"],
+    loss, *_ = _op().uncertainty_weighted_ce(z, y, None, None, K.WEIGHT_CODES[uncertainty], K.MODE_CODES["grad"],
                                                GAMMA,
                                             2.0, -100, K.REDUCTION_CODES["none"], False, None)
     return loss.double()

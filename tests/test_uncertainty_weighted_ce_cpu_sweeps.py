@@ -115,7 +115,7 @@ def test_target_reference_and_its_row_max_fallback(dtype, uncertainty, norm, mod
     sample_weight = torch.rand(rows) + 0.5 if uncertainty == "external" else None
     codes = (V.WEIGHT_CODES[uncertainty], V.MODE_CODES[mode], 3.0, norm, -100, V.REDUCTION_CODES["none"])
     buffer = z.clone()
-    loss, grad, _ = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True,
+    loss, grad, *_ = ops.uncertainty_weighted_ce(buffer, y, sample_weight, None, *codes, True,
                                                 buffer if inplace else None)
     if inplace:
         grad = buffer

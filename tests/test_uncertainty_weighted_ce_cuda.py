@@ -486,3 +486,31 @@ def test_per_sample_gamma(c):
     gamma[0] = 0.0
     for mode in MODES:
         check_op(_logits(n, c), _targets(n, c), uncertainty="focal", mode=mode, gamma_per_sample=gamma)
+
+
+@needs_gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["hard", "dense"])
+def test_op_returns_the_top_label_stats(kind, dtype):
+    """return_stats: the op's confidence and prediction are calibkernels.loss_stats.top_label_stats of the logits
+    (those before an in-place gradient overwrote them), NaN / -1 on ignored rows; loss and gradient unchanged."""
+    from calibkernels.loss_stats import top_label_stats
+
+    z = _logits(64, 37, dtype)
+    z[0, 1] = z[0, 3] = z[0].max() + 1  # a tie: the lower index
+    z[1, :10] = float("-inf")
+    y = _targets(64, 37) if kind == "hard" else torch.softmax(torch.randn(64, 37, device="cuda"), 1).to(dtype)
+    if kind == "hard":
+        y[1] = 20
+    op = torch.ops.calibkernels.uncertainty_weighted_ce
+    args = (y, None, None, V.WEIGHT_CODES["brier"], 1, 2.0, 2.0, -100, 1, True)
+    loss, grad, _, confidence, prediction = op(z, *args, None, return_stats=True)
+    want = top_label_stats(z, None if kind == "dense" else y == -100, (64,))
+    assert torch.equal(prediction, want.prediction)
+    torch.testing.assert_close(confidence, want.confidence, rtol=1e-5, atol=0, equal_nan=True)
+    plain_loss, plain_grad, *_ = op(z, *args, None)
+    assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
+    buffer = z.clone()
+    _, _, _, confidence, prediction = op(buffer, *args, buffer, return_stats=True)
+    assert torch.equal(prediction, want.prediction) and torch.equal(buffer, grad)
+    torch.testing.assert_close(confidence, want.confidence, rtol=1e-5, atol=0, equal_nan=True)

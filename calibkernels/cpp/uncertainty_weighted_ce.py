@@ -2,7 +2,8 @@
 
 The schema is declared once in ``csrc/calibkernels.cpp`` and its contract in ``csrc/uncertainty_weighted_ce.h``: one
 forward computes ``L_i = u_i · CE_i`` (docs/losses.md) and the gradient of the reduced loss for ``grad_output = 1``,
-returned, or written into ``grad_out`` (the logits themselves for ``inplace=True``).
+returned, or written into ``grad_out`` (the logits themselves for ``inplace=True``), and with ``return_stats`` the
+logits' top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`) from the same pass over the rows.
 
 Layers, as in pytorch/extension-cpp and torchvision's ``csrc/ops``:
 
@@ -27,6 +28,7 @@ import torch
 
 from .._target_checks import is_plain_eager
 from .._kernel_codes import REDUCTION_CODES
+from ..loss_stats import LossStats
 
 try:
     from .. import _C  # noqa: F401  (loading the library runs the TORCH_LIBRARY registrations)
@@ -41,6 +43,8 @@ __all__ = ["loss_with_autograd", "forward", "scale_grad_", "is_available", "SOFT
 
 # The CPU and CUDA kernels take soft targets (label smoothing, a mix, a dense target): calibkernels._backends.
 SOFT_TARGETS = True
+# The op writes the rows' top-label statistics in its loss pass (return_stats): calibkernels._autograd.
+STATS_IN_KERNEL = True
 
 _OP = torch.ops.calibkernels.uncertainty_weighted_ce.default
 _SCALE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_.default
@@ -50,7 +54,7 @@ _QUALNAME = "calibkernels::uncertainty_weighted_ce"
 @torch.library.register_fake(_QUALNAME)
 def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
                                   ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
-                                  label_smoothing=0.0, loss_in_logits_dtype=False):
+                                  label_smoothing=0.0, loss_in_logits_dtype=False, return_stats=False):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
     if loss_in_logits_dtype:
         loss_dtype = logits.dtype
@@ -60,7 +64,11 @@ def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sampl
     returned = compute_grad and grad_out is None
     # the target flag: two slots on CUDA, none on the CPU (its kernel raises instead)
     flag = logits.new_empty((2,) if logits.device.type == "cuda" else (0,), dtype=torch.int64)
-    return loss, logits.new_empty(tuple(logits.shape) if returned else (0,)), flag
+    # the top-label statistics: (N,) each with return_stats, else empty
+    stats_rows = logits.shape[0] if return_stats else 0
+    confidence = logits.new_empty((stats_rows,), dtype=torch.float32)
+    prediction = logits.new_empty((stats_rows,), dtype=torch.int64)
+    return loss, logits.new_empty(tuple(logits.shape) if returned else (0,)), flag, confidence, prediction
 
 
 @torch.library.register_fake("calibkernels::uncertainty_weighted_ce_scale_grad_")
@@ -75,10 +83,15 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
 
 
 def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None):
+            compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None,
+            return_stats=None):
     """``(loss, grad, target_flag)`` of the op below its autograd (the backend forward of
     :mod:`calibkernels._autograd`, for callers with an autograd of their own); the loss in the logits' dtype where
-    ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the op's float32 (float64)."""
+    ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the op's float32 (float64).
+
+    ``return_stats`` (a bool): ``(loss, grad, target_flag, stats)``, ``stats`` the op's
+    :class:`~calibkernels.loss_stats.LossStats` of the logits' rows, 1-D ``(N,)`` (the caller reshapes), computed by
+    the kernel in its loss pass, or ``None`` when ``False``. Left out (``None``), the three-element result."""
     eager = is_plain_eager(logits)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
@@ -86,24 +99,39 @@ def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, 
         gamma_per_sample = gamma_per_sample.detach()
     # Eager: below the Autograd key, straight to the device kernel. Traced: the op itself, one graph node.
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
-        loss, grad, flag = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm,
-                               ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
-                               loss_dtype == logits.dtype)
-    return loss, grad, _checked_flag(flag) if eager else None
+        loss, grad, flag, confidence, prediction = _OP(
+            logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
+            compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, loss_dtype == logits.dtype,
+            bool(return_stats))
+    flag = _checked_flag(flag) if eager else None
+    if return_stats is None:
+        return loss, grad, flag
+    return loss, grad, flag, LossStats(confidence, prediction) if return_stats else None
 
 
 def loss_with_autograd(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
-                       reduction, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0):
-    """``(loss, target_flag)`` of the op through its autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), in
-    eager and traced code alike: the one autograd of the compiled op, which computes the gradient only where the logits
-    need one. The loss in the logits' dtype; the target flag of an eager CUDA call, else ``None``. ``inplace``: the
-    gradient overwrites the logits (the caller passes it only when they need a gradient)."""
+                       reduction, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0, return_stats=False):
+    """``(loss, target_flag, stats)`` of the op through its autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp),
+    in eager and traced code alike: the one autograd of the compiled op, which computes the gradient only where the
+    logits need one. The loss in the logits' dtype; the target flag of an eager CUDA call, else ``None``.
+    ``inplace``: the gradient overwrites the logits (the caller passes it only when they need a gradient).
+    ``return_stats``: ``stats`` is the logits' top-label :class:`~calibkernels.loss_stats.LossStats`, 1-D ``(N,)``
+    (NaN / -1 on ignored rows, taken before an in-place gradient overwrites the logits, detached), written by the
+    kernel in its loss pass; else ``None``."""
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
-    loss, _, flag = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
-                        reduction, compute_grad, logits if inplace else None, mix_target, mix_lambda, label_smoothing,
-                        True)
+    grad_out = logits if inplace else None
+    if return_stats:
+        loss, _, flag, confidence, prediction = _OP(
+            logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
+            compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, True, True)
+        stats = LossStats(confidence, prediction)
+    else:  # the defaulted last argument left out: each argument of a boxed call costs
+        loss, _, flag, _, _ = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm,
+                                  ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda,
+                                  label_smoothing, True)
+        stats = None
     # the CPU kernel raises instead of flagging (an empty flag); a traced call's flag is nobody's to read
-    return loss, flag if flag.shape[0] and is_plain_eager(logits) else None
+    return loss, (flag if flag.shape[0] and is_plain_eager(logits) else None), stats
 
 
 def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:

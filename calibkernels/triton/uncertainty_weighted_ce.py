@@ -44,8 +44,9 @@ cost of one synchronisation per call; ``0`` never reads the flag).
 A mix is checked in the same scan (a ``mix_target`` outside ``[0, C)`` on a row whose target is not ignored, a λ
 outside [0, 1] or NaN: that row is NaN too), so a mixed batch costs no check launches of its own.
 
-Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` with ``torch.library.custom_op`` (the same
-schema as the compiled op: in place is its mutable ``grad_out`` argument) and ``register_fake``, so
+Registered as ``torch.ops.calibkernels.uncertainty_weighted_ce_triton`` with ``torch.library.custom_op`` (the
+compiled op's leading arguments: in place is its mutable ``grad_out`` argument; the top-label statistics go to
+optional mutable output buffers) and ``register_fake``, so
 ``torch.compile(fullgraph=True)`` keeps it in the graph and ``torch.library.opcheck`` passes; eager calls launch the
 kernels directly (:func:`forward`). (``triton_op`` / ``wrap_triton`` would let Inductor look inside, but it cannot
 trace kernels that run through the Triton interpreter, which is how this backend is tested on CPU.)

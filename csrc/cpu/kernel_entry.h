@@ -36,6 +36,9 @@ struct KernelArgs {
   Reduction reduction;
   int64_t valid_rows;  // non-ignored rows (the mean's divisor), counted by the caller's target check
   SoftTargetArgs soft = {};
+  // return_stats: the rows' top-label statistics, (N,) each (uncertainty_weighted_ce.h); null when not asked for
+  float* confidence = nullptr;
+  int64_t* prediction = nullptr;
 };
 
 // Runs the kernel over all rows of `z` (stride(1) == 1). Writes the gradient rows to `grad_ptr` (the logits' dtype,

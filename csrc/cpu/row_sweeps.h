@@ -177,6 +177,67 @@ T row_max(const T* z, int64_t C) {
   return horizontal_max(best);
 }
 
+// The logits' top label of a row, for the op's return_stats (calibkernels.loss_stats.top_label_stats): the row max
+// (NaN when the row holds a NaN: at::vec::maximum propagates it) and the first column holding it (the first NaN's), as
+// torch.amax and torch.argmax. A max sweep and a scan that stops at the first maximum, over a row the loss sweeps read
+// next (or just read): cache traffic, no exponential.
+template <typename T>
+struct TopLabel {
+  T max;
+  int64_t index;
+};
+
+// The normaliser of a row's softmax as its loss pass took it: denom = Σ_k exp(z_k - ref) for the reference point
+// `ref` of its exponentials (the target logit or the row max), so that max_k p_k = exp(max z - ref) / denom.
+template <typename T>
+struct RowNormaliser {
+  T ref;
+  T denom;
+};
+
+template <typename T>
+TopLabel<T> row_top_label(const T* z, int64_t C) {
+  using Vec = Vectorized<T>;
+  constexpr int64_t W = Vec::size();
+  const Vec neg_inf(-std::numeric_limits<T>::infinity());
+  // four running maxima: one would be a chain of dependent NaN-propagating maxima (a max, a compare and an or each)
+  Vec best0 = neg_inf, best1 = neg_inf, best2 = neg_inf, best3 = neg_inf;
+  int64_t k = 0;
+  for (; k + 4 * W <= C; k += 4 * W) {
+    best0 = at::vec::maximum(best0, Vec::loadu(z + k));
+    best1 = at::vec::maximum(best1, Vec::loadu(z + k + W));
+    best2 = at::vec::maximum(best2, Vec::loadu(z + k + 2 * W));
+    best3 = at::vec::maximum(best3, Vec::loadu(z + k + 3 * W));
+  }
+  for (; k + W <= C; k += W) best0 = at::vec::maximum(best0, Vec::loadu(z + k));
+  if (k < C) best1 = at::vec::maximum(best1, Vec::set(neg_inf, Vec::loadu(z + k, C - k), C - k));
+  const Vec best = at::vec::maximum(at::vec::maximum(best0, best1), at::vec::maximum(best2, best3));
+  alignas(64) T lanes[W];
+  best.store(lanes);
+  T top = lanes[0];
+  bool has_nan = false;
+  for (int64_t i = 0; i < W; ++i) {
+    has_nan |= std::isnan(lanes[i]);
+    top = std::max(top, lanes[i]);
+  }
+  if (has_nan) {
+    for (k = 0; k < C; ++k) {
+      if (std::isnan(z[k])) return {std::numeric_limits<T>::quiet_NaN(), k};
+    }
+  }
+  // zero_mask() of a compare has a bit set for each lane that is not equal (all-ones lanes are not 0)
+  const Vec top_vec(top);
+  constexpr int kAllLanes = (1 << W) - 1;
+  for (k = 0; k + W <= C; k += W) {
+    const int not_equal = (Vec::loadu(z + k) == top_vec).zero_mask();
+    if (not_equal != kAllLanes) return {top, k + __builtin_ctz(static_cast<unsigned>(~not_equal & kAllLanes))};
+  }
+  for (; k < C; ++k) {
+    if (z[k] == top) return {top, k};
+  }
+  return {top, 0};  // not reached: some column holds the max
+}
+
 // out[k] = exp(z[k] - m) for k in [lo, hi) (kStore; nothing is written otherwise); returns Σ exp(z[k] - m) and
 // (kSquare) Σ exp(z[k] - m)², block-wise two-level sums. Prefetches z[k + ahead] along the way (0: nothing new).
 // kShift (soft targets with label smoothing): also adds Σ (z[k] - m) over [lo, hi) to *shift_sum.

@@ -195,7 +195,7 @@ void rest_sums(const T* e, int64_t C, int64_t a, int64_t b, T& sum, T& sum_sq) {
 
 template <typename T, bool kAvx512 = false>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
-                            T external, T scale, T* exps, bool stream = false);
+                            T external, T scale, T* exps, bool stream = false, RowNormaliser<T>* normaliser = nullptr);
 
 // The weight families of compact_soft_row, a template parameter (with the mode, kLoss) so that each row's scalar code
 // holds only its own weight's terms (with the weight chosen at run time, every row would also carry the dead terms of
@@ -212,7 +212,7 @@ enum class SoftFamily {
 // the columns y and m written exactly. `exps` is a scratch row of C elements (z may be the gradient row: in place).
 template <typename T, SoftFamily kFamily, bool kLoss, bool kAvx512>
 RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
-                            T external, T scale, T* exps, int64_t ahead, bool stream) {
+                            T external, T scale, T* exps, int64_t ahead, bool stream, RowNormaliser<T>* normaliser) {
   constexpr bool kWide = kAvx512 && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
   constexpr bool kSquare = kFamily == SoftFamily::Square;
   const int64_t y = tg.y, m = tg.m;
@@ -252,7 +252,8 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
   bool target_reference = std::isfinite(z_y);
   if (!target_reference) ref = row_max(z, C);
   if (ref == -std::numeric_limits<T>::infinity() || std::isnan(ref)) {
-    return general_soft_row(z, grad, C, tg, spec, gamma, external, scale, exps);  // the reference's NaN/-inf rules
+    // the reference's NaN/-inf rules
+    return general_soft_row(z, grad, C, tg, spec, gamma, external, scale, exps, false, normaliser);
   }
   sweep(ref, ahead);
   if (target_reference && !(sum_others <= T(kTargetReferenceLimit))) {  // also NaN
@@ -272,6 +273,7 @@ RowLoss<T> compact_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
     rest_sums(e_row, C, y, m, rest, rest_sq);
   }
   const CompactRow<T> cr = compact_row(tg, C, z_y, z_m, ref, CompactSums<T>{e_y, e_m, sum_others, rest, shift_sum});
+  if (normaliser != nullptr) *normaliser = {ref, cr.denom};
 
   constexpr bool loss_mode = kLoss;  // the caller's dispatch on spec.mode
   const bool need_log = loss_mode || spec.flsd_schedule;
@@ -387,7 +389,7 @@ Vectorized<T> target_vector(const RowTarget<T>& tg, int64_t k, int64_t count) {
 // `stream` has them write the gradient with streaming stores (out of place; see use_streaming_stores).
 template <typename T, bool kAvx512>
 RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& tg, const RowSpec<T>& spec, T gamma,
-                            T external, T scale, T* exps, bool stream) {
+                            T external, T scale, T* exps, bool stream, RowNormaliser<T>* normaliser) {
   using Vec = Vectorized<T>;
   constexpr int64_t W = Vec::size();
   constexpr bool kWide = kAvx512 && std::is_same_v<T, float> && CALIBKERNELS_HAVE_AVX512_SWEEPS;
@@ -501,6 +503,7 @@ RowLoss<T> general_soft_row(const T* z, T* grad, int64_t C, const RowTarget<T>& 
       r.gamma = flsd_gamma(soft_flsd_band_probability(z_y, z_m, ref + log_denom, tg.w_y, tg.w_m, tg.c), gamma);
     }
   }
+  if (normaliser != nullptr) *normaliser = {ref, denom};
   const T inv_denom = T(1) / denom;
   const bool square = q == T(2);
   if (spec.weight == Weight::Brier && !(dense && square)) {

@@ -252,6 +252,12 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
   const at::Tensor dest = gradient_destination(a.logits, z, a.compute_grad, a.grad_out, [&] {
     return GradientBufferCache::instance().empty({z.size(0), z.size(1)}, z.options());
   });
+  // the top-label statistics are written by the row loop, each row's before its gradient overwrites it in place
+  const StatsOutputs stats = stats_outputs(a.logits, a.return_stats);
+  if (a.return_stats) {
+    args.confidence = stats.confidence.mutable_data_ptr<float>();
+    args.prediction = stats.prediction.mutable_data_ptr<int64_t>();
+  }
   void* grad_ptr = a.compute_grad ? dest.data_ptr() : nullptr;
   const int64_t grad_stride = a.compute_grad ? dest.stride(0) : 0;
   at::Tensor loss = isa == CpuIsa::Default ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, a.sample_weight,
@@ -261,7 +267,7 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
   if (dense_invalid.load()) check_dense_target_values(t);
   if (a.loss_in_logits_dtype && loss.scalar_type() != a.logits.scalar_type()) loss = loss.to(a.logits.scalar_type());
   // no flag: every bad target value has raised above
-  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, at::empty({0}, t.options().dtype(at::kLong)));
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, at::empty({0}, t.options().dtype(at::kLong)), stats);
 }
 
 }  // namespace

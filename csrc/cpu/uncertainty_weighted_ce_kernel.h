@@ -170,9 +170,10 @@ constexpr bool kAvx512OneExponentialPath =
 // `exp_row`: a scratch row of C elements for the exponentials, required when `grad` aliases `z` or `stream` is set:
 // the row-max fallback re-reads z after the first exponential sweep, so that sweep must not overwrite it.
 // `stream`: write the gradient with streaming stores (AVX-512 sweeps only; see use_streaming_stores).
+// `normaliser`: where to leave the row's softmax normaliser for return_stats (null: not asked for).
 template <typename T, PowQ kPow, bool kDual, bool kAvx512>
 RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
-                       T scale, int64_t ahead, T* exp_row, bool stream) {
+                       T scale, int64_t ahead, T* exp_row, bool stream, RowNormaliser<T>* normaliser) {
   const T inf = std::numeric_limits<T>::infinity();
   const T q = spec.q;
   const T z_y = z[y];
@@ -255,6 +256,7 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
   }
   const T e_y = e_y_stored ? exps[y] : std::exp(z_y - m);
   const T denom = e_y + sum_others;
+  if (normaliser != nullptr) *normaliser = {m, denom};
   const bool loss_mode = spec.mode == Mode::Loss;
   // CE = lse - z_y = (m - z_y) + log1p(denom - 1); denom - 1 = Σ_{k≠y} e_k exactly when the target is the max, so
   // log1p keeps full precision as p_y → 1. Outside "loss" mode nothing in the row needs the CE, so on the stored
@@ -331,6 +333,42 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 
 #include "cpu/soft_target_rows.h"
 
+// return_stats (the op's contract in ../uncertainty_weighted_ce.h), row by row in a chunk of the row loop: the row's
+// top label (row_top_label), taken before the row's loss pass where that pass overwrites the row (in place, or a
+// widened scratch row), after it otherwise (the row is then in the cache); the normaliser that pass leaves; then the
+// confidence max_k p_k = exp(max - ref) / denom (1 / denom where the pass referenced its exponentials to the max), NaN
+// for a row without a finite max, and ignored rows' NaN / -1, as calibkernels.loss_stats.top_label_stats. Each step
+// is a no-op without return_stats (null outputs).
+template <typename T>
+class RowStatsWriter {
+ public:
+  RowStatsWriter(float* confidence, int64_t* prediction) : confidence_(confidence), prediction_(prediction) {}
+  // where the row's loss pass leaves its normaliser (null: not asked for)
+  RowNormaliser<T>* normaliser() { return confidence_ != nullptr ? &normaliser_ : nullptr; }
+  void take_top_label(const T* row, int64_t C) {
+    if (confidence_ != nullptr) top_ = row_top_label(row, C);
+  }
+  void write(int64_t i) const {
+    if (confidence_ == nullptr) return;
+    // exp(0) = 1 needs no exponential: the pass referenced to the max, or to a target that holds it
+    const T top_over_ref = top_.max == normaliser_.ref ? T(1) : std::exp(top_.max - normaliser_.ref);
+    confidence_[i] = std::isfinite(top_.max) ? static_cast<float>(top_over_ref / normaliser_.denom)
+                                             : std::numeric_limits<float>::quiet_NaN();
+    prediction_[i] = top_.index;
+  }
+  void write_ignored(int64_t i) const {
+    if (confidence_ == nullptr) return;
+    confidence_[i] = std::numeric_limits<float>::quiet_NaN();
+    prediction_[i] = -1;
+  }
+
+ private:
+  float* confidence_;
+  int64_t* prediction_;
+  TopLabel<T> top_{};
+  RowNormaliser<T> normaliser_{};
+};
+
 template <typename T>
 std::optional<at::Tensor> per_sample(const std::optional<at::Tensor>& t) {
   if (!t.has_value()) return std::nullopt;
@@ -399,6 +437,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
       const auto misalign = reinterpret_cast<uintptr_t>(exp_storage.data()) % 64;
       acc_t* const exps = exp_storage.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
       RowLoss<acc_t>* const parts = row_parts.data();
+      RowStatsWriter<acc_t> stats(args.confidence, args.prediction);
       for (int64_t i = begin; i < end; ++i) {
         scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
         soft::RowTarget<acc_t> tg{nullptr, row_keep, row_uniform, acc_t(0), acc_t(0), 0, 0};
@@ -411,6 +450,7 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
           if (y == ignore_index) {
             parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
             if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
+            stats.write_ignored(i);
             continue;
           }
           const acc_t lam = lambda_float != nullptr    ? static_cast<acc_t>(lambda_float[i * lambda_stride])
@@ -426,12 +466,19 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
         const scalar_t* const z_row = logits + i * zs;
         if constexpr (kWiden) {
           at::vec::convert(z_row, scratch.data(), classes);
-          parts[i] = row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0);
+          stats.take_top_label(scratch.data(), classes);
+          parts[i] =
+              row_fn(scratch.data(), grad_row ? scratch.data() : nullptr, tg, gamma, ext, exps, 0, stats.normaliser());
           if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
         } else {
-          parts[i] =
-              row_fn(z_row, grad_row, tg, gamma, ext, exps, kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)));
+          // the top label before the row pass when it overwrites the row (in place), else after it, from the cache
+          const bool in_place = static_cast<const void*>(grad_row) == static_cast<const void*>(z_row);
+          if (in_place) stats.take_top_label(z_row, classes);
+          parts[i] = row_fn(z_row, grad_row, tg, gamma, ext, exps, kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)),
+                            stats.normaliser());
+          if (!in_place) stats.take_top_label(z_row, classes);
         }
+        stats.write(i);
       }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
       if (stream) avx512::stream_fence();  // make the streamed rows visible before the op returns
@@ -444,11 +491,11 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
   const acc_t row_scale = scale;
   if (!compact) {
     auto general = [&](auto avx512_tag) {
-      run_rows([row_spec, classes, row_scale, stream](const acc_t* z_row, acc_t* grad_row,
-                                                      const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
-                                                      acc_t* exps, int64_t) -> RowLoss<acc_t> {
+      run_rows([row_spec, classes, row_scale, stream](
+                   const acc_t* z_row, acc_t* grad_row, const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
+                   acc_t* exps, int64_t, RowNormaliser<acc_t>* normaliser) -> RowLoss<acc_t> {
         return soft::general_soft_row<acc_t, decltype(avx512_tag)::value>(z_row, grad_row, classes, tg, row_spec, gamma,
-                                                                          ext, row_scale, exps, stream);
+                                                                          ext, row_scale, exps, stream, normaliser);
       });
     };
     if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
@@ -459,12 +506,12 @@ void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stri
     return;
   }
   auto go_with = [&](auto family_tag, auto loss_tag, auto avx512_tag) {
-    run_rows([row_spec, classes, row_scale, stream](const acc_t* z_row, acc_t* grad_row,
-                                                    const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
-                                                    acc_t* exps, int64_t ahead) -> RowLoss<acc_t> {
+    run_rows([row_spec, classes, row_scale, stream](
+                 const acc_t* z_row, acc_t* grad_row, const soft::RowTarget<acc_t>& tg, acc_t gamma, acc_t ext,
+                 acc_t* exps, int64_t ahead, RowNormaliser<acc_t>* normaliser) -> RowLoss<acc_t> {
       return soft::compact_soft_row<acc_t, decltype(family_tag)::value, decltype(loss_tag)::value,
                                     decltype(avx512_tag)::value>(z_row, grad_row, classes, tg, row_spec, gamma, ext,
-                                                                 row_scale, exps, ahead, stream);
+                                                                 row_scale, exps, ahead, stream, normaliser);
     });
   };
   auto go = [&](auto family_tag, auto avx512_tag) {
@@ -555,12 +602,14 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
         const acc_t row_scale = scale;
         const bool row_stream = stream;
         RowLoss<acc_t>* const parts = row_parts.data();
+        RowStatsWriter<acc_t> stats(args.confidence, args.prediction);
         for (int64_t i = begin; i < end; ++i) {
           scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
           const int64_t y = targets[i];
           if (y == ignore_index) {
             parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
             if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
+            stats.write_ignored(i);
             continue;
           }
           const scalar_t* const z_row = logits + i * zs;
@@ -568,15 +617,21 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
           const acc_t ext = weights ? weights[i] : acc_t(1);
           if constexpr (kWiden) {
             at::vec::convert(z_row, scratch.data(), classes);
-            parts[i] =
-                process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr, classes,
-                                                         y, row_spec, gamma, ext, row_scale, 0, exp_ptr, false);
+            stats.take_top_label(scratch.data(), classes);
+            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
+                                                                classes, y, row_spec, gamma, ext, row_scale, 0, exp_ptr,
+                                                                false, stats.normaliser());
             if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
+            // as in launch_soft_rows: the top label after the row pass unless that pass overwrites the row
+            const bool in_place = static_cast<const void*>(grad_row) == static_cast<const void*>(z_row);
+            if (in_place) stats.take_top_label(z_row, classes);
             parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
                 z_row, grad_row, classes, y, row_spec, gamma, ext, row_scale,
-                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream);
+                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream, stats.normaliser());
+            if (!in_place) stats.take_top_label(z_row, classes);
           }
+          stats.write(i);
         }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
         // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads

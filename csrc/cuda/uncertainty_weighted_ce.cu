@@ -286,6 +286,23 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   return {loss, target_flag};
 }
 
+// The top-label statistics of return_stats (the contract in uncertainty_weighted_ce.h; calibkernels.loss_stats.
+// top_label_stats), taken with ATen ops in a pass of their own over the logits before the kernel runs (in place it
+// overwrites them): the row kernels' block reductions hold the max and the normaliser of the exponentials relative to
+// it, but not the arg-max, which would take one more block reduction in every row kernel.
+StatsOutputs top_label_stats_pass(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index) {
+  const at::Tensor z = logits.scalar_type() == at::kDouble ? logits.detach() : logits.detach().to(at::kFloat);
+  const at::Tensor top = z.amax({1}, /*keepdim=*/true);
+  at::Tensor prediction = z.argmax(1);  // the first maximum (the first NaN if any), as torch.argmax
+  at::Tensor confidence = z.sub(top).exp_().sum(1).reciprocal_().to(at::kFloat);
+  if (!target.is_floating_point()) {
+    const at::Tensor ignored = target.eq(ignore_index);
+    confidence.masked_fill_(ignored, std::numeric_limits<float>::quiet_NaN());
+    prediction.masked_fill_(ignored, -1);
+  }
+  return {confidence, prediction};
+}
+
 LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   Args args = check_args(a.logits, a.target, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
                          a.ignore_index, a.reduction);
@@ -298,13 +315,15 @@ LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
   const at::Tensor z = direct ? a.logits : a.logits.contiguous();
+  const StatsOutputs stats =
+      a.return_stats ? top_label_stats_pass(a.logits, a.target, a.ignore_index) : stats_outputs(a.logits, false);
   // In place each thread overwrites only the elements it read itself, after the row's reduction.
   const at::Tensor dest = gradient_destination(a.logits, z, a.compute_grad, a.grad_out,
                                                [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
   const auto [loss, target_flag] =
       run(z, a.compute_grad ? dest.data_ptr() : nullptr, a.compute_grad ? dest.stride(0) : 0, a.target, a.sample_weight,
           a.gamma_per_sample, a.mix_target, a.mix_lambda, args);
-  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag);
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag, stats);
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
