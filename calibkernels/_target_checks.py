@@ -139,8 +139,8 @@ def checking(tensor: torch.Tensor) -> bool:
     """Whether a flag of ``tensor``'s values handed to :func:`submit_check` now would be read: the policy is not
     ``off`` and nothing traces the call (``torch.compile``, a dispatch mode, a CUDA graph capture). Asked before the
     flag is computed, so that no device op runs for a flag nobody reads."""
-    return (POLICY != "off" and not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
-            and type(tensor) is torch.Tensor and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing()))
+    return (POLICY != "off" and is_plain_eager(tensor)
+            and not (tensor.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
 def submit(error: torch.Tensor, num_classes: int, ignore_index: int, dense_dtype: torch.dtype | None = None) -> None:

@@ -628,7 +628,7 @@ def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, 
     dense = target.is_floating_point()
     if dense:
         # a dense target's values: the CPU op checks them in its sweep, the GPU kernels flag them on plain eager calls
-        if (target.shape != logits.shape or target.dtype not in _DENSE_DTYPES or ignore_index != -100
+        if (target.shape != logits.shape or target.dtype not in DENSE_ROW_SUM_TOLERANCE or ignore_index != -100
                 or uncertainty == "dual_focal" or (target.requires_grad and torch.is_grad_enabled())
                 or not (checked_by == "cpu" or is_plain_eager(logits))):
             return None
@@ -643,8 +643,6 @@ def _common_call(logits, target, uncertainty, mode, gamma, norm, sample_weight, 
     return LossInputs(logits, target, uncertainty, mode, gamma, norm, None, reduction, ignore_index,
                       (logits.shape[0],), label_smoothing=float(label_smoothing), dense=dense)
 
-
-_DENSE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
 def _checked_inputs(

@@ -12,7 +12,8 @@ Layers, as in pytorch/extension-cpp and torchvision's ``csrc/ops``:
   :mod:`calibkernels._autograd` calls for eager and traced code alike;
 * :func:`forward`, the op below the Autograd key (the kernel alone), for callers with an autograd of their own
   (:mod:`calibkernels.fused_linear`);
-* :func:`scale_grad_`, the backward's in-place scaling on CUDA tensors (no host read of ``grad_output``);
+* the fake kernel of the backward's in-place scaling op on CUDA tensors, which the C++ autograd calls (no host read
+  of ``grad_output``);
 * :func:`is_available`, the backend interface of :mod:`calibkernels._backends` (``"cpu"``, ``"cuda"``).
 
 Importing this module raises ``ImportError`` if the extension ``calibkernels._C`` was not built; ``_backends``
@@ -39,7 +40,7 @@ except ImportError as exc:  # pragma: no cover - depends on the install
         f"Original error: {exc}"
     ) from exc
 
-__all__ = ["loss_with_autograd", "forward", "scale_grad_", "is_available", "SOFT_TARGETS"]
+__all__ = ["loss_with_autograd", "forward", "is_available", "SOFT_TARGETS"]
 
 # The CPU and CUDA kernels take soft targets (label smoothing, a mix, a dense target): calibkernels._backends.
 SOFT_TARGETS = True
@@ -47,7 +48,6 @@ SOFT_TARGETS = True
 STATS_IN_KERNEL = True
 
 _OP = torch.ops.calibkernels.uncertainty_weighted_ce.default
-_SCALE_OP = torch.ops.calibkernels.uncertainty_weighted_ce_scale_grad_.default
 _QUALNAME = "calibkernels::uncertainty_weighted_ce"
 
 
@@ -132,15 +132,6 @@ def loss_with_autograd(logits, target, sample_weight, gamma_per_sample, uncertai
         stats = None
     # the CPU kernel raises instead of flagging (an empty flag); a traced call's flag is nobody's to read
     return loss, (flag if flag.shape[0] and is_plain_eager(logits) else None), stats
-
-
-def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
-    """In place ``grad *= grad_output`` on CUDA tensors, reading ``grad_output`` on the device (rows whose factor is
-    exactly 1 are not touched, so ``loss.backward()`` costs one tiny launch)."""
-    if grad.dtype == torch.float64:
-        grad.mul_(grad_output[:, None] if grad_output.dim() == 1 else grad_output)
-    else:
-        _SCALE_OP(grad, grad_output)
 
 
 @functools.lru_cache(maxsize=None)
