@@ -49,7 +49,7 @@ from ._target_checks import is_plain_eager
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
 from ._validation import LossInputs, expanded, lambda_tensor
-from .loss_stats import LossStats, loss_stats_of_inputs
+from .loss_stats import LossStats, empty_loss_stats, loss_stats_of_inputs
 
 __all__ = ["UncertaintyWeightedCE", "run", "scale_saved_gradient", "is_plain_eager",
            "raise_if_create_graph"]
@@ -96,7 +96,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
         if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == MODE_CODES["loss"]:
             # read the logits before an in-place kernel overwrites them
             gamma_factor = gamma_gradient_factor(logits, target, gamma_per_sample, ignore_index, reduction)
-        stats = _stats_buffers(logits) if return_stats else None
+        stats = empty_loss_stats(logits.shape[0], logits.device) if return_stats else None
         loss, grad, flag = backend_module.forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode,
                                                   gamma, norm, ignore_index, reduction, True,
                                                   logits if inplace else None,
@@ -159,13 +159,6 @@ def _soft_arguments(mix_target=None, mix_lambda=None, label_smoothing=0.0) -> tu
     if mix_target is None and mix_lambda is None and label_smoothing == 0.0:
         return ()
     return mix_target, mix_lambda, label_smoothing
-
-
-def _stats_buffers(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``(N,)`` float32 confidence and int64 prediction buffers a kernel writes the rows' statistics into."""
-    num_rows = logits.shape[0]
-    return (torch.empty(num_rows, dtype=torch.float32, device=logits.device),
-            torch.empty(num_rows, dtype=torch.int64, device=logits.device))
 
 
 def _stats_keyword(stats) -> dict:
@@ -236,7 +229,7 @@ def run(backend_module, inputs: LossInputs, inplace: bool, return_stats: bool = 
             loss, *stats = loss
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
-        buffers = _stats_buffers(logits) if stats_in_kernel else None
+        buffers = empty_loss_stats(logits.shape[0], logits.device) if stats_in_kernel else None
         loss, _, flag = backend_module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
                                                False, None, *soft, loss_dtype=logits.dtype, **_stats_keyword(buffers))
         if stats_in_kernel:

@@ -50,7 +50,7 @@ from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, ch
                           check_per_sample_gamma, check_reduction, check_sample_weight, check_scalar_gamma,
                           check_target_values, check_uncertainty, device_target_flag, lambda_tensor,
                           one_hot_for_dual_focal, soft_target_request)
-from .loss_stats import LossStats, check_return_stats, top_label_stats
+from .loss_stats import LossStats, check_return_stats, empty_loss_stats, top_label_stats
 from .more_losses import common_repr
 from .reference import uncertainty_weighted_ce_from_inputs
 
@@ -387,12 +387,6 @@ _DOUBLE_BACKWARD_MESSAGE = (
 )
 
 
-def _stats_buffers(num_rows: int, device) -> LossStats:
-    """The ``(N,)`` float32 confidence and int64 prediction that :func:`_chunked_pass` fills chunk by chunk."""
-    return LossStats(torch.empty(num_rows, dtype=torch.float32, device=device),
-                     torch.empty(num_rows, dtype=torch.int64, device=device))
-
-
 class FusedLinearUWCE(torch.autograd.Function):
     """Autograd of :func:`fused_linear_uncertainty_weighted_ce` on validated 2-D inputs (module docstring).
 
@@ -409,7 +403,7 @@ class FusedLinearUWCE(torch.autograd.Function):
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.chunk, ctx.reduction = spec, chunk, reduction
         ctx.weight_dtype = linear_weight.dtype
-        stats = _stats_buffers(hidden.shape[0], hidden.device) if return_stats else None
+        stats = empty_loss_stats(hidden.shape[0], hidden.device) if return_stats else None
         if stats is not None:
             ctx.mark_non_differentiable(*stats)
         if reduction == "none":
@@ -631,7 +625,7 @@ def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
                                     spec.ignore_index, chunk, mix1d, lam, spec.label_smoothing, return_stats,
                                     spec.accum_dtype)
         return (out[0], LossStats(*out[1:])) if return_stats else (out, None)
-    stats = _stats_buffers(hidden2d.shape[0], hidden2d.device) if return_stats else None
+    stats = empty_loss_stats(hidden2d.shape[0], hidden2d.device) if return_stats else None
     with torch.no_grad():
         row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
                                      None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,

@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["LossStats", "check_return_stats", "loss_stats_of_inputs", "top_label_stats"]
+__all__ = ["LossStats", "check_return_stats", "empty_loss_stats", "loss_stats_of_inputs", "top_label_stats"]
 
 
 class LossStats(NamedTuple):
@@ -32,6 +32,13 @@ class LossStats(NamedTuple):
 
     confidence: torch.Tensor
     prediction: torch.Tensor
+
+
+def empty_loss_stats(num_rows: int, device) -> LossStats:
+    """Uninitialised ``(N,)`` float32 confidence and int64 prediction buffers, for a kernel (or a loop over chunks)
+    to write the rows' statistics into."""
+    return LossStats(torch.empty(num_rows, dtype=torch.float32, device=device),
+                     torch.empty(num_rows, dtype=torch.int64, device=device))
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
