@@ -90,7 +90,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
                 reduction, inplace, backend_module, mix_target=None, mix_lambda=None, label_smoothing=0.0,
-                loss_dtype=None, return_stats=False):
+                loss_dtype=None, return_stats=False, options=None):
         # return_stats (a backend with STATS_IN_KERNEL): (loss, confidence, prediction), the last two without gradient
         gamma_factor = None
         if gamma_per_sample is not None and ctx.needs_input_grad[3] and mode == MODE_CODES["loss"]:
@@ -101,7 +101,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
                                                   gamma, norm, ignore_index, reduction, True,
                                                   logits if inplace else None,
                                                   *_soft_arguments(mix_target, mix_lambda, label_smoothing),
-                                                  loss_dtype=loss_dtype, **_stats_keyword(stats))
+                                                  loss_dtype=loss_dtype, **_stats_keyword(stats), **(options or {}))
         if flag is not None:
             _target_checks.submit(flag, logits.shape[-1], ignore_index, _dense_dtype(target))
         if inplace:
@@ -131,7 +131,7 @@ class UncertaintyWeightedCE(torch.autograd.Function):
         if gamma_factor is not None and grad_loss is not None:
             d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
         return (d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None, None, None, None,
-                None)
+                None, None)
 
 
 DOUBLE_BACKWARD_MESSAGE = (
@@ -159,6 +159,38 @@ def _soft_arguments(mix_target=None, mix_lambda=None, label_smoothing=0.0) -> tu
     if mix_target is None and mix_lambda is None and label_smoothing == 0.0:
         return ()
     return mix_target, mix_lambda, label_smoothing
+
+
+def _option_keywords(inputs: LossInputs) -> tuple:
+    """``(keywords, z_rows)``: the drop-in options of a backend forward (class weights, z-loss, soft-capping; none at
+    all without them, the backends' defaults), and the ``(N,)`` buffer that receives the rows' z-loss where the call
+    returns it (``z_loss_out``), else ``None``."""
+    if inputs.class_weight is None and inputs.lse_square_scale == 0.0 and inputs.softcap is None:
+        return {}, None
+    keywords = {"class_weight": inputs.class_weight, "lse_square_scale": float(inputs.lse_square_scale),
+                "softcap": 0.0 if inputs.softcap is None else float(inputs.softcap)}
+    z_rows = None
+    if inputs.return_z_loss and inputs.lse_square_scale != 0.0:
+        logits = inputs.logits
+        z_rows = logits.new_empty((logits.shape[0],), dtype=torch.float64 if logits.dtype == torch.float64
+                                  else torch.float32)
+        keywords["z_loss_out"] = z_rows
+    return keywords, z_rows
+
+
+def _reduced_z_loss(inputs: LossInputs, z_rows) -> torch.Tensor:
+    """The z-loss reduced as the loss is (the mean over the non-ignored rows, 0 if none) in the logits' dtype and
+    batch shape, from the rows' values (``None``: a zero z-loss scale)."""
+    logits = inputs.logits
+    if z_rows is None:
+        z_rows = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
+    if inputs.reduction == "none":
+        return z_rows.reshape(inputs.batch_shape).to(logits.dtype)
+    total = z_rows.sum()
+    if inputs.reduction == "mean":
+        count = logits.shape[0] if inputs.dense else (inputs.target != inputs.ignore_index).sum()
+        total = total / (count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1))
+    return total.to(logits.dtype)
 
 
 def _stats_keyword(stats) -> dict:
@@ -213,25 +245,27 @@ def run(backend_module, inputs: LossInputs, inplace: bool, return_stats: bool = 
     stats_in_kernel = return_stats and getattr(backend_module, "STATS_IN_KERNEL", False)
     if return_stats and not stats_in_kernel:
         stats = loss_stats_of_inputs(inputs)  # before an in-place kernel overwrites the logits
+    options, z_rows = _option_keywords(inputs)
     if hasattr(backend_module, "loss_with_autograd"):
         # the compiled op with its own autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp), eager or traced
         loss, flag, kernel_stats = backend_module.loss_with_autograd(
             logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes, inplace,
-            *(soft or (None, None, 0.0)), return_stats=stats_in_kernel)
+            *(soft or (None, None, 0.0)), return_stats=stats_in_kernel, **options)
         if stats_in_kernel:
             stats = kernel_stats
     elif compute_grad or (gamma_per_sample is not None and gamma_per_sample.requires_grad and torch.is_grad_enabled()):
         # autograd.Function.apply takes positional arguments only: the soft-target defaults spelled out
         loss = UncertaintyWeightedCE.apply(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
                                            inplace, backend_module, *(soft or (None, None, 0.0)), logits.dtype,
-                                           stats_in_kernel)
+                                           stats_in_kernel, options)
         if stats_in_kernel:
             loss, *stats = loss
     else:
         # no autograd: the kernel skips the gradient entirely (no N×C write)
         buffers = empty_loss_stats(logits.shape[0], logits.device) if stats_in_kernel else None
         loss, _, flag = backend_module.forward(logits, inputs.target, inputs.sample_weight, gamma_per_sample, *codes,
-                                               False, None, *soft, loss_dtype=logits.dtype, **_stats_keyword(buffers))
+                                               False, None, *soft, loss_dtype=logits.dtype, **_stats_keyword(buffers),
+                                               **options)
         if stats_in_kernel:
             stats = buffers
     if flag is not None:
@@ -239,11 +273,13 @@ def run(backend_module, inputs: LossInputs, inplace: bool, return_stats: bool = 
     if reduction == _NONE and loss.shape != inputs.batch_shape:
         loss = loss.reshape(inputs.batch_shape)
     loss = loss if loss.dtype == logits.dtype else loss.to(logits.dtype)
+    if inputs.return_z_loss:
+        loss = (loss, _reduced_z_loss(inputs, z_rows))
     if not return_stats:
         return loss
     if stats_in_kernel:
         stats = LossStats(stats[0].reshape(inputs.batch_shape), stats[1].reshape(inputs.batch_shape))
-    return loss, stats
+    return (*loss, stats) if inputs.return_z_loss else (loss, stats)
 
 
 _NONE = REDUCTION_CODES["none"]

@@ -168,17 +168,23 @@ _chosen: dict = {}
 
 
 def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda,
-                    reference_only: str | None = None) -> tuple:
+                    options: str | None = None, uncertainty: str | None = None) -> tuple:
     """``(name, cannot_run)``: the backend that runs a call of :func:`calibkernels.uncertainty_weighted_ce` with these
     arguments (:func:`resolve_for_shape`), or ``("reference", error)`` when the named backend cannot run it, so that
     the arguments are checked (as the reference checks them) before ``error`` is raised. Read from the arguments'
     types and shapes only; malformed arguments are left to the checks. Eager choices are kept per (backend, device,
-    target kind): the choice costs microseconds a small training step notices. ``reference_only``: the options of
-    the call that only the reference computes yet (e.g. ``"per-class weights"``), which a named fused backend refuses
-    with ``NotImplementedError`` and ``"auto"`` leaves to the reference with one ``RuntimeWarning``."""
-    if reference_only is not None:
-        return _reference_for(backend, logits, reference_only)
+    target kind): the choice costs microseconds a small training step notices. ``options``: the drop-in options the
+    call asks for, named for a message (e.g. ``"per-class weights"``); a fused backend runs them where its module
+    sets ``OPTIONS_IN_KERNEL`` (not with ``uncertainty="dual_focal"``), otherwise a named fused backend refuses them
+    with ``NotImplementedError`` and ``"auto"`` leaves them to the reference with one ``RuntimeWarning``."""
     eager = not torch.compiler.is_compiling()
+    if options is not None:
+        name, cannot_run = _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda,
+                                   eager)
+        if cannot_run is not None or name == "reference" or (
+                getattr(module(name), "OPTIONS_IN_KERNEL", False) and uncertainty != "dual_focal"):
+            return name, cannot_run
+        return _options_on_reference(backend, options)
     # class indices, the common call: kept per (backend, device, row width within the CUDA kernel's)
     common = (eager and type(backend) is str and type(logits) is torch.Tensor and type(target) is torch.Tensor
               and mix_target is None and mix_lambda is None and type(label_smoothing) is float and label_smoothing == 0
@@ -230,23 +236,16 @@ def _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, m
 _warned_reference_only: set = set()
 
 
-def _reference_for(backend, logits, options: str) -> tuple:
-    """:func:`choose_for_call` for a call with options only the reference computes yet."""
-    device = logits.device if isinstance(logits, torch.Tensor) else torch.device("cpu")
-    try:
-        name = resolve(backend, device)
-    except RuntimeError as exc:
-        return "reference", exc
-    if name == "reference":
-        return name, None
+def _options_on_reference(backend, options: str) -> tuple:
+    """:func:`choose_for_call` for a call with options that the fused backend it would take does not compute."""
     if backend != "auto":
         return "reference", NotImplementedError(
-            f"calibkernels backend {backend!r} does not compute {options} yet: use backend='reference' (or 'auto', "
-            "which runs it)")
+            f"calibkernels backend {backend!r} does not compute {options} for this call: use backend='reference' (or "
+            "'auto', which runs it)")
     if options not in _warned_reference_only:
         _warned_reference_only.add(options)
-        warnings.warn(f"calibkernels: the fused kernels do not compute {options} yet; running the pure-PyTorch "
-                      "reference (slower, more memory).", RuntimeWarning, stacklevel=4)
+        warnings.warn(f"calibkernels: the fused kernel does not compute {options} for this call; running the "
+                      "pure-PyTorch reference (slower, more memory).", RuntimeWarning, stacklevel=4)
     return "reference", None
 
 

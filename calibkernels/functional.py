@@ -52,8 +52,9 @@ def uncertainty_weighted_ce(
         lse_square_scale, return_z_loss: the z-loss ``s · logsumexp(z_i)²`` added to each non-ignored row (Liger's
             names); ``return_z_loss=True`` returns ``(loss, z_loss)``.
         softcap: ``c``: the logits become ``c · tanh(z / c)`` first (Gemma-2's soft-capping).
-            Class weights, the z-loss and soft-capping run on the reference for now: ``backend="auto"`` takes it
-            with one ``RuntimeWarning``, a named fused backend raises ``NotImplementedError``.
+            The fused kernels compute class weights, the z-loss and soft-capping in their pass over the rows, except
+            with ``uncertainty="dual_focal"`` (and on a backend whose kernel lacks them): ``backend="auto"`` then
+            runs the reference with one ``RuntimeWarning``, a named fused backend raises ``NotImplementedError``.
         return_stats: also return a :class:`calibkernels.LossStats` (top-label confidence and prediction per row,
             NaN / -1 on ignored rows), last: ``(loss, stats)``; docs/metrics.md, "Monitor calibration while training".
         label_smoothing: α in [0, 1]; the target becomes ``(1 - α) t + α / C`` (``F.cross_entropy``'s convention).
@@ -76,17 +77,17 @@ def uncertainty_weighted_ce(
     """
     # The route of every call: which backend runs it, the argument checks (those of values where that backend does not
     # make them itself), the op.
-    reference_only = None
+    options = None
     if not (weight is None and softcap is None and return_z_loss is False and type(lse_square_scale) is float
             and lse_square_scale == 0.0):
-        reference_only = _reference_only_options(weight, lse_square_scale, return_z_loss, softcap)
+        options = _drop_in_options(weight, lse_square_scale, return_z_loss, softcap)
     name, cannot_run = _backends.choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target,
-                                                 mix_lambda, reference_only)
+                                                 mix_lambda, options, uncertainty)
     inputs = check_loss_inputs(
         logits, target, uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, sample_weight=sample_weight,
         weight=weight, reduction=reduction, ignore_index=ignore_index, label_smoothing=label_smoothing,
         mix_target=mix_target, mix_lambda=mix_lambda, checked_by=name, lse_square_scale=lse_square_scale,
-        return_z_loss=return_z_loss, softcap=softcap, class_weight_supported=name == "reference")
+        return_z_loss=return_z_loss, softcap=softcap, class_weight_supported=True)
     if type(inplace) is not bool:
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     if return_stats is not False:
@@ -98,8 +99,8 @@ def uncertainty_weighted_ce(
     return _backends.run(name, inputs, inplace, return_stats)
 
 
-def _reference_only_options(weight, lse_square_scale, return_z_loss, softcap) -> str | None:
-    """The options of a call that only the reference computes yet, named for a message, or ``None``."""
+def _drop_in_options(weight, lse_square_scale, return_z_loss, softcap) -> str | None:
+    """The drop-in options a call asks for, named for a message, or ``None``."""
     wanted = [name for name, given in (
         ("per-class weights", isinstance(weight, torch.Tensor)),
         ("the z-loss", return_z_loss is True or not (type(lse_square_scale) in (float, int) and lse_square_scale == 0)),

@@ -77,9 +77,14 @@ def top_label_stats(logits2d: torch.Tensor, ignored: torch.Tensor | None, batch_
 
 def loss_stats_of_inputs(inputs) -> LossStats:
     """:func:`top_label_stats` of validated loss inputs (``calibkernels._validation.LossInputs``): class-index
-    targets ignore the rows whose target is ``ignore_index``, probability targets (``inputs.dense``) none."""
+    targets ignore the rows whose target is ``ignore_index``, probability targets (``inputs.dense``) none; of the
+    soft-capped logits where the call caps them."""
     ignored = None if inputs.dense else inputs.target == inputs.ignore_index
-    return top_label_stats(inputs.logits, ignored, inputs.batch_shape)
+    logits = inputs.logits
+    if inputs.softcap is not None:  # the capped logits are the model's: c · tanh(z / c), in a float32 (64) compute
+        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
+        logits = inputs.softcap * torch.tanh(logits.detach().to(compute) / inputs.softcap)
+    return top_label_stats(logits, ignored, inputs.batch_shape)
 
 
 def check_return_stats(return_stats) -> bool:

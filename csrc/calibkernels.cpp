@@ -53,12 +53,15 @@ TORCH_LIBRARY(calibkernels, m) {
   // loss_in_logits_dtype: the loss in the logits' dtype, written so by the kernel (an eager step's loss then costs no
   // cast launch); float32 (float64) otherwise. return_stats: the fourth and fifth outputs are the logits' top-label
   // statistics (confidence float32, prediction int64, (N,) each), computed in the CPU kernel's loss pass (on CUDA by
-  // ATen ops before the kernel); empty (0,) otherwise.
+  // ATen ops before the kernel); empty (0,) otherwise. class_weight, lse_square_scale, softcap: F.cross_entropy's
+  // per-class weights, Liger-Kernel's z-loss and Gemma-2's logit soft-capping (0 is off); the sixth output is the
+  // rows' z-loss where lse_square_scale is not 0.
   m.def(
       "uncertainty_weighted_ce(Tensor logits, Tensor target, Tensor? sample_weight, Tensor? gamma_per_sample, "
       "int weight, int loss_mode, float gamma, float norm, int ignore_index, int reduction, bool compute_grad, "
       "Tensor(a!)? grad_out, Tensor? mix_target=None, Tensor? mix_lambda=None, float label_smoothing=0.0, "
-      "bool loss_in_logits_dtype=False, bool return_stats=False) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "bool loss_in_logits_dtype=False, bool return_stats=False, Tensor? class_weight=None, "
+      "float lse_square_scale=0.0, float softcap=0.0) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   // The backward on CUDA tensors in eager mode: grad *= grad_output (0-dim, or (N,) per row), in place, without
   // reading grad_output on the host.
   m.def("uncertainty_weighted_ce_scale_grad_(Tensor(a!) grad, Tensor grad_output) -> ()");

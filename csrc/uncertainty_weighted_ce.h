@@ -15,8 +15,19 @@
 //       Tensor? mix_lambda=None () or (N,) float, in [0, 1]: t = λ e_target + (1 - λ) e_mix_target (with mix_target),
 //       float label_smoothing=0.0 in [0, 1]: t <- (1 - a) t + a / C),
 //       bool loss_in_logits_dtype=False,
-//       bool return_stats=False)
-//     -> (Tensor loss, Tensor grad, Tensor target_flag, Tensor confidence, Tensor prediction)
+//       bool return_stats=False,
+//       Tensor? class_weight=None (C,) float on the logits' device: F.cross_entropy's per-class weights,
+//       float lse_square_scale=0.0 >= 0: the z-loss s · logsumexp(z_i)^2 added to each non-ignored row,
+//       float softcap=0.0 >= 0: the logits become c · tanh(z / c) first where c = softcap > 0)
+//     -> (Tensor loss, Tensor grad, Tensor target_flag, Tensor confidence, Tensor prediction, Tensor z_loss)
+//
+//   The options (docs/losses.md, "Coming from F.cross_entropy / Liger-Kernel"): with t' = w ⊙ t (w = class_weight,
+//   t the row's target distribution) and z' the capped logits, L_i = u_i · CE_i^w + s · lse_i², CE_i^w = -Σ_k t'_k
+//   log p_k, u_i from the unweighted t; "mean" divides the first part by Σ_i <w, t̄_i> over non-ignored rows (t̄ the
+//   target before smoothing; N for a dense target) and the z-loss by the non-ignored rows. The gradient goes through
+//   the cap: dL/dz_k = dL/dz'_k (1 - (z'_k / c)²).
+//   z_loss: the rows' s · lse_i² ((N,), 0 on ignored rows; float32, float64 for float64 logits) where
+//         lse_square_scale != 0, else an empty (0,) tensor.
 //
 //   Soft targets (csrc/uncertainty_weights.h): the compact form above, or a dense target: a floating (N, C) `target`
 //   of probabilities per row (any float dtype; no ignored rows, the mean divides by N; no mix_target). Not with the
@@ -44,6 +55,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <tuple>
@@ -100,10 +112,16 @@ struct LossArguments {
   double label_smoothing;
   bool loss_in_logits_dtype;
   bool return_stats;
+  std::optional<at::Tensor> class_weight;
+  double lse_square_scale;
+  double softcap;
+
+  // Whether the call asks for any of the drop-in options (class weights, z-loss, soft-capping).
+  bool has_options() const { return class_weight.has_value() || lse_square_scale != 0.0 || softcap != 0.0; }
 };
 
-// (loss, grad, target_flag, confidence, prediction): see the contract above.
-using LossOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+// (loss, grad, target_flag, confidence, prediction, z_loss): see the contract above.
+using LossOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 
 // A kernel of the op as the dispatcher calls it: the schema's positional arguments, gathered into LossArguments for
 // `Kernel` (registered as m.impl("uncertainty_weighted_ce", &dispatcher_entry<the kernel>)).
@@ -114,10 +132,28 @@ LossOutputs dispatcher_entry(const at::Tensor& logits, const at::Tensor& target,
                              double gamma, double norm, int64_t ignore_index, int64_t reduction, bool compute_grad,
                              const std::optional<at::Tensor>& grad_out, const std::optional<at::Tensor>& mix_target,
                              const std::optional<at::Tensor>& mix_lambda, double label_smoothing,
-                             bool loss_in_logits_dtype, bool return_stats) {
-  return Kernel(LossArguments{logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
-                              reduction, compute_grad, grad_out, mix_target, mix_lambda, label_smoothing,
-                              loss_in_logits_dtype, return_stats});
+                             bool loss_in_logits_dtype, bool return_stats,
+                             const std::optional<at::Tensor>& class_weight, double lse_square_scale, double softcap) {
+  return Kernel(LossArguments{logits,
+                              target,
+                              sample_weight,
+                              gamma_per_sample,
+                              weight,
+                              mode,
+                              gamma,
+                              norm,
+                              ignore_index,
+                              reduction,
+                              compute_grad,
+                              grad_out,
+                              mix_target,
+                              mix_lambda,
+                              label_smoothing,
+                              loss_in_logits_dtype,
+                              return_stats,
+                              class_weight,
+                              lse_square_scale,
+                              softcap});
 }
 
 // The GPU kernels check a dense target's rows in their own float32 reads up to this many columns (calibkernels/
@@ -222,6 +258,31 @@ inline bool check_soft_arguments(const char* op, const at::Tensor& logits, const
   return soft;
 }
 
+// The drop-in options' arguments (after check_arguments): class_weight a floating (C,) tensor on the logits' device
+// (its values are checked by the Python callers: reading them costs a GPU a host synchronisation); lse_square_scale
+// and softcap finite and >= 0 (softcap 0: no cap); not with the dual-focal weight.
+inline void check_options(const char* op, const LossArguments& a) {
+  if (a.class_weight.has_value()) {
+    const at::Tensor& w = *a.class_weight;
+    TORCH_CHECK(
+        w.device() == a.logits.device() && w.is_floating_point() && w.dim() == 1 && w.size(0) == a.logits.size(1), op,
+        "class_weight must be a floating tensor of shape (", a.logits.size(1), ",) on ", a.logits.device(), ", got ",
+        w.scalar_type(), " ", w.sizes(), " on ", w.device());
+  }
+  TORCH_CHECK(std::isfinite(a.lse_square_scale) && a.lse_square_scale >= 0.0, op,
+              "lse_square_scale must be finite and >= 0, got ", a.lse_square_scale);
+  TORCH_CHECK(std::isfinite(a.softcap) && a.softcap >= 0.0, op, "softcap must be finite and > 0 (0: no cap), got ",
+              a.softcap);
+  TORCH_CHECK(!a.has_options() || static_cast<Weight>(a.weight) != Weight::DualFocal, op,
+              "the dual-focal weight takes no class weights, z-loss or soft-capping in the fused kernels");
+}
+
+// The z_loss output: (N,) for the kernel to write where lse_square_scale != 0, else an empty (0,) tensor.
+inline at::Tensor z_loss_output(const LossArguments& a) {
+  const auto dtype = a.logits.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  return at::empty({a.lse_square_scale != 0.0 ? a.logits.size(0) : 0}, a.logits.options().dtype(dtype));
+}
+
 // Checks a caller's gradient buffer (the op's grad_out argument). It may be the logits themselves (in place) but must
 // not partially overlap them, nor have elements that share memory (an expanded tensor): rows written at once would
 // overwrite each other, and in place overwrite logits another row has still to read.
@@ -271,10 +332,12 @@ inline StatsOutputs stats_outputs(const at::Tensor& logits, bool return_stats) {
 // gradient is in grad_out.
 inline LossOutputs finish_gradient(const at::Tensor& loss, const at::Tensor& dest, bool compute_grad,
                                    const std::optional<at::Tensor>& grad_out, const at::Tensor& target_flag,
-                                   const StatsOutputs& stats) {
-  if (!compute_grad || !grad_out.has_value()) return {loss, dest, target_flag, stats.confidence, stats.prediction};
+                                   const StatsOutputs& stats, const at::Tensor& z_loss) {
+  if (!compute_grad || !grad_out.has_value()) {
+    return {loss, dest, target_flag, stats.confidence, stats.prediction, z_loss};
+  }
   if (!dest.is_same(*grad_out)) grad_out->copy_(dest);
-  return {loss, at::empty({0}, dest.options()), target_flag, stats.confidence, stats.prediction};
+  return {loss, at::empty({0}, dest.options()), target_flag, stats.confidence, stats.prediction, z_loss};
 }
 
 }  // namespace calibkernels

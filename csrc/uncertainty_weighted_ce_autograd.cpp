@@ -47,7 +47,8 @@ LossOutputs call_below_autograd(const LossArguments& a) {
   const at::AutoDispatchBelowADInplaceOrView below;
   return handle.call(a.logits, a.target, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
                      a.ignore_index, a.reduction, a.compute_grad, a.grad_out, a.mix_target, a.mix_lambda,
-                     a.label_smoothing, a.loss_in_logits_dtype, a.return_stats);
+                     a.label_smoothing, a.loss_in_logits_dtype, a.return_stats, a.class_weight, a.lse_square_scale,
+                     a.softcap);
 }
 
 const c10::TypedOperatorHandle<void(Tensor&, const Tensor&)>& scale_op() {
@@ -160,9 +161,10 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
     args.gamma_per_sample = detached(args.gamma_per_sample);
     args.mix_target = detached(args.mix_target);
     args.mix_lambda = detached(args.mix_lambda);
+    args.class_weight = detached(args.class_weight);
     args.compute_grad = logits_grad;
     if (!write_logits) args.grad_out = std::nullopt;
-    auto [loss, grad, target_flag, confidence, prediction] = call_below_autograd(args);
+    auto [loss, grad, target_flag, confidence, prediction, z_loss] = call_below_autograd(args);
     Tensor saved = grad;
     if (write_logits) {
       torch::autograd::impl::bump_version(logits);
@@ -170,10 +172,11 @@ struct FusedLoss : public torch::autograd::Function<FusedLoss> {
     }
     ctx->set_materialize_grads(false);
     ctx->save_for_backward({logits_grad ? saved : Tensor(), gamma_factor});
-    ctx->mark_non_differentiable({grad, target_flag, confidence, prediction});
+    // z_loss: the rows' z-loss, reported beside the loss that carries its gradient already
+    ctx->mark_non_differentiable({grad, target_flag, confidence, prediction, z_loss});
     // loss_in_logits_dtype: the kernel writes the loss in the logits' dtype, so no cast launch (nor, outside, a
     // cast's ToCopyBackward node casting grad_output back: the scaling reads grad_output in the gradient's dtype)
-    return {loss, grad, target_flag, confidence, prediction};
+    return {loss, grad, target_flag, confidence, prediction, z_loss};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -198,7 +201,7 @@ LossOutputs uncertainty_weighted_ce_autograd(const LossArguments& a) {
                     "calibkernels::uncertainty_weighted_ce: with logits that require grad, grad_out must be the "
                     "logits themselves (in place) or None");
   auto outputs = FusedLoss::apply(a.logits, a.gamma_per_sample.has_value() ? *a.gamma_per_sample : absent(), a);
-  return {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4]};
+  return {outputs[0], outputs[1], outputs[2], outputs[3], outputs[4], outputs[5]};
 }
 
 }  // namespace

@@ -424,7 +424,7 @@ def test_the_public_call_runs_the_options_on_the_reference():
         warnings.simplefilter("always")
         loss = ck.uncertainty_weighted_ce(z, y, uncertainty="none", weight=class_weight, label_smoothing=0.1)
         ck.uncertainty_weighted_ce(z, y, uncertainty="none", weight=class_weight)
-    assert sum("do not compute per-class weights" in str(w.message) for w in caught) == 1
+    assert sum("does not compute per-class weights" in str(w.message) for w in caught) == 1
     expected = F.cross_entropy(z, y, weight=class_weight, label_smoothing=0.1)
     torch.testing.assert_close(loss, expected)
     (grad,) = torch.autograd.grad(loss, z)

@@ -44,6 +44,8 @@ __all__ = ["loss_with_autograd", "forward", "is_available", "SOFT_TARGETS"]
 
 # The CPU and CUDA kernels take soft targets (label smoothing, a mix, a dense target): calibkernels._backends.
 SOFT_TARGETS = True
+# The op computes the drop-in options (class weights, z-loss, soft-capping) itself: calibkernels._backends.
+OPTIONS_IN_KERNEL = False
 # The op writes the rows' top-label statistics in its loss pass (return_stats): calibkernels._autograd.
 STATS_IN_KERNEL = True
 
@@ -54,7 +56,8 @@ _QUALNAME = "calibkernels::uncertainty_weighted_ce"
 @torch.library.register_fake(_QUALNAME)
 def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm,
                                   ignore_index, reduction, compute_grad, grad_out, mix_target=None, mix_lambda=None,
-                                  label_smoothing=0.0, loss_in_logits_dtype=False, return_stats=False):
+                                  label_smoothing=0.0, loss_in_logits_dtype=False, return_stats=False,
+                                  class_weight=None, lse_square_scale=0.0, softcap=0.0):
     torch._check(logits.dim() == 2, lambda: "logits must be 2-D (N, C)")
     if loss_in_logits_dtype:
         loss_dtype = logits.dtype
@@ -68,7 +71,10 @@ def _uncertainty_weighted_ce_fake(logits, target, sample_weight, gamma_per_sampl
     stats_rows = logits.shape[0] if return_stats else 0
     confidence = logits.new_empty((stats_rows,), dtype=torch.float32)
     prediction = logits.new_empty((stats_rows,), dtype=torch.int64)
-    return loss, logits.new_empty(tuple(logits.shape) if returned else (0,)), flag, confidence, prediction
+    # the rows' z-loss where the call asks for one
+    z_loss = logits.new_empty((logits.shape[0] if lse_square_scale != 0.0 else 0,),
+                              dtype=torch.float64 if logits.dtype == torch.float64 else torch.float32)
+    return loss, logits.new_empty(tuple(logits.shape) if returned else (0,)), flag, confidence, prediction, z_loss
 
 
 @torch.library.register_fake("calibkernels::uncertainty_weighted_ce_scale_grad_")
@@ -84,14 +90,17 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
 
 def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None,
-            return_stats=None):
+            return_stats=None, class_weight=None, lse_square_scale=0.0, softcap=0.0, z_loss_out=None):
     """``(loss, grad, target_flag)`` of the op below its autograd (the backend forward of
     :mod:`calibkernels._autograd`, for callers with an autograd of their own); the loss in the logits' dtype where
     ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the op's float32 (float64).
 
     ``return_stats`` (a bool): ``(loss, grad, target_flag, stats)``, ``stats`` the op's
     :class:`~calibkernels.loss_stats.LossStats` of the logits' rows, 1-D ``(N,)`` (the caller reshapes), computed by
-    the kernel in its loss pass, or ``None`` when ``False``. Left out (``None``), the three-element result."""
+    the kernel in its loss pass, or ``None`` when ``False``. Left out (``None``), the three-element result.
+
+    ``class_weight``, ``lse_square_scale``, ``softcap``: the drop-in options (``softcap=0.0``: none); ``z_loss_out``
+    an ``(N,)`` buffer that receives the rows' z-loss ``s · lse_i²`` (0 on ignored rows) where ``s != 0``."""
     eager = is_plain_eager(logits)
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
@@ -99,36 +108,46 @@ def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, 
         gamma_per_sample = gamma_per_sample.detach()
     # Eager: below the Autograd key, straight to the device kernel. Traced: the op itself, one graph node.
     with torch._C._AutoDispatchBelowAutograd() if eager else contextlib.nullcontext():
-        loss, grad, flag, confidence, prediction = _OP(
+        loss, grad, flag, confidence, prediction, z_loss = _OP(
             logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, loss_dtype == logits.dtype,
-            bool(return_stats))
+            bool(return_stats), _detached(class_weight), lse_square_scale, softcap)
+    if z_loss_out is not None and lse_square_scale != 0.0:
+        z_loss_out.copy_(z_loss)
     flag = _checked_flag(flag) if eager else None
     if return_stats is None:
         return loss, grad, flag
     return loss, grad, flag, LossStats(confidence, prediction) if return_stats else None
 
 
+def _detached(tensor):
+    return tensor if tensor is None else tensor.detach()
+
+
 def loss_with_autograd(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index,
-                       reduction, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0, return_stats=False):
+                       reduction, inplace, mix_target=None, mix_lambda=None, label_smoothing=0.0, return_stats=False,
+                       *, class_weight=None, lse_square_scale=0.0, softcap=0.0, z_loss_out=None):
     """``(loss, target_flag, stats)`` of the op through its autograd kernel (csrc/uncertainty_weighted_ce_autograd.cpp),
     in eager and traced code alike: the one autograd of the compiled op, which computes the gradient only where the
     logits need one. The loss in the logits' dtype; the target flag of an eager CUDA call, else ``None``.
     ``inplace``: the gradient overwrites the logits (the caller passes it only when they need a gradient).
     ``return_stats``: ``stats`` is the logits' top-label :class:`~calibkernels.loss_stats.LossStats`, 1-D ``(N,)``
     (NaN / -1 on ignored rows, taken before an in-place gradient overwrites the logits, detached), written by the
-    kernel in its loss pass; else ``None``."""
+    kernel in its loss pass; else ``None``. The drop-in options and ``z_loss_out``: as :func:`forward`."""
     compute_grad = logits.requires_grad and torch.is_grad_enabled()
     grad_out = logits if inplace else None
-    if return_stats:
-        loss, _, flag, confidence, prediction = _OP(
+    if return_stats or class_weight is not None or lse_square_scale != 0.0 or softcap != 0.0:
+        loss, _, flag, confidence, prediction, z_loss = _OP(
             logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
-            compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, True, True)
-        stats = LossStats(confidence, prediction)
-    else:  # the defaulted last argument left out: each argument of a boxed call costs
-        loss, _, flag, _, _ = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm,
-                                  ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda,
-                                  label_smoothing, True)
+            compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, True, return_stats,
+            _detached(class_weight), lse_square_scale, softcap)
+        stats = LossStats(confidence, prediction) if return_stats else None
+        if z_loss_out is not None and lse_square_scale != 0.0:
+            z_loss_out.copy_(z_loss)
+    else:  # the defaulted last arguments left out: each argument of a boxed call costs
+        loss, _, flag, _, _, _ = _OP(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm,
+                                     ignore_index, reduction, compute_grad, grad_out, mix_target, mix_lambda,
+                                     label_smoothing, True)
         stats = None
     # the CPU kernel raises instead of flagging (an empty flag); a traced call's flag is nobody's to read
     return loss, (flag if flag.shape[0] and is_plain_eager(logits) else None), stats

@@ -227,6 +227,8 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
   KernelArgs args = check_args(a.logits, t, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
                                a.ignore_index, a.reduction, mix, a.mix_lambda, a.label_smoothing);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
+  check_options(op, a);
+  TORCH_CHECK(!a.has_options(), op, "class weights, the z-loss and soft-capping are not implemented yet");
   if (a.compute_grad && a.grad_out.has_value()) check_grad_out(op, a.logits, *a.grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
@@ -267,7 +269,8 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
   if (dense_invalid.load()) check_dense_target_values(t);
   if (a.loss_in_logits_dtype && loss.scalar_type() != a.logits.scalar_type()) loss = loss.to(a.logits.scalar_type());
   // no flag: every bad target value has raised above
-  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, at::empty({0}, t.options().dtype(at::kLong)), stats);
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, at::empty({0}, t.options().dtype(at::kLong)), stats,
+                         z_loss_output(a));
 }
 
 }  // namespace

@@ -308,6 +308,8 @@ LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
                          a.ignore_index, a.reduction);
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
   args.soft = check_soft_arguments(op, a.logits, a.target, a.mix_target, a.mix_lambda, a.label_smoothing, a.weight);
+  check_options(op, a);
+  TORCH_CHECK(!a.has_options(), op, "class weights, the z-loss and soft-capping are not implemented yet");
   args.label_smoothing = a.label_smoothing;
   args.loss_in_logits_dtype = a.loss_in_logits_dtype;
   if (a.compute_grad && a.grad_out.has_value()) check_grad_out(op, a.logits, *a.grad_out);
@@ -323,7 +325,7 @@ LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   const auto [loss, target_flag] =
       run(z, a.compute_grad ? dest.data_ptr() : nullptr, a.compute_grad ? dest.stride(0) : 0, a.target, a.sample_weight,
           a.gamma_per_sample, a.mix_target, a.mix_lambda, args);
-  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag, stats);
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag, stats, z_loss_output(a));
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
