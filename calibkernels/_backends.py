@@ -184,7 +184,7 @@ def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_t
         if cannot_run is not None or name == "reference" or (
                 getattr(module(name), "OPTIONS_IN_KERNEL", False) and uncertainty != "dual_focal"):
             return name, cannot_run
-        return _options_on_reference(backend, options)
+        return options_on_reference(backend, options)
     # class indices, the common call: kept per (backend, device, row width within the CUDA kernel's)
     common = (eager and type(backend) is str and type(logits) is torch.Tensor and type(target) is torch.Tensor
               and mix_target is None and mix_lambda is None and type(label_smoothing) is float and label_smoothing == 0
@@ -236,7 +236,7 @@ def _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, m
 _warned_reference_only: set = set()
 
 
-def _options_on_reference(backend, options: str) -> tuple:
+def options_on_reference(backend, options: str) -> tuple:
     """:func:`choose_for_call` for a call with options that the fused backend it would take does not compute."""
     if backend != "auto":
         return "reference", NotImplementedError(

@@ -784,3 +784,12 @@ def check_drop_in_options(*, lse_square_scale=0.0, return_z_loss=False, softcap=
         raise TypeError(f"return_z_loss must be a bool, got {type(return_z_loss).__name__}")
     cap = None if softcap is None else check_number("softcap", softcap, positive=True)
     return {"lse_square_scale": scale, "return_z_loss": return_z_loss, "softcap": cap}
+
+
+def drop_in_option_names(weight, lse_square_scale, return_z_loss, softcap) -> str | None:
+    """The drop-in options a call asks for, named for a message, or ``None``."""
+    wanted = [name for name, given in (
+        ("per-class weights", isinstance(weight, torch.Tensor)),
+        ("the z-loss", return_z_loss is True or not (type(lse_square_scale) in (float, int) and lse_square_scale == 0)),
+        ("logit soft-capping", softcap is not None)) if given]
+    return " and ".join(wanted) if wanted else None

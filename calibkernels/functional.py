@@ -6,7 +6,7 @@ import torch
 
 from . import _backends
 from . import reference as _reference
-from ._validation import check_loss_inputs
+from ._validation import check_loss_inputs, drop_in_option_names
 from .loss_stats import check_return_stats
 
 __all__ = ["uncertainty_weighted_ce", "bsce_gra_loss", "brier_loss", "label_smoothing_loss", "mmce_loss"]
@@ -80,7 +80,7 @@ def uncertainty_weighted_ce(
     options = None
     if not (weight is None and softcap is None and return_z_loss is False and type(lse_square_scale) is float
             and lse_square_scale == 0.0):
-        options = _drop_in_options(weight, lse_square_scale, return_z_loss, softcap)
+        options = drop_in_option_names(weight, lse_square_scale, return_z_loss, softcap)
     name, cannot_run = _backends.choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_target,
                                                  mix_lambda, options, uncertainty)
     inputs = check_loss_inputs(
@@ -97,15 +97,6 @@ def uncertainty_weighted_ce(
         # and a named backend that cannot run this call says so only once they pass
         raise cannot_run
     return _backends.run(name, inputs, inplace, return_stats)
-
-
-def _drop_in_options(weight, lse_square_scale, return_z_loss, softcap) -> str | None:
-    """The drop-in options a call asks for, named for a message, or ``None``."""
-    wanted = [name for name, given in (
-        ("per-class weights", isinstance(weight, torch.Tensor)),
-        ("the z-loss", return_z_loss is True or not (type(lse_square_scale) in (float, int) and lse_square_scale == 0)),
-        ("logit soft-capping", softcap is not None)) if given]
-    return " and ".join(wanted) if wanted else None
 
 
 def bsce_gra_loss(

@@ -36,7 +36,6 @@ reference backend's own temporaries, a few ``R × C``, when ``backend="reference
 from __future__ import annotations
 
 import math
-import operator
 from typing import NamedTuple
 
 import torch
@@ -45,11 +44,11 @@ from torch import nn
 from . import _autograd, _backends, _target_checks
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
-from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_class_weight, check_dense_target,
-                          check_gamma, check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,
-                          check_per_sample_gamma, check_reduction, check_sample_weight, check_scalar_gamma,
-                          check_target_values, check_uncertainty, device_target_flag, lambda_tensor,
-                          one_hot_for_dual_focal, soft_target_request)
+from ._fused_linear_checks import (backend_for_call, check_accum_dtype, check_chunk_size, check_linear_inputs,
+                                  check_row_tensors, check_settings, one_hot_forms, submit_device_target_check)
+from ._validation import (LossInputs, check_backend, check_class_weight, check_class_weight_tensor,
+                          check_drop_in_options, check_ignore_index, check_label_smoothing, check_mode, check_norm,
+                          check_reduction, check_scalar_gamma, check_uncertainty, lambda_tensor, soft_target_request)
 from .loss_stats import LossStats, check_return_stats, empty_loss_stats, top_label_stats
 from .more_losses import common_repr
 from .reference import uncertainty_weighted_ce_from_inputs
@@ -106,136 +105,30 @@ class _Spec(NamedTuple):
     label_smoothing: float = 0.0  # soft targets (docs/losses.md, "Soft targets")
     dense: bool = False           # the target is (N, C) probabilities
     accum_dtype: torch.dtype | None = None  # the weight and bias gradients' accumulator; None: float32 for 16-bit
+    # the drop-in options (docs/losses.md, "Coming from F.cross_entropy / Liger-Kernel"); lse_square_scale is the
+    # scale the chunks run with (_z_loss_scale_for_mean), mean_divisor the "mean"'s divisor (None: the valid rows)
+    class_weight: torch.Tensor | None = None
+    lse_square_scale: float = 0.0
+    softcap: float | None = None
+    mean_divisor: torch.Tensor | None = None
 
     @property
     def soft_arguments(self) -> tuple:
         return () if self.label_smoothing == 0.0 else (None, None, self.label_smoothing)
 
-
-# ---------------------------------------------------------------------------------------------------- input checks
-def _check_tensor(name: str, value) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
-    return value
-
-
-def _check_linear_inputs(hidden, linear_weight, target, linear_bias):
-    """Shapes, dtypes and devices of ``hidden (..., H)``, ``linear_weight (C, H)``, ``target (...)``, ``linear_bias
-    (C,)``; returns ``(hidden2d (N, H), target1d (N,) int64 or a dense target (N, C), batch_shape)``."""
-    hidden = _check_tensor("hidden", hidden)
-    linear_weight = _check_tensor("linear_weight", linear_weight)
-    target = _check_tensor("target", target)
-    if not hidden.is_floating_point():
-        raise TypeError(f"hidden must be a floating-point tensor, got {hidden.dtype}")
-    if hidden.dim() < 2:
-        raise ValueError(f"hidden must have at least 2 dimensions (..., H), got shape {tuple(hidden.shape)}")
-    if linear_weight.dim() != 2:
-        raise ValueError(f"linear_weight must be 2-D (C, H), got shape {tuple(linear_weight.shape)}")
-    num_classes, hidden_size = linear_weight.shape
-    if linear_weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(f"linear_weight shape {tuple(linear_weight.shape)} does not match hidden shape "
-                         f"{tuple(hidden.shape)}: expected (C, {hidden.shape[-1]})")
-    if num_classes < 1:
-        raise ValueError("linear_weight has zero rows (zero classes)")
-    if hidden_size < 1:
-        raise ValueError("hidden has a zero-size feature dimension")
-    if linear_weight.dtype != hidden.dtype:
-        raise TypeError(f"linear_weight dtype {linear_weight.dtype} does not match hidden dtype {hidden.dtype}")
-    if linear_weight.device != hidden.device:
-        raise ValueError(f"linear_weight is on {linear_weight.device} but hidden is on {hidden.device}")
-    if linear_bias is not None:
-        _check_tensor("linear_bias", linear_bias)
-        if tuple(linear_bias.shape) != (num_classes,):
-            raise ValueError(f"linear_bias shape {tuple(linear_bias.shape)} does not match linear_weight shape "
-                             f"{tuple(linear_weight.shape)}: expected ({num_classes},)")
-        if linear_bias.dtype != hidden.dtype:
-            raise TypeError(f"linear_bias dtype {linear_bias.dtype} does not match hidden dtype {hidden.dtype}")
-        if linear_bias.device != hidden.device:
-            raise ValueError(f"linear_bias is on {linear_bias.device} but hidden is on {hidden.device}")
-    if target.is_floating_point():  # dense probabilities (..., C): soft targets
-        if tuple(target.shape) == tuple(hidden.shape[:-1]):
-            raise TypeError(f"target has the shape of class indices {tuple(target.shape)} but holds {target.dtype}: "
-                            "integer class indices (int64) are needed, or dense probabilities of shape (..., C)")
-        if tuple(target.shape) != tuple(hidden.shape[:-1]) + (num_classes,):
-            raise ValueError(f"a dense target must have shape {tuple(hidden.shape[:-1]) + (num_classes,)} (hidden's "
-                             f"leading shape and C), got {tuple(target.shape)}")
-        if target.device != hidden.device:
-            raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
-        hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
-        if hidden2d.shape[0] == 0:
-            raise ValueError("empty batch: hidden has no rows")
-        return hidden2d, target.reshape(-1, num_classes), tuple(hidden.shape[:-1])
-    if target.is_complex() or target.dtype == torch.bool:
-        raise TypeError(f"target must hold integer class indices (int64) or probabilities, got {target.dtype}")
-    if tuple(target.shape) != tuple(hidden.shape[:-1]):
-        raise ValueError(f"target shape {tuple(target.shape)} does not match hidden shape {tuple(hidden.shape)}: "
-                         f"expected {tuple(hidden.shape[:-1])}")
-    if target.device != hidden.device:
-        raise ValueError(f"target is on {target.device} but hidden is on {hidden.device}")
-    batch_shape = tuple(hidden.shape[:-1])
-    hidden2d = hidden if hidden.dim() == 2 else hidden.reshape(-1, hidden_size)
-    if hidden2d.shape[0] == 0:
-        raise ValueError("empty batch: hidden has no rows")
-    target1d = target.reshape(-1)
-    if target1d.dtype != torch.int64:
-        target1d = target1d.long()
-    return hidden2d, target1d, batch_shape
-
-
-def _submit_device_target_check(target1d: torch.Tensor, num_classes: int, ignore_index: int) -> None:
-    """GPU kernels: one device flag for the whole batch, read without stalling the host (``CALIBKERNELS_VALIDATE``,
-    docs/losses.md): ``(any bad, a bad value)`` of class indices, whose bad rows the kernels make NaN, or ``(any bad
-    row, the first bad row)`` of a dense target's values."""
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
-        return
-    _target_checks.submit(device_target_flag(target1d, num_classes, ignore_index), num_classes, ignore_index,
-                          _autograd._dense_dtype(target1d))
-
-
-def _check_chunk_size(chunk_size) -> int | None:
-    """``chunk_size`` as a Python int (any integer type, e.g. a NumPy integer: ``operator.index``), or ``None``."""
-    if chunk_size is None:
-        return None
-    if isinstance(chunk_size, bool):
-        raise TypeError("chunk_size must be an int or None, got bool")
-    try:
-        chunk_size = operator.index(chunk_size)
-    except TypeError:
-        raise TypeError(f"chunk_size must be an int or None, got {type(chunk_size).__name__}") from None
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    return chunk_size
-
-
-def _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index):
-    """Soft-target forms that are one-hot, as class indices: ``(target1d, mix1d, lam)`` as the chunks take them.
-
-    A number ``λ`` of exactly 1 makes ``t = e_target`` (the mix is dropped), exactly 0 ``t = e_mix_target`` on the
-    non-ignored rows, as :func:`calibkernels.uncertainty_weighted_ce` reads them: hard targets, whose kernels and
-    per-sample ``γ`` gradient take class indices. For ``uncertainty="dual_focal"`` (no soft form) a ``λ`` tensor of 0s
-    and 1s and a one-hot dense target become class indices too (read on the host, as the op does); any other soft
-    form raises the op's ``ValueError``.
-    """
-    if mix1d is not None and not isinstance(lam, torch.Tensor) and lam in (0.0, 1.0):
-        if lam == 0.0:
-            target1d = torch.where(target1d == ignore_index, target1d, mix1d)
-        mix1d = lam = None
-    if uncertainty == "dual_focal" and (mix1d is not None or target1d.is_floating_point()):
-        inputs = LossInputs(logits=None, target=target1d, uncertainty=uncertainty, mode="grad", gamma=0.0, norm=2.0,
-                            sample_weight=None, reduction="none", ignore_index=ignore_index,
-                            batch_shape=(target1d.shape[0],), mix_target=mix1d, mix_lambda=lam,
-                            dense=target1d.is_floating_point())
-        target1d, mix1d, lam = one_hot_for_dual_focal(inputs).target, None, None
-    return target1d, mix1d, lam
+    @property
+    def has_options(self) -> bool:
+        return self.class_weight is not None or self.lse_square_scale != 0.0 or self.softcap is not None
 
 
 # ------------------------------------------------------------------------------------------------------ one chunk
 def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bool, gamma_grad: bool, mix_target=None,
-                  mix_lambda=None):
+                  mix_lambda=None, z_rows=None):
     """Run the loss on one chunk's logits ``z (R, C)``; return ``(row_loss (R,), G, dL/dγ (R,) or None)``.
 
     ``G``, the gradient of the chunk's summed loss, is written over ``z`` by the compiled backends (``z`` is returned);
     the reference computes it with ``autograd.grad`` in the compute dtype (float32 for half-precision inputs).
+    ``z_rows``: an ``(R,)`` buffer that receives the rows' z-loss (the call returns it), or ``None``.
     """
     if spec.backend == "reference":
         compute_dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
@@ -247,11 +140,22 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
                                 gamma=spec.gamma if g is None else g, norm=spec.norm, sample_weight=sample_weight,
                                 reduction="none", ignore_index=spec.ignore_index, batch_shape=(zc.shape[0],),
                                 label_smoothing=spec.label_smoothing, mix_target=mix_target, mix_lambda=mix_lambda,
-                                dense=spec.dense)
-            return uncertainty_weighted_ce_from_inputs(inputs)
+                                dense=spec.dense, class_weight=spec.class_weight,
+                                lse_square_scale=spec.lse_square_scale, return_z_loss=z_rows is not None,
+                                softcap=spec.softcap)
+            if z_rows is None:
+                return uncertainty_weighted_ce_from_inputs(inputs)
+            row_loss, z_loss = uncertainty_weighted_ce_from_inputs(inputs)
+            z_values.append(z_loss)  # kept out of the transform below (vjp refuses a write to a captured tensor)
+            return row_loss
+
+        z_values = []
 
         if not (compute_grad or gamma_grad):
-            return rows(zc, g), None, None
+            row_loss = rows(zc, g)
+            if z_rows is not None:
+                z_rows.copy_(z_values[-1])
+            return row_loss, None, None
         # torch.func.vjp rather than autograd.grad: it also runs where autograd is off (this autograd.Function's
         # forward), and torch.compile traces it
         if gamma_grad:
@@ -260,15 +164,22 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
         else:
             row_loss, vjp = torch.func.vjp(lambda zc: rows(zc, g), zc)
             (grad,), gamma_factor = vjp(torch.ones_like(row_loss)), None
+        if z_rows is not None:
+            z_rows.copy_(z_values[-1])
         return row_loss, (grad if compute_grad else None), gamma_factor
     module = _backends.module(spec.backend)
     gamma_factor = None
     if gamma_grad:  # read the logits before the kernel overwrites them
         gamma_factor = gamma_gradient_factor(z, target, gamma, spec.ignore_index, REDUCTION_CODES["sum"])
     soft = (mix_target, mix_lambda, spec.label_smoothing) if mix_target is not None else spec.soft_arguments
+    options = {}
+    if spec.has_options:  # keywords only where given: a backend's defaults otherwise
+        options = dict(class_weight=spec.class_weight, lse_square_scale=spec.lse_square_scale,
+                       softcap=0.0 if spec.softcap is None else spec.softcap, z_loss_out=z_rows)
     row_loss, _, _ = module.forward(
         z, target, sample_weight, gamma, WEIGHT_CODES[spec.uncertainty], MODE_CODES[spec.mode], spec.gamma,
-        spec.norm, spec.ignore_index, REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft)
+        spec.norm, spec.ignore_index, REDUCTION_CODES["none"], compute_grad, z if compute_grad else None, *soft,
+        **options)
     return row_loss, (z if compute_grad else None), gamma_factor
 
 
@@ -313,12 +224,13 @@ def _accumulate_weight_grad(acc: torch.Tensor, grad: torch.Tensor, hidden: torch
 
 def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec: _Spec, chunk: int,
                   need_hidden: bool, need_weight: bool, need_bias: bool, need_gamma: bool, row_scale=None,
-                  mix_target=None, mix_lambda=None, stats: LossStats | None = None):
+                  mix_target=None, mix_lambda=None, stats: LossStats | None = None, z_rows=None):
     """One pass over the chunks: ``(row_loss (N,), d hidden, d weight, d bias, d gamma)`` of ``Σ_i s_i L_i``, with
     ``s_i = row_scale[i]`` (1 when ``None``); a gradient not asked for is ``None``. The weight and bias gradients are
     float32 for half-precision inputs (the accumulators); the caller casts them. ``stats``: ``(N,)`` buffers that
     receive each chunk's :func:`calibkernels.loss_stats.top_label_stats`, taken from the chunk's logits before the
-    kernel writes its gradient over them (ignored rows: those whose class-index target is ``ignore_index``)."""
+    kernel writes its gradient over them (ignored rows: those whose class-index target is ``ignore_index``), of the
+    soft-capped logits where the call caps them. ``z_rows``: an ``(N,)`` buffer for the rows' z-loss, or ``None``."""
     num_rows, hidden_size = hidden.shape
     num_classes = linear_weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -343,14 +255,14 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
         if stats is not None:
             chunk_target = target[start:stop]
             ignored = None if spec.dense else chunk_target == spec.ignore_index
-            chunk_stats = top_label_stats(z, ignored, (stop - start,))
+            chunk_stats = top_label_stats(_soft_capped(z, spec.softcap), ignored, (stop - start,))
             stats.confidence[start:stop] = chunk_stats.confidence
             stats.prediction[start:stop] = chunk_stats.prediction
         loss, grad, gamma_factor = _chunk_kernel(
             z, target[start:stop], None if sample_weight is None else sample_weight[start:stop],
             None if gamma is None else gamma[start:stop], spec, compute_grad, need_gamma,
             None if mix_target is None else mix_target[start:stop],
-            None if mix_lambda is None else mix_lambda[start:stop])
+            None if mix_lambda is None else mix_lambda[start:stop], None if z_rows is None else z_rows[start:stop])
         row_loss[start:stop] = loss
         if need_gamma:
             d_gamma[start:stop] = gamma_factor if row_scale is None else gamma_factor * row_scale[start:stop]
@@ -370,10 +282,35 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
 
 
 def _valid_rows(target, ignore_index):
-    """The mean's divisor: the non-ignored rows of the whole batch (every row of a dense target), at least 1."""
+    """The non-ignored rows of the whole batch (every row of a dense target), at least 1."""
     if target.is_floating_point():
         return torch.tensor(max(target.shape[0], 1), device=target.device)
     return (target != ignore_index).sum().clamp(min=1)
+
+
+def _mean_scale(target, spec: _Spec, dtype: torch.dtype) -> torch.Tensor:
+    """``1 / divisor`` of the "mean" in ``dtype``: the valid rows, or ``spec.mean_divisor`` (class weights; 0 when
+    that is 0)."""
+    if spec.mean_divisor is None:
+        return 1.0 / _valid_rows(target, spec.ignore_index).to(dtype)
+    divisor = spec.mean_divisor.to(dtype)
+    positive = divisor > 0
+    return torch.where(positive, 1.0 / torch.where(positive, divisor, torch.ones_like(divisor)),
+                       torch.zeros_like(divisor))
+
+
+def _z_rows_buffer(hidden):
+    """An ``(N,)`` buffer for the rows' z-loss, in the loss's compute dtype."""
+    return hidden.new_empty((hidden.shape[0],), dtype=torch.float64 if hidden.dtype == torch.float64
+                            else torch.float32)
+
+
+def _soft_capped(z, softcap):
+    """``c · tanh(z / c)`` of a chunk's logits (in float32 for 16-bit ones), or ``z`` itself without a cap."""
+    if softcap is None:
+        return z
+    compute = torch.float64 if z.dtype == torch.float64 else torch.float32
+    return softcap * torch.tanh(z.to(compute) / softcap)
 
 
 def _to(tensor, dtype):
@@ -391,35 +328,40 @@ class FusedLinearUWCE(torch.autograd.Function):
     """Autograd of :func:`fused_linear_uncertainty_weighted_ce` on validated 2-D inputs (module docstring).
 
     With ``return_stats`` the forward returns ``(loss, confidence (N,), prediction (N,))``, the last two not
-    differentiable (:func:`_chunked_pass`'s ``stats``, taken in the forward's pass over the chunks)."""
+    differentiable (:func:`_chunked_pass`'s ``stats``, taken in the forward's pass over the chunks); with
+    ``return_z_loss`` also the rows' z-loss ``(N,)`` last, not differentiable either."""
 
     @staticmethod
     def forward(ctx, hidden, linear_weight, linear_bias, target, sample_weight, gamma, backend, uncertainty, mode,
                 gamma_value, norm, reduction, ignore_index, chunk, mix_target=None, mix_lambda=None,
-                label_smoothing=0.0, return_stats=False, accum_dtype=None):
+                label_smoothing=0.0, return_stats=False, accum_dtype=None, class_weight=None, lse_square_scale=0.0,
+                softcap=None, mean_divisor=None, return_z_loss=False):
         spec = _Spec(backend, uncertainty, mode, gamma_value, norm, ignore_index, label_smoothing,
-                     target.is_floating_point(), accum_dtype)
+                     target.is_floating_point(), accum_dtype, class_weight, lse_square_scale, softcap, mean_divisor)
         need_gamma = gamma is not None and ctx.needs_input_grad[5] and mode == "loss"
         ctx.set_materialize_grads(False)
         ctx.spec, ctx.chunk, ctx.reduction = spec, chunk, reduction
         ctx.weight_dtype = linear_weight.dtype
         stats = empty_loss_stats(hidden.shape[0], hidden.device) if return_stats else None
-        if stats is not None:
-            ctx.mark_non_differentiable(*stats)
+        z_rows = _z_rows_buffer(hidden) if return_z_loss else None
+        extra = (*(stats or ()), *(() if z_rows is None else (z_rows,)))
+        if extra:
+            ctx.mark_non_differentiable(*extra)
         if reduction == "none":
             # grad_output is per row: the backward recomputes the chunks (module docstring)
             row_loss, *_ = _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec,
-                                         chunk, False, False, False, False, None, mix_target, mix_lambda, stats)
+                                         chunk, False, False, False, False, None, mix_target, mix_lambda, stats,
+                                         z_rows)
             ctx.save_for_backward(hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
                                   mix_lambda)
-            return row_loss if stats is None else (row_loss, *stats)
+            return (row_loss, *extra) if extra else row_loss
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         row_loss, d_hidden, d_weight, d_bias, d_gamma = _chunked_pass(
             hidden, linear_weight, linear_bias, target, sample_weight, gamma, spec, chunk, need_hidden, need_weight,
-            need_bias, need_gamma, None, mix_target, mix_lambda, stats)
+            need_bias, need_gamma, None, mix_target, mix_lambda, stats, z_rows)
         loss = row_loss.sum()
         if reduction == "mean":
-            scale = 1.0 / _valid_rows(target, ignore_index).to(loss.dtype)
+            scale = _mean_scale(target, spec, loss.dtype)
             loss = loss * scale
             for grad in (d_hidden, d_weight, d_bias, d_gamma):
                 if grad is not None:
@@ -427,12 +369,12 @@ class FusedLinearUWCE(torch.autograd.Function):
         ctx.save_for_backward(d_hidden, _to(d_weight, linear_weight.dtype),
                               None if d_bias is None else _to(d_bias, linear_bias.dtype),
                               None if d_gamma is None else _to(d_gamma, gamma.dtype))
-        return loss if stats is None else (loss, *stats)
+        return (loss, *extra) if extra else loss
 
     @staticmethod
     def backward(ctx, grad_loss, *_stats_grads):
         if grad_loss is None:  # the loss was not used
-            return (None,) * 19
+            return (None,) * 24
         _autograd.raise_if_create_graph(grad_loss, _DOUBLE_BACKWARD_MESSAGE)
         if ctx.reduction == "none":
             (hidden, linear_weight, linear_bias, target, sample_weight, gamma, mix_target,
@@ -449,7 +391,7 @@ class FusedLinearUWCE(torch.autograd.Function):
         else:
             d_hidden, d_weight, d_bias, d_gamma = (
                 None if t is None else _autograd.scale_saved_gradient(t, grad_loss) for t in ctx.saved_tensors)
-        return (d_hidden, d_weight, d_bias, None, None, d_gamma) + (None,) * 13
+        return (d_hidden, d_weight, d_bias, None, None, d_gamma) + (None,) * 18
 
 
 # ------------------------------------------------------------------------------------------------------ public API
@@ -474,6 +416,9 @@ def fused_linear_uncertainty_weighted_ce(
     mix_lambda: float | torch.Tensor | None = None,
     return_stats: bool = False,
     accum_dtype: torch.dtype | None = None,
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+    softcap: float | None = None,
 ):
     """``uncertainty_weighted_ce(hidden @ linear_weight.T + linear_bias, target, ...)`` without materialising the
     ``N × C`` logits (the output layer of a language model: ``C`` = vocabulary size).
@@ -489,10 +434,12 @@ def fused_linear_uncertainty_weighted_ce(
         target: ``(...)`` (``hidden``'s leading shape) int64 class indices in ``[0, C)`` or ``ignore_index``; or
             dense probabilities ``(..., C)`` (soft targets: every row counts, no ``ignore_index``).
         linear_bias: optional ``(C,)``, same dtype and device.
-        uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index, backend: as in
-            :func:`calibkernels.uncertainty_weighted_ce`. ``"mean"`` divides by the non-ignored rows of the whole
-            batch (0 if there are none). ``sample_weight`` is used detached. A per-sample ``gamma`` tensor (focal)
-            that requires grad gets ``∂L/∂γ_i = L_i log(1 - p_{i,y})`` (times the reduction's scale) in
+        uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index, backend, lse_square_scale,
+            return_z_loss, softcap: as in :func:`calibkernels.uncertainty_weighted_ce` (``weight``: per-class
+            weights; the z-loss and soft-capping of Liger-Kernel's fused linear loss). ``"mean"`` divides by the
+            non-ignored rows of the whole batch (0 if there are none; with class weights by their sum over the
+            targets, as ``F.cross_entropy`` does). ``sample_weight`` is used detached. A per-sample ``gamma`` tensor
+            (focal) that requires grad gets ``∂L/∂γ_i = L_i log(1 - p_{i,y})`` (times the reduction's scale) in
             ``mode="loss"``, none in ``mode="grad"``.
         chunk_size: rows per chunk, ``>= 1``; ``None`` picks :func:`default_chunk_size`.
         accum_dtype: the dtype the weight and bias gradients are accumulated in over the chunks (Liger-Kernel's
@@ -509,7 +456,8 @@ def fused_linear_uncertainty_weighted_ce(
 
     Returns:
         the loss in ``hidden``'s dtype: a scalar, or ``target``-shaped for ``reduction="none"``; with
-        ``return_stats``, ``(loss, stats)`` (``stats`` shaped like ``target``'s batch shape ``(...)``).
+        ``return_z_loss`` and/or ``return_stats``, ``(loss, [z_loss,] [stats])`` (``stats`` shaped like ``target``'s
+        batch shape ``(...)``; ``z_loss`` reduced as the loss, detached).
 
     The matmuls run in the input dtype (half-precision inputs accumulate in float32 inside the matmul, as PyTorch's
     do); the kernels compute softmax and weight in float32; the weight and bias gradients are accumulated over the
@@ -517,55 +465,33 @@ def fused_linear_uncertainty_weighted_ce(
     supported (differentiating a gradient raises ``RuntimeError``). With ``backend="reference"`` each chunk runs the
     pure-PyTorch reference and ``torch.autograd.grad``.
     """
-    chunk_size, smoothing = _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size,
+    chunk_size, smoothing = check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size,
                                             ignore_index, label_smoothing)
     check_return_stats(return_stats)
+    drop_in = check_drop_in_options(lse_square_scale=lse_square_scale, return_z_loss=return_z_loss, softcap=softcap)
     soft = soft_target_request(target, smoothing, mix_target, mix_lambda)
-    hidden2d, target1d, batch_shape = _check_linear_inputs(hidden, linear_weight, target, linear_bias)
+    hidden2d, target1d, batch_shape = check_linear_inputs(hidden, linear_weight, target, linear_bias)
     num_rows, hidden_size = hidden2d.shape
     num_classes = linear_weight.shape[0]
     device = hidden.device
-    dense = target1d.is_floating_point()
-    if soft and uncertainty == "dual_focal" and smoothing != 0.0:
-        raise ValueError(f"uncertainty='dual_focal' with soft targets: {DUAL_FOCAL_SOFT_MESSAGE}")
-    # dual focal's other soft forms run as class indices once found one-hot (below), or raise there
-    if soft and uncertainty != "dual_focal":
-        # only "loss" mode differentiates the weight, hence a per-sample gamma (the kernels' soft rows do not)
-        gamma_needs_grad = (mode == "loss" and isinstance(gamma, torch.Tensor) and gamma.requires_grad
-                            and torch.is_grad_enabled())
-        name = _backends.resolve_soft_targets(backend, device, gamma_needs_grad)
-    else:
-        name = _backends.resolve(backend, device)
+    name = backend_for_call(backend, device, soft, uncertainty, mode, gamma, smoothing, drop_in, weight)
     host_check = name == "reference" or device.type == "cpu"
+    class_weight = check_class_weight_tensor(weight, hidden2d.new_empty((1, 1)).expand(num_rows, num_classes),
+                                             check_values=host_check or not _autograd.is_plain_eager(hidden2d))
     if not host_check and _autograd.is_plain_eager(hidden2d):
         # before this call queues flags of its own: what poll raises belongs to an earlier call
         _target_checks.poll()
-    mix1d = lam = None
-    if dense:
-        if mix_target is not None:
-            raise ValueError("mix_target/mix_lambda mix class-index targets; mix a dense target yourself")
-        if not torch.compiler.is_compiling():
-            # on a GPU the values of plain eager calls are flagged on the device below (no synchronisation)
-            check_dense_target(hidden2d.new_empty((1, 1)).expand(num_rows, num_classes), target1d, ignore_index,
-                               check_values=host_check or not _autograd.is_plain_eager(hidden2d))
-    elif host_check and not torch.compiler.is_compiling():
-        check_target_values(target1d, num_classes, ignore_index)
-    if mix_target is not None:
-        # on a GPU the mix's values are flagged on the device (no synchronisation); the kernel flags the targets
-        mix1d, lam = check_mix(mix_target, mix_lambda, target1d, batch_shape, num_classes, ignore_index, device,
-                               check_values=host_check)
-    sample_weight = check_sample_weight(sample_weight, uncertainty, batch_shape, device, check_values=host_check)
-    if sample_weight is not None:
-        sample_weight = sample_weight.detach()
-    gamma = check_per_sample_gamma(gamma, uncertainty, batch_shape, device, check_values=host_check)
+    mix1d, lam, sample_weight, gamma = check_row_tensors(hidden2d, num_classes, target1d, batch_shape, mix_target,
+                                                         mix_lambda, sample_weight, gamma, uncertainty, ignore_index,
+                                                         host_check)
     gamma_tensor = gamma if isinstance(gamma, torch.Tensor) else None
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
     if gamma_tensor is not None and gamma_tensor.dtype != (torch.float64 if hidden.dtype == torch.float64
                                                            else torch.float32):
         gamma_tensor = gamma_tensor.to(torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     if name != "reference" and device.type == "cuda" and _autograd.is_plain_eager(hidden2d):
-        _submit_device_target_check(target1d, num_classes, ignore_index)  # the targets as given, before any mix
-    target1d, mix1d, lam = _one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index)
+        submit_device_target_check(target1d, num_classes, ignore_index)  # the targets as given, before any mix
+    target1d, mix1d, lam = one_hot_forms(target1d, mix1d, lam, uncertainty, ignore_index)
     dense = target1d.is_floating_point()
     if mix1d is not None:
         lam = lambda_tensor(lam, hidden.dtype, device, (num_rows,))  # per row: the chunks slice it
@@ -575,46 +501,68 @@ def fused_linear_uncertainty_weighted_ce(
         num_rows, num_classes, hidden_size, hidden.element_size(), device.type)
     chunk = min(chunk, num_rows)
     spec = _Spec(name, uncertainty, mode, gamma_value, float(norm), ignore_index, smoothing, dense,
-                 _check_accum_dtype(accum_dtype))
-    loss, stats = _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec,
-                                reduction, chunk, mix1d, lam, return_stats)
+                 check_accum_dtype(accum_dtype), class_weight, drop_in["lse_square_scale"], drop_in["softcap"])
+    spec, z_factor = _with_mean_divisor(spec, reduction, target1d, mix1d, lam)
+    loss, stats, z_rows = _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor,
+                                        spec, reduction, chunk, mix1d, lam, return_stats, return_z_loss)
     if reduction == "none":
         loss = loss.reshape(batch_shape)
     loss = loss if loss.dtype == hidden.dtype else loss.to(hidden.dtype)
-    if not return_stats:
-        return loss
-    return loss, LossStats(stats.confidence.reshape(batch_shape), stats.prediction.reshape(batch_shape))
+    extra = ()
+    if return_z_loss:
+        extra += (_reduced_z_loss(z_rows, z_factor, target1d, spec, reduction, batch_shape, hidden.dtype),)
+    if return_stats:
+        extra += (LossStats(stats.confidence.reshape(batch_shape), stats.prediction.reshape(batch_shape)),)
+    return (loss, *extra) if extra else loss
 
 
-def _check_accum_dtype(accum_dtype) -> torch.dtype | None:
-    """``accum_dtype``: ``None`` or a floating dtype the weight and bias gradients are accumulated in."""
-    if accum_dtype is not None and accum_dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
-        raise TypeError("accum_dtype must be None or a floating torch.dtype (float16, bfloat16, float32, float64), "
-                        f"got {accum_dtype!r}")
-    return accum_dtype
+def _with_mean_divisor(spec: _Spec, reduction: str, target1d, mix1d, lam) -> tuple:
+    """``(spec, z_factor)``: ``spec`` with the "mean"'s divisor of class-weighted class-index targets, ``D = Σ_i <w,
+    t̄_i>`` over the non-ignored rows (``t̄`` the target before smoothing: ``Σ w_y``, or ``Σ (λ w_y + (1 - λ)
+    w_mix)``), as ``F.cross_entropy`` divides. The z-loss divides by the non-ignored rows instead, so where both are
+    asked for, the chunks run the z-loss scale ``s · D / rows`` (its gradient shares the chunk's buffer with the
+    rest, all divided by ``D``) and ``z_factor = rows / D`` takes the reported z-loss back to ``s``; this reads ``D``
+    on the host, a GPU's one synchronisation. A zero ``D`` (every target class weighted 0) makes the class-weighted
+    part 0, as in the reference."""
+    if spec.class_weight is None or spec.dense or reduction != "mean":
+        return spec, 1.0
+    weight = spec.class_weight.to(torch.float64 if spec.class_weight.dtype == torch.float64 else torch.float32)
+    valid = target1d != spec.ignore_index
+    per_row = weight[torch.where(valid, target1d, 0)]
+    if mix1d is not None:
+        lam = lam.to(weight.dtype)
+        per_row = lam * per_row + (1 - lam) * weight[torch.where(valid, mix1d, 0)]
+    divisor = torch.where(valid, per_row, torch.zeros_like(per_row)).sum()
+    if spec.lse_square_scale == 0.0:
+        return spec._replace(mean_divisor=divisor), 1.0
+    rows = max(int(valid.sum()), 1)
+    total = float(divisor)
+    if total <= 0.0:  # the weighted part is 0: weights of 0 make it so, and the mean divides by the rows
+        return spec._replace(class_weight=torch.zeros_like(spec.class_weight),
+                             mean_divisor=divisor.new_tensor(float(rows))), 1.0
+    return spec._replace(mean_divisor=divisor, lse_square_scale=spec.lse_square_scale * total / rows), rows / total
 
 
-def _check_settings(weight, uncertainty, mode, reduction, gamma, norm, backend, chunk_size, ignore_index,
-                    label_smoothing):
-    """The checks of :func:`fused_linear_uncertainty_weighted_ce`'s settings that need no tensor; returns
-    ``(chunk_size, label_smoothing)`` as the call uses them."""
-    check_class_weight(weight)
-    check_uncertainty(uncertainty)
-    check_mode(mode)
-    check_reduction(reduction)
-    check_gamma(gamma)
-    check_norm(norm)
-    check_backend(backend)
-    chunk_size = _check_chunk_size(chunk_size)
-    check_ignore_index(ignore_index)
-    return chunk_size, check_label_smoothing(label_smoothing)
+def _reduced_z_loss(z_rows, z_factor, target1d, spec: _Spec, reduction, batch_shape, dtype):
+    """The z-loss reduced as the loss is (the mean over the non-ignored rows), detached, from the rows' values."""
+    if z_rows is None:
+        z_rows = torch.zeros(target1d.shape[0], device=target1d.device)
+    z_rows = z_rows * z_factor if z_factor != 1.0 else z_rows
+    if reduction == "none":
+        return z_rows.reshape(batch_shape).to(dtype)
+    total = z_rows.sum()
+    if reduction == "mean":
+        total = total / _valid_rows(target1d, spec.ignore_index)
+    return total.to(dtype)
 
 
 def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec: _Spec,
-                  reduction: str, chunk: int, mix1d, lam, return_stats: bool = False):
-    """``(loss, stats)`` of checked 2-D inputs, through :class:`FusedLinearUWCE` where a gradient is needed, else one
-    pass of the chunks without autograd; the loss in the compute dtype, ``(N,)`` for ``reduction="none"``; ``stats``
-    a ``(N,)`` :class:`LossStats` with ``return_stats``, else ``None``."""
+                  reduction: str, chunk: int, mix1d, lam, return_stats: bool = False, return_z_loss: bool = False):
+    """``(loss, stats, z_rows)`` of checked 2-D inputs, through :class:`FusedLinearUWCE` where a gradient is needed,
+    else one pass of the chunks without autograd; the loss in the compute dtype, ``(N,)`` for ``reduction="none"``;
+    ``stats`` a ``(N,)`` :class:`LossStats` with ``return_stats``, else ``None``; ``z_rows`` the rows' z-loss at the
+    chunks' scale with ``return_z_loss`` where the scale is not 0, else ``None``."""
+    want_z_rows = return_z_loss and spec.lse_square_scale != 0.0
     needs_grad = torch.is_grad_enabled() and (
         hidden2d.requires_grad or linear_weight.requires_grad
         or (linear_bias is not None and linear_bias.requires_grad)
@@ -623,17 +571,22 @@ def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
         out = FusedLinearUWCE.apply(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor,
                                     spec.backend, spec.uncertainty, spec.mode, spec.gamma, spec.norm, reduction,
                                     spec.ignore_index, chunk, mix1d, lam, spec.label_smoothing, return_stats,
-                                    spec.accum_dtype)
-        return (out[0], LossStats(*out[1:])) if return_stats else (out, None)
+                                    spec.accum_dtype, spec.class_weight, spec.lse_square_scale, spec.softcap,
+                                    spec.mean_divisor, want_z_rows)
+        if not (return_stats or want_z_rows):
+            return out, None, None
+        return (out[0], LossStats(out[1], out[2]) if return_stats else None,
+                out[-1] if want_z_rows else None)
     stats = empty_loss_stats(hidden2d.shape[0], hidden2d.device) if return_stats else None
+    z_rows = _z_rows_buffer(hidden2d) if want_z_rows else None
     with torch.no_grad():
         row_loss, *_ = _chunked_pass(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
                                      None if gamma_tensor is None else gamma_tensor.detach(), spec, chunk,
-                                     False, False, False, False, None, mix1d, lam, stats)
+                                     False, False, False, False, None, mix1d, lam, stats, z_rows)
         loss = row_loss if reduction == "none" else row_loss.sum()
         if reduction == "mean":
-            loss = loss / _valid_rows(target1d, ignore_index=spec.ignore_index).to(loss.dtype)
-    return loss, stats
+            loss = loss * _mean_scale(target1d, spec, loss.dtype)
+    return loss, stats, z_rows
 
 
 class FusedLinearUncertaintyWeightedCE(nn.Module):
@@ -657,7 +610,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
         check_reduction(reduction)
         check_backend(backend)
         check_ignore_index(ignore_index)
-        chunk_size = _check_chunk_size(chunk_size)
+        chunk_size = check_chunk_size(chunk_size)
         self.label_smoothing = check_label_smoothing(label_smoothing)
         self.uncertainty, self.mode, self.gamma, self.norm = uncertainty, mode, gamma, float(norm)
         self.reduction, self.ignore_index, self.backend, self.chunk_size = reduction, ignore_index, backend, chunk_size
