@@ -12,23 +12,16 @@ Steps timed (forward + backward of the mean, BSCE-GRA, default backend), per sha
 * the fused linear path (``hidden (N, H) @ W.T``, ``H`` = :data:`HIDDEN`): ``fused_linear_plain`` and
   ``fused_linear_stats``.
 
-Each group of steps is timed interleaved (:func:`bench.timing.time_steps`: repetition ``r`` runs every step once,
-in a rotated order), so the ratios compare steps that met the same machine load. Results:
-``loss-stats-<device type>[-quick]-<device>-<date>.json`` / ``.md`` in bench/results and one ``history.jsonl`` row per
-(shape, step) (:func:`bench.history.publish`; ``extra.ratio_vs_plain``).
+Each group of steps is timed interleaved; results and history rows as :mod:`bench.step_ratios` writes them
+(``loss-stats-<device type>[-quick]-<device>-<date>``).
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
-
 import torch
 
 import calibkernels as ck
-from bench.history import add_output_arguments, history_row, output_history, publish
-from bench.machine import machine_info
-from bench.tables import rows_to_markdown
+from bench import step_ratios
 from bench.timing import time_steps
 
 SHAPES = {"cpu": [(4096, 1000), (1024, 32000)], "cuda": [(8192, 1000), (8192, 32000)]}
@@ -86,55 +79,13 @@ def _measure(n, c, device, reps):
     return records
 
 
-def _history_rows(payload: dict, suite: str, source_file: str) -> list[dict]:
-    meta = payload["meta"]
-    return [history_row(
-        meta, suite, source_file, kernel="loss_stats", case_id=f"{meta['device']}-{r['n']}x{r['c']}-fp32-{r['step']}",
-        n=r["n"], c=r["c"], dtype="fp32", weight="brier", mode="grad", target="hard", provider=r["step"],
-        config={"hidden": HIDDEN} if r["step"].startswith("fused_linear") else {}, measure="step",
-        median_ms=r["median_ms"], min_ms=r["min_ms"], max_ms=r["max_ms"], reps=r["reps"], status="ok",
-        times_ms=r["times_ms"], extra={"ratio_vs_plain": r["ratio_vs_plain"],
-                                       "load_average_1min": meta.get("load_average_1min")})
-        for r in payload["results"]]
-
-
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m bench.bench_loss_stats", description=__doc__.splitlines()[0])
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--quick", action="store_true", help="the first shape only")
-    parser.add_argument("--reps", type=int, default=10, help="timed repetitions of each step (default 10)")
-    add_output_arguments(parser)
-    args = parser.parse_args(argv)
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine")
-    if args.out is not None and args.results_dir is not None:
-        parser.error("--out and --results-dir are exclusive")
-    suite = args.suite or f"loss-stats-{args.device}{'-quick' if args.quick else ''}"
-    meta = machine_info(args.device)
-    records = []
-    for n, c in SHAPES[args.device][:1 if args.quick else None]:
-        for name, timing, ratio in _measure(n, c, args.device, args.reps):
-            records.append(dict(n=n, c=c, step=name, median_ms=timing.median_ms, min_ms=timing.min_ms,
-                                max_ms=timing.max_ms, reps=timing.reps, ratio_vs_plain=round(ratio, 4),
-                                times_ms=[round(t, 4) for t in timing.times_ms]))
-            print(f"[bench] {n}x{c} {name}: {timing.median_ms:.2f} ms (x{ratio:.3f})", file=sys.stderr)
-    meta["complete"] = True
-    meta["suite"] = suite
-    machine = meta.get("gpu") or meta["cpu"]
-    table = (f"Machine: {machine} ({meta['torch_threads']} torch threads); torch {meta['torch']}; "
-             f"{meta['date']}; commit {meta.get('git_commit')}; fp32, BSCE-GRA, forward + backward, median of "
-             f"{args.reps} interleaved repetitions; fused linear with H = {HIDDEN}\n\n"
-             + rows_to_markdown(["N × C", "step", "time (ms)", "ratio to its plain step"],
-                                [[f"{r['n']} × {r['c']}", r["step"], f"{r['median_ms']:.2f}",
-                                  f"{r['ratio_vs_plain']:.3f}"] for r in records]))
-    written = publish({"meta": meta, "results": records}, table, suite=suite,
-                      rows_of=lambda payload, source: _history_rows(payload, suite, source),
-                      results_dir=args.results_dir, out=args.out, history=output_history(args))
-    print(table)
-    print(f"[bench] wrote {written['json']} and {written['md']}"
-          + (f"; appended {len(records)} rows to {written['history']}" if written["history"] else ""),
-          file=sys.stderr)
-    return records
+    return step_ratios.main(
+        argv, prog="python -m bench.bench_loss_stats", description=__doc__.splitlines()[0],
+        suite_prefix="loss-stats", kernel="loss_stats", shapes=SHAPES, measure=_measure,
+        caption=f"fp32, BSCE-GRA, forward + backward; fused linear with H = {HIDDEN}",
+        fields_of=lambda step: dict(weight="brier", mode="grad", target="hard",
+                                    config={"hidden": HIDDEN} if step.startswith("fused_linear") else {}))
 
 
 if __name__ == "__main__":
