@@ -123,12 +123,14 @@ class _Spec(NamedTuple):
 
 # ------------------------------------------------------------------------------------------------------ one chunk
 def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bool, gamma_grad: bool, mix_target=None,
-                  mix_lambda=None, z_rows=None):
+                  mix_lambda=None, z_rows=None, stats_out=None):
     """Run the loss on one chunk's logits ``z (R, C)``; return ``(row_loss (R,), G, dL/dγ (R,) or None)``.
 
     ``G``, the gradient of the chunk's summed loss, is written over ``z`` by the compiled backends (``z`` is returned);
     the reference computes it with ``autograd.grad`` in the compute dtype (float32 for half-precision inputs).
     ``z_rows``: an ``(R,)`` buffer that receives the rows' z-loss (the call returns it), or ``None``.
+    ``stats_out``: ``(confidence, prediction)`` ``(R,)`` buffers the kernel writes in its loss pass (a compiled
+    backend with ``STATS_IN_KERNEL``), or ``None``.
     """
     if spec.backend == "reference":
         compute_dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
@@ -172,9 +174,9 @@ def _chunk_kernel(z, target, sample_weight, gamma, spec: _Spec, compute_grad: bo
     if gamma_grad:  # read the logits before the kernel overwrites them
         gamma_factor = gamma_gradient_factor(z, target, gamma, spec.ignore_index, REDUCTION_CODES["sum"])
     soft = (mix_target, mix_lambda, spec.label_smoothing) if mix_target is not None else spec.soft_arguments
-    options = {}
+    options = {} if stats_out is None else {"stats_out": stats_out}
     if spec.has_options:  # keywords only where given: a backend's defaults otherwise
-        options = dict(class_weight=spec.class_weight, lse_square_scale=spec.lse_square_scale,
+        options.update(class_weight=spec.class_weight, lse_square_scale=spec.lse_square_scale,
                        softcap=0.0 if spec.softcap is None else spec.softcap, z_loss_out=z_rows)
     row_loss, _, _ = module.forward(
         z, target, sample_weight, gamma, WEIGHT_CODES[spec.uncertainty], MODE_CODES[spec.mode], spec.gamma,
@@ -228,9 +230,10 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
     """One pass over the chunks: ``(row_loss (N,), d hidden, d weight, d bias, d gamma)`` of ``Σ_i s_i L_i``, with
     ``s_i = row_scale[i]`` (1 when ``None``); a gradient not asked for is ``None``. The weight and bias gradients are
     float32 for half-precision inputs (the accumulators); the caller casts them. ``stats``: ``(N,)`` buffers that
-    receive each chunk's :func:`calibkernels.loss_stats.top_label_stats`, taken from the chunk's logits before the
-    kernel writes its gradient over them (ignored rows: those whose class-index target is ``ignore_index``), of the
-    soft-capped logits where the call caps them. ``z_rows``: an ``(N,)`` buffer for the rows' z-loss, or ``None``."""
+    receive each chunk's :func:`calibkernels.loss_stats.top_label_stats` (ignored rows: those whose class-index
+    target is ``ignore_index``), of the soft-capped logits where the call caps them: written by the kernel in its
+    loss pass where the backend's module has ``STATS_IN_KERNEL``, else taken from the chunk's logits before the
+    kernel writes its gradient over them. ``z_rows``: an ``(N,)`` buffer for the rows' z-loss, or ``None``."""
     num_rows, hidden_size = hidden.shape
     num_classes = linear_weight.shape[0]
     dtype, device = hidden.dtype, hidden.device
@@ -244,6 +247,8 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
     d_gamma = torch.empty(num_rows, dtype=loss_dtype, device=device) if need_gamma else None
     buffer = torch.empty((min(chunk, num_rows), num_classes), dtype=dtype, device=device)
     weight_t = linear_weight.t()
+    stats_in_kernel = stats is not None and spec.backend != "reference" and getattr(
+        _backends.module(spec.backend), "STATS_IN_KERNEL", False)
     for start in range(0, num_rows, chunk):
         stop = min(start + chunk, num_rows)
         h = hidden[start:stop]
@@ -252,7 +257,7 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
             torch.mm(h, weight_t, out=z)
         else:
             torch.addmm(linear_bias, h, weight_t, out=z)
-        if stats is not None:
+        if stats is not None and not stats_in_kernel:
             chunk_target = target[start:stop]
             ignored = None if spec.dense else chunk_target == spec.ignore_index
             chunk_stats = top_label_stats(_soft_capped(z, spec.softcap), ignored, (stop - start,))
@@ -262,7 +267,8 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
             z, target[start:stop], None if sample_weight is None else sample_weight[start:stop],
             None if gamma is None else gamma[start:stop], spec, compute_grad, need_gamma,
             None if mix_target is None else mix_target[start:stop],
-            None if mix_lambda is None else mix_lambda[start:stop], None if z_rows is None else z_rows[start:stop])
+            None if mix_lambda is None else mix_lambda[start:stop], None if z_rows is None else z_rows[start:stop],
+            (stats.confidence[start:stop], stats.prediction[start:stop]) if stats_in_kernel else None)
         row_loss[start:stop] = loss
         if need_gamma:
             d_gamma[start:stop] = gamma_factor if row_scale is None else gamma_factor * row_scale[start:stop]
@@ -449,10 +455,10 @@ def fused_linear_uncertainty_weighted_ce(
         label_smoothing, mix_target, mix_lambda: soft targets, as in :func:`calibkernels.uncertainty_weighted_ce`
             (O(N) target data per chunk for the compact forms).
         return_stats: also return a :class:`calibkernels.LossStats` of the logits ``hidden @ linear_weight.T +
-            linear_bias``: ``(loss, stats)``. Each chunk's statistics are taken from its logits before the kernel
-            writes the gradient over them, so they cost one more read of the chunk (no ``N × C`` tensor) and equal
-            :func:`calibkernels.loss_stats.top_label_stats` of the full logits (docs/metrics.md, "Monitor
-            calibration while training").
+            linear_bias``: ``(loss, stats)``. The compiled kernels write each chunk's statistics in their loss pass
+            over it (the reference takes them from the chunk before the gradient overwrites it); no ``N × C``
+            tensor, and equal to :func:`calibkernels.loss_stats.top_label_stats` of the full logits
+            (docs/metrics.md, "Monitor calibration while training").
 
     Returns:
         the loss in ``hidden``'s dtype: a scalar, or ``target``-shaped for ``reduction="none"``; with

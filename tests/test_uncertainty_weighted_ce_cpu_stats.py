@@ -94,12 +94,12 @@ def test_stats_match_the_oracle_and_leave_loss_and_gradient_unchanged(weight, no
         z = _logits(n, c, dtype)
         target, mix, lam, smoothing = _targets(z, kind)
         torch.manual_seed(1)  # the external weight's sample weights alike in both calls
-        loss, grad, _, confidence, prediction = _call(z, target, mix, lam, smoothing, weight=weight, norm=norm,
-                                                      reduction="none")
+        loss, grad, _, confidence, prediction, _ = _call(z, target, mix, lam, smoothing, weight=weight, norm=norm,
+                                                         reduction="none")
         _assert_stats(confidence, prediction, z, target)
         torch.manual_seed(1)
-        plain_loss, plain_grad, _, no_conf, no_pred = _call(z, target, mix, lam, smoothing, weight=weight, norm=norm,
-                                                            reduction="none", return_stats=False)
+        plain_loss, plain_grad, _, no_conf, no_pred, _ = _call(z, target, mix, lam, smoothing, weight=weight,
+                                                               norm=norm, reduction="none", return_stats=False)
         assert no_conf.shape == no_pred.shape == (0,)
         _assert_same((loss, plain_loss), (grad, plain_grad))
 
@@ -114,7 +114,7 @@ def test_rows_without_a_finite_max_follow_the_oracle(kind, dtype):
     z[6, 2] = z[6, 4] = math.nan
     z[7, 1] = z[7, 3] = math.inf
     target, mix, lam, smoothing = _targets(z, kind, ignored=False)
-    _, _, _, confidence, prediction = _call(z, target, mix, lam, smoothing, reduction="none", compute_grad=False)
+    _, _, _, confidence, prediction, _ = _call(z, target, mix, lam, smoothing, reduction="none", compute_grad=False)
     _assert_stats(confidence, prediction, z, target)
     assert prediction[4] == 0 and prediction[6] == 2 and prediction[7] == 1
     assert confidence[4:].isnan().tolist() == [True, False, True, True]
@@ -127,7 +127,7 @@ def test_in_place_stats_are_those_of_the_logits_before_the_gradient(kind, dtype)
     target, mix, lam, smoothing = _targets(z, kind)
     loss, grad, *_ = _call(z, target, mix, lam, smoothing, weight="brier", return_stats=False)
     buffer = z.clone()
-    in_place_loss, empty, _, confidence, prediction = _call(buffer, target, mix, lam, smoothing, weight="brier",
+    in_place_loss, empty, _, confidence, prediction, _ = _call(buffer, target, mix, lam, smoothing, weight="brier",
                                                             grad_out=buffer)
     assert empty.shape == (0,)
     _assert_stats(confidence, prediction, z, target)
@@ -141,7 +141,7 @@ def test_strided_logits(layout, dtype):
     z = wide[:, 5:30] if layout == "strided rows" else wide[:, ::2]
     y = torch.randint(0, z.shape[1], (10,))
     y[3] = -100
-    loss, grad, _, confidence, prediction = _call(z, y, weight="focal", mode="loss")
+    loss, grad, _, confidence, prediction, _ = _call(z, y, weight="focal", mode="loss")
     _assert_stats(confidence, prediction, z, y)
     plain_loss, plain_grad, *_ = _call(z.contiguous(), y, weight="focal", mode="loss", return_stats=False)
     _assert_same((loss, plain_loss), (grad, plain_grad))
@@ -153,7 +153,7 @@ def test_streamed_gradient_rows(kind, monkeypatch):
     monkeypatch.setenv("CALIBKERNELS_CPU_STREAMING_STORES", "1")
     z = _logits(16, 300)
     target, mix, lam, smoothing = _targets(z, kind)
-    loss, grad, _, confidence, prediction = _call(z, target, mix, lam, smoothing)
+    loss, grad, _, confidence, prediction, _ = _call(z, target, mix, lam, smoothing)
     _assert_stats(confidence, prediction, z, target)
     plain_loss, plain_grad, *_ = _call(z, target, mix, lam, smoothing, return_stats=False)
     _assert_same((loss, plain_loss), (grad, plain_grad))
@@ -163,11 +163,11 @@ def test_streamed_gradient_rows(kind, monkeypatch):
 def test_every_reduction_and_an_empty_batch(reduction):
     z = _logits(7, 5)
     y = torch.tensor([0, 1, -100, 3, 4, -100, 2])
-    _, _, _, confidence, prediction = _call(z, y, reduction=reduction, compute_grad=False)
+    _, _, _, confidence, prediction, _ = _call(z, y, reduction=reduction, compute_grad=False)
     _assert_stats(confidence, prediction, z, y)
     assert prediction[2] == prediction[5] == -1 and confidence[2].isnan() and confidence[5].isnan()
     empty = torch.empty(0, 5)
-    _, _, _, confidence, prediction = _call(empty, torch.empty(0, dtype=torch.int64), reduction=reduction)
+    _, _, _, confidence, prediction, _ = _call(empty, torch.empty(0, dtype=torch.int64), reduction=reduction)
     assert confidence.shape == prediction.shape == (0,)
 
 
@@ -205,10 +205,11 @@ def test_forward_below_autograd_returns_the_kernels_stats():
     z = _logits(6, 8)
     y = torch.softmax(torch.randn(6, 8), 1)
     codes = (V.WEIGHT_CODES["focal"], V.MODE_CODES["loss"], 2.0, 2.0, -100, V.REDUCTION_CODES["sum"])
-    loss, grad, flag, stats = backend.forward(z, y, None, None, *codes, True, None, return_stats=True)
-    _assert_stats(stats.confidence, stats.prediction, z, y)
-    assert len(backend.forward(z, y, None, None, *codes, True, None)) == 3
-    assert backend.forward(z, y, None, None, *codes, True, None, return_stats=False)[3] is None
+    stats = (torch.full((6,), -1.0), torch.full((6,), -2, dtype=torch.int64))
+    loss, grad, flag = backend.forward(z, y, None, None, *codes, True, None, stats_out=stats)
+    _assert_stats(*stats, z, y)
+    plain_loss, plain_grad, _ = backend.forward(z, y, None, None, *codes, True, None)
+    torch.testing.assert_close((loss, grad), (plain_loss, plain_grad), rtol=0, atol=0, equal_nan=True)
 
 
 def test_opcheck_with_stats():
@@ -228,8 +229,8 @@ def test_torch_compile_fullgraph_with_stats():
     op = _op().uncertainty_weighted_ce
 
     def loss_and_stats(z, y):
-        loss, _, _, confidence, prediction = op(z, y, None, None, V.WEIGHT_CODES["focal"], 1, 2.0, 2.0, -100, 1,
-                                                z.requires_grad, None, return_stats=True)
+        loss, _, _, confidence, prediction, _ = op(z, y, None, None, V.WEIGHT_CODES["focal"], 1, 2.0, 2.0, -100, 1,
+                                                   z.requires_grad, None, return_stats=True)
         return loss, confidence, prediction
 
     compiled = torch.compile(loss_and_stats, fullgraph=True, backend="aot_eager")

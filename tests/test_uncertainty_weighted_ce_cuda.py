@@ -504,13 +504,13 @@ def test_op_returns_the_top_label_stats(kind, dtype):
         y[1] = 20
     op = torch.ops.calibkernels.uncertainty_weighted_ce
     args = (y, None, None, V.WEIGHT_CODES["brier"], 1, 2.0, 2.0, -100, 1, True)
-    loss, grad, _, confidence, prediction = op(z, *args, None, return_stats=True)
+    loss, grad, _, confidence, prediction, _ = op(z, *args, None, return_stats=True)
     want = top_label_stats(z, None if kind == "dense" else y == -100, (64,))
     assert torch.equal(prediction, want.prediction)
     torch.testing.assert_close(confidence, want.confidence, rtol=1e-5, atol=0, equal_nan=True)
     plain_loss, plain_grad, *_ = op(z, *args, None)
     assert torch.equal(loss, plain_loss) and torch.equal(grad, plain_grad)
     buffer = z.clone()
-    _, _, _, confidence, prediction = op(buffer, *args, buffer, return_stats=True)
+    _, _, _, confidence, prediction, _ = op(buffer, *args, buffer, return_stats=True)
     assert torch.equal(prediction, want.prediction) and torch.equal(buffer, grad)
     torch.testing.assert_close(confidence, want.confidence, rtol=1e-5, atol=0, equal_nan=True)

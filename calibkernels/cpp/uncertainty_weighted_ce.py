@@ -90,14 +90,14 @@ def _checked_flag(flag: torch.Tensor) -> torch.Tensor | None:
 
 def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None,
-            return_stats=None, class_weight=None, lse_square_scale=0.0, softcap=0.0, z_loss_out=None):
+            stats_out=None, class_weight=None, lse_square_scale=0.0, softcap=0.0, z_loss_out=None):
     """``(loss, grad, target_flag)`` of the op below its autograd (the backend forward of
     :mod:`calibkernels._autograd`, for callers with an autograd of their own); the loss in the logits' dtype where
     ``loss_dtype`` asks for it (the kernel writes it so: no cast launch), else in the op's float32 (float64).
 
-    ``return_stats`` (a bool): ``(loss, grad, target_flag, stats)``, ``stats`` the op's
-    :class:`~calibkernels.loss_stats.LossStats` of the logits' rows, 1-D ``(N,)`` (the caller reshapes), computed by
-    the kernel in its loss pass, or ``None`` when ``False``. Left out (``None``), the three-element result.
+    ``stats_out``: ``(confidence, prediction)``, ``(N,)`` float32 and int64 buffers that receive the op's top-label
+    statistics of the logits' rows (:class:`~calibkernels.loss_stats.LossStats`), computed by the kernel in its loss
+    pass (the Triton forward's keyword too).
 
     ``class_weight``, ``lse_square_scale``, ``softcap``: the drop-in options (``softcap=0.0``: none); ``z_loss_out``
     an ``(N,)`` buffer that receives the rows' z-loss ``s · lse_i²`` (0 on ignored rows) where ``s != 0``."""
@@ -111,13 +111,13 @@ def forward(logits, target, sample_weight, gamma_per_sample, uncertainty, mode, 
         loss, grad, flag, confidence, prediction, z_loss = _OP(
             logits, target, sample_weight, gamma_per_sample, uncertainty, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target, mix_lambda, label_smoothing, loss_dtype == logits.dtype,
-            bool(return_stats), _detached(class_weight), lse_square_scale, softcap)
+            stats_out is not None, _detached(class_weight), lse_square_scale, softcap)
     if z_loss_out is not None and lse_square_scale != 0.0:
         z_loss_out.copy_(z_loss)
-    flag = _checked_flag(flag) if eager else None
-    if return_stats is None:
-        return loss, grad, flag
-    return loss, grad, flag, LossStats(confidence, prediction) if return_stats else None
+    if stats_out is not None:
+        stats_out[0].copy_(confidence)
+        stats_out[1].copy_(prediction)
+    return loss, grad, _checked_flag(flag) if eager else None
 
 
 def _detached(tensor):
