@@ -18,6 +18,7 @@ statistic (per row)   local contribution                                        
 ``S_q`` (Brier)       ``Σ_{k≠y} e^{q (z_k − m)}``                                  SUM   (round 3)
 ties (dual focal)     ``#{k : z_k = z_j}``                                         SUM   (round 3)
 arg-max (stats)       the lowest global index ``o_r + k`` with ``z_k = m``         MIN   (round 4)
+max, sum (stats)      with ``softcap``: ``max_k z_k``, ``Σ_k e^{z_k − m}`` uncapped  MAX, SUM (1, 3)
 ====================  ===========================================================  ==================
 
 From them, on every rank: ``CE = (m − z_y) + log d``, ``log p_k = (z_k − m) − log d`` (relative to the max, never
@@ -48,6 +49,14 @@ Each rank's gradient is its slice of the unsharded gradient, computed locally fr
 
 times ``1 / n_valid`` for ``"mean"``; rows with ``CE = 0`` (saturated) take the limit 0 of the second term, as the
 reference does. Pure PyTorch per rank (float32 compute for half-precision logits, float64 for float64).
+
+``F.cross_entropy`` / Liger-Kernel options (docs/losses.md, "Coming from F.cross_entropy / Liger-Kernel"), none of
+which adds a collective: per-class weights ``w`` (the whole ``(C,)`` tensor on every rank) scale row ``i``'s loss and
+gradient by ``w_{y_i}``, read with the global target, and ``"mean"`` divides by ``Σ w_y`` over the non-ignored rows;
+the z-loss ``s · lse_i²`` uses ``lse = m + log d`` and adds ``2 s lse_i p_k`` to the gradient (mean over
+``n_valid``, outside both weights); ``softcap`` caps each rank's block, ``z' = c tanh(z / c)``, computes everything
+above from ``z'`` and multiplies the gradient by ``1 − (z'/c)²``. The statistics stay those of the uncapped logits.
+The row math lives in :mod:`calibkernels._vocab_parallel_rows`.
 """
 
 from __future__ import annotations
@@ -60,12 +69,12 @@ import torch
 
 from . import _autograd
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
-from .loss_stats import LossStats, check_return_stats
-from ._row_math import flsd_band, power_of_log, row_log_terms
 from ._target_checks import out_of_range_message
-from ._validation import (check_class_weight, check_gamma, check_ignore_index, check_mode, check_norm,
-                          check_per_sample_gamma, check_reduction, check_sample_weight, check_uncertainty,
-                          out_of_range_targets)
+from ._validation import (check_class_weight, check_class_weight_tensor, check_drop_in_options, check_gamma,
+                          check_ignore_index, check_mode, check_norm, check_per_sample_gamma, check_reduction,
+                          check_sample_weight, check_uncertainty, out_of_range_targets)
+from ._vocab_parallel_rows import RowOptions, dist_module, vocab_parallel_rows
+from .loss_stats import LossStats, check_return_stats
 
 __all__ = ["vocab_parallel_uncertainty_weighted_ce"]
 
@@ -75,20 +84,10 @@ _DOUBLE_BACKWARD_MESSAGE = (
 )
 
 
-def _dist():
-    import torch.distributed as dist
-
-    if not dist.is_available():
-        raise RuntimeError("torch.distributed is not available in this PyTorch build")
-    if not dist.is_initialized():
-        raise RuntimeError("vocab_parallel_uncertainty_weighted_ce needs an initialised process group "
-                           "(torch.distributed.init_process_group)")
-    return dist
-
-
 # What every rank must pass alike, in the order of the gathered table's columns after ``(C_r, N)``.
 _SETTINGS = ("uncertainty", "mode", "reduction", "ignore_index", "dtype", "gamma", "norm", "sample_weight",
-             "per-sample gamma", "return_stats")
+             "per-sample gamma", "return_stats", "lse_square_scale", "return_z_loss", "softcap", "weight",
+             "weight values")
 
 
 def _float_bits(value: float) -> int:
@@ -102,16 +101,39 @@ def _row_bits(values: torch.Tensor) -> torch.Tensor:
     return (values.detach().reshape(-1).to(torch.float64) + 0.0).view(torch.int64)
 
 
+# a prime below 2^31: the weight checksum's terms stay below 2^62, their sum exact in int64 for any C < 2^31
+_CHECKSUM_PRIME = 2**31 - 1
+
+
+def _class_weight_checksum(weight: torch.Tensor) -> int:
+    """A position-sensitive checksum of the per-class weights' float64 bits (finite, ``>= 0``: checked), in exact
+    int64 arithmetic on their device and read once: ``Σ_k (lo_k a_k mod P) + (hi_k b_k mod P)`` over the low and
+    high 32 bits of each entry, with per-position factors ``a_k = k + 1`` and ``b_k = 7 a_k + 3`` (mod ``P``).
+    Different weights can share a checksum (then they pass unnoticed), but a changed entry, or two swapped ones,
+    changes it unless its changes cancel modulo ``P``."""
+    bits = _row_bits(weight)
+    position = torch.arange(1, bits.shape[0] + 1, device=bits.device, dtype=torch.int64) % _CHECKSUM_PRIME
+    low, high = bits & 0xFFFFFFFF, bits >> 32
+    terms = (low * position) % _CHECKSUM_PRIME + (high * ((7 * position + 3) % _CHECKSUM_PRIME)) % _CHECKSUM_PRIME
+    return int(terms.sum() % _CHECKSUM_PRIME)
+
+
 def _settings_row(uncertainty, mode, reduction, ignore_index, dtype, gamma_value, norm, sample_weight, gamma_tensor,
-                  return_stats=False):
+                  return_stats, drop_in, class_weight):
     """The settings of :data:`_SETTINGS` as int64s: codes, the bits of ``gamma`` (weights that use it) and ``norm``
     (Brier weights), a CRC of the dtype's name (stable across processes), whether the two optional tensors are given
-    and whether the statistics are (their all-reduce is one more collective)."""
+    and whether the statistics are (their all-reduce is one more collective), the z-loss scale's and the softcap's
+    bits (0 for none), whether the z-loss is returned, and the per-class weights' length (``C + 1``, 0 without) and
+    checksum (:func:`_class_weight_checksum`)."""
     uses_gamma = uncertainty not in ("none", "external") and gamma_tensor is None
+    softcap = drop_in["softcap"]
     return [WEIGHT_CODES[uncertainty], MODE_CODES[mode], REDUCTION_CODES[reduction], ignore_index,
             zlib.crc32(str(dtype).encode()), _float_bits(gamma_value) if uses_gamma else 0,
             _float_bits(norm) if uncertainty in ("brier", "brier_flsd") else 0, int(sample_weight is not None),
-            int(gamma_tensor is not None), int(return_stats)]
+            int(gamma_tensor is not None), int(return_stats), _float_bits(drop_in["lse_square_scale"] + 0.0),
+            int(drop_in["return_z_loss"]), 0 if softcap is None else _float_bits(softcap),
+            0 if class_weight is None else class_weight.shape[0] + 1,
+            0 if class_weight is None else _class_weight_checksum(class_weight)]
 
 
 def _block_layout(num_local: int, target1d: torch.Tensor, group, device, settings=(), row_tensors=()):
@@ -124,7 +146,7 @@ def _block_layout(num_local: int, target1d: torch.Tensor, group, device, setting
     rank holds a class, or then if the targets, or any of ``row_tensors`` (``(name, tensor)`` pairs: ``sample_weight``
     and a per-sample ``gamma``, compared as :func:`_row_bits`), differ on some row: one all-reduce (MAX) of each row's
     value and its negation, exact (a hash of the targets can be matched by different ones)."""
-    dist = _dist()
+    dist = dist_module()
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
     if rank < 0:
@@ -184,209 +206,86 @@ def _share_refusal(local_logits, group) -> None:
     dist.all_gather([torch.empty_like(mine) for _ in range(dist.get_world_size(group))], mine, group=group)
 
 
-def _log_power(log_x: torch.Tensor, exponent: float) -> torch.Tensor:
-    """``exponent · log x`` with ``0 · log 0 = 0`` (``x^0 = 1``)."""
-    return torch.zeros_like(log_x) if exponent == 0 else exponent * log_x
-
-
-def _flsd_gamma(log_p_y: torch.Tensor, gamma: float) -> torch.Tensor:
-    """FLSD-53's ``γ_i`` from ``float32(p_y)`` (:func:`calibkernels._row_math.flsd_band`)."""
-    return flsd_band(torch.exp(log_p_y).float(), gamma, log_p_y.dtype)
-
-
-def _top_label_prediction(z, m, offset, group):
-    """Round 4: each row's arg-max over all ranks, the lowest global index among the classes equal to the global max
-    ``m`` (``torch.argmax``'s tie rule; a NaN logit counts as a maximum, as there), from one all-reduce (MIN) of each
-    rank's first candidate (``int64``'s largest value where it holds none)."""
-    dist = _dist()
-    num_rows, num_local = z.shape
-    none_here = torch.iinfo(torch.int64).max
-    candidates = torch.full((num_rows,), none_here, dtype=torch.int64, device=z.device)
-    if num_local > 0:
-        is_max = (z == m[:, None]) | z.isnan()
-        first = is_max.to(torch.uint8).argmax(dim=1)  # the first True (argmax takes the lowest index on ties)
-        candidates = torch.where(is_max.any(dim=1), first + offset, candidates)
-    dist.all_reduce(candidates, op=dist.ReduceOp.MIN, group=group)
-    # no candidate anywhere (a NaN maximum that no rank matched): class 0, as torch.argmax gives an all -inf row
-    return torch.where(candidates == none_here, torch.zeros_like(candidates), candidates)
-
-
-def _vocab_parallel_rows(z, target, sample_weight, gamma, offset, uncertainty, mode, norm, ignore_index, group,
-                         compute_grad, gamma_grad, return_stats=False):
-    """``(row_loss (N,), gradient of Σ_i L_i w.r.t. the local logits (N, C_r) or None, dL_i/dγ_i (N,) or None,
-    stats)`` in the compute dtype (module docstring for the statistics and formulas); ``stats`` an ``(N,)``
-    :class:`LossStats` with ``return_stats`` (the same on every rank), else ``None``."""
-    dist = _dist()
-    num_rows, num_local = z.shape
-    device, dtype = z.device, z.dtype
-    neg_inf = torch.full((), -math.inf, device=device, dtype=dtype)
-    valid = target != ignore_index
-    local_target = target - offset
-    in_block = valid & (local_target >= 0) & (local_target < num_local)
-    safe_local = torch.where(in_block, local_target, torch.zeros_like(local_target))
-    is_target = in_block[:, None] & (torch.arange(num_local, device=device)[None, :] == safe_local[:, None])
-
-    # round 1: row max and target logit
-    if num_local > 0:
-        local_max = z.amax(dim=1)
-        local_z_y = torch.where(in_block, z.gather(1, safe_local[:, None])[:, 0], neg_inf)
-    else:
-        local_max = local_z_y = torch.full((num_rows,), -math.inf, device=device, dtype=dtype)
-    first = torch.stack((local_max, local_z_y))
-    dist.all_reduce(first, op=dist.ReduceOp.MAX, group=group)
-    m, z_y = first[0], first[1]
-    z_y = torch.where(valid, z_y, m)  # ignored rows: any finite value (their loss and gradient are zeroed)
-
-    # round 2 (dual focal): the largest logit strictly below the target's
-    if uncertainty == "dual_focal":
-        below = torch.where(z < z_y[:, None], z, neg_inf)
-        z_j = below.amax(dim=1) if num_local > 0 else torch.full((num_rows,), -math.inf, device=device, dtype=dtype)
-        dist.all_reduce(z_j, op=dist.ReduceOp.MAX, group=group)
-
-    # round 3: the sums
-    e = torch.exp(z - m[:, None])
-    zero = torch.zeros((), device=device, dtype=dtype)
-    sums = [e.sum(dim=1), torch.where(is_target, zero, e).sum(dim=1)]
-    if uncertainty in ("brier", "brier_flsd"):
-        sums.append(torch.where(is_target, zero, torch.exp(norm * (z - m[:, None]))).sum(dim=1))
-    if uncertainty == "dual_focal":
-        tied = (z == z_j[:, None]) & (z_j > -math.inf)[:, None]
-        sums.append(tied.sum(dim=1).to(dtype))
-    second = torch.stack(sums)
-    dist.all_reduce(second, op=dist.ReduceOp.SUM, group=group)
-    d, d_not_y = second[0], second[1]
-    stats = None
-    if return_stats:
-        stats = LossStats(torch.where(valid, d.reciprocal(), math.nan).float(),
-                          torch.where(valid, _top_label_prediction(z, m, offset, group), -1))
-
-    # Everything relative to the row max m rather than through lse = m + log d, whose rounding (an ulp of m) would
-    # be carried into every log-probability: z - m is exact near the max
-    log_d, cross_entropy, log_one_minus = row_log_terms(z_y - m, d_not_y, d)
-    log_p_y = -cross_entropy
-    gamma_i = gamma  # a float, or (N,) per sample (focal)
-    if uncertainty == "none":
-        u = torch.ones_like(d)
-    elif uncertainty == "external":
-        u = sample_weight.to(dtype)
-    elif uncertainty in ("focal", "flsd"):
-        if uncertainty == "flsd":
-            gamma_i = _flsd_gamma(log_p_y, gamma)
-        u = power_of_log(log_one_minus, gamma_i if not isinstance(gamma_i, torch.Tensor) else gamma_i.to(dtype))
-    elif uncertainty == "dual_focal":
-        log_p_j = (z_j - m) - log_d
-        log_base = torch.logaddexp(log_one_minus, log_p_j)
-        u = power_of_log(log_base, gamma)
-    else:  # brier, brier_flsd: S = Σ_{k≠y} p_k^q + (1 - p_y)^q
-        if uncertainty == "brier_flsd":
-            gamma_i = _flsd_gamma(log_p_y, gamma)
-        log_s = torch.logaddexp(torch.log(second[2]) - norm * log_d, _log_power(log_one_minus, norm))
-        u = power_of_log(log_s, gamma_i / norm)
-    # ignored rows are 0 whatever their logits hold (NaN or inf there must not reach the loss, as in the reference)
-    row_loss = torch.where(valid, u * cross_entropy, zero)
-    u = torch.where(valid, u, zero)
-
-    gamma_factor = None
-    if gamma_grad:  # focal with a per-sample gamma, mode "loss": dL_i/dγ_i = L_i log(1 - p_y), 0 where L_i = 0
-        gamma_factor = torch.where(row_loss != 0, row_loss * log_one_minus, zero)
-    if not compute_grad:
-        return row_loss, None, gamma_factor, stats
-
-    p = e / d[:, None]
-    base = torch.where(is_target, -(d_not_y / d)[:, None], p)  # p_k - δ_ky, without cancellation at k = y
-    grad = u[:, None] * base
-    if mode == "loss" and uncertainty not in ("none", "external"):
-        p_y = torch.exp(log_p_y)
-        gamma_row = gamma_i.to(dtype) if isinstance(gamma_i, torch.Tensor) else gamma_i
-        if uncertainty in ("focal", "flsd"):
-            share = torch.where(is_target, -torch.ones((), device=device, dtype=dtype),
-                                e / torch.where(d_not_y > 0, d_not_y, torch.ones_like(d_not_y))[:, None])
-            ce_du = cross_entropy[:, None] * (gamma_row * u * p_y)[:, None] * share
-        elif uncertainty == "dual_focal":
-            p_j = torch.exp(log_p_j)
-            log_b = log_base[:, None]
-            p_over_b = torch.exp((z - m[:, None]) - log_d[:, None] - log_b)
-            tau = tied.to(dtype) / second[2].clamp(min=1)[:, None]
-            pj_over_b = torch.exp(log_p_j[:, None] - log_b)
-            dlog_b = torch.where(is_target, -p_y[:, None], (p_y - p_j)[:, None] * p_over_b + pj_over_b * tau)
-            ce_du = cross_entropy[:, None] * (gamma * u)[:, None] * dlog_b
-        else:  # brier, brier_flsd: CE ∂u/∂z_k = c (h_k − p_k H) with c = CE γ_i S^{γ_i/q − 1} (module docstring)
-            # k = y: h_y − p_y H = −p_y S exactly, so that column is −CE γ_i u p_y (no cancellation as p_y → 1)
-            # k ≠ y: p_k^q − p_k H, formed at O(1) magnitudes before c multiplies it (dividing h and H by S instead
-            # overflows where S underflows: a confident row, whose CE is tiny but not 0)
-            log_h_y = log_p_y + _log_power(log_one_minus, norm - 1.0)  # h_y = −p_y (1 − p_y)^{q−1} = −exp(log_h_y)
-            big_h = second[2] / d.pow(norm) - torch.exp(log_h_y)  # H = Σ_{k≠y} p_k^q + h_y
-            bracket = p.pow(norm) - p * big_h[:, None]
-            # c applied as two factors √c: c itself can overflow (log c up to ~115 in float32, S ≥ its smallest
-            # subnormal) where √c and the product do not
-            root_c = torch.exp(0.5 * (torch.log(cross_entropy * gamma_row) + (gamma_row / norm - 1.0) * log_s))
-            ce_du = torch.where(is_target, -(cross_entropy * gamma_row * u * p_y)[:, None],
-                                bracket * root_c[:, None] * root_c[:, None])
-        differentiable = valid & (cross_entropy > 0)
-        grad = grad + torch.where(differentiable[:, None], ce_du, zero)
-    grad = torch.where(valid[:, None], grad, zero)
-    return row_loss, grad, gamma_factor, stats
-
-
 class _VocabParallelUWCE(torch.autograd.Function):
-    """Forward: the loss and this rank's gradient slice for ``grad_output = 1`` (with ``return_stats`` also the
-    confidence and prediction, not differentiable); backward: that slice scaled by ``grad_output`` (a scalar, or per
-    row for ``reduction="none"``)."""
+    """Forward: the loss and this rank's gradient slice for ``grad_output = 1`` (with ``return_z_loss`` also the
+    z-loss, with ``return_stats`` the confidence and prediction, none of them differentiable); backward: that slice
+    scaled by ``grad_output`` (a scalar, or per row for ``reduction="none"``)."""
 
     @staticmethod
-    def forward(ctx, local_logits, target, sample_weight, gamma, offset, uncertainty, mode, gamma_value, norm,
-                reduction, ignore_index, group, return_stats=False):
-        gamma_grad = gamma is not None and ctx.needs_input_grad[3] and mode == "loss"
-        row_loss, grad, gamma_factor, stats = _run(local_logits, target, sample_weight, gamma, offset, uncertainty,
-                                                   mode, gamma_value, norm, ignore_index, group, True, gamma_grad,
-                                                   return_stats)
-        loss, scale = _reduce(row_loss, target, reduction, ignore_index)
-        if scale is not None:
-            grad = grad * scale
-            gamma_factor = None if gamma_factor is None else gamma_factor * scale
+    def forward(ctx, local_logits, target, sample_weight, gamma, class_weight, offset, options, gamma_value,
+                reduction, group, return_z_loss):
+        gamma_grad = gamma is not None and ctx.needs_input_grad[3] and options.mode == "loss"
+        loss, z_loss, grad, gamma_factor, stats = _run(local_logits, target, sample_weight, gamma, class_weight,
+                                                       offset, options, gamma_value, reduction, group, True,
+                                                       gamma_grad)
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(grad.to(local_logits.dtype),
                               None if gamma_factor is None else gamma_factor.to(gamma.dtype))
-        if stats is None:
+        extra = ((z_loss,) if return_z_loss else ()) + (tuple(stats) if stats is not None else ())
+        if not extra:
             return loss
-        ctx.mark_non_differentiable(*stats)
-        return (loss, *stats)
+        ctx.mark_non_differentiable(*extra)
+        return (loss, *extra)
 
     @staticmethod
-    def backward(ctx, grad_loss, *_stats_grads):
+    def backward(ctx, grad_loss, *_other_grads):
         grad, gamma_factor = ctx.saved_tensors
         _autograd.raise_if_create_graph(grad, _DOUBLE_BACKWARD_MESSAGE)
         d_logits = _autograd.scale_saved_gradient(grad, grad_loss)
         d_gamma = None
         if gamma_factor is not None and grad_loss is not None:
             d_gamma = gamma_factor * grad_loss.to(gamma_factor.dtype)
-        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None, None, None
+        return d_logits, None, None, d_gamma, None, None, None, None, None, None, None
 
 
-def _run(local_logits, target, sample_weight, gamma, offset, uncertainty, mode, gamma_value, norm, ignore_index,
-         group, compute_grad, gamma_grad, return_stats=False):
+def _run(local_logits, target, sample_weight, gamma, class_weight, offset, options, gamma_value, reduction, group,
+         compute_grad, gamma_grad):
+    """``(loss, z_loss or None, grad or None, gamma_factor or None, stats or None)`` in the compute dtype, the loss
+    and z-loss reduced over the whole (replicated) batch and the gradient already scaled by the reduction."""
     compute_dtype = torch.float64 if local_logits.dtype == torch.float64 else torch.float32
     z = local_logits.detach().to(compute_dtype)
     gamma_arg = gamma_value if gamma is None else gamma.detach().to(compute_dtype)
-    return _vocab_parallel_rows(z, target, sample_weight, gamma_arg, offset, uncertainty, mode, norm, ignore_index,
-                                group, compute_grad, gamma_grad, return_stats)
+    valid = target != options.ignore_index
+    class_weight_y = None
+    if class_weight is not None:  # w_y from the global target: every rank holds the whole (C,) weight
+        class_weight_y = class_weight.to(compute_dtype)[torch.where(valid, target, torch.zeros_like(target))]
+    ce_scale = z_scale = None
+    if reduction == "mean":
+        z_scale = 1.0 / valid.sum().clamp(min=1).to(compute_dtype)
+        ce_scale = z_scale
+        if class_weight_y is not None:  # F.cross_entropy's weighted mean: over Σ w_y of the non-ignored rows, 0 if 0
+            divisor = torch.where(valid, class_weight_y, torch.zeros_like(class_weight_y)).sum()
+            positive = divisor > 0
+            ce_scale = torch.where(positive, 1.0 / torch.where(positive, divisor, torch.ones_like(divisor)),
+                                   torch.zeros_like(divisor))
+    row_loss, z_rows, grad, gamma_factor, stats = vocab_parallel_rows(
+        z, target, sample_weight, gamma_arg, offset, options, group, class_weight_y=class_weight_y,
+        ce_scale=ce_scale, z_scale=z_scale, compute_grad=compute_grad, gamma_grad=gamma_grad)
+    loss, z_loss = _reduce(row_loss, reduction, ce_scale), None
+    if z_rows is not None:
+        z_loss = _reduce(z_rows, reduction, z_scale)
+        if options.lse_square_scale != 0.0:
+            loss = loss + z_loss
+    return loss, z_loss, grad, gamma_factor, stats
 
 
-def _reduce(row_loss, target, reduction, ignore_index):
-    """``(loss, scale of the gradient or None)``: the row losses reduced over the whole (replicated) batch."""
+def _reduce(rows, reduction, scale):
+    """The rows (ignored ones 0) as they are (``"none"``), summed, or their sum times ``scale`` (``"mean"``; a
+    weighted mean whose divisor is 0 has scale 0 and is 0 whatever the rows hold)."""
     if reduction == "none":
-        return row_loss, None
+        return rows
     if reduction == "sum":
-        return row_loss.sum(), None
-    scale = 1.0 / (target != ignore_index).sum().clamp(min=1).to(row_loss.dtype)
-    return row_loss.sum() * scale, scale
+        return rows.sum()
+    return torch.where(scale > 0, rows.sum() * scale, torch.zeros_like(scale))
 
 
 def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction,
-                     ignore_index, return_stats=False):
+                     ignore_index, return_stats, drop_in_options):
     """The checks that need no other rank (types, shapes, names, values), and what the call needs from them."""
-    check_class_weight(weight)
+    if isinstance(weight, str):
+        check_class_weight(weight)  # an uncertainty name under the former keyword: its TypeError
     check_return_stats(return_stats)
+    drop_in = check_drop_in_options(**drop_in_options)
     check_uncertainty(uncertainty)
     check_mode(mode)
     check_reduction(reduction)
@@ -409,6 +308,7 @@ def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sampl
     if target.device != local_logits.device:
         raise ValueError(f"target is on {target.device} but local_logits are on {local_logits.device}")
     check_ignore_index(ignore_index)
+    class_weight = _checked_class_weight(weight, local_logits)
     batch_shape = tuple(target.shape)
     num_local = local_logits.shape[-1]
     logits2d = local_logits.reshape(math.prod(batch_shape), num_local)  # -1 is ambiguous for an empty block
@@ -422,11 +322,25 @@ def _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sampl
     gamma_value = 0.0 if gamma_tensor is not None else float(gamma)
 
     settings = _settings_row(uncertainty, mode, reduction, ignore_index, local_logits.dtype, gamma_value, float(norm),
-                             sample_weight, gamma_tensor, return_stats)
+                             sample_weight, gamma_tensor, return_stats, drop_in, class_weight)
     row_tensors = [(name, t) for name, t in (("sample_weight", sample_weight), ("per-sample gamma", gamma_tensor))
                    if t is not None]
-    return (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
-            row_tensors)
+    options = RowOptions(uncertainty, mode, float(norm), ignore_index, drop_in["lse_square_scale"],
+                         drop_in["lse_square_scale"] != 0.0 or drop_in["return_z_loss"], drop_in["softcap"],
+                         return_stats)
+    return (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, class_weight,
+            settings, row_tensors, options)
+
+
+def _checked_class_weight(weight, local_logits):
+    """The per-class weights checked as :func:`calibkernels._validation.check_class_weight_tensor` does, except their
+    length: that is ``C``, the sum of every rank's block, which :func:`_block_layout` finds (and
+    :func:`vocab_parallel_uncertainty_weighted_ce` then compares)."""
+    if isinstance(weight, torch.Tensor) and weight.dim() != 1:
+        raise ValueError(f"weight (the per-class weights) must have shape (C,), one entry per class of all ranks' "
+                         f"blocks, got {tuple(weight.shape)}")
+    length = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
+    return check_class_weight_tensor(weight, local_logits.new_empty((0, length)))
 
 
 def vocab_parallel_uncertainty_weighted_ce(
@@ -442,6 +356,9 @@ def vocab_parallel_uncertainty_weighted_ce(
     weight: torch.Tensor | None = None,
     reduction: str = "mean",
     ignore_index: int = -100,
+    lse_square_scale: float = 0.0,
+    return_z_loss: bool = False,
+    softcap: float | None = None,
     return_stats: bool = False,
 ):
     """:func:`calibkernels.uncertainty_weighted_ce` of logits whose class dimension is sharded across ``group``.
@@ -453,7 +370,17 @@ def vocab_parallel_uncertainty_weighted_ce(
             rank (checked).
         group: the process group (``None``: the default group). Works with any backend whose collectives accept
             tensors on ``local_logits``'s device (gloo for CPU, NCCL for CUDA tensors).
-        uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index: as in
+        weight: ``F.cross_entropy``'s per-class weights: the **whole** ``(C,)`` floating tensor (finite, ``>= 0``)
+            over every rank's classes, the same on every rank (its length and a checksum of its values are
+            compared), on ``local_logits``'s device; each rank reads ``w_y`` of the global targets, without more
+            communication. ``L_i = u_i · w_{y_i} · CE_i`` with ``u_i`` as without ``weight``, and ``"mean"`` divides
+            by ``Σ w_y`` over the non-ignored rows (0 if that is 0), as :func:`calibkernels.uncertainty_weighted_ce`.
+        lse_square_scale, return_z_loss, softcap: as in :func:`calibkernels.uncertainty_weighted_ce`: the z-loss
+            ``s · lse_i²`` (``lse`` of the whole row, from the loss's own global max and sum) added to each
+            non-ignored row outside both weights, ``"mean"`` over the non-ignored rows; ``(loss, z_loss)`` with the
+            z-loss detached; the logits capped to ``c · tanh(z / c)`` on each rank's block first (gradient through
+            the cap).
+        uncertainty, mode, gamma, norm, sample_weight, reduction, ignore_index: as in
             :func:`calibkernels.uncertainty_weighted_ce`; all of them, and the dtype of ``local_logits``, must be
             the same on every rank (checked, values of ``sample_weight`` and a per-sample ``gamma`` included). A
             per-sample ``gamma`` that requires grad gets ``∂L/∂γ_i = L_i log(1 − p_{i,y})``
@@ -463,48 +390,55 @@ def vocab_parallel_uncertainty_weighted_ce(
             ``prediction`` the lowest global index of a maximum (whichever ranks hold it), from one more all-reduce
             (MIN) of ``N`` integers; NaN / -1 on ignored rows (docs/metrics.md, "Monitor calibration while
             training"). Equal to :func:`calibkernels.loss_stats.top_label_stats` of the unsharded logits, the
-            confidence up to the order of the sum's terms.
+            confidence up to the order of the sum's terms. With ``softcap`` they are of the logits as given (not
+            capped), as the reference's are: their max and sum then join rounds 1 and 3.
 
     Returns:
         the same loss on every rank, in ``local_logits``' dtype (a scalar, or ``target``-shaped for ``"none"``);
         ``backward`` gives each rank its slice ``∂L/∂z[..., o_r : o_r + C_r]`` of the unsharded gradient. With
-        ``return_stats``, ``(loss, stats)``.
+        ``return_z_loss``, ``(loss, z_loss)``; with ``return_stats``, ``stats`` last (``(loss, stats)`` or ``(loss,
+        z_loss, stats)``).
 
     Raises ``ValueError`` on every rank alike when the ranks' row counts, arguments or targets differ, or no rank
     holds a class. The checks that need no other rank (types, shapes, names, values) raise their own error on the
     rank that fails them, which first tells the others in the call's first collective: they raise a ``ValueError``
-    naming that rank instead of waiting for it. Communication per call: one ``all_gather`` of 13 integers, an
+    naming that rank instead of waiting for it. Communication per call: one ``all_gather`` of 18 integers, an
     all-reduce (MAX) of ``2N`` integers (``2N`` more per optional tensor) with more than one rank, then all-reduces
-    of ``2N`` (MAX), ``N`` (MAX, dual focal only) and ``2N``–``3N`` numbers (SUM), and with ``return_stats`` one of
-    ``N`` integers (MIN). The targets are checked on the
-    host (a synchronisation on GPU). Double backward is not supported.
+    of ``2N`` (MAX; ``3N`` with ``softcap`` and ``return_stats``), ``N`` (MAX, dual focal only) and ``2N``–``4N``
+    numbers (SUM), and with ``return_stats`` one of ``N`` integers (MIN). The targets (and the per-class weights)
+    are checked on the host (a synchronisation on GPU). Double backward is not supported.
     """
     try:
-        (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, settings,
-         row_tensors) = _local_arguments(local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight,
-                                         reduction, ignore_index, return_stats)
+        (batch_shape, num_local, logits2d, target1d, device, sample_weight, gamma_tensor, gamma_value, class_weight,
+         settings, row_tensors, options) = _local_arguments(
+            local_logits, target, uncertainty, mode, gamma, norm, sample_weight, weight, reduction, ignore_index,
+            return_stats, dict(lse_square_scale=lse_square_scale, return_z_loss=return_z_loss, softcap=softcap))
     except (TypeError, ValueError, NotImplementedError):
         _share_refusal(local_logits, group)  # the other ranks raise too, in the collective they are waiting in
         raise
     offset, num_classes = _block_layout(num_local, target1d, group, device, settings, row_tensors)
+    if class_weight is not None and class_weight.shape[0] != num_classes:  # the same length on every rank (checked)
+        raise ValueError(f"weight (the per-class weights) must have shape ({num_classes},), one entry per class of "
+                         f"all ranks' blocks (C = {num_classes}), got {tuple(class_weight.shape)}")
     bad = out_of_range_targets(target1d, num_classes, ignore_index)
     if bool(bad.any()):
         raise ValueError(out_of_range_message(int(target1d[bad][0]), num_classes, ignore_index))
     if sample_weight is not None:
         sample_weight = sample_weight.detach()
+    class_weight = None if class_weight is None else class_weight.detach()
 
     grad_enabled = torch.is_grad_enabled()
     if grad_enabled and (logits2d.requires_grad or (gamma_tensor is not None and gamma_tensor.requires_grad)):
-        out = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
-                                       gamma_value, float(norm), reduction, ignore_index, group, return_stats)
-        loss, stats = (out[0], LossStats(*out[1:])) if return_stats else (out, None)
+        out = _VocabParallelUWCE.apply(logits2d, target1d, sample_weight, gamma_tensor, class_weight, offset, options,
+                                       gamma_value, reduction, group, return_z_loss)
+        out = out if isinstance(out, tuple) else (out,)
+        loss, z_loss = out[0], out[1] if return_z_loss else None
+        stats = LossStats(*out[-2:]) if return_stats else None
     else:
-        row_loss, _, _, stats = _run(logits2d, target1d, sample_weight, gamma_tensor, offset, uncertainty, mode,
-                                     gamma_value, float(norm), ignore_index, group, False, False, return_stats)
-        loss, _ = _reduce(row_loss, target1d, reduction, ignore_index)
-    if reduction == "none":
-        loss = loss.reshape(batch_shape)
-    loss = loss if loss.dtype == local_logits.dtype else loss.to(local_logits.dtype)
-    if not return_stats:
-        return loss
-    return loss, LossStats(stats.confidence.reshape(batch_shape), stats.prediction.reshape(batch_shape))
+        loss, z_loss, _, _, stats = _run(logits2d, target1d, sample_weight, gamma_tensor, class_weight, offset,
+                                         options, gamma_value, reduction, group, False, False)
+    outputs = (loss, z_loss) if return_z_loss else (loss,)
+    outputs = tuple((x.reshape(batch_shape) if reduction == "none" else x).to(local_logits.dtype) for x in outputs)
+    if return_stats:
+        outputs += (LossStats(stats.confidence.reshape(batch_shape), stats.prediction.reshape(batch_shape)),)
+    return outputs[0] if len(outputs) == 1 else outputs

@@ -601,12 +601,15 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
     mix_target=None, mix_lambda=None)``, as with Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer
     keeps owning its parameters. ``weight`` is reserved for per-class weights (``None``; see
     :func:`calibkernels.uncertainty_weighted_ce`). ``return_stats=True``: ``forward`` returns ``(loss, stats)``, the
-    logits' top-label statistics as :func:`fused_linear_uncertainty_weighted_ce` computes them."""
+    logits' top-label statistics as :func:`fused_linear_uncertainty_weighted_ce` computes them. ``accum_dtype``: the
+    dtype the weight and bias gradients are accumulated in, as there (``None``: float32 for 16-bit inputs)."""
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None, return_stats=False):
+                 backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None, return_stats=False,
+                 accum_dtype=None):
         super().__init__()
         self.return_stats = check_return_stats(return_stats)
+        self.accum_dtype = _check_accum_dtype(accum_dtype)
         check_class_weight(weight)
         check_uncertainty(uncertainty)
         check_mode(mode)
@@ -627,7 +630,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
             hidden, linear_weight, target, linear_bias, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, chunk_size=self.chunk_size, label_smoothing=self.label_smoothing,
-            mix_target=mix_target, mix_lambda=mix_lambda, return_stats=self.return_stats)
+            mix_target=mix_target, mix_lambda=mix_lambda, return_stats=self.return_stats, accum_dtype=self.accum_dtype)
 
     def extra_repr(self):
         parts = [f"uncertainty={self.uncertainty!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
@@ -636,6 +639,8 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
             parts.append(f"chunk_size={self.chunk_size}")
         if self.label_smoothing:
             parts.append(f"label_smoothing={self.label_smoothing}")
+        if self.accum_dtype is not None:
+            parts.append(f"accum_dtype={self.accum_dtype}")
         if self.return_stats:
             parts.append("return_stats=True")
         return ", ".join(parts)

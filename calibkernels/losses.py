@@ -13,13 +13,14 @@ UncertaintyWeightedCE(uncertainty='brier', mode='grad', gamma=4.0, norm=2.0, red
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from . import more_losses
 from . import reference as _reference
-from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_class_weight, check_ignore_index,
-                          check_label_smoothing, check_mode, check_norm, check_reduction, check_scalar_gamma,
-                          check_uncertainty, is_number)
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_class_weight, check_class_weight_tensor,
+                          check_drop_in_options, check_ignore_index, check_label_smoothing, check_mode, check_norm,
+                          check_reduction, check_scalar_gamma, check_uncertainty, is_number)
 from .functional import uncertainty_weighted_ce
 from .loss_stats import check_return_stats
 from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: F401  (module form of the fused linear loss)
@@ -37,23 +38,35 @@ class UncertaintyWeightedCE(nn.Module):
     with ``uncertainty="external"``; a per-sample ``gamma`` tensor only with ``uncertainty="focal"``; ``mix_target``
     (int64, the target's shape) and ``mix_lambda`` (a number or one per row) give
     ``t = λ e_target + (1 - λ) e_mix_target`` (mixup / cutmix). ``label_smoothing`` (α) smooths every target:
-    ``t <- (1 - α) t + α / C`` (docs/losses.md, "Soft targets"); dual focal refuses soft targets. ``weight`` is
-    reserved for per-class weights (``None``; see :func:`calibkernels.uncertainty_weighted_ce`).
+    ``t <- (1 - α) t + α / C`` (docs/losses.md, "Soft targets"); dual focal refuses soft targets.
+
+    ``F.cross_entropy`` / Liger-Kernel options (docs/losses.md, "Coming from F.cross_entropy / Liger-Kernel"), passed
+    to :func:`calibkernels.uncertainty_weighted_ce` on every call: ``weight``, the per-class ``(C,)`` weights
+    (``L_i = u_i · CE_i^w``, ``F.cross_entropy``'s weighted mean), registered as a buffer as
+    ``nn.CrossEntropyLoss`` does (``.to(device)`` moves it; in the state dict when given); ``lse_square_scale``, the
+    z-loss ``s · lse_i²``; ``softcap``, logits ``c · tanh(z / c)`` first; ``return_z_loss=True``: ``forward``
+    returns ``(loss, z_loss)``. With ``backend="auto"`` these run on the reference until the fused kernels take them
+    (one ``RuntimeWarning``); a named fused backend raises ``NotImplementedError``.
 
     ``gra_detach="p_j"`` (``uncertainty="dual_focal"``, ``mode="grad"`` only) is the official BSCE-GRA code's
     ``DualFocalLossGra``, ``(1 - p_y + sg[p_j])^γ · CE``; the fused kernels implement the default ``"weight"``
     (``sg[u] · CE``) only, so this form runs the reference (``backend`` must be ``"auto"`` or ``"reference"``).
 
     ``return_stats=True``: ``forward`` returns ``(loss, stats)``, ``stats`` a :class:`calibkernels.LossStats` of the
-    logits' top label per row (docs/metrics.md, "Monitor calibration while training").
+    logits' top label per row (docs/metrics.md, "Monitor calibration while training"); with ``return_z_loss`` too,
+    ``(loss, z_loss, stats)``.
     """
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
                  backend="auto", inplace=False, label_smoothing=0.0, gra_detach="weight", *, weight=None,
-                 return_stats=False):
+                 return_stats=False, lse_square_scale=0.0, softcap=None, return_z_loss=False):
         super().__init__()
         self.return_stats = check_return_stats(return_stats)
-        check_class_weight(weight)
+        self.register_buffer("weight", _class_weight_buffer(weight))
+        drop_in = check_drop_in_options(lse_square_scale=lse_square_scale, return_z_loss=return_z_loss,
+                                        softcap=softcap)
+        self.lse_square_scale, self.softcap = drop_in["lse_square_scale"], drop_in["softcap"]
+        self.return_z_loss = drop_in["return_z_loss"]
         check_uncertainty(uncertainty)
         check_mode(mode)
         # γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)
@@ -85,13 +98,28 @@ class UncertaintyWeightedCE(nn.Module):
                 gamma=self.gamma if gamma is None else gamma,
                 norm=self.norm, sample_weight=sample_weight, reduction=self.reduction,
                 ignore_index=self.ignore_index, label_smoothing=self.label_smoothing, mix_target=mix_target,
-                mix_lambda=mix_lambda, gra_detach=self.gra_detach, return_stats=self.return_stats)
+                mix_lambda=mix_lambda, gra_detach=self.gra_detach, return_stats=self.return_stats,
+                **self._drop_in_options())
         return uncertainty_weighted_ce(
             logits, target, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma if gamma is None else gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, inplace=self.inplace, label_smoothing=self.label_smoothing, mix_target=mix_target,
-            mix_lambda=mix_lambda, return_stats=self.return_stats,
+            mix_lambda=mix_lambda, return_stats=self.return_stats, **self._drop_in_options(),
         )
+
+    def _drop_in_options(self) -> dict:
+        """The ``F.cross_entropy`` / Liger-Kernel keywords of a call, only those given (the common call stays the
+        fused backends' fast path)."""
+        options = {}
+        if self.weight is not None:
+            options["weight"] = self.weight
+        if self.lse_square_scale != 0.0:
+            options["lse_square_scale"] = self.lse_square_scale
+        if self.softcap is not None:
+            options["softcap"] = self.softcap
+        if self.return_z_loss:
+            options["return_z_loss"] = True
+        return options
 
     def _weight_repr(self) -> list:
         """The uncertainty weight's part of :meth:`extra_repr` (uncertainty, mode and its hyperparameters)."""
@@ -113,9 +141,30 @@ class UncertaintyWeightedCE(nn.Module):
         parts.append(common_repr(self.reduction, self.ignore_index, self.backend))
         if self.inplace:
             parts.append("inplace=True")
+        if self.weight is not None:
+            parts.append(f"weight=<({self.weight.shape[0]},) {str(self.weight.dtype).removeprefix('torch.')}>")
+        if self.lse_square_scale != 0.0:
+            parts.append(f"lse_square_scale={self.lse_square_scale}")
+        if self.softcap is not None:
+            parts.append(f"softcap={self.softcap}")
+        if self.return_z_loss:
+            parts.append("return_z_loss=True")
         if self.return_stats:
             parts.append("return_stats=True")
         return ", ".join(parts)
+
+
+def _class_weight_buffer(weight) -> torch.Tensor | None:
+    """The module's per-class weights, checked as :func:`calibkernels._validation.check_class_weight_tensor` checks
+    them at a call, except their length (the logits' ``C``, checked at each call). A string raises the
+    :func:`calibkernels._validation.check_class_weight` ``TypeError`` naming ``uncertainty=``."""
+    if isinstance(weight, str):
+        check_class_weight(weight)
+    if isinstance(weight, torch.Tensor) and weight.dim() != 1:
+        raise ValueError(f"weight (the per-class weights) must have shape (C,), one entry per class, got "
+                         f"{tuple(weight.shape)}")
+    length = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
+    return check_class_weight_tensor(weight, torch.empty((0, length), device=getattr(weight, "device", "cpu")))
 
 
 class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
@@ -128,10 +177,12 @@ class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):
     """
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
-                 backend="auto", label_smoothing=0.0, *, weight=None, return_stats=False):
+                 backend="auto", label_smoothing=0.0, *, weight=None, return_stats=False, lse_square_scale=0.0,
+                 softcap=None, return_z_loss=False):
         super().__init__(uncertainty=uncertainty, mode=mode, gamma=gamma, norm=norm, reduction=reduction,
                          ignore_index=ignore_index, backend=backend, label_smoothing=label_smoothing, weight=weight,
-                         return_stats=return_stats)
+                         return_stats=return_stats, lse_square_scale=lse_square_scale, softcap=softcap,
+                         return_z_loss=return_z_loss)
 
     def forward(self, x, target):
         return super().forward(x, target)
@@ -147,10 +198,12 @@ class AdaptiveBSCEGRA(UncertaintyWeightedCE):
     """
 
     def __init__(self, gamma=3.0, norm=2.0, reduction="mean", ignore_index=-100, backend="auto", inplace=False,
-                 label_smoothing=0.0, return_stats=False):
+                 label_smoothing=0.0, return_stats=False, *, weight=None, lse_square_scale=0.0, softcap=None,
+                 return_z_loss=False):
         super().__init__(uncertainty="brier_flsd", mode="grad", gamma=gamma, norm=norm, reduction=reduction,
                          ignore_index=ignore_index, backend=backend, inplace=inplace, label_smoothing=label_smoothing,
-                         return_stats=return_stats)
+                         return_stats=return_stats, weight=weight, lse_square_scale=lse_square_scale,
+                         softcap=softcap, return_z_loss=return_z_loss)
 
     def _weight_repr(self) -> list:
         return [f"gamma={self.gamma} (where <t, p> >= 0.5; 5 below 0.2, 3 below 0.5)", f"norm={self.norm}"]

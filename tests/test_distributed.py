@@ -86,21 +86,66 @@ for sizes in layouts:
                     close(name + " explicit group", vocab_parallel(z[:, local_slice], y, group=everyone, **kw),
                           want.detach(), 1e-10, 1e-12)
 
-    # a per-sample gamma that requires grad (focal, mode="loss"), and (..., C) logits
+    # F.cross_entropy / Liger-Kernel options: per-class weights (the whole (C,) tensor on every rank), the z-loss
+    # (returned, and added), the softcap, and all of them at once
+    class_weight = torch.rand(num_classes, generator=torch.Generator().manual_seed(seed + 2), dtype=torch.float64)
+    class_weight[0] = 0.0  # a class that counts for nothing in the weighted mean's divisor
+    for uncertainty, mode, reduction, options in itertools.product(
+            ["none", "focal", "flsd", "dual_focal", "brier", "external"], ["grad", "loss"], ["mean", "sum", "none"],
+            [dict(weight=class_weight), dict(lse_square_scale=0.3, return_z_loss=True),
+             dict(weight=class_weight, lse_square_scale=1e-2, softcap=4.0, return_z_loss=True)]):
+        kw = dict(uncertainty=uncertainty, mode=mode, gamma=3.0 if uncertainty == "flsd" else 2.5, reduction=reduction,
+                  sample_weight=sample_weight if uncertainty == "external" else None, **options)
+        name = f"{sizes} {uncertainty} {mode} {reduction} {sorted(options)}"
+        full = z.clone().requires_grad_()
+        want = R.uncertainty_weighted_ce(full, y, **kw)
+        go = grad_output if reduction == "none" else torch.tensor(1.7, dtype=torch.float64)
+        (want_grad,) = torch.autograd.grad(want[0] if isinstance(want, tuple) else want, full, go)
+        local = z[:, local_slice].clone().requires_grad_()
+        got = vocab_parallel(local, y, **kw)
+        (got_grad,) = torch.autograd.grad(got[0] if isinstance(got, tuple) else got, local, go)
+        if isinstance(got, tuple) != isinstance(want, tuple):
+            failures.append(f"{name}: returned {type(got).__name__}")
+            continue
+        for what, got_value, want_value in zip(("loss", "z_loss"), *[x if isinstance(x, tuple) else (x,)
+                                                                     for x in (got, want)]):
+            close(f"{name} {what}", got_value.detach(), want_value.detach(), 1e-10, 1e-12)
+        close(f"{name} grad", got_grad, want_grad[:, local_slice], 1e-9, 1e-12)
+        if isinstance(got, tuple) and got[1].requires_grad:
+            failures.append(f"{name}: the z-loss requires grad")
+        with torch.no_grad():
+            plain = vocab_parallel(z[:, local_slice], y, **kw)
+            close(f"{name} no_grad loss", plain[0] if isinstance(plain, tuple) else plain,
+                  want[0].detach() if isinstance(want, tuple) else want.detach(), 1e-10, 1e-12)
+    # every non-ignored target weighted 0: the weighted mean is 0 (F.cross_entropy's NaN aside), the z-loss remains
+    for options in (dict(), dict(lse_square_scale=0.5)):
+        zero_weight = class_weight.clone()
+        zero_weight[y[y != -100]] = 0.0
+        full = z.clone().requires_grad_()
+        want = R.uncertainty_weighted_ce(full, y, uncertainty="focal", weight=zero_weight, **options)
+        (want_grad,) = torch.autograd.grad(want, full)
+        local = z[:, local_slice].clone().requires_grad_()
+        got = vocab_parallel(local, y, uncertainty="focal", weight=zero_weight, **options)
+        (got_grad,) = torch.autograd.grad(got, local)
+        close(f"{sizes} zero class weights {options} loss", got.detach(), want.detach(), 1e-10, 1e-12)
+        close(f"{sizes} zero class weights {options} grad", got_grad, want_grad[:, local_slice], 1e-9, 1e-12)
+
+    # a per-sample gamma that requires grad (focal, mode="loss"), and (..., C) logits; with class weights too
     gamma = (0.5 + 3 * torch.rand(9, generator=torch.Generator().manual_seed(seed), dtype=torch.float64))
-    for reduction in ("mean", "none"):
+    for reduction, weight in (("mean", None), ("none", None), ("mean", class_weight)):
         full, g_full = z.clone().requires_grad_(), gamma.clone().requires_grad_()
         want = R.uncertainty_weighted_ce(full.view(3, 3, num_classes), y.view(3, 3), uncertainty="focal", mode="loss",
-                                         gamma=g_full.view(3, 3), reduction=reduction)
+                                         gamma=g_full.view(3, 3), reduction=reduction, weight=weight)
         go = torch.ones_like(want) if reduction == "mean" else grad_output.view(3, 3)
         want_grads = torch.autograd.grad(want, (full, g_full), go)
         local, g_local = z[:, local_slice].clone().requires_grad_(), gamma.clone().requires_grad_()
         got = vocab_parallel(local.view(3, 3, sizes[rank]), y.view(3, 3), uncertainty="focal", mode="loss",
-                             gamma=g_local.view(3, 3), reduction=reduction)
+                             gamma=g_local.view(3, 3), reduction=reduction, weight=weight)
         got_grads = torch.autograd.grad(got, (local, g_local), go)
-        close(f"{sizes} gamma tensor {reduction} loss", got.detach(), want.detach(), 1e-10, 1e-12)
-        close(f"{sizes} gamma tensor {reduction} grad", got_grads[0], want_grads[0][:, local_slice], 1e-9, 1e-12)
-        close(f"{sizes} gamma tensor {reduction} dgamma", got_grads[1], want_grads[1], 1e-9, 1e-12)
+        name = f"{sizes} gamma tensor {reduction} weight={weight is not None}"
+        close(f"{name} loss", got.detach(), want.detach(), 1e-10, 1e-12)
+        close(f"{name} grad", got_grads[0], want_grads[0][:, local_slice], 1e-9, 1e-12)
+        close(f"{name} dgamma", got_grads[1], want_grads[1], 1e-9, 1e-12)
 
     # half precision: the same numbers as the reference on the same bfloat16 logits (both compute in float32)
     zb, y, _, _ = inputs(num_classes, torch.bfloat16)
@@ -210,6 +255,24 @@ for sizes in layouts:
             (without,) = torch.autograd.grad(plain, leaf)
             if not torch.equal(with_stats.nan_to_num(), without.nan_to_num()):
                 failures.append(f"{name}: the gradient changed")
+    # with softcap, the statistics of the logits as given (the reference's), the loss as without return_stats
+    for softcap in (0.5, 30.0):
+        want_stats = top_label_stats(zs, y == -100, (9,))
+        leaf = zs[:, local_slice].clone().requires_grad_()
+        loss, z_loss, stats = vocab_parallel(leaf, y, softcap=softcap, lse_square_scale=0.1, return_z_loss=True,
+                                             return_stats=True)
+        plain, plain_z_loss = vocab_parallel(leaf, y, softcap=softcap, lse_square_scale=0.1, return_z_loss=True)
+        name = f"{sizes} stats softcap={softcap}"
+        if not torch.equal(stats.prediction, want_stats.prediction):
+            failures.append(f"{name}: prediction {stats.prediction.tolist()} != {want_stats.prediction.tolist()}")
+        if not torch.allclose(stats.confidence, want_stats.confidence, rtol=1e-6, atol=0, equal_nan=True):
+            failures.append(f"{name}: confidence {stats.confidence.tolist()} != {want_stats.confidence.tolist()}")
+        if not (torch.equal(loss.detach(), plain.detach()) and torch.equal(z_loss, plain_z_loss)):
+            failures.append(f"{name}: the loss changed")
+        (with_stats,) = torch.autograd.grad(loss, leaf)
+        (without,) = torch.autograd.grad(plain, leaf)
+        if not torch.equal(with_stats, without):
+            failures.append(f"{name}: the gradient changed")
     # (..., C) logits: stats shaped like the target
     _, stats = vocab_parallel(z[:, local_slice].reshape(3, 3, -1), y.view(3, 3), return_stats=True)
     if tuple(stats.prediction.shape) != (3, 3):
@@ -251,12 +314,16 @@ for sizes in layouts:
             ("target shape", ValueError, "target shape", dict(target=y[:-1])),
             ("logits dtype", TypeError, "floating-point", dict(local_logits=z[:, local_slice].long())),
             ("negative sample_weight", ValueError, "sample_weight", dict(uncertainty="external",
-                                                                         sample_weight=-sample_weight))]:
+                                                                         sample_weight=-sample_weight)),
+            ("negative class weight", ValueError, "per-class weights", dict(weight=-class_weight)),
+            ("softcap 0", ValueError, "softcap", dict(softcap=0.0))]:
         args = dict(local_logits=z[:, local_slice], target=y)
         if last:
             args.update(kw)
         elif "sample_weight" in kw:
             args.update(uncertainty="external", sample_weight=sample_weight)
+        elif "weight" in kw:
+            args.update(weight=class_weight)
         call_args = (args.pop("local_logits"), args.pop("target"))
         if last:
             expect(error, message, f"{what} on one rank (that rank)", vocab_parallel, *call_args, **args)
@@ -284,8 +351,20 @@ for sizes in layouts:
              dict(uncertainty="external", sample_weight=sample_weight + (0.5 if last else 0.0))),
             ("per-sample gamma", "per-sample gamma values differ",
              dict(uncertainty="focal", gamma=sample_weight + (0.5 if last else 0.0))),
-            ("return_stats", "different return_stats", dict(return_stats=last))]:
+            ("return_stats", "different return_stats", dict(return_stats=last)),
+            ("lse_square_scale", "different lse_square_scale", dict(lse_square_scale=0.1 if last else 0.0)),
+            ("return_z_loss", "different return_z_loss", dict(return_z_loss=last)),
+            ("softcap", "different softcap", dict(softcap=5.0 if last else None)),
+            ("weight given", "different weight", dict(weight=class_weight if last else None)),
+            ("weight values", "different weight values",
+             dict(weight=class_weight.flip(0) if last and num_classes > 1 else class_weight)),
+            ("weight entry", "different weight values",
+             dict(weight=class_weight + torch.eye(num_classes, dtype=torch.float64)[-1] * (1e-12 if last else 0.0)))]:
         expect(ValueError, message, f"different {what}", vocab_parallel, kw.pop("local_logits", local), y, **kw)
+
+    # per-class weights of the wrong length (the same on every rank): every rank raises, naming C
+    expect(ValueError, f"must have shape ({num_classes},)", "class weights of the wrong length", vocab_parallel, local,
+           y, weight=torch.ones(num_classes + 1, dtype=torch.float64))
 
     # ignored rows are 0 whatever their logits hold, as in the reference (NaN or inf there must not reach the mean)
     for value in (float("nan"), float("inf")):
@@ -359,6 +438,20 @@ def test_bad_input_raises_before_any_collective():
         ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, uncertainty="external")
     with pytest.raises(TypeError, match="return_stats"):
         ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, return_stats=1)
+    with pytest.raises(TypeError, match="uncertainty='focal'"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight="focal")
+    with pytest.raises(ValueError, match=r"shape \(C,\)"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight=torch.ones(1, 3))
+    with pytest.raises(TypeError, match="floating-point"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight=torch.ones(3, dtype=torch.long))
+    with pytest.raises(ValueError, match="entry 1"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, weight=torch.tensor([1.0, float("nan"), 1.0]))
+    with pytest.raises(ValueError, match="lse_square_scale"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, lse_square_scale=-1.0)
+    with pytest.raises(TypeError, match="return_z_loss"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, return_z_loss=1)
+    with pytest.raises(ValueError, match="softcap"):
+        ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y, softcap=-2.0)
     if not torch.distributed.is_initialized():
         with pytest.raises(RuntimeError, match="process group"):
             ck.distributed.vocab_parallel_uncertainty_weighted_ce(z, y)

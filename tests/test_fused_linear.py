@@ -629,6 +629,26 @@ def test_accum_dtype_sets_the_weight_gradient_accumulator(accum_dtype):
         ck.fused_linear_uncertainty_weighted_ce(hidden, weight, target, accum_dtype="float32")
 
 
+def test_the_module_passes_accum_dtype_through():
+    """``FusedLinearUncertaintyWeightedCE(accum_dtype=...)``: the function's gradients with that accumulator, checked
+    when built, shown in the repr."""
+    torch.manual_seed(0)
+    hidden = torch.randn(64, 8, dtype=torch.bfloat16)
+    weight = (torch.randn(6, 8) * 0.3).to(torch.bfloat16)
+    target = torch.randint(0, 6, (64,))
+    for accum_dtype in (None, torch.bfloat16):
+        module = FusedLinearUncertaintyWeightedCE(chunk_size=1, reduction="sum", backend="reference",
+                                                  accum_dtype=accum_dtype)
+        w_module, w_function = weight.clone().requires_grad_(), weight.clone().requires_grad_()
+        module(hidden, w_module, target).backward()
+        fused_linear(hidden, w_function, target, chunk_size=1, reduction="sum", backend="reference",
+                     accum_dtype=accum_dtype).backward()
+        assert torch.equal(w_module.grad, w_function.grad), accum_dtype
+        assert ("accum_dtype=torch.bfloat16" in repr(module)) == (accum_dtype is not None)
+    with pytest.raises(TypeError, match="accum_dtype"):
+        FusedLinearUncertaintyWeightedCE(accum_dtype="float32")
+
+
 def test_a_bfloat16_accumulator_rounds_each_chunks_sum():
     """The accumulator's dtype is the one asked for: over many one-row chunks a bfloat16 sum rounds where float32
     does not."""

@@ -234,3 +234,137 @@ def test_numpy_scalar_hyperparameters_build_the_same_loss(name, kwargs):
     key = next(iter(kwargs))
     with pytest.raises(TypeError, match=key):
         ck.losses.build(name, **{key: np.bool_(True)})
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# F.cross_entropy / Liger-Kernel options of the modules: weight (a buffer), lse_square_scale, softcap, return_z_loss
+# ------------------------------------------------------------------------------------------------------------------
+def _auto(call, *args):
+    """``backend="auto"`` runs these options on the reference for now, with a RuntimeWarning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        return call(*args)
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.2])
+def test_class_weights_of_the_module_match_cross_entropy_loss(backend, reduction, label_smoothing):
+    """``uncertainty="none"`` with ``weight=w`` is ``nn.CrossEntropyLoss(weight=w)``: values and gradients, with
+    ignored rows and label smoothing (the weighted mean over Σ w_y)."""
+    g = torch.Generator().manual_seed(7)
+    z, y = torch.randn(12, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (12,), generator=g)
+    y[[2, 9]] = -100
+    w = torch.rand(5, generator=g, dtype=torch.float64) + 0.1
+    module = ck.losses.UncertaintyWeightedCE(uncertainty="none", weight=w, reduction=reduction, backend=backend,
+                                             label_smoothing=label_smoothing)
+    torch_loss = torch.nn.CrossEntropyLoss(weight=w, reduction=reduction, label_smoothing=label_smoothing)
+    x, x_torch = z.clone().requires_grad_(), z.clone().requires_grad_()
+    got, want = _auto(module, x, y), torch_loss(x_torch, y)
+    torch.testing.assert_close(got, want)
+    go = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(torch.autograd.grad(got, x, go)[0], torch.autograd.grad(want, x_torch, go)[0])
+    # probability targets: the soft-target module against CrossEntropyLoss's weighted rows and mean over N
+    probabilities = torch.softmax(torch.randn(12, 5, generator=g, dtype=torch.float64), dim=1)
+    soft = ck.losses.SoftTargetUncertaintyWeightedCE(uncertainty="none", weight=w, reduction=reduction,
+                                                     backend=backend, label_smoothing=label_smoothing)
+    torch.testing.assert_close(_auto(soft, z, probabilities), torch_loss(z, probabilities))
+
+
+def test_module_class_weights_combine_with_the_uncertainty_weight_as_the_functional_call():
+    z, y = _inputs(12, 5)
+    y[3] = -100
+    w = torch.tensor([0.5, 2.0, 0.0, 1.0, 3.0], dtype=torch.float64)
+    for module, kw in ((ck.losses.UncertaintyWeightedCE(uncertainty="focal", mode="loss", gamma=2.0, weight=w,
+                                                        backend="reference"),
+                        dict(uncertainty="focal", mode="loss", gamma=2.0)),
+                       (ck.losses.AdaptiveBSCEGRA(weight=w, backend="reference"),
+                        dict(uncertainty="brier_flsd", mode="grad", gamma=3.0)),
+                       (ck.losses.build("bsce_gra", backend="reference"), dict(uncertainty="brier"))):
+        x, x_ref = z.clone().requires_grad_(), z.clone().requires_grad_()
+        weight = module.weight
+        want = R.uncertainty_weighted_ce(x_ref, y, weight=weight, **kw)
+        got = module(x, y)
+        torch.testing.assert_close(got, want)
+        torch.testing.assert_close(torch.autograd.grad(got, x)[0], torch.autograd.grad(want, x_ref)[0])
+
+
+@pytest.mark.parametrize("backend", ["reference", "auto"])
+def test_module_z_loss_and_softcap_pass_through(backend):
+    z, y = _inputs(12, 5)
+    y[0] = -100
+    w = torch.rand(5, dtype=torch.float64)
+    options = dict(lse_square_scale=0.25, softcap=3.0, return_z_loss=True)
+    for reduction in ("mean", "none"):
+        module = ck.losses.UncertaintyWeightedCE(uncertainty="brier", mode="loss", reduction=reduction,
+                                                 backend=backend, weight=w, **options)
+        x, x_ref = z.clone().requires_grad_(), z.clone().requires_grad_()
+        loss, z_loss = _auto(module, x, y)
+        want, want_z_loss = R.uncertainty_weighted_ce(x_ref, y, uncertainty="brier", mode="loss", reduction=reduction,
+                                                      weight=w, **options)
+        torch.testing.assert_close((loss, z_loss), (want, want_z_loss))
+        assert not z_loss.requires_grad and bool((z_loss[y != -100] > 0).all() if reduction == "none" else z_loss > 0)
+        go = torch.ones_like(want)
+        torch.testing.assert_close(torch.autograd.grad(loss, x, go)[0], torch.autograd.grad(want, x_ref, go)[0])
+    # each alone changes the loss; with return_stats the statistics come last
+    plain = ck.losses.UncertaintyWeightedCE(backend="reference")(z, y)
+    for option in (dict(lse_square_scale=0.25), dict(softcap=1.0)):
+        assert not torch.allclose(ck.losses.UncertaintyWeightedCE(backend="reference", **option)(z, y), plain), option
+    out = ck.losses.UncertaintyWeightedCE(backend="reference", return_z_loss=True, return_stats=True)(z, y)
+    assert len(out) == 3 and isinstance(out[2], ck.LossStats)
+    torch.testing.assert_close(out[0], plain)
+    assert out[1].item() == 0.0  # the z-loss at scale 0: returned, not added
+
+
+def test_module_class_weights_are_a_buffer():
+    """As ``nn.CrossEntropyLoss``'s: moved and cast with the module, in its state dict when given; a module without
+    class weights has no such entry (state dicts saved before keep loading)."""
+    w = torch.tensor([1.0, 2.0, 3.0])
+    module = ck.losses.UncertaintyWeightedCE(weight=w)
+    assert dict(module.named_buffers())["weight"] is w and "weight" in module.state_dict()
+    module = module.to(torch.float64)
+    assert module.weight.dtype == torch.float64 and module.weight.tolist() == [1.0, 2.0, 3.0]
+    assert "weight" not in ck.losses.UncertaintyWeightedCE().state_dict()
+    assert ck.losses.UncertaintyWeightedCE().weight is None
+    loaded = ck.losses.UncertaintyWeightedCE(weight=torch.zeros(3))
+    loaded.load_state_dict(module.state_dict())
+    assert loaded.weight.tolist() == [1.0, 2.0, 3.0]
+
+
+def test_module_drop_in_options_appear_in_its_repr():
+    module = ck.losses.UncertaintyWeightedCE(weight=torch.ones(4), lse_square_scale=1e-4, softcap=30.0,
+                                             return_z_loss=True)
+    text = repr(module)
+    for part in ("weight=<(4,) float32>", "lse_square_scale=0.0001", "softcap=30.0", "return_z_loss=True"):
+        assert part in text, text
+    plain = repr(ck.losses.UncertaintyWeightedCE())
+    for key in ("weight=", "lse_square_scale", "softcap", "return_z_loss"):
+        assert key not in plain
+    assert "softcap=2.0" in repr(ck.losses.AdaptiveBSCEGRA(softcap=2))
+
+
+def test_module_drop_in_options_are_checked_when_built():
+    make = ck.losses.UncertaintyWeightedCE
+    with pytest.raises(TypeError, match="uncertainty='focal'"):
+        make(weight="focal")
+    with pytest.raises(ValueError, match=r"shape \(C,\)"):
+        make(weight=torch.ones(2, 3))
+    with pytest.raises(TypeError, match="floating-point"):
+        make(weight=torch.ones(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="per-class weights"):
+        make(weight=[1.0, 2.0])
+    with pytest.raises(ValueError, match="entry 1"):
+        make(weight=torch.tensor([1.0, -1.0]))
+    with pytest.raises(ValueError, match="requires grad"):
+        make(weight=torch.ones(3, requires_grad=True))
+    with pytest.raises(ValueError, match="lse_square_scale"):
+        make(lse_square_scale=-1.0)
+    with pytest.raises(ValueError, match="softcap"):
+        make(softcap=0.0)
+    with pytest.raises(TypeError, match="return_z_loss"):
+        make(return_z_loss=1)
+    # the length is the logits' C, checked at the call
+    with pytest.raises(ValueError, match="shape"):
+        make(weight=torch.ones(4, dtype=torch.float64), backend="reference")(*_inputs(6, 5))

@@ -489,7 +489,7 @@ def _module(z, y, **kwargs):
 
 
 # the entry points that do not take class weights yet
-_fused_linear_module.refuses_class_weight = _module.refuses_class_weight = True
+_fused_linear_module.refuses_class_weight = True
 
 
 @pytest.mark.parametrize("loss", [
@@ -501,15 +501,20 @@ _fused_linear_module.refuses_class_weight = _module.refuses_class_weight = True
 def test_weight_is_the_per_class_weight_keyword_not_the_uncertainty_weight(loss):
     """``weight`` is ``F.cross_entropy``'s per-class ``(C,)`` tensor: a string (the uncertainty weight under its
     former keyword) raises ``TypeError`` naming ``uncertainty=``, before anything else runs (the vocab-parallel loss:
-    before it needs a process group). The reference computes class weights; the modules, the fused linear and the
-    vocab-parallel losses refuse a tensor with ``NotImplementedError`` for now."""
+    before it needs a process group). The reference and the modules compute class weights, the vocab-parallel loss
+    takes them (tests/test_distributed.py); the fused linear loss and its module refuse a tensor with
+    ``NotImplementedError`` for now."""
     z, y = _batch()
     with pytest.raises(TypeError, match=r"per-class weight tensor; the uncertainty weight is now uncertainty='brier'"):
         loss(z, y, weight="brier")
     class_weight = torch.rand(5) + 0.5
-    if loss in (_fused_linear, _vocab_parallel) or getattr(loss, "refuses_class_weight", False):
+    if loss is _fused_linear or getattr(loss, "refuses_class_weight", False):
         with pytest.raises(NotImplementedError, match="per-class weights are not supported yet"):
             loss(z, y, weight=class_weight)
+    elif loss is _vocab_parallel:
+        if not torch.distributed.is_initialized():  # taken: the call goes on to need its process group
+            with pytest.raises(RuntimeError, match="process group"):
+                loss(z, y, weight=class_weight)
     else:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # "auto" says once that the reference runs them
