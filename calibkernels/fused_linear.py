@@ -39,14 +39,14 @@ import math
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from . import _autograd, _backends, _target_checks
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
+from ._drop_in_module import DropInOptions
 from ._fused_linear_checks import (backend_for_call, check_accum_dtype, check_chunk_size, check_linear_inputs,
                                   check_row_tensors, check_settings, one_hot_forms, submit_device_target_check)
-from ._validation import (LossInputs, check_backend, check_class_weight, check_class_weight_tensor,
+from ._validation import (LossInputs, check_backend, check_class_weight_tensor,
                           check_drop_in_options, check_ignore_index, check_label_smoothing, check_mode, check_norm,
                           check_reduction, check_scalar_gamma, check_uncertainty, lambda_tensor, soft_target_request)
 from .loss_stats import LossStats, check_return_stats, empty_loss_stats, top_label_stats
@@ -595,22 +595,23 @@ def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight,
     return loss, stats, z_rows
 
 
-class FusedLinearUncertaintyWeightedCE(nn.Module):
+class FusedLinearUncertaintyWeightedCE(DropInOptions):
     """Module form of :func:`fused_linear_uncertainty_weighted_ce`: the output layer's weight is passed to
     ``forward(hidden (..., H), linear_weight (C, H), target (...), linear_bias=None, sample_weight=None,
     mix_target=None, mix_lambda=None)``, as with Liger-Kernel's ``LigerFusedLinearCrossEntropyLoss``, so the layer
-    keeps owning its parameters. ``weight`` is reserved for per-class weights (``None``; see
-    :func:`calibkernels.uncertainty_weighted_ce`). ``return_stats=True``: ``forward`` returns ``(loss, stats)``, the
-    logits' top-label statistics as :func:`fused_linear_uncertainty_weighted_ce` computes them. ``accum_dtype``: the
+    keeps owning its parameters. ``weight`` (per-class, a buffer), ``lse_square_scale``, ``softcap`` and
+    ``return_z_loss``: as for :class:`calibkernels.losses.UncertaintyWeightedCE`. ``return_stats=True``: ``forward``
+    returns ``(loss, stats)``, the logits' top-label statistics as :func:`fused_linear_uncertainty_weighted_ce`
+    computes them. ``accum_dtype``: the
     dtype the weight and bias gradients are accumulated in, as there (``None``: float32 for 16-bit inputs)."""
 
     def __init__(self, uncertainty="brier", mode="grad", gamma=4.0, norm=2.0, reduction="mean", ignore_index=-100,
                  backend="auto", chunk_size=None, label_smoothing=0.0, *, weight=None, return_stats=False,
-                 accum_dtype=None):
+                 accum_dtype=None, lse_square_scale=0.0, softcap=None, return_z_loss=False):
         super().__init__()
         self.return_stats = check_return_stats(return_stats)
-        self.accum_dtype = _check_accum_dtype(accum_dtype)
-        check_class_weight(weight)
+        self.accum_dtype = check_accum_dtype(accum_dtype)
+        self._init_drop_in(weight, lse_square_scale, softcap, return_z_loss)
         check_uncertainty(uncertainty)
         check_mode(mode)
         gamma = check_scalar_gamma(
@@ -630,7 +631,8 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
             hidden, linear_weight, target, linear_bias, uncertainty=self.uncertainty, mode=self.mode, gamma=self.gamma,
             norm=self.norm, sample_weight=sample_weight, reduction=self.reduction, ignore_index=self.ignore_index,
             backend=self.backend, chunk_size=self.chunk_size, label_smoothing=self.label_smoothing,
-            mix_target=mix_target, mix_lambda=mix_lambda, return_stats=self.return_stats, accum_dtype=self.accum_dtype)
+            mix_target=mix_target, mix_lambda=mix_lambda, return_stats=self.return_stats, accum_dtype=self.accum_dtype,
+            **self._drop_in_options())
 
     def extra_repr(self):
         parts = [f"uncertainty={self.uncertainty!r}", f"mode={self.mode!r}", f"gamma={self.gamma}", f"norm={self.norm}",
@@ -641,6 +643,7 @@ class FusedLinearUncertaintyWeightedCE(nn.Module):
             parts.append(f"label_smoothing={self.label_smoothing}")
         if self.accum_dtype is not None:
             parts.append(f"accum_dtype={self.accum_dtype}")
+        parts += self._drop_in_repr()
         if self.return_stats:
             parts.append("return_stats=True")
         return ", ".join(parts)

@@ -13,14 +13,13 @@ UncertaintyWeightedCE(uncertainty='brier', mode='grad', gamma=4.0, norm=2.0, red
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from . import more_losses
 from . import reference as _reference
-from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_class_weight, check_class_weight_tensor,
-                          check_drop_in_options, check_ignore_index, check_label_smoothing, check_mode, check_norm,
-                          check_reduction, check_scalar_gamma, check_uncertainty, is_number)
+from ._drop_in_module import DropInOptions
+from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, check_backend, check_ignore_index, check_label_smoothing, check_mode,
+                          check_norm, check_reduction, check_scalar_gamma, check_uncertainty, is_number)
 from .functional import uncertainty_weighted_ce
 from .loss_stats import check_return_stats
 from .fused_linear import FusedLinearUncertaintyWeightedCE  # noqa: F401  (module form of the fused linear loss)
@@ -30,7 +29,7 @@ __all__ = ["UncertaintyWeightedCE", "SoftTargetUncertaintyWeightedCE", "BrierLos
            "AdaptiveBSCEGRA", "AdaFocalLoss", "MDCALoss", "MbLSLoss", "build", "names", "REGISTRY"]
 
 
-class UncertaintyWeightedCE(nn.Module):
+class UncertaintyWeightedCE(DropInOptions):
     """Module form of :func:`calibkernels.uncertainty_weighted_ce` (``L_i = u_i · CE_i``).
 
     ``forward(logits (..., C), target, sample_weight=None, gamma=None, mix_target=None, mix_lambda=None)``:
@@ -62,11 +61,7 @@ class UncertaintyWeightedCE(nn.Module):
                  return_stats=False, lse_square_scale=0.0, softcap=None, return_z_loss=False):
         super().__init__()
         self.return_stats = check_return_stats(return_stats)
-        self.register_buffer("weight", _class_weight_buffer(weight))
-        drop_in = check_drop_in_options(lse_square_scale=lse_square_scale, return_z_loss=return_z_loss,
-                                        softcap=softcap)
-        self.lse_square_scale, self.softcap = drop_in["lse_square_scale"], drop_in["softcap"]
-        self.return_z_loss = drop_in["return_z_loss"]
+        self._init_drop_in(weight, lse_square_scale, softcap, return_z_loss)
         check_uncertainty(uncertainty)
         check_mode(mode)
         # γ: a finite number ≥ 0; q: a finite number > 0 (NaN and ±inf are refused, not carried into the loss)
@@ -107,20 +102,6 @@ class UncertaintyWeightedCE(nn.Module):
             mix_lambda=mix_lambda, return_stats=self.return_stats, **self._drop_in_options(),
         )
 
-    def _drop_in_options(self) -> dict:
-        """The ``F.cross_entropy`` / Liger-Kernel keywords of a call, only those given (the common call stays the
-        fused backends' fast path)."""
-        options = {}
-        if self.weight is not None:
-            options["weight"] = self.weight
-        if self.lse_square_scale != 0.0:
-            options["lse_square_scale"] = self.lse_square_scale
-        if self.softcap is not None:
-            options["softcap"] = self.softcap
-        if self.return_z_loss:
-            options["return_z_loss"] = True
-        return options
-
     def _weight_repr(self) -> list:
         """The uncertainty weight's part of :meth:`extra_repr` (uncertainty, mode and its hyperparameters)."""
         parts = [f"uncertainty={self.uncertainty!r}"]
@@ -141,30 +122,10 @@ class UncertaintyWeightedCE(nn.Module):
         parts.append(common_repr(self.reduction, self.ignore_index, self.backend))
         if self.inplace:
             parts.append("inplace=True")
-        if self.weight is not None:
-            parts.append(f"weight=<({self.weight.shape[0]},) {str(self.weight.dtype).removeprefix('torch.')}>")
-        if self.lse_square_scale != 0.0:
-            parts.append(f"lse_square_scale={self.lse_square_scale}")
-        if self.softcap is not None:
-            parts.append(f"softcap={self.softcap}")
-        if self.return_z_loss:
-            parts.append("return_z_loss=True")
+        parts += self._drop_in_repr()
         if self.return_stats:
             parts.append("return_stats=True")
         return ", ".join(parts)
-
-
-def _class_weight_buffer(weight) -> torch.Tensor | None:
-    """The module's per-class weights, checked as :func:`calibkernels._validation.check_class_weight_tensor` checks
-    them at a call, except their length (the logits' ``C``, checked at each call). A string raises the
-    :func:`calibkernels._validation.check_class_weight` ``TypeError`` naming ``uncertainty=``."""
-    if isinstance(weight, str):
-        check_class_weight(weight)
-    if isinstance(weight, torch.Tensor) and weight.dim() != 1:
-        raise ValueError(f"weight (the per-class weights) must have shape (C,), one entry per class, got "
-                         f"{tuple(weight.shape)}")
-    length = weight.shape[0] if isinstance(weight, torch.Tensor) else 0
-    return check_class_weight_tensor(weight, torch.empty((0, length), device=getattr(weight, "device", "cpu")))
 
 
 class SoftTargetUncertaintyWeightedCE(UncertaintyWeightedCE):

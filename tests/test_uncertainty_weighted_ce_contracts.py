@@ -488,10 +488,6 @@ def _module(z, y, **kwargs):
     return ck.losses.UncertaintyWeightedCE(**kwargs)(z, y)
 
 
-# the entry points that do not take class weights yet
-_fused_linear_module.refuses_class_weight = True
-
-
 @pytest.mark.parametrize("loss", [
     pytest.param(R.uncertainty_weighted_ce, id="reference"), pytest.param(_fused_linear, id="fused-linear"),
     pytest.param(_vocab_parallel, id="vocab-parallel"),
@@ -501,17 +497,13 @@ _fused_linear_module.refuses_class_weight = True
 def test_weight_is_the_per_class_weight_keyword_not_the_uncertainty_weight(loss):
     """``weight`` is ``F.cross_entropy``'s per-class ``(C,)`` tensor: a string (the uncertainty weight under its
     former keyword) raises ``TypeError`` naming ``uncertainty=``, before anything else runs (the vocab-parallel loss:
-    before it needs a process group). The reference and the modules compute class weights, the vocab-parallel loss
-    takes them (tests/test_distributed.py); the fused linear loss and its module refuse a tensor with
-    ``NotImplementedError`` for now."""
+    before it needs a process group). Every entry point computes class weights (the vocab-parallel loss's ranks:
+    tests/test_distributed.py)."""
     z, y = _batch()
     with pytest.raises(TypeError, match=r"per-class weight tensor; the uncertainty weight is now uncertainty='brier'"):
         loss(z, y, weight="brier")
     class_weight = torch.rand(5) + 0.5
-    if loss is _fused_linear or getattr(loss, "refuses_class_weight", False):
-        with pytest.raises(NotImplementedError, match="per-class weights are not supported yet"):
-            loss(z, y, weight=class_weight)
-    elif loss is _vocab_parallel:
+    if loss is _vocab_parallel:
         if not torch.distributed.is_initialized():  # taken: the call goes on to need its process group
             with pytest.raises(RuntimeError, match="process group"):
                 loss(z, y, weight=class_weight)
