@@ -260,3 +260,43 @@ def test_opcheck_with_options(device):
     torch.library.opcheck(op, (z, target, None, None, *head, False, None, *tail, None))
     logits = z.clone()
     torch.library.opcheck(op, (logits, target, None, None, *head, True, logits, *tail, None))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["indices", "dense"])
+def test_16_bit_logits(device, kind, dtype):
+    """16-bit logits accumulate in float32: the loss and gradient in the logits' dtype, within that dtype's
+    tolerance of the float64 reference."""
+    n, c = 6, 9
+    z, target, kw = _case(kind, n, c, device, seed=13)
+    z = z.to(dtype).float()  # the values the 16-bit logits hold
+    kw = dict(kw, uncertainty="focal", gamma=2.0, mode="loss", **_option_keywords("all", c, device))
+    (loss, grad), (want, want_grad) = (_loss_and_grad(z, target, "triton", dtype, **kw),
+                                       _loss_and_grad(z, target, "reference", torch.float64, **kw))
+    assert loss.dtype == dtype and grad.dtype == dtype
+    _close(loss.detach(), want.detach(), dtype, "loss")
+    _close(grad, want_grad, dtype, "gradient")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_call_with_options(device):
+    """Under torch.compile(fullgraph=True) the options go through the registered op: the eager loss, z-loss and
+    gradient."""
+    n, c = 6, 7
+    z, target, _ = _case("indices", n, c, device, seed=14)
+    kw = dict(uncertainty="brier", return_z_loss=True, **_option_keywords("all", c, device))
+
+    def step(x):
+        return ck.uncertainty_weighted_ce(x, target, backend="triton", **kw)
+
+    compiled = torch.compile(step, fullgraph=True)
+    x1 = z.clone().requires_grad_()
+    x2 = z.clone().requires_grad_()
+    got, got_z = compiled(x1)
+    got.backward()
+    want, want_z = step(x2)
+    want.backward()
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(got_z, want_z)
+    torch.testing.assert_close(x1.grad, x2.grad)

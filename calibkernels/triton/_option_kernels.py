@@ -205,8 +205,11 @@ def _option_ce_fwd_kernel(
         logits_row, target_row, class_weight_ptr, cols, num_classes, softcap, lse, safe_target, safe_mix, w_target,
         w_mix, one_minus_a, c, norm, BLOCK, DENSE, HAS_CLASS_WEIGHT, SOFTCAP, FORMULA == _BRIER, MODE, NORM_IS_TWO)
     # the focal base Σt - P of a dense target (its sum within tolerance of 1); FLSD's band value as the soft kernel's
-    focal_base = one_minus_P + (t_sum - 1.0) if DENSE else one_minus_P
-    p_band = P if DENSE else band + c
+    focal_base = one_minus_P
+    p_band = band + c
+    if DENSE:
+        focal_base = one_minus_P + (t_sum - 1.0)
+        p_band = P
     u, coef_focal, coef_brier = _soft_weight(row, ce, focal_base, p_band, brier_s, sample_weight_ptr, gamma_ptr,
                                              gamma, norm, FORMULA, FLSD_SCHEDULE, MODE, PER_SAMPLE_GAMMA)
     row_loss = tl.where(is_valid, u * ce, 0.0)
