@@ -240,9 +240,7 @@ def uncertainty_weighted_ce_forward(
     mix_lambda: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
     stats_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
-    class_weight: Optional[torch.Tensor] = None,
-    lse_square_scale: float = 0.0,
-    softcap: float = 0.0,
+    class_weight: Optional[torch.Tensor] = None, lse_square_scale: float = 0.0, softcap: float = 0.0,
     z_loss_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the kernels; return ``(loss, grad, target_flag)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in
@@ -265,8 +263,7 @@ def uncertainty_weighted_ce_forward(
     whose class-index target is ``ignore_index``; the logits' own, whatever the target).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
-    The drop-in options (``class_weight (C,)``, ``lse_square_scale``, ``softcap``; 0 is off) and ``z_loss_out`` (a
-    float32 ``(N,)`` buffer for the rows' z-loss) send the call to :func:`_option_forward`.
+    Options (``class_weight (C,)``, ``lse_square_scale``, ``softcap``, ``z_loss_out``): :func:`_option_forward`.
     """
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
@@ -288,14 +285,9 @@ def uncertainty_weighted_ce_forward(
         num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode,
         stats_out is not None)
 
-    if compute_grad and grad_out is not None:
-        _check_grad_out(logits, grad_out)
+    dest, grad = _gradient_destination(logits, compute_grad, grad_out)
     if stats_out is not None:
         _check_stats_out(logits, stats_out)
-    if compute_grad and grad_out is None:
-        dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
-    else:  # no gradient, or written into grad_out: an empty placeholder
-        dest, grad = grad_out if compute_grad else None, torch.empty((0,), dtype=logits.dtype, device=device)
     # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows, and past
     # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by
     # device reductions (pairwise sums) instead of the kernel's flags
@@ -393,9 +385,9 @@ def _option_forward(logits, target, sample_weight, gamma_per_sample, weight, mod
     device = logits.device
     _, block, num_warps = _launch_config(num_classes, logits.element_size(), "dense" if dense else "compact", weight,
                                          mode, stats_out is not None)
+    dest, grad = _gradient_destination(logits, compute_grad, grad_out)
     if stats_out is not None:
         _check_stats_out(logits, stats_out)
-    dest, grad = _gradient_destination(logits, compute_grad, grad_out)
     row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
     z_rows = None
     if lse_square_scale != 0.0:
