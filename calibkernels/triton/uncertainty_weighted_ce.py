@@ -7,6 +7,8 @@ shape and the launches; the kernels live in private modules beside it:
 * :mod:`._hard_target_kernels`: the forward kernel for class-index targets (its docstring has the formulas);
 * :mod:`._soft_target_kernels`: the forward kernel for soft targets (label smoothing, a compact mix, a dense target);
 * :mod:`._batch_kernels`: the targets kernel (a large mean's divisor and target flag) and the backward's scaling.
+* :mod:`._option_kernels`: the forward kernel of calls with the drop-in options (class weights, z-loss, soft-capping;
+  ``OPTIONS_IN_KERNEL``), every row read as a soft target in three passes, and the option launch's host pieces.
 
 Launch design (docs/performance.md):
 
