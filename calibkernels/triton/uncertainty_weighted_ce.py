@@ -7,6 +7,8 @@ shape and the launches; the kernels live in private modules beside it:
 * :mod:`._hard_target_kernels`: the forward kernel for class-index targets (its docstring has the formulas);
 * :mod:`._soft_target_kernels`: the forward kernel for soft targets (label smoothing, a compact mix, a dense target);
 * :mod:`._batch_kernels`: the targets kernel (a large mean's divisor and target flag) and the backward's scaling.
+* :mod:`._option_kernels`: the forward kernel of calls with the drop-in options (class weights, z-loss, soft-capping;
+  ``OPTIONS_IN_KERNEL``), every row read as a soft target in three passes, and the option launch's host pieces.
 
 Launch design (docs/performance.md):
 
@@ -73,10 +75,12 @@ from ._hard_target_kernels import _uncertainty_weighted_ce_fwd_kernel
 from ._row_helpers import (COUNT_INLINE, COUNT_LOADED, COUNT_ROWS, MODE_GRAD, MODE_LOSS, REDUCTION_MEAN,  # noqa: F401
                            REDUCTION_NONE, REDUCTION_SUM, WEIGHT_BRIER, WEIGHT_BRIER_FLSD, WEIGHT_DUAL_FOCAL,
                            WEIGHT_EXTERNAL, WEIGHT_FLSD, WEIGHT_FOCAL, WEIGHT_NONE)
+from ._option_kernels import _option_ce_fwd_kernel, check_options, class_weighted_divisor, reduced_option_loss
 from ._soft_target_kernels import _soft_target_ce_fwd_kernel
 
 __all__ = [
     "SOFT_TARGETS",
+    "OPTIONS_IN_KERNEL",
     "STATS_IN_KERNEL",
     "MAX_BLOCK",
     "MAX_BLOCK_16BIT",
@@ -119,6 +123,10 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Soft targets (label smoothing, a compact mix, a dense target) run here: calibkernels._backends routes them to
 # backends whose module says so.
 SOFT_TARGETS = True
+
+# The drop-in options (class weights, z-loss, soft-capping) run in the kernels (:mod:`._option_kernels`):
+# calibkernels._backends routes calls with them to backends whose module says so.
+OPTIONS_IN_KERNEL = True
 
 # The loss launch writes the top-label statistics itself (stats_out of forward), so calibkernels._autograd.run takes
 # them from the kernels instead of a pass of its own over the logits.
@@ -234,6 +242,8 @@ def uncertainty_weighted_ce_forward(
     mix_lambda: Optional[torch.Tensor] = None,
     label_smoothing: float = 0.0,
     stats_out: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+    class_weight: Optional[torch.Tensor] = None, lse_square_scale: float = 0.0, softcap: float = 0.0,
+    z_loss_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the kernels; return ``(loss, grad, target_flag)`` as in ``csrc/uncertainty_weighted_ce.h`` (loss in
     ``loss_dtype``). One launch: the rows' loss and gradient, then the batch's loss and target flag in its last
@@ -255,6 +265,7 @@ def uncertainty_weighted_ce_forward(
     whose class-index target is ``ignore_index``; the logits' own, whatever the target).
     Launch shapes come from the module constants (``MAX_BLOCK``, ``MAX_BLOCK_16BIT``, ``TWO_READ_CHUNK``), which
     bench/tune_triton.py and the tests override.
+    Options (``class_weight (C,)``, ``lse_square_scale``, ``softcap``, ``z_loss_out``): :func:`_option_forward`.
     """
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
@@ -262,6 +273,11 @@ def uncertainty_weighted_ce_forward(
     if logits.dim() != 2 or not _unit_columns(logits):
         raise ValueError(f"expected (N, C) logits with unit column stride, got shape {tuple(logits.shape)} "
                          f"stride {logits.stride()}")
+    if class_weight is not None or lse_square_scale != 0.0 or softcap != 0.0 or z_loss_out is not None:
+        return _option_forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm,
+                               ignore_index, reduction, compute_grad, grad_out, loss_dtype, mix_target, mix_lambda,
+                               label_smoothing, stats_out, class_weight, float(lse_square_scale), float(softcap),
+                               z_loss_out)
     target, mix_target, mix_lambda, label_smoothing, soft = _soft_target_arguments(
         logits, target, weight, mix_target, mix_lambda, label_smoothing)
     dense = target.is_floating_point()
@@ -271,14 +287,9 @@ def uncertainty_weighted_ce_forward(
         num_classes, logits.element_size(), "dense" if dense else ("compact" if soft else "hard"), weight, mode,
         stats_out is not None)
 
-    if compute_grad and grad_out is not None:
-        _check_grad_out(logits, grad_out)
+    dest, grad = _gradient_destination(logits, compute_grad, grad_out)
     if stats_out is not None:
         _check_stats_out(logits, stats_out)
-    if compute_grad and grad_out is None:
-        dest = grad = torch.empty((num_rows, num_classes), dtype=logits.dtype, device=device)
-    else:  # no gradient, or written into grad_out: an empty placeholder
-        dest, grad = grad_out if compute_grad else None, torch.empty((0,), dtype=logits.dtype, device=device)
     # a float64 target's tolerance (1e-6) is below what the kernel's float32 sums can tell on wide rows, and past
     # DENSE_KERNEL_CHECK_MAX_CLASSES columns their rounding nears a float32 target's (1e-4): those rows are checked by
     # device reductions (pairwise sums) instead of the kernel's flags
@@ -344,6 +355,82 @@ def uncertainty_weighted_ce_forward(
             logits, logits.stride(0), target, *weight_args, *output_args, *finish_args,
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
         )
+    return loss, grad, error
+
+
+def _gradient_destination(logits, compute_grad, grad_out):
+    """``(dest, grad)``: where the kernels write the gradient (``None``: nowhere) and the returned gradient (a new
+    ``(N, C)`` tensor, or an empty placeholder when it goes into ``grad_out`` or is not computed)."""
+    if compute_grad and grad_out is not None:
+        _check_grad_out(logits, grad_out)
+    if compute_grad and grad_out is None:
+        grad = torch.empty(tuple(logits.shape), dtype=logits.dtype, device=logits.device)
+        return grad, grad
+    return (grad_out if compute_grad else None), torch.empty((0,), dtype=logits.dtype, device=logits.device)
+
+
+def _option_forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index,
+                    reduction, compute_grad, grad_out, loss_dtype, mix_target, mix_lambda, label_smoothing, stats_out,
+                    class_weight, lse_square_scale, softcap, z_loss_out):
+    """:func:`uncertainty_weighted_ce_forward` of a call with options: one launch of
+    :func:`._option_kernels._option_ce_fwd_kernel` (every row as a soft target), the target flag from the targets
+    kernel (class indices; a dense target's from device reductions), and the reduction by torch operations (the
+    class-weighted part and the z-loss have divisors of their own). Dual focal has no option form."""
+    if weight == WEIGHT_DUAL_FOCAL:
+        raise NotImplementedError("the triton kernels compute no class weights, z-loss or soft-capping with "
+                                  "weight='dual_focal' (use backend='reference')")
+    class_weight = check_options(logits, class_weight, lse_square_scale, softcap, z_loss_out)
+    target, mix_target, mix_lambda, label_smoothing, _ = _soft_target_arguments(
+        logits, target, weight, mix_target, mix_lambda, label_smoothing)
+    dense = target.is_floating_point()
+    num_rows, num_classes = logits.shape
+    device = logits.device
+    _, block, num_warps = _launch_config(num_classes, logits.element_size(), "dense" if dense else "compact", weight,
+                                         mode, stats_out is not None)
+    dest, grad = _gradient_destination(logits, compute_grad, grad_out)
+    if stats_out is not None:
+        _check_stats_out(logits, stats_out)
+    row_loss = torch.empty(num_rows, dtype=torch.float32, device=device)
+    z_rows = None
+    if lse_square_scale != 0.0:
+        z_rows = z_loss_out if z_loss_out is not None else torch.empty(num_rows, dtype=torch.float32, device=device)
+    elif z_loss_out is not None:
+        z_loss_out.zero_()
+    has_mix = mix_target is not None
+    lambda_stride = mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0
+    if dense:
+        error = validation.dense_target_flag(target)
+        count = torch.full((), float(num_rows), dtype=torch.float32, device=device)
+    else:  # [any bad target, a bad target value, valid count]
+        counts = torch.zeros(3, dtype=torch.int64, device=device)
+        error, count = counts[:2], counts[2]
+        if num_rows > 0:
+            _uncertainty_weighted_ce_targets_kernel[(1,)](
+                target, mix_target if has_mix else target, mix_lambda if has_mix else row_loss, lambda_stride,
+                num_rows, num_classes, int(ignore_index), counts[2:], error,
+                CHECK_MIX=has_mix, BLOCK=min(4096, _next_power_of_2(num_rows)), num_warps=4)
+        count = count.to(torch.float32)
+    divisor = count
+    if class_weight is not None and not dense:
+        divisor = class_weighted_divisor(target, class_weight, mix_target, mix_lambda, ignore_index)
+    if num_rows > 0:
+        placeholder = row_loss  # never read
+        confidence, prediction = stats_out if stats_out is not None else (placeholder, placeholder)
+        _option_ce_fwd_kernel[(num_rows,)](
+            logits, logits.stride(0), target, target.stride(0) if dense else 0,
+            mix_target if has_mix else target, mix_lambda if has_mix else placeholder, lambda_stride,
+            sample_weight if sample_weight is not None else placeholder,
+            gamma_per_sample if gamma_per_sample is not None else placeholder,
+            class_weight if class_weight is not None else placeholder, torch.stack((divisor, count)),
+            row_loss, z_rows if z_rows is not None else placeholder,
+            dest if dest is not None else logits, dest.stride(0) if dest is not None else 0, confidence, prediction,
+            num_classes, float(gamma), float(norm), int(ignore_index), label_smoothing, lse_square_scale, softcap,
+            WEIGHT=int(weight), MODE=int(mode), REDUCTION=int(reduction), COMPUTE_GRAD=bool(compute_grad),
+            PER_SAMPLE_GAMMA=gamma_per_sample is not None, BLOCK=block,
+            NORM_IS_TWO=weight in (WEIGHT_BRIER, WEIGHT_BRIER_FLSD) and float(norm) == 2.0, DENSE=dense,
+            HAS_MIX=has_mix, HAS_CLASS_WEIGHT=class_weight is not None, Z_LOSS=z_rows is not None,
+            SOFTCAP=softcap != 0.0, STATS=stats_out is not None, num_warps=num_warps)
+    loss = reduced_option_loss(row_loss, z_rows, divisor, count, reduction, loss_dtype)
     return loss, grad, error
 
 
@@ -468,24 +555,28 @@ def scale_grad_(grad: torch.Tensor, grad_output: torch.Tensor) -> None:
 # The registered op (the tracer's view) and the backend interface (calibkernels._backends, calibkernels._autograd)
 # ---------------------------------------------------------------------------------------------------------------------
 @torch.library.custom_op("calibkernels::uncertainty_weighted_ce_triton",
-                         mutates_args=("grad_out", "confidence_out", "prediction_out"))
+                         mutates_args=("grad_out", "confidence_out", "prediction_out", "z_loss_out"))
 def uncertainty_weighted_ce_triton(
     logits: torch.Tensor, target: torch.Tensor, sample_weight: Optional[torch.Tensor],
     gamma_per_sample: Optional[torch.Tensor], weight: int, loss_mode: int, gamma: float, norm: float, ignore_index: int,
     reduction: int, compute_grad: bool, grad_out: Optional[torch.Tensor], mix_target: Optional[torch.Tensor] = None,
     mix_lambda: Optional[torch.Tensor] = None, label_smoothing: float = 0.0,
     confidence_out: Optional[torch.Tensor] = None, prediction_out: Optional[torch.Tensor] = None,
+    class_weight: Optional[torch.Tensor] = None, lse_square_scale: float = 0.0, softcap: float = 0.0,
+    z_loss_out: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The compiled op's contract (``csrc/uncertainty_weighted_ce.h``) on the Triton kernels: ``(loss, grad,
     target_flag)``, the gradient written into ``grad_out`` when given, the flag always two slots (these kernels never
     raise on a bad target). No target check is queued from here (traced code never reads the flag back; the bad rows
     are NaN). ``confidence_out`` / ``prediction_out`` (both or neither): the ``(N,)`` float32 / int64 buffers of the
     rows' top-label statistics (``stats_out`` of :func:`uncertainty_weighted_ce_forward`), written in the loss
-    launch."""
+    launch. The drop-in options as :func:`uncertainty_weighted_ce_forward` takes them, ``z_loss_out`` the rows'
+    z-loss buffer."""
     return uncertainty_weighted_ce_forward(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
                                            norm, ignore_index, reduction, compute_grad, grad_out, torch.float32,
                                            mix_target, mix_lambda, label_smoothing,
-                                           _stats_pair(confidence_out, prediction_out))
+                                           _stats_pair(confidence_out, prediction_out), class_weight=class_weight,
+                                           lse_square_scale=lse_square_scale, softcap=softcap, z_loss_out=z_loss_out)
 
 
 def _stats_pair(confidence_out, prediction_out):
@@ -500,7 +591,7 @@ def _stats_pair(confidence_out, prediction_out):
 @uncertainty_weighted_ce_triton.register_fake
 def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma, norm, ignore_index, reduction,
       compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, confidence_out=None,
-      prediction_out=None):
+      prediction_out=None, class_weight=None, lse_square_scale=0.0, softcap=0.0, z_loss_out=None):
     loss = logits.new_empty((logits.shape[0],) if reduction == REDUCTION_NONE else (), dtype=torch.float32)
     grad = logits.new_empty(tuple(logits.shape) if compute_grad and grad_out is None else (0,))
     return loss, grad, logits.new_empty((2,), dtype=torch.int64)
@@ -508,7 +599,7 @@ def _(logits, target, sample_weight, gamma_per_sample, weight, loss_mode, gamma,
 
 def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out, mix_target=None, mix_lambda=None, label_smoothing=0.0, *, loss_dtype=None,
-            stats_out=None):
+            stats_out=None, class_weight=None, lse_square_scale=0.0, softcap=0.0, z_loss_out=None):
     """``(loss, grad, target_flag)``: the backend forward of :mod:`calibkernels._autograd`. Eager calls launch the
     kernels directly (a ``custom_op`` call pays dispatcher and mutation bookkeeping in Python, more host time than the
     launches); traced calls go through the registered op. Soft targets: ``mix_target``/``mix_lambda`` (a number or
@@ -516,7 +607,9 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     ``loss_dtype``: an eager call's reduction writes the loss in this dtype (the logits' own, for the caller: no cast
     launch in the forward and none in the backward); traced calls return float32 as the op does. ``stats_out``: the
     ``(confidence, prediction)`` buffers the loss launch writes the rows' top-label statistics into
-    (:func:`uncertainty_weighted_ce_forward`), from the logits as given (before an in-place gradient)."""
+    (:func:`uncertainty_weighted_ce_forward`), from the logits as given (before an in-place gradient). The drop-in
+    options ``class_weight``, ``lse_square_scale``, ``softcap`` (0: off) and the rows' z-loss buffer ``z_loss_out``
+    as :func:`uncertainty_weighted_ce_forward` takes them (the option kernel)."""
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise TypeError(f"the triton backend supports float32/float16/bfloat16 logits, got {logits.dtype} "
                         "(use backend='reference' for float64)")
@@ -540,15 +633,19 @@ def forward(logits, target, sample_weight, gamma_per_sample, weight, mode, gamma
     args = (logits, target, sample_weight, gamma_per_sample, weight, mode, gamma, norm, ignore_index, reduction,
             compute_grad, grad_out)
     soft_args = (mix_target, mix_lambda, label_smoothing) if soft else ()
+    options = {}
+    if class_weight is not None or lse_square_scale != 0.0 or softcap != 0.0 or z_loss_out is not None:
+        options = dict(class_weight=class_weight, lse_square_scale=float(lse_square_scale), softcap=float(softcap),
+                       z_loss_out=z_loss_out)
     if torch.compiler.is_compiling() or type(logits) is not torch.Tensor:
-        if stats_out is not None:  # the op's statistics buffers follow its soft-target arguments
-            soft_args = (mix_target, mix_lambda, label_smoothing, *stats_out)
-        loss, grad, _ = uncertainty_weighted_ce_triton(*args, *soft_args)
+        if stats_out is not None or options:  # the op's statistics buffers follow its soft-target arguments
+            soft_args = (mix_target, mix_lambda, label_smoothing, *(stats_out or (None, None)))
+        loss, grad, _ = uncertainty_weighted_ce_triton(*args, *soft_args, **options)
         flag = None
     else:
         # _target_checks ignores the flag during a capture
         loss, grad, flag = uncertainty_weighted_ce_forward(*args, loss_dtype or torch.float32, *soft_args,
-                                                           stats_out=stats_out)
+                                                           stats_out=stats_out, **options)
     if write_back is not None:
         write_back.copy_(grad_out)
     return loss, grad, flag
