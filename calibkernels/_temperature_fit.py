@@ -13,12 +13,12 @@ split). ``T`` does not change the arg-max, so accuracy is unchanged. Two objecti
 
 Report "pre-T" and "post-T" metrics with the same T for every metric (:func:`evaluate_temperature_scaling`).
 
-Non-finite logits follow the metrics' policy (:mod:`calibkernels.metrics._inputs`), for both objectives: ``-inf`` is
-a masked class, probability 0 at every T (the fit equals the fit with the class's logit made very negative); ``+inf``
-or NaN logits, and rows whose every class is ``-inf``, raise ``ValueError``. A label on a masked class is a wrong
-prediction for the ECE objective; for the NLL objective it makes the NLL infinite at every T and raises ``ValueError``.
-Rows whose label equals ``ignore_index`` (default -100, as the metrics) are left out and may hold anything. A fit needs
-``C >= 2`` classes (with one class every T gives the same probabilities).
+Non-finite logits follow the metrics' policy (:mod:`calibkernels._validation.metric_inputs`), for both objectives:
+``-inf`` is a masked class, probability 0 at every T (the fit equals the fit with the class's logit made very negative);
+``+inf`` or NaN logits, and rows whose every class is ``-inf``, raise ``ValueError``. A label on a masked class is a
+wrong prediction for the ECE objective; for the NLL objective it makes the NLL infinite at every T and raises
+``ValueError``. Rows whose label equals ``ignore_index`` (default -100, as the metrics) are left out and may hold
+anything. A fit needs ``C >= 2`` classes (with one class every T gives the same probabilities).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from ._validation import check_ignore_index, is_number
 from .metrics import calibration_metrics
-from .metrics._inputs import check_logits, check_n_bins, check_positive_int, compute_dtype, labelled_rows
+from ._validation.metric_inputs import check_logits, check_n_bins, check_positive_int, compute_dtype, labelled_rows
 from .metrics.binned import bin_sums, calibration_error_from_sums, equal_width_edges
 
 __all__ = [

@@ -44,7 +44,7 @@ from . import _autograd, _backends, _target_checks
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
 from ._row_math import gamma_gradient_factor
 from ._drop_in_module import DropInOptions
-from ._fused_linear_checks import (backend_for_call, check_accum_dtype, check_chunk_size, check_linear_inputs,
+from ._validation.fused_linear import (backend_for_call, check_accum_dtype, check_chunk_size, check_linear_inputs,
                                   check_row_tensors, check_settings, one_hot_forms, submit_device_target_check)
 from ._validation import (LossInputs, check_backend, check_class_weight_tensor,
                           check_drop_in_options, check_ignore_index, check_label_smoothing, check_mode, check_norm,

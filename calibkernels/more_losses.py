@@ -28,7 +28,7 @@ from ._row_math import flsd_gamma, masked_rows, reduce_rows
 from ._validation import (check_backend, check_ignore_index, check_logits_target, check_norm, check_number,
                           check_reduction, check_scalar_gamma)
 from .functional import uncertainty_weighted_ce
-from .metrics._inputs import check_n_bins, prepare
+from ._validation.metric_inputs import check_n_bins, prepare
 from .metrics.binned import bin_sums, confidence_and_correct, equal_count_edges
 from .reference import uncertainty_weight
 

@@ -24,11 +24,11 @@ Conventions shared by all of them:
 * **Inputs.** ``x (..., C)`` (any floating dtype, ``C >= 2``) and integer ``labels (...)`` in ``[0, C)`` on the
   same device; rows whose label equals ``ignore_index`` (default -100, as the metrics) are left out of the fit and
   may hold anything. ``inputs_are="auto" | "logits" | "probs"`` (default ``"auto"``) is resolved exactly as by the
-  metrics (:func:`calibkernels.metrics._inputs.resolve_inputs_kind`): probabilities are mapped to their logarithm
-  (``softmax(ln p) = p``; ``ln 0 = -inf`` is a masked class) and the calibrators work on logits from there on.
-  Input policy of the metrics (:mod:`calibkernels.metrics._inputs`): a ``-inf`` logit is a **masked class** with
-  probability 0, and it stays masked: its calibrated probability is exactly 0. ``+inf`` or NaN logits, rows whose
-  every class is ``-inf`` and invalid probabilities raise ``ValueError``; non-tensors and wrong dtypes raise
+  metrics (:func:`calibkernels._validation.metric_inputs.resolve_inputs_kind`): probabilities are mapped to their
+  logarithm (``softmax(ln p) = p``; ``ln 0 = -inf`` is a masked class) and the calibrators work on logits from there on.
+  Input policy of the metrics (:mod:`calibkernels._validation.metric_inputs`): a ``-inf`` logit is a **masked
+  class** with probability 0, and it stays masked: its calibrated probability is exactly 0. ``+inf`` or NaN logits,
+  rows whose every class is ``-inf`` and invalid probabilities raise ``ValueError``; non-tensors and wrong dtypes raise
   ``TypeError``. :class:`VectorScaling` and :class:`MatrixScaling` are not invariant to adding a constant to a row
   (``ln p = z − logsumexp(z)`` is such a shift): fitted on probabilities, their ``transform`` maps logits to
   ``log_softmax(z)`` first (exact); fitted on logits, it refuses probabilities (``ValueError``: the logits cannot be
@@ -55,7 +55,7 @@ from torch import nn
 
 from ._temperature_fit import OBJECTIVES, check_grid, fit_temperature
 from ._validation import check_ignore_index, check_number, is_number
-from .metrics._inputs import check_n_bins, compute_dtype, labelled_rows, resolve_inputs_kind
+from ._validation.metric_inputs import check_n_bins, compute_dtype, labelled_rows, resolve_inputs_kind
 
 __all__ = [
     "POSTHOC_METHODS",

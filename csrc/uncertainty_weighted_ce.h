@@ -166,8 +166,8 @@ constexpr double kFlsdLowGamma = 5.0;
 constexpr double kFlsdMidThreshold = 0.5;
 constexpr double kFlsdMidGamma = 3.0;
 
-// How far a dense target's row may sum from 1 in its dtype: calibkernels._validation._ROW_SUM_TOLERANCE (tests hold
-// the two to the same boundaries).
+// How far a dense target's row may sum from 1 in its dtype: calibkernels._target_checks.DENSE_ROW_SUM_TOLERANCE (tests
+// hold the two to the same boundaries).
 inline double dense_row_sum_tolerance(at::ScalarType dtype) {
   switch (dtype) {
     case at::kDouble:

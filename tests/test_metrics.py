@@ -355,7 +355,7 @@ def test_float16_probabilities_that_lost_subnormal_mass_are_still_probabilities(
 
 
 def test_probability_tolerance_follows_the_dtype():
-    from calibkernels.metrics._inputs import probability_sum_tolerance
+    from calibkernels._validation.metric_inputs import probability_sum_tolerance
 
     tolerances = {dtype: probability_sum_tolerance(dtype, 10) for dtype in LOW_AND_HIGH_PRECISION}
     assert tolerances[torch.bfloat16] > tolerances[torch.float16] > tolerances[torch.float32] > 0

@@ -160,11 +160,11 @@ def test_the_common_call_gives_the_full_checks_results(monkeypatch):
         return loss.detach(), leaf.grad
 
     served = []
-    common = _validation._common_call
-    monkeypatch.setattr(_validation, "_common_call", lambda *args: served.append(1) or common(*args))
+    common = _validation.loss_inputs._common_call
+    monkeypatch.setattr(_validation.loss_inputs, "_common_call", lambda *args: served.append(1) or common(*args))
     fast = step()
     assert served, "the common call should take the common checks"
-    monkeypatch.setattr(_validation, "_common_call", lambda *args: None)
+    monkeypatch.setattr(_validation.loss_inputs, "_common_call", lambda *args: None)
     for a, b in zip(fast, step()):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 

@@ -408,7 +408,7 @@ def test_eager_calls_with_the_common_checks_give_the_full_checks_results(monkeyp
     every check run; a bad target raises through the op's own flag."""
     from calibkernels import _validation
 
-    common = _validation._common_call
+    common = _validation.loss_inputs._common_call
     z, y = _logits(64, 100), _targets(64, 100)
     dense = torch.softmax(torch.randn(64, 100, device="cuda"), 1)
 
@@ -424,9 +424,9 @@ def test_eager_calls_with_the_common_checks_give_the_full_checks_results(monkeyp
                        (y, {"reduction": "none", "mode": "loss"}), (y, {"mix_target": mix, "mix_lambda": lam}),
                        (y, {"mix_target": mix, "mix_lambda": 0.3, "label_smoothing": 0.1})):
         common_checks = step(target, **kw)
-        monkeypatch.setattr(_validation, "_common_call", lambda *args: None)
+        monkeypatch.setattr(_validation.loss_inputs, "_common_call", lambda *args: None)
         full_checks = step(target, **kw)
-        monkeypatch.setattr(_validation, "_common_call", common)
+        monkeypatch.setattr(_validation.loss_inputs, "_common_call", common)
         for a, b in zip(common_checks, full_checks):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
     bad = y.clone()

@@ -45,7 +45,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ._inputs import PreparedInputs, check_n_bins, prepare
+from .._validation.metric_inputs import PreparedInputs, check_n_bins, prepare
 
 __all__ = [
     "accuracy",

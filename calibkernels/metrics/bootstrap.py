@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .._validation import check_ignore_index, is_number
-from ._inputs import check_n_bins, prepare
+from .._validation.metric_inputs import check_n_bins, prepare
 from .binned import (
     accuracy,
     adaptive_calibration_error,

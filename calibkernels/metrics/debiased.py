@@ -40,7 +40,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._inputs import check_n_bins, prepare
+from .._validation.metric_inputs import check_n_bins, prepare
 from .binned import bin_sums, confidence_and_correct
 
 __all__ = ["debiased_ece", "DEBIASED_MODES"]
@@ -103,7 +103,8 @@ def debiased_ece(inputs, labels, n_bins: int = 15, mode: str = "top-label", *, i
     ``uncertainty-calibration`` package; the binning conventions are in the module docstring.
 
     Args:
-        inputs: ``(..., C)`` logits or probabilities (``inputs_are``, see :mod:`calibkernels.metrics._inputs`).
+        inputs: ``(..., C)`` logits or probabilities (``inputs_are``, see
+            :mod:`calibkernels._validation.metric_inputs`).
         labels: ``(...)`` class indices; rows equal to ``ignore_index`` are left out.
         n_bins: the number of equal-mass bins (default 15; N when there are fewer samples).
         mode: ``"top-label"`` (default) or ``"marginal"``.

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import check_ignore_index, is_number
-from ._inputs import resolve_inputs_kind
+from .._validation.metric_inputs import resolve_inputs_kind
 
 __all__ = ["sece", "dece", "SECE_DEFAULT_BANDWIDTH", "DECE_DEFAULT_BINS", "DECE_DEFAULT_T_A", "DECE_DEFAULT_T_B"]
 
@@ -107,7 +107,7 @@ def sece(
 
     Args:
         inputs: ``(N, C)`` logits or probabilities (``inputs_are``: the metrics' rule and checks, see
-            :mod:`calibkernels.metrics._inputs`), or ``(N,)`` confidences in [0, 1].
+            :mod:`calibkernels._validation.metric_inputs`), or ``(N,)`` confidences in [0, 1].
         labels: ``(N,)`` integer labels (rows equal to ``ignore_index`` are left out); with 1-D confidences, the
             ``(N,)`` correctness instead (bool or 0/1).
         bandwidth: h, the kernel's standard deviation on the confidence scale (default 0.05, see

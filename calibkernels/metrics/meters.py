@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ._inputs import check_n_bins, prepare
+from .._validation.metric_inputs import check_n_bins, prepare
 from .binned import confidence_and_correct
 from .debiased import check_mode, marginal_error, top_label_error
 from .smooth_ece import (
@@ -49,7 +49,7 @@ class SmoothECEMeter:
 
     Args:
         bandwidth: ``None`` (automatic σ*) or a fixed σ >= 1e-4, as for :func:`~calibkernels.metrics.smooth_ece`.
-        inputs_are, ignore_index: as for every metric (:mod:`calibkernels.metrics._inputs`).
+        inputs_are, ignore_index: as for every metric (:mod:`calibkernels._validation.metric_inputs`).
 
     ``compute(sync=True, return_bandwidth=False)`` returns the smooth ECE (or ``(smECE, σ)``); ``curve(sync=True)``
     the dict of :func:`~calibkernels.metrics.smooth_reliability_curve`.

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from ._inputs import check_n_bins, prepare
+from .._validation.metric_inputs import check_n_bins, prepare
 from .binned import bin_sums, calibration_error_from_sums, confidence_and_correct, equal_width_edges
 from .bootstrap import bin_accuracy_band
 from .smooth_ece import smooth_reliability_curve

@@ -43,7 +43,7 @@ import math
 import torch
 
 from .._validation import is_number
-from ._inputs import prepare
+from .._validation.metric_inputs import prepare
 from .binned import confidence_and_correct
 
 __all__ = ["smooth_ece", "smooth_reliability_curve"]
@@ -222,7 +222,8 @@ def smooth_ece(inputs, labels, *, bandwidth: float | None = None, return_bandwid
     (``relplot.smECE(f, y)``), which it matches to rounding; see the module docstring for the grid.
 
     Args:
-        inputs: ``(..., C)`` logits or probabilities (``inputs_are``, see :mod:`calibkernels.metrics._inputs`).
+        inputs: ``(..., C)`` logits or probabilities (``inputs_are``, see
+            :mod:`calibkernels._validation.metric_inputs`).
         labels: ``(...)`` class indices; rows equal to ``ignore_index`` are left out.
         bandwidth: ``None`` (default) for the automatic σ*, or a fixed σ >= 1e-4 (``relplot.smECE_sigma``).
         return_bandwidth: also return the σ used.

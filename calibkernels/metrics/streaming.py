@@ -36,7 +36,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._inputs import check_n_bins, prepare
+from .._validation.metric_inputs import check_n_bins, prepare
 from .binned import (
     adaptive_calibration_error,
     bin_sums,
@@ -130,7 +130,8 @@ class CalibrationMeter:
     Args:
         n_bins: bins of every binned metric (equal-width ``(lo, hi]`` bins on float32 ``linspace(0, 1, n_bins + 1)``,
             equal-count bins for AdaECE; see :mod:`calibkernels.metrics.binned`).
-        inputs_are: ``"auto" | "logits" | "probs"``, decided per batch (see :mod:`calibkernels.metrics._inputs`).
+        inputs_are: ``"auto" | "logits" | "probs"``, decided per batch (see
+            :mod:`calibkernels._validation.metric_inputs`).
         ignore_index: label of rows to skip.
         track_adaptive: keep per-sample confidences for AdaECE (O(N) memory); ``False`` makes the memory constant.
 

@@ -9,11 +9,12 @@ import operator
 
 import torch
 
-from . import _autograd, _backends, _target_checks
-from ._validation import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, check_backend, check_class_weight, check_dense_target,
-                          check_gamma, check_ignore_index, check_label_smoothing, check_mix, check_mode, check_norm,
-                          check_per_sample_gamma, check_reduction, check_sample_weight, check_target_values,
-                          check_uncertainty, device_target_flag, drop_in_option_names, one_hot_for_dual_focal)
+from .. import _autograd, _backends, _target_checks
+from .arguments import (check_backend, check_class_weight, check_dense_target, check_gamma, check_ignore_index,
+                        check_label_smoothing, check_mix, check_mode, check_norm, check_per_sample_gamma,
+                        check_reduction, check_sample_weight, check_target_values, check_uncertainty,
+                        device_target_flag, drop_in_option_names)
+from .loss_inputs import (DUAL_FOCAL_SOFT_MESSAGE, LossInputs, one_hot_for_dual_focal)
 
 __all__ = ["check_accum_dtype", "check_chunk_size", "check_linear_inputs", "check_row_tensors", "check_settings",
            "backend_for_call", "one_hot_forms", "submit_device_target_check"]

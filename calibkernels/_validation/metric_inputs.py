@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._validation import check_ignore_index
+from .arguments import check_ignore_index
 
 INPUT_KINDS = ("auto", "logits", "probs")
 # The smallest row-sum tolerance of any dtype. Probabilities normalised in float32 (and perhaps stored as float64)
