@@ -37,11 +37,15 @@
 // Soft targets (label_smoothing, mix_target, or a floating (N, C) target) run a second kernel with the same launch
 // shapes, so the hard-target kernel carries no soft-target code (soft_target_rows.cuh).
 //
-// Files: row_statistics.cuh (what every row kernel shares), hard_target_rows.cuh and soft_target_rows.cuh (the
-// kernels), this file (the launch shape for C and the launches).
+// Calls with a drop-in option (class weights, z-loss, soft-capping) run a third kernel, again with the same launch
+// shapes (option_rows.cuh), so neither of the others carries option code.
 //
-// Included by rows_<dtype>.cu, one translation unit per logits dtype (row_params.h), each of which defines the two
-// launches, cuda_rows::launch_hard_targets and launch_soft_targets, for its dtype (CALIBKERNELS_CUDA_ROWS_FOR).
+// Files: row_statistics.cuh (what every row kernel shares), hard_target_rows.cuh, soft_target_rows.cuh and
+// option_rows.cuh (the kernels), this file (the launch shape for C and the launches).
+//
+// Included by rows_<dtype>.cu, one translation unit per logits dtype (row_params.h), each of which defines the three
+// launches, cuda_rows::launch_hard_targets, launch_soft_targets and launch_option_rows, for its dtype
+// (CALIBKERNELS_CUDA_ROWS_FOR).
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -54,6 +58,7 @@
 
 #include "batch_fold.cuh"
 #include "hard_target_rows.cuh"
+#include "option_rows.cuh"
 #include "row_params.h"
 #include "soft_target_rows.cuh"
 
@@ -62,6 +67,7 @@ namespace {
 
 using cuda_rows::Acc;
 using cuda_rows::BatchFold;
+using cuda_rows::OptionParams;
 using cuda_rows::Params;
 using cuda_rows::SoftParams;
 
@@ -135,19 +141,46 @@ void launch_dense(const SoftParams<A>& SP, const BatchFold& F, at::ScalarType ta
   }
 }
 
+// The option kernel (option_rows.cuh) for class indices (target_t int64_t) or a dense target of target_t.
+template <typename scalar_t, typename target_t, typename A>
+void launch_options_for(const OptionParams<A>& OP, const BatchFold& F) {
+  with_shape<scalar_t>(OP.soft.hard.num_classes, [&](auto shape) {
+    using S = decltype(shape);
+    launch_rows<S::kGroup>(option_rows_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>,
+                           OP.soft.hard.num_rows, OP, F);
+  });
+}
+
+template <typename scalar_t, typename A>
+void launch_options(const OptionParams<A>& OP, const BatchFold& F, at::ScalarType dense_dtype) {
+  if (OP.soft.dense_target == nullptr) {
+    launch_options_for<scalar_t, int64_t>(OP, F);
+  } else if constexpr (std::is_same<scalar_t, float>::value || std::is_same<scalar_t, double>::value) {
+    launch_options_for<scalar_t, scalar_t>(OP, F);
+  } else if (dense_dtype == at::kFloat) {
+    launch_options_for<scalar_t, float>(OP, F);
+  } else {
+    launch_options_for<scalar_t, scalar_t>(OP, F);
+  }
+}
+
 }  // namespace
 }  // namespace calibkernels
 
-// The two launches for logits of type T (row_params.h), each defined once: the whole of rows_<dtype>.cu.
-#define CALIBKERNELS_CUDA_ROWS_FOR(T)                                                                            \
-  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P, const BatchFold& F) {    \
-    launch<T>(P, F);                                                                                             \
-  }                                                                                                              \
-  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP, const BatchFold& F, \
-                                                    at::ScalarType dense_dtype) {                                \
-    if (SP.dense_target != nullptr) {                                                                            \
-      launch_dense<T>(SP, F, dense_dtype);                                                                       \
-    } else {                                                                                                     \
-      launch_soft<T, int64_t>(SP, F);                                                                            \
-    }                                                                                                            \
+// The three launches for logits of type T (row_params.h), each defined once: the whole of rows_<dtype>.cu.
+#define CALIBKERNELS_CUDA_ROWS_FOR(T)                                                                             \
+  void calibkernels::cuda_rows::launch_hard_targets(Logits<T>, const Params<Acc<T>>& P, const BatchFold& F) {     \
+    launch<T>(P, F);                                                                                              \
+  }                                                                                                               \
+  void calibkernels::cuda_rows::launch_soft_targets(Logits<T>, const SoftParams<Acc<T>>& SP, const BatchFold& F,  \
+                                                    at::ScalarType dense_dtype) {                                 \
+    if (SP.dense_target != nullptr) {                                                                             \
+      launch_dense<T>(SP, F, dense_dtype);                                                                        \
+    } else {                                                                                                      \
+      launch_soft<T, int64_t>(SP, F);                                                                             \
+    }                                                                                                             \
+  }                                                                                                               \
+  void calibkernels::cuda_rows::launch_option_rows(Logits<T>, const OptionParams<Acc<T>>& OP, const BatchFold& F, \
+                                                   at::ScalarType dense_dtype) {                                  \
+    launch_options<T>(OP, F, dense_dtype);                                                                        \
   }

@@ -74,6 +74,19 @@ struct SoftParams {
                              // the rows, folded into BatchFold::target_flag by the last block), or nullptr
 };
 
+// The option kernel's parameters (option_rows.cuh): the drop-in options (class weights, z-loss, soft-capping) over
+// the soft kernel's rows, class indices without smoothing or a mix being the compact row with c = 0 and w_y = 1.
+template <typename A>
+struct OptionParams {
+  SoftParams<A> soft;
+  const A* class_weight;  // (C,) in A, or nullptr: every w_k = 1
+  const A* divisors;      // a mean's [D, count] (D: Σ <w, t̄_i> over the non-ignored rows, or count without class
+                          // weights; count: the non-ignored rows), device values; nullptr: [N, N] (a dense target)
+  A* z_loss;              // (N,): the rows' s · lse², or nullptr where s = 0
+  A lse_square_scale;     // s
+  A softcap;              // c > 0, or 0: no cap
+};
+
 // A logits dtype as an overload tag: the launches of each dtype are plain functions, each defined once, in the
 // dtype's rows_<dtype>.cu (CALIBKERNELS_CUDA_ROWS_FOR in row_kernels.cuh), and called by the op's dtype dispatch.
 template <typename scalar_t>
@@ -93,6 +106,16 @@ void launch_soft_targets(Logits<c10::Half>, const SoftParams<float>& SP, const B
 void launch_soft_targets(Logits<c10::BFloat16>, const SoftParams<float>& SP, const BatchFold& F,
                          c10::ScalarType dense_dtype);
 void launch_soft_targets(Logits<double>, const SoftParams<double>& SP, const BatchFold& F, c10::ScalarType dense_dtype);
+
+// Launches the option kernel over OP's rows, on the current stream: class indices (OP.soft.dense_target == nullptr;
+// with or without smoothing and a mix) or a dense target whose elements are of `dense_dtype`.
+void launch_option_rows(Logits<float>, const OptionParams<float>& OP, const BatchFold& F, c10::ScalarType dense_dtype);
+void launch_option_rows(Logits<c10::Half>, const OptionParams<float>& OP, const BatchFold& F,
+                        c10::ScalarType dense_dtype);
+void launch_option_rows(Logits<c10::BFloat16>, const OptionParams<float>& OP, const BatchFold& F,
+                        c10::ScalarType dense_dtype);
+void launch_option_rows(Logits<double>, const OptionParams<double>& OP, const BatchFold& F,
+                        c10::ScalarType dense_dtype);
 
 }  // namespace cuda_rows
 }  // namespace calibkernels

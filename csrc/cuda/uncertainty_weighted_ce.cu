@@ -1,7 +1,8 @@
 // The CUDA implementation of the op torch.ops.calibkernels.uncertainty_weighted_ce (schema in ../calibkernels.cpp,
 // contract in ../uncertainty_weighted_ce.h): the argument checks, the targets' count and flag, the launch of the row
 // kernels (row_kernels.cuh: the formulas and the launch shapes), the reduction and the backward's in-place scaling.
-// Registered for the CUDA dispatch key.
+// Registered for the CUDA dispatch key. Calls with class weights, a z-loss or soft-capping run the option kernel
+// (option_rows.cuh) whatever their target; the others never reach it.
 //
 // Target policy (the Triton kernel's, see calibkernels/_target_checks.py): a target (or, with a mix, a mix_target)
 // outside [0, C) on a row that is not ignore_index is never used as an index; that row's loss and gradient are NaN
@@ -13,6 +14,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/arange.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/index_select.h>
 #include <ATen/ops/stack.h>
 #include <ATen/ops/where.h>
 #include <ATen/ops/zeros.h>
@@ -111,7 +113,33 @@ struct Args {
   bool soft = false;  // check_soft_arguments: the soft-target kernel
   double label_smoothing = 0.0;
   bool loss_in_logits_dtype = false;
+  bool options = false;  // LossArguments::has_options: the option kernel
+  double lse_square_scale = 0.0, softcap = 0.0;
 };
+
+// The option kernel's tensors (option_rows.cuh): the class weights in the accumulation type (undefined: none), a
+// mean's divisors (undefined: a dense target's, or no mean) and the z_loss output (empty where s = 0).
+struct OptionTensors {
+  at::Tensor class_weight, divisors, z_loss;
+};
+
+// A mean's [D, count] of class indices in the accumulation type, by device ops (no host synchronisation): count the
+// rows whose target is not ignore_index, D = Σ over them of <w, t̄_i> = w_y, or λ w_y + (1 - λ) w_m with a mix (the
+// count without class weights). A target or mix_target that is not a class reads w_0 instead (its row is NaN).
+at::Tensor option_divisors(const at::Tensor& target, const at::Tensor& class_weight, const at::Tensor& mixes,
+                           const at::Tensor& lambdas, int64_t ignore_index, at::ScalarType acc_dtype) {
+  const at::Tensor valid = target.ne(ignore_index);
+  const at::Tensor count = valid.sum().to(acc_dtype);
+  if (!class_weight.defined()) return at::stack({count, count});
+  const int64_t num_classes = class_weight.size(0);
+  const auto weight_of = [&](const at::Tensor& k) {
+    const at::Tensor usable = valid.logical_and(k.ge(0)).logical_and(k.lt(num_classes));
+    return class_weight.index_select(0, at::where(usable, k, 0));
+  };
+  at::Tensor per_row = weight_of(target);
+  if (mixes.defined()) per_row = per_row.mul(lambdas).add_(weight_of(mixes).mul(lambdas.neg().add_(1.0)));
+  return at::stack({at::where(valid, per_row, 0).sum(), count});
+}
 
 Args check_args(const at::Tensor& logits, const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                 const std::optional<at::Tensor>& gamma_per_sample, int64_t weight, int64_t mode, double gamma,
@@ -151,6 +179,17 @@ at::Tensor dense_target_for(const at::Tensor& z, const at::Tensor& target) {
   return (t.stride(1) == 1 || t.size(1) == 1) ? t : t.contiguous();
 }
 
+// A mix's λ as the kernels read it: () or (N,), read at i * stride, in the accumulation type. A float64 λ beside
+// lower-precision logits: a value just outside [0, 1] (1 + 1e-12) would round into it and pass the kernels' range
+// check, which the host check and the Triton kernels (comparing λ in its own dtype) fail, so such values become NaN
+// first (a few device ops, on that pairing only).
+at::Tensor lambdas_for(const at::Tensor& mix_lambda, at::ScalarType acc_dtype) {
+  const at::Tensor lam = mix_lambda.detach();
+  return (lam.scalar_type() == at::kDouble && acc_dtype != at::kDouble)
+             ? at::where(lam.ge(0).logical_and_(lam.le(1)), lam, std::numeric_limits<double>::quiet_NaN()).to(acc_dtype)
+             : lam.to(acc_dtype);
+}
+
 // Whether the soft kernel checks a dense target's values itself: it sums each row in its accumulation type, which
 // a float64 target's tolerance needs float64 logits for (dense_target_for reads it in float32 otherwise), and whose
 // float32 rounding past kDenseKernelCheckMaxClasses columns nears float32's tolerance. An empty batch runs no kernel.
@@ -160,17 +199,35 @@ bool kernel_checks_dense_target(const at::Tensor& z, const at::Tensor& target) {
   return target.scalar_type() != at::kDouble && z.size(1) <= kDenseKernelCheckMaxClasses;
 }
 
+// Launches the option kernel (option_rows.cuh) over the soft kernel's parameters S with the options of `args`.
+template <typename scalar_t, typename A>
+void launch_with_options(const SoftParams<A>& S, const BatchFold& F, const OptionTensors& options, const Args& args,
+                         at::ScalarType target_dtype) {
+  cuda_rows::OptionParams<A> O;
+  O.soft = S;
+  O.class_weight = options.class_weight.defined() ? options.class_weight.const_data_ptr<A>() : nullptr;
+  O.divisors = options.divisors.defined() ? options.divisors.const_data_ptr<A>() : nullptr;
+  O.z_loss = options.z_loss.numel() > 0 ? options.z_loss.mutable_data_ptr<A>() : nullptr;
+  O.lse_square_scale = static_cast<A>(args.lse_square_scale);
+  O.softcap = static_cast<A>(args.softcap);
+  cuda_rows::launch_option_rows(cuda_rows::Logits<scalar_t>{}, O, F, target_dtype);
+}
+
 // Runs the kernel on `z` (stride(1) == 1 or C == 1, any row stride), writing the gradient to `grad_ptr` (row stride
 // `grad_stride`, may alias z) when non-null. Returns (loss, target_flag): the loss float32 (float64 for float64
 // logits) or, with args.loss_in_logits_dtype, the logits' dtype, 0-dim for mean/sum, (N,) for none; the flag as the
 // op returns it. One launch (the row kernels, whose last block reduces the batch and makes the flag), two for a mean
 // with a gradient over more than kInlineCountMaxRows rows of class indices (the count first); no host
-// synchronisation. With args.soft the soft-target kernel runs (a dense target: every row counts for the mean).
+// synchronisation. With args.soft the soft-target kernel runs (a dense target: every row counts for the mean). With
+// args.options the option kernel runs whatever the target, after a mean's divisors of class indices (a few device
+// ops, no count launch: its last block makes the flag), with options.class_weight in the accumulation type, writing
+// the rows' z-loss into options.z_loss where it is not empty.
 std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride,
                                        const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                                        const std::optional<at::Tensor>& gamma_per_sample,
                                        const std::optional<at::Tensor>& mix_target,
-                                       const std::optional<at::Tensor>& mix_lambda, const Args& args) {
+                                       const std::optional<at::Tensor>& mix_lambda, const Args& args,
+                                       OptionTensors options) {
   const int64_t n = z.size(0);
   const auto acc_dtype = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto loss_dtype = args.loss_in_logits_dtype ? z.scalar_type() : acc_dtype;
@@ -190,17 +247,12 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   at::Tensor mixes, lambdas;
   if (mix_target.has_value()) {
     mixes = mix_target->contiguous();
-    // () or (N,), read at i * stride, in the accumulation type. A float64 λ beside lower-precision logits: a value
-    // just outside [0, 1] (1 + 1e-12) would round into it and pass the kernels' range check, which the host check and
-    // the Triton kernels (comparing λ in its own dtype) fail, so such values become NaN first (a few device ops, on
-    // that pairing only).
-    const at::Tensor lam = mix_lambda->detach();
-    lambdas =
-        (lam.scalar_type() == at::kDouble && acc_dtype != at::kDouble)
-            ? at::where(lam.ge(0).logical_and_(lam.le(1)), lam, std::numeric_limits<double>::quiet_NaN()).to(acc_dtype)
-            : lam.to(acc_dtype);
+    lambdas = lambdas_for(*mix_lambda, acc_dtype);
   }
   const int64_t lambda_stride = (lambdas.defined() && lambdas.dim() == 1) ? lambdas.stride(0) : 0;
+  if (args.options && mean && !dense) {
+    options.divisors = option_divisors(t, options.class_weight, mixes, lambdas, args.ignore_index, acc_dtype);
+  }
   // The target flag: made by the row launch's last block (class indices without a count launch; a dense target's
   // row flags, where the kernel checks its values), by the count launch (which also counts the mean's divisor before
   // the rows need it), or by device ATen ops (dense targets the kernel does not check).
@@ -211,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     target_flag = at::empty({2}, t.options().dtype(at::kLong));
   } else if (dense) {
     target_flag = dense_target_flag(target);
-  } else if (mean && grad_ptr != nullptr && n > kInlineCountMaxRows) {
+  } else if (mean && grad_ptr != nullptr && n > kInlineCountMaxRows && !args.options) {
     counts = at::empty({3}, t.options());
     const int64_t* mix = mixes.defined() ? mixes.const_data_ptr<int64_t>() : nullptr;
     if (acc_dtype == at::kDouble) {
@@ -267,7 +319,7 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     F.ticket = ticket;
     F.loss = reduced ? loss.mutable_data_ptr() : nullptr;
     F.target_flag = (count_inline || row_flags.defined()) ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
-    if (!args.soft) {
+    if (!args.soft && !args.options) {
       cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P, F);
       return;
     }
@@ -281,6 +333,10 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     S.smoothing = static_cast<A>(args.label_smoothing);
     S.dense_tolerance = static_cast<A>(dense_row_sum_tolerance(target.scalar_type()));
     S.row_flags = row_flags.defined() ? row_flags.mutable_data_ptr<int8_t>() : nullptr;
+    if (args.options) {  // class indices without smoothing or a mix: the compact row with c = 0, W_y = 1
+      launch_with_options<scalar_t>(S, F, options, args, t.scalar_type());
+      return;
+    }
     cuda_rows::launch_soft_targets(cuda_rows::Logits<scalar_t>{}, S, F, t.scalar_type());
   });
   return {loss, target_flag};
@@ -290,8 +346,10 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
 // top_label_stats), taken with ATen ops in a pass of their own over the logits before the kernel runs (in place it
 // overwrites them): the row kernels' block reductions hold the max and the normaliser of the exponentials relative to
 // it, but not the arg-max, which would take one more block reduction in every row kernel.
-StatsOutputs top_label_stats_pass(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index) {
-  const at::Tensor z = logits.scalar_type() == at::kDouble ? logits.detach() : logits.detach().to(at::kFloat);
+StatsOutputs top_label_stats_pass(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
+                                  double softcap) {
+  at::Tensor z = logits.scalar_type() == at::kDouble ? logits.detach() : logits.detach().to(at::kFloat);
+  if (softcap != 0.0) z = z.div(softcap).tanh_().mul_(softcap);  // of the capped logits, c · tanh(z / c)
   const at::Tensor top = z.amax({1}, /*keepdim=*/true);
   at::Tensor prediction = z.argmax(1);  // the first maximum (the first NaN if any), as torch.argmax
   at::Tensor confidence = z.sub(top).exp_().sum(1).reciprocal_().to(at::kFloat);
@@ -309,23 +367,30 @@ LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   const char* op = "calibkernels::uncertainty_weighted_ce (CUDA): ";
   args.soft = check_soft_arguments(op, a.logits, a.target, a.mix_target, a.mix_lambda, a.label_smoothing, a.weight);
   check_options(op, a);
-  TORCH_CHECK(!a.has_options(), op, "class weights, the z-loss and soft-capping are not implemented yet");
   args.label_smoothing = a.label_smoothing;
   args.loss_in_logits_dtype = a.loss_in_logits_dtype;
+  args.options = a.has_options();
+  args.lse_square_scale = a.lse_square_scale;
+  args.softcap = a.softcap;
   if (a.compute_grad && a.grad_out.has_value()) check_grad_out(op, a.logits, *a.grad_out);
   const c10::cuda::CUDAGuard guard(a.logits.device());
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
   const at::Tensor z = direct ? a.logits : a.logits.contiguous();
-  const StatsOutputs stats =
-      a.return_stats ? top_label_stats_pass(a.logits, a.target, a.ignore_index) : stats_outputs(a.logits, false);
+  const StatsOutputs stats = a.return_stats ? top_label_stats_pass(a.logits, a.target, a.ignore_index, a.softcap)
+                                            : stats_outputs(a.logits, false);
   // In place each thread overwrites only the elements it read itself, after the row's reduction.
   const at::Tensor dest = gradient_destination(a.logits, z, a.compute_grad, a.grad_out,
                                                [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
+  OptionTensors options{at::Tensor(), at::Tensor(), z_loss_output(a)};
+  if (a.class_weight.has_value()) {
+    options.class_weight = a.class_weight->detach().to(z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat);
+    options.class_weight = options.class_weight.contiguous();
+  }
   const auto [loss, target_flag] =
       run(z, a.compute_grad ? dest.data_ptr() : nullptr, a.compute_grad ? dest.stride(0) : 0, a.target, a.sample_weight,
-          a.gamma_per_sample, a.mix_target, a.mix_lambda, args);
-  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag, stats, z_loss_output(a));
+          a.gamma_per_sample, a.mix_target, a.mix_lambda, args, options);
+  return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag, stats, options.z_loss);
 }
 
 // grad[i, :] *= factor[i · factor_stride] (stride 0: one scalar), skipping rows whose factor is exactly 1: the usual
