@@ -308,25 +308,9 @@ def uncertainty_weighted_ce_forward(
     # which was bad: calibkernels._kernel_codes.TARGET_FLAG_CODES)
     has_mix = mix_target is not None
     lambda_stride = mix_lambda.stride(0) if has_mix and mix_lambda.dim() == 1 else 0
-    if dense:  # no class indices: every row counts for the mean; the kernel flags rows with bad values (dense_flags)
-        count, valid_count = COUNT_ROWS, row_loss  # placeholder
-        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
-        error = (torch.empty(2, dtype=torch.int64, device=device) if dense_flags
-                 else validation.dense_target_flag(target))
-    elif reduction == REDUCTION_MEAN and compute_grad and num_rows > INLINE_COUNT_MAX_ROWS:
-        # the gradient's scale needs the count before any row is written: a launch of its own for a large batch.
-        # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)
-        count = COUNT_LOADED
-        counts = torch.empty(3, dtype=torch.int64, device=device)
-        error, valid_count = counts[:2], counts[2:]
-        _uncertainty_weighted_ce_targets_kernel[(1,)](
-            target, mix_target if has_mix else target, mix_lambda if has_mix else row_loss, lambda_stride,
-            num_rows, num_classes, int(ignore_index), valid_count, error,
-            CHECK_MIX=has_mix, BLOCK=min(4096, _next_power_of_2(num_rows)), num_warps=4)
-    else:  # the loss launch counts and checks the targets itself
-        count = COUNT_INLINE
-        error = torch.empty(2, dtype=torch.int64, device=device)
-        valid_count = row_loss  # placeholder
+    count, valid_count, error, dense_bad = _count_and_flag_buffers(
+        target, mix_target, mix_lambda, lambda_stride, row_loss, reduction, compute_grad, dense_flags, num_classes,
+        ignore_index)
     per_sample_gamma = gamma_per_sample is not None
     # placeholders (here and for the flags of rows without DENSE_FLAGS) are never read
     weight_args = (sample_weight if sample_weight is not None else row_loss,
@@ -356,6 +340,38 @@ def uncertainty_weighted_ce_forward(
             num_rows, num_classes, float(gamma), float(norm), int(ignore_index), **meta,
         )
     return loss, grad, error
+
+
+def _count_and_flag_buffers(target, mix_target, mix_lambda, lambda_stride, row_loss, reduction, compute_grad,
+                            dense_flags, num_classes, ignore_index):
+    """``(count mode, valid count buffer, target flag, dense rows' flags)`` of a launch: who counts the mean's rows
+    (``COUNT_*``) and where the target flag comes from. A dense target counts every row and its kernel flags rows with
+    bad values (``dense_flags``) or device reductions do; class indices are counted and checked by a launch of their
+    own before the loss launch where a mean's gradient needs the count before any row is written (more than
+    ``INLINE_COUNT_MAX_ROWS`` rows), else by the loss launch itself. Placeholders (``row_loss``) are never read."""
+    num_rows, device = target.shape[0], target.device
+    has_mix = mix_target is not None
+    dense_bad = None
+    if target.is_floating_point():  # no class indices
+        count, valid_count = COUNT_ROWS, row_loss  # placeholder
+        dense_bad = torch.empty(num_rows, dtype=torch.int8, device=device) if dense_flags else None
+        error = (torch.empty(2, dtype=torch.int64, device=device) if dense_flags
+                 else validation.dense_target_flag(target))
+    elif reduction == REDUCTION_MEAN and compute_grad and num_rows > INLINE_COUNT_MAX_ROWS:
+        # the gradient's scale needs the count before any row is written: a launch of its own for a large batch.
+        # [any bad target, a bad target value, valid count]: the flag, returned, is the buffer's start (as its fake)
+        count = COUNT_LOADED
+        counts = torch.empty(3, dtype=torch.int64, device=device)
+        error, valid_count = counts[:2], counts[2:]
+        _uncertainty_weighted_ce_targets_kernel[(1,)](
+            target, mix_target if has_mix else target, mix_lambda if has_mix else row_loss, lambda_stride,
+            num_rows, num_classes, int(ignore_index), valid_count, error,
+            CHECK_MIX=has_mix, BLOCK=min(4096, _next_power_of_2(num_rows)), num_warps=4)
+    else:  # the loss launch counts and checks the targets itself
+        count = COUNT_INLINE
+        error = torch.empty(2, dtype=torch.int64, device=device)
+        valid_count = row_loss  # placeholder
+    return count, valid_count, error, dense_bad
 
 
 def _gradient_destination(logits, compute_grad, grad_out):
