@@ -22,7 +22,8 @@
 // fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
 // float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
 // The sweeps are in row_sweeps.h (generic) and vec_exp.h (AVX-512), the soft-target rows in soft_target_rows.h; this
-// file holds a hard row (process_row) and the launch over a batch.
+// file holds a hard row (process_row) and the launch over a batch; the calls with the drop-in options (class weights,
+// z-loss, soft-capping) take the rows of option_rows.h.
 
 #if !defined(CPU_CAPABILITY) || !defined(CALIBKERNELS_ISA)
 #error "include csrc/cpu/uncertainty_weighted_ce_kernel.h from a kernel_<isa>.cpp that defines CPU_CAPABILITY"
@@ -392,6 +393,8 @@ __attribute__((noinline)) double total_of_row_losses(const T* loss, int64_t n) {
   return (a + b) + (c + d);
 }
 
+#include "cpu/option_rows.h"
+
 // The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
 template <typename scalar_t, typename acc_t>
 void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const int64_t* t_ptr,
@@ -562,6 +565,10 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const RowSpec<acc_t> spec{weight_formula(args.weight), args.mode, static_cast<acc_t>(args.gamma),
                             static_cast<acc_t>(args.norm), uses_flsd_schedule(args.weight)};
 
+  if (args.options.active) {
+    return launch_option_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args,
+                                               row_loss);
+  }
   if (args.soft.active) {
     launch_soft_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args, scale,
                                       loss_ptr, avx512);
