@@ -414,28 +414,43 @@ def test_check_loss_inputs_records_the_drop_in_options():
 
 # ------------------------------------------------------------------------------------- the public call's routing
 def test_the_public_call_runs_the_options_on_the_reference():
-    """``ck.uncertainty_weighted_ce`` takes the options: ``backend="auto"`` runs them on the reference with one
-    warning and matches ``F.cross_entropy`` (uncertainty="none"); a named fused backend refuses them clearly."""
+    """``ck.uncertainty_weighted_ce`` takes the options: the CPU kernel computes them (``backend="cpu"``, and
+    ``"auto"`` on CPU tensors, without a warning) and matches ``F.cross_entropy`` (uncertainty="none"); dual focal,
+    which no fused kernel computes with options, runs them on the reference with one warning under ``"auto"``, and a
+    named fused backend refuses it clearly."""
     z = torch.randn(7, 5, dtype=torch.float64, requires_grad=True)
     y = torch.tensor([0, 4, 2, -100, 1, 3, 3])
     class_weight = torch.rand(5, dtype=torch.float64) + 0.5
+    expected = F.cross_entropy(z, y, weight=class_weight, label_smoothing=0.1)
+    (expected_grad,) = torch.autograd.grad(expected, z)
+    backends = ["auto"] + (["cpu"] if "cpu" in ck.available_backends() else [])
+    for backend in backends:
+        _backends._warned_reference_only.clear()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loss = ck.uncertainty_weighted_ce(z, y, uncertainty="none", weight=class_weight, label_smoothing=0.1,
+                                              backend=backend)
+            ck.uncertainty_weighted_ce(z, y, uncertainty="none", weight=class_weight, backend=backend)
+        on_reference = "cpu" not in ck.available_backends()
+        assert sum("does not compute per-class weights" in str(w.message) for w in caught) == int(on_reference)
+        torch.testing.assert_close(loss, expected)
+        (grad,) = torch.autograd.grad(loss, z)
+        torch.testing.assert_close(grad, expected_grad)
+    dual = dict(uncertainty="dual_focal", mode="loss")
     _backends._warned_reference_only.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loss = ck.uncertainty_weighted_ce(z, y, uncertainty="none", weight=class_weight, label_smoothing=0.1)
-        ck.uncertainty_weighted_ce(z, y, uncertainty="none", weight=class_weight)
+        loss = ck.uncertainty_weighted_ce(z, y, weight=class_weight, **dual)
+        ck.uncertainty_weighted_ce(z, y, weight=class_weight, **dual)
     assert sum("does not compute per-class weights" in str(w.message) for w in caught) == 1
-    expected = F.cross_entropy(z, y, weight=class_weight, label_smoothing=0.1)
-    torch.testing.assert_close(loss, expected)
-    (grad,) = torch.autograd.grad(loss, z)
-    (expected_grad,) = torch.autograd.grad(expected, z)
-    torch.testing.assert_close(grad, expected_grad)
+    torch.testing.assert_close(loss, ck.uncertainty_weighted_ce(z, y, weight=class_weight, backend="reference", **dual))
     if "cpu" in ck.available_backends():
         for kwargs, what in ((dict(weight=class_weight), "per-class weights"), (dict(softcap=30.0), "soft-capping"),
                              (dict(lse_square_scale=1e-4), "z-loss"), (dict(return_z_loss=True), "z-loss")):
+            ck.uncertainty_weighted_ce(z.float(), y, backend="cpu", **kwargs)  # computed by the CPU kernel
             with pytest.raises(NotImplementedError, match=what):
-                ck.uncertainty_weighted_ce(z.float(), y, backend="cpu", **kwargs)
-        with pytest.raises(ValueError, match="softcap"):  # a bad value is the checks' error, before the refusal
+                ck.uncertainty_weighted_ce(z.float(), y, backend="cpu", **dual, **kwargs)
+        with pytest.raises(ValueError, match="softcap"):  # a bad value is the checks' error
             ck.uncertainty_weighted_ce(z.float(), y, backend="cpu", softcap=-1.0)
 
 

@@ -45,7 +45,7 @@ __all__ = ["loss_with_autograd", "forward", "is_available", "SOFT_TARGETS"]
 # The CPU and CUDA kernels take soft targets (label smoothing, a mix, a dense target): calibkernels._backends.
 SOFT_TARGETS = True
 # The op computes the drop-in options (class weights, z-loss, soft-capping) itself: calibkernels._backends.
-OPTIONS_IN_KERNEL = False
+OPTIONS_IN_KERNEL = True
 # The op writes the rows' top-label statistics in its loss pass (return_stats): calibkernels._autograd.
 STATS_IN_KERNEL = True
 

@@ -27,6 +27,16 @@ struct SoftTargetArgs {
   double dense_flag_tolerance = 0;
 };
 
+// The drop-in options (option_rows.h); `active` when any is asked for. The tensors are the caller's, alive for the
+// call.
+struct OptionArgs {
+  bool active = false;
+  const void* class_weight = nullptr;  // (C,) contiguous, in the accumulation dtype; null: no class weights
+  double lse_square_scale = 0;         // s; 0: no z-loss
+  double softcap = 0;                  // c; 0: no cap
+  void* z_loss = nullptr;              // (N,) in the accumulation dtype: the rows' s · lse²; null when s == 0
+};
+
 struct KernelArgs {
   Weight weight;
   Mode mode;
@@ -36,6 +46,7 @@ struct KernelArgs {
   Reduction reduction;
   int64_t valid_rows;  // non-ignored rows (the mean's divisor), counted by the caller's target check
   SoftTargetArgs soft = {};
+  OptionArgs options = {};
   // return_stats: the rows' top-label statistics, (N,) each (uncertainty_weighted_ce.h); null when not asked for
   float* confidence = nullptr;
   int64_t* prediction = nullptr;

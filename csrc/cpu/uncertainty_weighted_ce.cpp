@@ -228,7 +228,6 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
                                a.ignore_index, a.reduction, mix, a.mix_lambda, a.label_smoothing);
   const char* op = "calibkernels::uncertainty_weighted_ce: ";
   check_options(op, a);
-  TORCH_CHECK(!a.has_options(), op, "class weights, the z-loss and soft-capping are not implemented yet");
   if (a.compute_grad && a.grad_out.has_value()) check_grad_out(op, a.logits, *a.grad_out);
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
@@ -260,6 +259,19 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
     args.confidence = stats.confidence.mutable_data_ptr<float>();
     args.prediction = stats.prediction.mutable_data_ptr<int64_t>();
   }
+  // the drop-in options: the class weights in the accumulation dtype, the rows' z-loss written by the kernel
+  const at::Tensor z_loss = z_loss_output(a);
+  at::Tensor class_weight;
+  if (a.has_options()) {
+    args.options.active = true;
+    if (a.class_weight.has_value()) {
+      class_weight = a.class_weight->detach().to(z_loss.scalar_type()).contiguous();
+      args.options.class_weight = class_weight.const_data_ptr();
+    }
+    args.options.lse_square_scale = a.lse_square_scale;
+    args.options.softcap = a.softcap;
+    if (z_loss.numel() > 0) args.options.z_loss = z_loss.mutable_data_ptr();
+  }
   void* grad_ptr = a.compute_grad ? dest.data_ptr() : nullptr;
   const int64_t grad_stride = a.compute_grad ? dest.stride(0) : 0;
   at::Tensor loss = isa == CpuIsa::Default ? isa_default::run_kernel(z, grad_ptr, grad_stride, t, a.sample_weight,
@@ -270,7 +282,7 @@ LossOutputs uncertainty_weighted_ce_cpu(const LossArguments& a) {
   if (a.loss_in_logits_dtype && loss.scalar_type() != a.logits.scalar_type()) loss = loss.to(a.logits.scalar_type());
   // no flag: every bad target value has raised above
   return finish_gradient(loss, dest, a.compute_grad, a.grad_out, at::empty({0}, t.options().dtype(at::kLong)), stats,
-                         z_loss_output(a));
+                         z_loss);
 }
 
 }  // namespace

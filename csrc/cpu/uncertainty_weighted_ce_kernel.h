@@ -22,7 +22,8 @@
 // fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
 // float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
 // The sweeps are in row_sweeps.h (generic) and vec_exp.h (AVX-512), the soft-target rows in soft_target_rows.h; this
-// file holds a hard row (process_row) and the launch over a batch.
+// file holds a hard row (process_row) and the launch over a batch; the calls with the drop-in options (class weights,
+// z-loss, soft-capping) take the rows of option_rows.h.
 
 #if !defined(CPU_CAPABILITY) || !defined(CALIBKERNELS_ISA)
 #error "include csrc/cpu/uncertainty_weighted_ce_kernel.h from a kernel_<isa>.cpp that defines CPU_CAPABILITY"
@@ -392,6 +393,8 @@ __attribute__((noinline)) double total_of_row_losses(const T* loss, int64_t n) {
   return (a + b) + (c + d);
 }
 
+#include "cpu/option_rows.h"
+
 // The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
 template <typename scalar_t, typename acc_t>
 void launch_soft_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, const int64_t* t_ptr,
@@ -551,7 +554,6 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const auto loss_dtype = c10::CppTypeToScalarType<acc_t>::value;
   at::Tensor row_loss = at::empty({n}, z.options().dtype(loss_dtype));
 
-  const acc_t scale = args.reduction == Reduction::Mean ? acc_t(1) / acc_t(std::max<int64_t>(valid, 1)) : acc_t(1);
   const auto weights = per_sample<acc_t>(sample_weight);
   const auto gammas = per_sample<acc_t>(gamma_per_sample);
   const acc_t* weight_ptr = weights ? weights->template const_data_ptr<acc_t>() : nullptr;
@@ -562,12 +564,27 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const RowSpec<acc_t> spec{weight_formula(args.weight), args.mode, static_cast<acc_t>(args.gamma),
                             static_cast<acc_t>(args.norm), uses_flsd_schedule(args.weight)};
 
+  // Class weights alone on class-index rows: the hard rows, each scaled by w_y (CE^w = w_y CE, u the unweighted
+  // row's), the mean over D = Σ w_y (option_mean_divisor). Every other call with options takes the option rows.
+  const acc_t* const class_weight = static_cast<const acc_t*>(args.options.class_weight);
+  const bool row_factors = args.options.active && !args.soft.active && class_weight != nullptr &&
+                           args.options.lse_square_scale == 0 && args.options.softcap == 0;
+  if (args.options.active && !row_factors) {
+    return launch_option_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args,
+                                               row_loss);
+  }
+  const double divisor = row_factors ? option_mean_divisor(args, t_ptr, class_weight, n) : static_cast<double>(valid);
+  const acc_t scale = args.reduction != Reduction::Mean ? acc_t(1)
+                      : row_factors                     ? (divisor > 0 ? static_cast<acc_t>(1.0 / divisor) : acc_t(0))
+                                                        : acc_t(1) / acc_t(std::max<int64_t>(valid, 1));
   if (args.soft.active) {
     launch_soft_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args, scale,
                                       loss_ptr, avx512);
   } else {
     std::vector<RowLoss<acc_t>> row_parts(n);
-    auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
+    // kFactors: the rows' class weights w_y scale each row (row_factors)
+    auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag, auto factors_tag) {
+      constexpr bool kFactors = decltype(factors_tag)::value;
       constexpr PowQ kPow = decltype(pow_tag)::value;
       constexpr bool kDual = decltype(dual_tag)::value;
       constexpr bool kAvx512 = decltype(avx512_tag)::value;
@@ -600,6 +617,7 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
         scalar_t* const grads = grad_ptr;
         const RowSpec<acc_t> row_spec = spec;
         const acc_t row_scale = scale;
+        const acc_t* const factors = class_weight;
         const bool row_stream = stream;
         RowLoss<acc_t>* const parts = row_parts.data();
         RowStatsWriter<acc_t> stats(args.confidence, args.prediction);
@@ -615,22 +633,25 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
           const scalar_t* const z_row = logits + i * zs;
           const acc_t gamma = gammas ? gammas[i] : row_spec.gamma;
           const acc_t ext = weights ? weights[i] : acc_t(1);
+          const acc_t factor = kFactors ? factors[y] : acc_t(1);
+          const acc_t scale_of_row = kFactors ? row_scale * factor : row_scale;
           if constexpr (kWiden) {
             at::vec::convert(z_row, scratch.data(), classes);
             stats.take_top_label(scratch.data(), classes);
             parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
-                                                                classes, y, row_spec, gamma, ext, row_scale, 0, exp_ptr,
-                                                                false, stats.normaliser());
+                                                                classes, y, row_spec, gamma, ext, scale_of_row, 0,
+                                                                exp_ptr, false, stats.normaliser());
             if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
           } else {
             // as in launch_soft_rows: the top label after the row pass unless that pass overwrites the row
             const bool in_place = static_cast<const void*>(grad_row) == static_cast<const void*>(z_row);
             if (in_place) stats.take_top_label(z_row, classes);
             parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
-                z_row, grad_row, classes, y, row_spec, gamma, ext, row_scale,
+                z_row, grad_row, classes, y, row_spec, gamma, ext, scale_of_row,
                 kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream, stats.normaliser());
             if (!in_place) stats.take_top_label(z_row, classes);
           }
+          if constexpr (kFactors) parts[i].weight *= factor;
           stats.write(i);
         }
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
@@ -644,11 +665,17 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
     };
     using F = std::false_type;
     using T = std::true_type;
+    auto run_rows_on = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
+      if constexpr (!decltype(dual_tag)::value) {  // no class weights with dual focal (check_options)
+        if (row_factors) return run_rows_with(pow_tag, dual_tag, avx512_tag, T{});
+      }
+      run_rows_with(pow_tag, dual_tag, avx512_tag, F{});
+    };
     auto run_rows = [&](auto pow_tag, auto dual_tag) {
       if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
-        run_rows_with(pow_tag, dual_tag, T{});
+        run_rows_on(pow_tag, dual_tag, T{});
       } else {
-        run_rows_with(pow_tag, dual_tag, F{});
+        run_rows_on(pow_tag, dual_tag, F{});
       }
     };
     if (spec.weight == Weight::Brier) {
@@ -668,7 +695,13 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
 
   if (args.reduction == Reduction::None) return row_loss;
   double total = total_of_row_losses(loss_ptr, n);
-  if (args.reduction == Reduction::Mean) total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
+  if (args.reduction == Reduction::Mean) {
+    if (row_factors) {
+      total = divisor > 0 ? total / divisor : 0.0;
+    } else {
+      total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
+    }
+  }
   return at::scalar_tensor(total, z.options().dtype(loss_dtype));
 }
 
