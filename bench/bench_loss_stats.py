@@ -7,6 +7,8 @@ Steps timed (forward + backward of the mean, BSCE-GRA, default backend), per sha
 
 * ``plain``: ``ck.uncertainty_weighted_ce(logits, target).backward()``;
 * ``return_stats``: the same with ``return_stats=True`` (the confidence and prediction per row);
+* ``return_stats_meter``: calib-train's pattern, the statistics into a ``CalibrationMeter(track_adaptive=False)``
+  (``update_top_label``, on the device, read once per evaluation);
 * ``loss_then_softmax``: what a user writes without it: the plain step, then ``softmax(logits).max(-1)`` for the
   confidence and the prediction (one more pass over the ``N × C`` logits and an ``N × C`` temporary);
 * the fused linear path (``hidden (N, H) @ W.T``, ``H`` = :data:`HIDDEN`): ``fused_linear_plain`` and
@@ -40,12 +42,20 @@ def _logits_steps():
         loss.backward()
         return stats
 
+    meter = ck.metrics.CalibrationMeter(track_adaptive=False)
+
+    def return_stats_meter(logits, target):
+        loss, stats = ck.uncertainty_weighted_ce(logits, target, return_stats=True)
+        loss.backward()
+        meter.update_top_label(stats.confidence, stats.prediction == target)
+
     def loss_then_softmax(logits, target):
         ck.uncertainty_weighted_ce(logits, target).backward()
         with torch.no_grad():
             return torch.softmax(logits, dim=-1).max(dim=-1)
 
-    return {"plain": plain, "return_stats": return_stats, "loss_then_softmax": loss_then_softmax}
+    return {"plain": plain, "return_stats": return_stats, "return_stats_meter": return_stats_meter,
+            "loss_then_softmax": loss_then_softmax}
 
 
 def _fused_linear_steps(linear_weight):

@@ -22,7 +22,8 @@ def test_a_tiny_run_writes_every_step_with_its_ratio(tmp_path, monkeypatch):
     B.main(["--device", "cpu", "--reps", "2", "--out", str(out), "--history", str(history)])
     data = json.loads(out.with_suffix(".json").read_text())
     steps = [r["step"] for r in data["results"]]
-    assert steps == ["plain", "return_stats", "loss_then_softmax", "fused_linear_plain", "fused_linear_stats"]
+    assert steps == ["plain", "return_stats", "return_stats_meter", "loss_then_softmax", "fused_linear_plain",
+                     "fused_linear_stats"]
     ratios = {r["step"]: r["ratio_vs_plain"] for r in data["results"]}
     assert ratios["plain"] == ratios["fused_linear_plain"] == 1.0 and all(v > 0 for v in ratios.values())
     rows = [json.loads(line) for line in history.read_text().splitlines()]
