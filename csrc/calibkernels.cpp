@@ -52,8 +52,8 @@ TORCH_LIBRARY(calibkernels, m) {
   // device-side target flag of the GPU kernels, which never raise on a bad target value (uncertainty_weighted_ce.h).
   // loss_in_logits_dtype: the loss in the logits' dtype, written so by the kernel (an eager step's loss then costs no
   // cast launch); float32 (float64) otherwise. return_stats: the fourth and fifth outputs are the logits' top-label
-  // statistics (confidence float32, prediction int64, (N,) each), computed in the CPU kernel's loss pass (on CUDA by
-  // ATen ops before the kernel); empty (0,) otherwise. class_weight, lse_square_scale, softcap: F.cross_entropy's
+  // statistics (confidence float32, prediction int64, (N,) each), computed in the CPU kernel's loss pass (on CUDA in
+  // the row kernels' first pass); empty (0,) otherwise. class_weight, lse_square_scale, softcap: F.cross_entropy's
   // per-class weights, Liger-Kernel's z-loss and Gemma-2's logit soft-capping (0 is off); the sixth output is the
   // rows' z-loss where lse_square_scale is not 0.
   m.def(

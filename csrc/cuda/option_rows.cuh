@@ -116,12 +116,13 @@ __device__ __forceinline__ void option_fill_row(const OptionParams<A>& O, int64_
 enum OptionSum { kWeightedSum, kGap, kOneMinusP, kP, kRest, kS, kH, kTargetAtMax, kCheckSum, kNumOptionSums };
 
 // One row with options. load_target(base, t, check) fills the tile's unweighted target (check: a dense target's value
-// check, or nullptr); band(lse, P) is FLSD's band value of the row. Pass 1: M and d of z' over every column. Pass 2:
-// W, Σ t' (M - z'), 1 - P, P, gBS's S and τ or H, with a unique max's terms taken after the pass. Pass 3: the
-// gradient.
-template <typename scalar_t, int kGroup, int kPT, bool kResident, typename A, typename LoadTarget, typename Band>
-__device__ __forceinline__ void option_row(const OptionParams<A>& O, int64_t row, int lane, scalar_t* grad_row,
-                                           LoadTarget load_target, Band band) {
+// check, or nullptr); band(lse, P) is FLSD's band value of the row. Pass 1: M and d of z' over every column (kStats:
+// and the top label of z', the row's top-label statistics into F's). Pass 2: W, Σ t' (M - z'), 1 - P, P, gBS's S and
+// τ or H, with a unique max's terms taken after the pass. Pass 3: the gradient.
+template <typename scalar_t, int kGroup, int kPT, bool kResident, bool kStats, typename A, typename LoadTarget,
+          typename Band>
+__device__ __forceinline__ void option_row(const OptionParams<A>& O, const BatchFold& F, int64_t row, int lane,
+                                           scalar_t* grad_row, LoadTarget load_target, Band band) {
   using T = Tile<scalar_t, A, kGroup, kPT>;
   constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
   const Params<A>& P = O.soft.hard;
@@ -134,17 +135,21 @@ __device__ __forceinline__ void option_row(const OptionParams<A>& O, int64_t row
   const bool out_aligned = grad_row != nullptr && aligned16(grad_row);
 
   Stats<A> s = empty_stats<A>();
+  TopLabel<A> best = empty_top_label<A>();
   A z[kPT], t[kPT];
   TargetCheck<A> check;  // in the target's first read: pass 1 of a resident row, pass 2 of a streamed one
   for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
     T::load(z_row, in_aligned, base, lane, C, z);
     cap_tile<scalar_t, kGroup, kPT>(z, base, lane, C, O.softcap);
     if constexpr (kResident) load_target(base, t, &check);
-    accumulate(z, [&](int e) { return T::column(base, lane, e); }, C, int64_t(-1), A(0), q, false, false, s);
+    const auto column_of = [&](int e) { return T::column(base, lane, e); };
+    accumulate(z, column_of, C, int64_t(-1), A(0), q, false, false, s);
+    track_top_label<kStats>(z, column_of, best);
   });
   if constexpr (kGroup == 32) __syncwarp();  // every read of the row before any write (in place)
-  s = group_allreduce<kGroup>(s, q, false, false);
+  s = group_allreduce<kGroup, kStats>(s, q, false, false, best);
   const A M = s.m, log_d = log_(s.d);
+  store_top_label_at<kStats>(F, row, lane, best, s.d);
   const bool unique_max = s.d < A(2);
 
   Sums<A, kNumOptionSums> r{};
@@ -225,9 +230,9 @@ __device__ __forceinline__ void option_row(const OptionParams<A>& O, int64_t row
 }
 
 // One row of the option launch (the block's share): target_t is int64_t for class indices (compact rows), else
-// the element type of the dense target.
-template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
-__device__ __forceinline__ void option_block_row(const OptionParams<Acc<scalar_t>>& O) {
+// the element type of the dense target. kStats: the rows' top-label statistics (of the capped logits) into F's.
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, bool kStats>
+__device__ __forceinline__ void option_block_row(const OptionParams<Acc<scalar_t>>& O, const BatchFold& F) {
   using A = Acc<scalar_t>;
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
   const SoftParams<A>& SP = O.soft;
@@ -240,6 +245,9 @@ __device__ __forceinline__ void option_block_row(const OptionParams<Acc<scalar_t
   if constexpr (std::is_same<target_t, int64_t>::value) {
     const int64_t y = P.target[row];
     if (y == P.ignore_index) {  // whatever its mix_target
+      if constexpr (kStats) {
+        if (lane == 0) store_ignored_top_label(F, row);
+      }
       option_fill_row<kGroup>(O, row, lane, grad_row, A(0));
       return;
     }
@@ -247,6 +255,12 @@ __device__ __forceinline__ void option_block_row(const OptionParams<Acc<scalar_t
     const A lambda = SP.mix_target != nullptr ? SP.mix_lambda[row * SP.lambda_stride] : A(1);
     // a bad target or mix_target is never used as an index; a λ outside [0, 1] (or NaN) makes the row NaN too
     if (y < 0 || y >= C || mix < 0 || mix >= C || lambda_out_of_range(lambda)) {
+      if constexpr (kStats) {
+        const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
+        top_label_only<scalar_t, kGroup, kPT, A>(F, z_row, row, C, lane, [&](A(&z)[kPT], int64_t base) {
+          cap_tile<scalar_t, kGroup, kPT>(z, base, lane, C, O.softcap);
+        });
+      }
       option_fill_row<kGroup>(O, row, lane, grad_row, std::numeric_limits<A>::quiet_NaN());
       return;
     }
@@ -261,8 +275,8 @@ __device__ __forceinline__ void option_block_row(const OptionParams<Acc<scalar_t
       z_y = capped(static_cast<A>(z_row[y]), O.softcap);
       z_m = capped(static_cast<A>(z_row[mix]), O.softcap);
     }
-    option_row<scalar_t, kGroup, kPT, kResident>(
-        O, row, lane, grad_row,
+    option_row<scalar_t, kGroup, kPT, kResident, kStats>(
+        O, F, row, lane, grad_row,
         [&](int64_t base, A(&t)[kPT], TargetCheck<A>*) {
           compact_target_tile<scalar_t, kGroup, kPT>(ct, base, lane, C, t);
         },
@@ -272,8 +286,8 @@ __device__ __forceinline__ void option_block_row(const OptionParams<Acc<scalar_t
     const target_t* t_row = static_cast<const target_t*>(SP.dense_target) + row * SP.dense_row_stride;
     const bool t_aligned = aligned16(t_row);
     const A keep = A(1) - SP.smoothing, add = SP.smoothing / static_cast<A>(C);
-    option_row<scalar_t, kGroup, kPT, kResident>(
-        O, row, lane, grad_row,
+    option_row<scalar_t, kGroup, kPT, kResident, kStats>(
+        O, F, row, lane, grad_row,
         [&](int64_t base, A(&t)[kPT], TargetCheck<A>* check) {
           TT::load(t_row, t_aligned, base, lane, C, keep, add, t, check);
         },
@@ -329,10 +343,10 @@ __device__ __forceinline__ void finish_option_rows(const OptionParams<A>& O, con
 }
 
 // The option launch: the block's rows, then the batch's fold in the last block.
-template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, bool kStats>
 __global__ void __launch_bounds__(kBlockThreads<kGroup>)
     option_rows_kernel(const OptionParams<Acc<scalar_t>> O, const BatchFold F) {
-  option_block_row<scalar_t, target_t, kGroup, kPT, kResident>(O);
+  option_block_row<scalar_t, target_t, kGroup, kPT, kResident, kStats>(O, F);
   finish_option_rows<kBlockThreads<kGroup>, scalar_t>(O, F);
 }
 

@@ -40,6 +40,11 @@
 // Calls with a drop-in option (class weights, z-loss, soft-capping) run a third kernel, again with the same launch
 // shapes (option_rows.cuh), so neither of the others carries option code.
 //
+// return_stats: each kernel has a second copy (kStats) that also writes the rows' top-label statistics, confidence
+// and arg-max, taken in the row's first pass beside its online softmax (the arg-max's (value, index) pair all-reduced
+// with the row's statistics), so that in place they are read before the gradient overwrites the row; the calls
+// without them run the copy without their code.
+//
 // Files: row_statistics.cuh (what every row kernel shares), hard_target_rows.cuh, soft_target_rows.cuh and
 // option_rows.cuh (the kernels), this file (the launch shape for C and the launches).
 //
@@ -99,6 +104,17 @@ void with_shape(int64_t C, Launch launch) {
   }
 }
 
+// Calls launch(std::bool_constant<kStats>{}) with kStats whether the launch writes the rows' top-label statistics
+// (return_stats): each row kernel has a copy without their code, which the calls without them run.
+template <typename Launch>
+void with_stats(const BatchFold& F, Launch launch) {
+  if (F.confidence != nullptr) {
+    launch(std::true_type{});
+  } else {
+    launch(std::false_type{});
+  }
+}
+
 // Launches `kernel` (kGroup threads per row) over num_rows rows on the current stream.
 template <int kGroup, typename KernelParams>
 void launch_rows(void (*kernel)(KernelParams, BatchFold), int64_t num_rows, const KernelParams& params,
@@ -114,8 +130,12 @@ void launch_rows(void (*kernel)(KernelParams, BatchFold), int64_t num_rows, cons
 template <typename scalar_t, typename A>
 void launch(const Params<A>& P, const BatchFold& F) {
   with_shape<scalar_t>(P.num_classes, [&](auto shape) {
-    using S = decltype(shape);
-    launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident>, P.num_rows, P, F);
+    with_stats(F, [&](auto stats) {
+      using S = decltype(shape);
+      constexpr bool kStats = decltype(stats)::value;
+      launch_rows<S::kGroup>(uncertainty_weighted_ce_kernel<scalar_t, S::kGroup, S::kPT, S::kResident, kStats>,
+                             P.num_rows, P, F);
+    });
   });
 }
 
@@ -123,9 +143,12 @@ void launch(const Params<A>& P, const BatchFold& F) {
 template <typename scalar_t, typename target_t, typename A>
 void launch_soft(const SoftParams<A>& SP, const BatchFold& F) {
   with_shape<scalar_t>(SP.hard.num_classes, [&](auto shape) {
-    using S = decltype(shape);
-    launch_rows<S::kGroup>(soft_target_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>, SP.hard.num_rows,
-                           SP, F);
+    with_stats(F, [&](auto stats) {
+      using S = decltype(shape);
+      constexpr bool kStats = decltype(stats)::value;
+      launch_rows<S::kGroup>(soft_target_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident, kStats>,
+                             SP.hard.num_rows, SP, F);
+    });
   });
 }
 
@@ -145,9 +168,12 @@ void launch_dense(const SoftParams<A>& SP, const BatchFold& F, at::ScalarType ta
 template <typename scalar_t, typename target_t, typename A>
 void launch_options_for(const OptionParams<A>& OP, const BatchFold& F) {
   with_shape<scalar_t>(OP.soft.hard.num_classes, [&](auto shape) {
-    using S = decltype(shape);
-    launch_rows<S::kGroup>(option_rows_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident>,
-                           OP.soft.hard.num_rows, OP, F);
+    with_stats(F, [&](auto stats) {
+      using S = decltype(shape);
+      constexpr bool kStats = decltype(stats)::value;
+      launch_rows<S::kGroup>(option_rows_kernel<scalar_t, target_t, S::kGroup, S::kPT, S::kResident, kStats>,
+                             OP.soft.hard.num_rows, OP, F);
+    });
   });
 }
 

@@ -58,6 +58,9 @@ struct BatchFold {
                          // reduction "none" (the rows' losses are the result)
   int64_t* target_flag;  // (2,): the op's target flag, made by the last block (count_inline or a dense target's row
                          // flags); or nullptr where the count launch or host-side ATen ops made it
+  float* confidence;     // (N,): the rows' top-label confidence (return_stats), written in the rows' first pass; or
+                         // nullptr: not asked for, and the launch runs the kernels without the statistics' code
+  int64_t* prediction;   // (N,): their arg-max, -1 on an ignored row; set with `confidence`
 };
 
 template <typename A>

@@ -98,6 +98,123 @@ __device__ __forceinline__ Stats<A> group_allreduce(Stats<A> s, A q, bool brier,
   return group_reduce<kGroup>(s, empty_stats<A>(), [=](Stats<A> v) { return warp_allreduce(v, q, brier, dual); });
 }
 
+// ----------------------------------------------------------------------------------------------------------------
+// The top label of a row (return_stats; the contract in ../uncertainty_weighted_ce.h): its arg-max as torch.argmax
+// takes it, the first NaN where the row holds one, else the lowest index of the max, with that value. Taken in the
+// row's first pass, beside the online softmax, and all-reduced with its statistics (reduce_row), so that in place it
+// is read before the gradient overwrites the row.
+// ----------------------------------------------------------------------------------------------------------------
+template <typename A>
+struct TopLabel {
+  A value;
+  int64_t index;
+};
+
+template <typename A>
+__device__ __forceinline__ TopLabel<A> empty_top_label() {
+  return {neg_inf<A>(), std::numeric_limits<int64_t>::max()};
+}
+
+// Whether `v` takes the place of the running `best` met before it: a NaN stays, a first NaN wins, else a larger value.
+template <typename A>
+__device__ __forceinline__ bool replaces(A v, A best) {
+  return best == best && (v > best || v != v);
+}
+
+// Folds a tile into a thread's top label. A thread meets its columns in increasing order (its earlier tiles, then the
+// tile's elements in order of e), so the strict comparison keeps the first of its ties. The padding reads as -inf and
+// never replaces anything; neither does a -inf logit, so a row of only -inf logits keeps no index (store_top_label).
+// Nothing without kStats.
+template <bool kStats, typename A, int kPT, typename ColumnOf>
+__device__ __forceinline__ void track_top_label(const A (&z)[kPT], ColumnOf column_of, TopLabel<A>& best) {
+  if constexpr (!kStats) return;
+  A tile_value = neg_inf<A>();
+  int tile_element = -1;
+#pragma unroll
+  for (int e = 0; e < kPT; ++e) {
+    if (replaces(z[e], tile_value)) {
+      tile_value = z[e];
+      tile_element = e;
+    }
+  }
+  if (tile_element >= 0 && replaces(tile_value, best.value)) best = {tile_value, column_of(tile_element)};
+}
+
+// The better of two threads' top labels, symmetric in (a, b) (a NaN first, then the larger value, then the lower
+// index), so that a butterfly leaves the same label in every lane.
+template <typename A>
+__device__ __forceinline__ TopLabel<A> better_top_label(const TopLabel<A>& a, const TopLabel<A>& b) {
+  const bool a_nan = a.value != a.value, b_nan = b.value != b.value;
+  if (a_nan != b_nan) return a_nan ? a : b;
+  if (!a_nan && a.value != b.value) return a.value > b.value ? a : b;
+  return a.index < b.index ? a : b;
+}
+
+template <typename A>
+__device__ __forceinline__ TopLabel<A> warp_top_label(TopLabel<A> x) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    const TopLabel<A> other{
+        __shfl_xor_sync(0xffffffffu, x.value, offset),
+        static_cast<int64_t>(__shfl_xor_sync(0xffffffffu, static_cast<long long>(x.index), offset))};
+    x = better_top_label(x, other);
+  }
+  return x;
+}
+
+// A row's statistics S and, with kStats, its top label, in one all-reduce over the row's threads (one shared-memory
+// step for a block, not two); without kStats exactly group_reduce of S, and `best` untouched.
+template <typename S, typename A>
+struct WithTopLabel {
+  S stats;
+  TopLabel<A> best;
+};
+
+template <int kGroup, bool kStats, typename S, typename A, typename WarpReduce>
+__device__ __forceinline__ S reduce_row(const S& s, const S& identity, WarpReduce warp_reduce, TopLabel<A>& best) {
+  if constexpr (kStats) {
+    using Pair = WithTopLabel<S, A>;
+    const Pair r = group_reduce<kGroup>(Pair{s, best}, Pair{identity, empty_top_label<A>()},
+                                        [=](Pair x) { return Pair{warp_reduce(x.stats), warp_top_label(x.best)}; });
+    best = r.best;
+    return r.stats;
+  } else {
+    return group_reduce<kGroup>(s, identity, warp_reduce);
+  }
+}
+
+// group_allreduce with the top label of kStats.
+template <int kGroup, bool kStats, typename A>
+__device__ __forceinline__ Stats<A> group_allreduce(Stats<A> s, A q, bool brier, bool dual, TopLabel<A>& best) {
+  return reduce_row<kGroup, kStats>(
+      s, empty_stats<A>(), [=](Stats<A> v) { return warp_allreduce(v, q, brier, dual); }, best);
+}
+
+// A row's top-label statistics from its top label (all-reduced) and d = Σ_k e^{z_k - M} relative to the row's max
+// M = best.value: confidence 1 / d (float32), NaN where M is not finite (a NaN, +inf, or only -inf logits: no
+// distribution); prediction the arg-max, 0 for a row of only -inf logits (torch.argmax's first maximum).
+template <typename A>
+__device__ __forceinline__ void store_top_label(const BatchFold& F, int64_t row, const TopLabel<A>& best, A d) {
+  const bool finite = best.value > neg_inf<A>() && best.value < std::numeric_limits<A>::infinity();
+  F.confidence[row] = finite ? static_cast<float>(A(1) / d) : std::numeric_limits<float>::quiet_NaN();
+  F.prediction[row] = best.value == neg_inf<A>() ? 0 : best.index;
+}
+
+// store_top_label by the row's first thread (lane 0), with kStats; nothing without.
+template <bool kStats, typename A>
+__device__ __forceinline__ void store_top_label_at(const BatchFold& F, int64_t row, int lane, const TopLabel<A>& best,
+                                                   A d) {
+  if constexpr (kStats) {
+    if (lane == 0) store_top_label(F, row, best, d);
+  }
+}
+
+// An ignored row's: NaN and -1.
+__device__ __forceinline__ void store_ignored_top_label(const BatchFold& F, int64_t row) {
+  F.confidence[row] = std::numeric_limits<float>::quiet_NaN();
+  F.prediction[row] = -1;
+}
+
 template <typename scalar_t, int V>
 struct alignas(sizeof(scalar_t) * V) Pack {
   scalar_t v[V];
@@ -210,6 +327,31 @@ __device__ __forceinline__ void accumulate(const A (&z)[kPT], ColumnOf column_of
   }
 }
 
+// The top-label statistics of a row whose loss pass reads none of its logits (a bad target or mix: the row's loss
+// and gradient are NaN): a pass of their own, over the logits as transform(z, base) leaves a tile (the option
+// kernel's soft-capping), before the row's fill (which in place overwrites the logits: the reduction orders every read
+// before it).
+template <typename scalar_t, int kGroup, int kPT, typename A, typename Transform>
+__device__ __forceinline__ void top_label_only(const BatchFold& F, const scalar_t* z_row, int64_t row, int64_t C,
+                                               int lane, Transform transform) {
+  using T = Tile<scalar_t, A, kGroup, kPT>;
+  constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
+  const bool aligned = aligned16(z_row);
+  Stats<A> s = empty_stats<A>();
+  TopLabel<A> best = empty_top_label<A>();
+  A z[kPT];
+  for (int64_t base = 0; base < C; base += kTileCols) {  // one tile where the row fits in one
+    T::load(z_row, aligned, base, lane, C, z);
+    transform(z, base);
+    const auto column_of = [&](int e) { return T::column(base, lane, e); };
+    accumulate(z, column_of, C, int64_t(-1), A(0), A(1), false, false, s);
+    track_top_label<true>(z, column_of, best);
+  }
+  if constexpr (kGroup == 32) __syncwarp();
+  s = group_allreduce<kGroup, true>(s, A(1), false, false, best);
+  if (lane == 0) store_top_label(F, row, best, s.d);
+}
+
 // -log p_k = lse - z_k from e_k = e^{z_k - m} and rest = Σ_{j≠k} e^{z_j - m} (d = e_k + rest): for a confident
 // class (p_k > 1/2) log1p(rest / e_k) keeps the digits that (m - z_k) + log d would cancel.
 template <typename A>
@@ -244,7 +386,7 @@ __device__ __forceinline__ void fill_row(const Params<A>& P, int64_t row, int t,
 template <typename A>
 struct RowCoefs {
   WeightCoefficients<A> c;
-  A m, log_d, zb, grad_target, scale, loss;
+  A m, d, log_d, zb, grad_target, scale, loss;  // d: Σ_k e^{z_k - m}
   bool tie;
 };
 
@@ -282,6 +424,7 @@ __device__ __forceinline__ RowCoefs<A> row_coefficients(const Params<A>& P, int6
   RowCoefs<A> r;
   r.c = weight_coefficients(weight, loss_mode, w, q == A(1));
   r.m = m;
+  r.d = d;
   r.log_d = log_d;
   r.zb = s.zb;
   r.tie = r.c.c_tie != A(0);

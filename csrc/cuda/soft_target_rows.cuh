@@ -69,8 +69,10 @@ __device__ __forceinline__ SoftStats<A> merge_soft(const SoftStats<A>& a, const 
   return r;
 }
 
-template <int kGroup, typename A>
-__device__ __forceinline__ SoftStats<A> soft_allreduce(const SoftStats<A>& s, A q, bool squares, A top) {
+// With kStats, the row's top label in the same all-reduce (reduce_row).
+template <int kGroup, bool kStats, typename A>
+__device__ __forceinline__ SoftStats<A> soft_allreduce(const SoftStats<A>& s, A q, bool squares, A top,
+                                                       TopLabel<A>& best) {
   auto warp_reduce = [=](SoftStats<A> x) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) {
@@ -82,7 +84,7 @@ __device__ __forceinline__ SoftStats<A> soft_allreduce(const SoftStats<A>& s, A 
     }
     return x;
   };
-  return group_reduce<kGroup>(s, SoftStats<A>{empty_stats<A>(), A(0), 0}, warp_reduce);
+  return reduce_row<kGroup, kStats>(s, SoftStats<A>{empty_stats<A>(), A(0), 0}, warp_reduce, best);
 }
 
 // Folds a tile into a compact row's statistics: `accumulate` (above) with the mix column mapped onto y, so that both
@@ -218,10 +220,11 @@ __device__ __forceinline__ SoftCoefficients<A> soft_row_coefficients(const Param
 
 // A compact row (y and m valid; m == y without a mix). Pass 1 is the hard path's online softmax over the columns
 // other than y and m, plus smoothing's offsets; z_y and z_m come from one load each. gBS with q ≠ 2 adds a pass for
-// S and H over those columns (from registers, or over the L2-resident row when streamed).
-template <typename scalar_t, int kGroup, int kPT, bool kResident, typename A>
-__device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_t row, int lane, int64_t y, int64_t mix,
-                                                 scalar_t* grad_row) {
+// S and H over those columns (from registers, or over the L2-resident row when streamed). kStats: the row's top-label
+// statistics into F's, from pass 1.
+template <typename scalar_t, int kGroup, int kPT, bool kResident, bool kStats, typename A>
+__device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, const BatchFold& F, int64_t row, int lane,
+                                                 int64_t y, int64_t mix, scalar_t* grad_row) {
   using T = Tile<scalar_t, A, kGroup, kPT>;
   constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
   const Params<A>& P = SP.hard;
@@ -245,14 +248,16 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
   const A top = z_y > z_m ? z_y : z_m;
 
   SoftStats<A> s{empty_stats<A>(), A(0), 0};
+  TopLabel<A> best = empty_top_label<A>();
   A z[kPT];
   for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
     T::load(z_row, in_aligned, base, lane, C, z);
-    accumulate_soft(
-        z, [&](int e) { return T::column(base, lane, e); }, C, y, mix, z_y, top, q, brier && square, c != A(0), s);
+    const auto column_of = [&](int e) { return T::column(base, lane, e); };
+    accumulate_soft(z, column_of, C, y, mix, z_y, top, q, brier && square, c != A(0), s);
+    track_top_label<kStats>(z, column_of, best);
   });
   if constexpr (kGroup == 32) __syncwarp();  // every read of the row (z_y, z_m included) before any write
-  s = soft_allreduce<kGroup>(s, q, brier && square, top);
+  s = soft_allreduce<kGroup, kStats>(s, q, brier && square, top, best);
 
   // The row's max M over every column (= R); the other columns' sums moved to it.
   const A m_o = s.base.m;
@@ -266,6 +271,7 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
   const A e_y = exp_(z_y - M), e_m = two ? exp_(z_m - M) : A(0);
   const A d = d_o + e_m + e_y;
   const A log_d = log_(d);
+  store_top_label_at<kStats>(F, row, lane, best, d);
   // 1 - p of y and m as sums over the other classes, never a difference
   const A rest_y = d_o + e_m, rest_m = d_o + e_y;
   const A p_y = e_y / d, p_m = e_m / d;
@@ -345,9 +351,11 @@ __device__ __forceinline__ void compact_soft_row(const SoftParams<A>& SP, int64_
 // A dense row. Pass 1: max and d over every column (the hard path's accumulate, no column left out). Pass 2, with
 // the row's max M and log d known: the target's sums (CE, P, 1 - P, gBS's S and τ or H). The row's only column that
 // can have p > 1/2 is its unique max (d < 2: a second column at the max would add e^0 = 1 to d): there 1 - p is taken
-// as Σ_{k≠max} p_k, summed in pass 2, and that column's terms are added after it.
-template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, typename A>
-__device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t row, int lane, scalar_t* grad_row) {
+// as Σ_{k≠max} p_k, summed in pass 2, and that column's terms are added after it. kStats: the row's top-label
+// statistics into F's, from pass 1.
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, bool kStats, typename A>
+__device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, const BatchFold& F, int64_t row, int lane,
+                                               scalar_t* grad_row) {
   using T = Tile<scalar_t, A, kGroup, kPT>;
   using TT = TargetTile<scalar_t, target_t, A, kGroup, kPT>;
   constexpr int64_t kTileCols = static_cast<int64_t>(kGroup) * kPT;
@@ -365,17 +373,21 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
   const bool out_aligned = grad_row != nullptr && aligned16(grad_row);
 
   Stats<A> s = empty_stats<A>();
+  TopLabel<A> best = empty_top_label<A>();
   A z[kPT], t[kPT];
   TargetCheck<A> check;  // in the target's first read: pass 1 of a resident row, pass 2 of a streamed one
   for_each_tile<kResident, kTileCols>(C, false, [&](int64_t base) {
     T::load(z_row, in_aligned, base, lane, C, z);
     if constexpr (kResident) TT::load(t_row, t_aligned, base, lane, C, keep, add, t, &check);
-    accumulate(z, [&](int e) { return T::column(base, lane, e); }, C, int64_t(-1), A(0), q, false, false, s);
+    const auto column_of = [&](int e) { return T::column(base, lane, e); };
+    accumulate(z, column_of, C, int64_t(-1), A(0), q, false, false, s);
+    track_top_label<kStats>(z, column_of, best);
   });
   if constexpr (kGroup == 32) __syncwarp();
-  s = group_allreduce<kGroup>(s, q, false, false);
+  s = group_allreduce<kGroup, kStats>(s, q, false, false, best);
   const A M = s.m, d = s.d;
   const A log_d = log_(d);
+  store_top_label_at<kStats>(F, row, lane, best, d);
   const bool unique_max = d < A(2);
 
   // Σt, Σ t (M - z) (CE = Σ t (M - z) + Σt log d, non-negative terms; t = 0 takes no part, also at z = -inf), then
@@ -440,9 +452,10 @@ __device__ __forceinline__ void dense_soft_row(const SoftParams<A>& SP, int64_t 
 }
 
 // One soft-target row (the block's share of the launch): target_t is int64_t for the compact form (class indices,
-// `SoftParams::hard.target`), else the element type of the dense target. Launch shape as for the hard kernel.
-template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
-__device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
+// `SoftParams::hard.target`), else the element type of the dense target. Launch shape as for the hard kernel;
+// kStats: the rows' top-label statistics into F's.
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, bool kStats>
+__device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP, const BatchFold& F) {
   using A = Acc<scalar_t>;
   constexpr int kRowsPerBlock = kGroup == 32 ? 8 : 1;
   const Params<A>& P = SP.hard;
@@ -454,6 +467,9 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
     const int64_t C = P.num_classes;
     const int64_t y = P.target[row];
     if (y == P.ignore_index) {  // whatever its mix_target
+      if constexpr (kStats) {
+        if (lane == 0) store_ignored_top_label(F, row);
+      }
       fill_row<kGroup>(P, row, lane, grad_row, A(0));
       return;
     }
@@ -461,22 +477,26 @@ __device__ __forceinline__ void soft_row(const SoftParams<Acc<scalar_t>>& SP) {
     const A lambda = SP.mix_target != nullptr ? SP.mix_lambda[row * SP.lambda_stride] : A(1);
     // a bad target or mix_target is never used as an index; a λ outside [0, 1] (or NaN) makes the row NaN too
     if (y < 0 || y >= C || mix < 0 || mix >= C || lambda_out_of_range(lambda)) {
+      if constexpr (kStats) {
+        const scalar_t* z_row = static_cast<const scalar_t*>(P.logits) + row * P.logits_row_stride;
+        top_label_only<scalar_t, kGroup, kPT, A>(F, z_row, row, C, lane, [](A(&)[kPT], int64_t) {});
+      }
       fill_row<kGroup>(P, row, lane, grad_row, std::numeric_limits<A>::quiet_NaN());
       return;
     }
-    compact_soft_row<scalar_t, kGroup, kPT, kResident>(SP, row, lane, y, mix, grad_row);
+    compact_soft_row<scalar_t, kGroup, kPT, kResident, kStats>(SP, F, row, lane, y, mix, grad_row);
   } else {
-    dense_soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP, row, lane, grad_row);
+    dense_soft_row<scalar_t, target_t, kGroup, kPT, kResident, kStats>(SP, F, row, lane, grad_row);
   }
 }
 
 // The soft-target launch: the block's count (batch_fold.cuh: class indices), its rows, then the batch's fold in the
 // last block (a dense target's row flags included).
-template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident>
+template <typename scalar_t, typename target_t, int kGroup, int kPT, bool kResident, bool kStats>
 __global__ void __launch_bounds__(kBlockThreads<kGroup>)
     soft_target_kernel(const SoftParams<Acc<scalar_t>> SP, const BatchFold F) {
   begin_rows<kBlockThreads<kGroup>>(SP.hard);
-  soft_row<scalar_t, target_t, kGroup, kPT, kResident>(SP);
+  soft_row<scalar_t, target_t, kGroup, kPT, kResident, kStats>(SP, F);
   if constexpr (std::is_same<target_t, int64_t>::value) {  // class indices: a mix is checked with them
     finish_rows<kBlockThreads<kGroup>, scalar_t>(SP.hard, F, SP.row_flags, SP.mix_target, SP.mix_lambda,
                                                  SP.lambda_stride);

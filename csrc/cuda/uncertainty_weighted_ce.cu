@@ -221,13 +221,14 @@ void launch_with_options(const SoftParams<A>& S, const BatchFold& F, const Optio
 // synchronisation. With args.soft the soft-target kernel runs (a dense target: every row counts for the mean). With
 // args.options the option kernel runs whatever the target, after a mean's divisors of class indices (a few device
 // ops, no count launch: its last block makes the flag), with options.class_weight in the accumulation type, writing
-// the rows' z-loss into options.z_loss where it is not empty.
+// the rows' z-loss into options.z_loss where it is not empty. Where stats' tensors are not empty (return_stats), the
+// row launch writes the rows' top-label statistics into them.
 std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int64_t grad_stride,
                                        const at::Tensor& target, const std::optional<at::Tensor>& sample_weight,
                                        const std::optional<at::Tensor>& gamma_per_sample,
                                        const std::optional<at::Tensor>& mix_target,
                                        const std::optional<at::Tensor>& mix_lambda, const Args& args,
-                                       OptionTensors options) {
+                                       OptionTensors options, const StatsOutputs& stats) {
   const int64_t n = z.size(0);
   const auto acc_dtype = z.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const auto loss_dtype = args.loss_in_logits_dtype ? z.scalar_type() : acc_dtype;
@@ -319,6 +320,9 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
     F.ticket = ticket;
     F.loss = reduced ? loss.mutable_data_ptr() : nullptr;
     F.target_flag = (count_inline || row_flags.defined()) ? target_flag.mutable_data_ptr<int64_t>() : nullptr;
+    const bool with_stats = stats.confidence.numel() > 0;
+    F.confidence = with_stats ? stats.confidence.mutable_data_ptr<float>() : nullptr;
+    F.prediction = with_stats ? stats.prediction.mutable_data_ptr<int64_t>() : nullptr;
     if (!args.soft && !args.options) {
       cuda_rows::launch_hard_targets(cuda_rows::Logits<scalar_t>{}, P, F);
       return;
@@ -342,25 +346,6 @@ std::tuple<at::Tensor, at::Tensor> run(const at::Tensor& z, void* grad_ptr, int6
   return {loss, target_flag};
 }
 
-// The top-label statistics of return_stats (the contract in uncertainty_weighted_ce.h; calibkernels.loss_stats.
-// top_label_stats), taken with ATen ops in a pass of their own over the logits before the kernel runs (in place it
-// overwrites them): the row kernels' block reductions hold the max and the normaliser of the exponentials relative to
-// it, but not the arg-max, which would take one more block reduction in every row kernel.
-StatsOutputs top_label_stats_pass(const at::Tensor& logits, const at::Tensor& target, int64_t ignore_index,
-                                  double softcap) {
-  at::Tensor z = logits.scalar_type() == at::kDouble ? logits.detach() : logits.detach().to(at::kFloat);
-  if (softcap != 0.0) z = z.div(softcap).tanh_().mul_(softcap);  // of the capped logits, c · tanh(z / c)
-  const at::Tensor top = z.amax({1}, /*keepdim=*/true);
-  at::Tensor prediction = z.argmax(1);  // the first maximum (the first NaN if any), as torch.argmax
-  at::Tensor confidence = z.sub(top).exp_().sum(1).reciprocal_().to(at::kFloat);
-  if (!target.is_floating_point()) {
-    const at::Tensor ignored = target.eq(ignore_index);
-    confidence.masked_fill_(ignored, std::numeric_limits<float>::quiet_NaN());
-    prediction.masked_fill_(ignored, -1);
-  }
-  return {confidence, prediction};
-}
-
 LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   Args args = check_args(a.logits, a.target, a.sample_weight, a.gamma_per_sample, a.weight, a.mode, a.gamma, a.norm,
                          a.ignore_index, a.reduction);
@@ -377,8 +362,8 @@ LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   // Rows may be strided; columns must be contiguous for the vector loads.
   const bool direct = a.logits.stride(1) == 1 || a.logits.size(1) == 1;
   const at::Tensor z = direct ? a.logits : a.logits.contiguous();
-  const StatsOutputs stats = a.return_stats ? top_label_stats_pass(a.logits, a.target, a.ignore_index, a.softcap)
-                                            : stats_outputs(a.logits, false);
+  // return_stats: written by the row launch, in the rows' first pass (before an in-place gradient overwrites them)
+  const StatsOutputs stats = stats_outputs(a.logits, a.return_stats);
   // In place each thread overwrites only the elements it read itself, after the row's reduction.
   const at::Tensor dest = gradient_destination(a.logits, z, a.compute_grad, a.grad_out,
                                                [&] { return at::empty({z.size(0), z.size(1)}, z.options()); });
@@ -389,7 +374,7 @@ LossOutputs uncertainty_weighted_ce_cuda(const LossArguments& a) {
   }
   const auto [loss, target_flag] =
       run(z, a.compute_grad ? dest.data_ptr() : nullptr, a.compute_grad ? dest.stride(0) : 0, a.target, a.sample_weight,
-          a.gamma_per_sample, a.mix_target, a.mix_lambda, args, options);
+          a.gamma_per_sample, a.mix_target, a.mix_lambda, args, options, stats);
   return finish_gradient(loss, dest, a.compute_grad, a.grad_out, target_flag, stats, options.z_loss);
 }
 
