@@ -273,18 +273,19 @@ double option_mean_divisor(const KernelArgs& args, const int64_t* targets, const
 }
 
 // The loss of a call with options from its rows' parts: (N,) u · CE^w + s · lse² for reduction none (into row_loss),
-// else Σ u · CE^w / D + Σ s · lse² / count for "mean" (0 where its divisor is 0), or the plain sums.
+// else Σ u · CE^w / D + Σ s · lse² / count for "mean" (0 where its divisor is 0), or the plain sums. z_rows null:
+// no z-loss.
 template <typename acc_t>
-at::Tensor option_loss(const KernelArgs& args, const std::vector<acc_t>& ce_rows, const acc_t* z_rows, double divisor,
+at::Tensor option_loss(const KernelArgs& args, const acc_t* ce_rows, const acc_t* z_rows, double divisor,
                        at::Tensor row_loss) {
   const int64_t n = row_loss.size(0);
   if (args.reduction == Reduction::None) {
-    acc_t* loss = row_loss.mutable_data_ptr<acc_t>();
-    for (int64_t i = 0; i < n; ++i) loss[i] = ce_rows[i] + z_rows[i];
+    acc_t* loss = row_loss.mutable_data_ptr<acc_t>();  // may be ce_rows
+    for (int64_t i = 0; i < n; ++i) loss[i] = z_rows != nullptr ? ce_rows[i] + z_rows[i] : ce_rows[i];
     return row_loss;
   }
-  double ce_total = total_of_row_losses(ce_rows.data(), n);
-  double z_total = total_of_row_losses(z_rows, n);
+  double ce_total = total_of_row_losses(ce_rows, n);
+  double z_total = z_rows != nullptr ? total_of_row_losses(z_rows, n) : 0.0;
   if (args.reduction == Reduction::Mean) {
     ce_total = divisor > 0 ? ce_total / divisor : 0.0;
     z_total = args.valid_rows > 0 ? z_total / static_cast<double>(args.valid_rows) : 0.0;
@@ -372,5 +373,5 @@ at::Tensor launch_option_rows(const at::Tensor& z, scalar_t* grad_ptr, int64_t g
       stats.write(i);
     }
   });
-  return option_loss(args, ce_rows, z_rows, divisor, row_loss);
+  return option_loss(args, ce_rows.data(), z_rows, divisor, row_loss);
 }

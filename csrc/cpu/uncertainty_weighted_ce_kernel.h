@@ -22,8 +22,9 @@
 // fp16/bf16 rows are widened to fp32 in a per-thread scratch row (so the two sweeps read fp32 from cache);
 // float64 accumulates in double (gradcheck/opcheck). Indexing is int64 throughout; any row stride is accepted.
 // The sweeps are in row_sweeps.h (generic) and vec_exp.h (AVX-512), the soft-target rows in soft_target_rows.h; this
-// file holds a hard row (process_row) and the launch over a batch; the calls with the drop-in options (class weights,
-// z-loss, soft-capping) take the rows of option_rows.h.
+// file holds a hard row (process_row) and the launch over a batch, hard_rows.h the hard rows' loop. Calls with the
+// drop-in options (class weights, z-loss, soft-capping) on class-index rows take the hard rows (hard_rows.h), with soft
+// targets the rows of option_rows.h.
 
 #if !defined(CPU_CAPABILITY) || !defined(CALIBKERNELS_ISA)
 #error "include csrc/cpu/uncertainty_weighted_ce_kernel.h from a kernel_<isa>.cpp that defines CPU_CAPABILITY"
@@ -172,9 +173,19 @@ constexpr bool kAvx512OneExponentialPath =
 // the row-max fallback re-reads z after the first exponential sweep, so that sweep must not overwrite it.
 // `stream`: write the gradient with streaming stores (AVX-512 sweeps only; see use_streaming_stores).
 // `normaliser`: where to leave the row's softmax normaliser for return_stats (null: not asked for).
-template <typename T, PowQ kPow, bool kDual, bool kAvx512>
+// kZLoss (calls with the drop-in options): `z_loss` adds the row's s · lse² to *z_loss.out and its gradient
+// 2 s lse p_k (times z_loss.grad_scale / (2 s)) to α (z_loss.out null: no z-loss).
+template <typename T>
+struct ZLossTerm {
+  T scale;       // s
+  T grad_scale;  // the gradient's factor of lse · p_k: 2 s (over the non-ignored rows for "mean")
+  T* out;        // the row's s · lse²; null: no z-loss
+};
+
+template <typename T, PowQ kPow, bool kDual, bool kAvx512, bool kZLoss = false>
 RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<T>& spec, T gamma, T external_weight,
-                       T scale, int64_t ahead, T* exp_row, bool stream, RowNormaliser<T>* normaliser) {
+                       T scale, int64_t ahead, T* exp_row, bool stream, RowNormaliser<T>* normaliser,
+                       ZLossTerm<T> z_loss = {}) {
   const T inf = std::numeric_limits<T>::infinity();
   const T q = spec.q;
   const T z_y = z[y];
@@ -290,7 +301,17 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
     }
   }
   const WeightCoefficients<T> coefs = weight_coefficients(spec.weight, loss_mode, row, kPow == PowQ::Linear);
-  const T u = coefs.u, alpha = coefs.alpha, beta = coefs.beta, tau = coefs.tau, g_y = coefs.g_y, c_j = coefs.c_tie;
+  const T u = coefs.u, beta = coefs.beta, tau = coefs.tau, c_j = coefs.c_tie;
+  // the gradient's α and target column, of the reduced loss (scale), with the z-loss's 2 s lse p_k folded in
+  T alpha_scaled = scale * coefs.alpha, g_y_scaled = scale * coefs.g_y;
+  if constexpr (kZLoss) {
+    if (z_loss.out != nullptr) {
+      const T lse = m + (stored ? std::log(denom) : log_denom);
+      *z_loss.out = z_loss.scale * lse * lse;
+      alpha_scaled += z_loss.grad_scale * lse;
+      g_y_scaled += z_loss.grad_scale * lse * p_y;
+    }
+  }
 
   if (grad != nullptr && stored) {
     if constexpr (kCanStore) {
@@ -299,15 +320,15 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
 #if CALIBKERNELS_HAVE_AVX512_SWEEPS
         if constexpr (kWide) {
           if (streamed) {
-            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value, y,
-                                                  scale * g_y);
+            avx512::rescale_stream_sweep<kSquare>(exps, grad, C, T(1) / denom, alpha_scaled, beta_scaled, tau_value, y,
+                                                  g_y_scaled);
           } else {
-            avx512::rescale_sweep<kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+            avx512::rescale_sweep<kSquare>(exps, grad, C, T(1) / denom, alpha_scaled, beta_scaled, tau_value);
           }
         }
 #endif
         if constexpr (!kWide) {
-          rescale_sweep<T, kSquare>(exps, grad, C, T(1) / denom, scale * alpha, beta_scaled, tau_value);
+          rescale_sweep<T, kSquare>(exps, grad, C, T(1) / denom, alpha_scaled, beta_scaled, tau_value);
         }
       };
       if (beta != 0) {
@@ -316,17 +337,17 @@ RowLoss<T> process_row(const T* z, T* grad, int64_t C, int64_t y, const RowSpec<
         rescale(std::false_type{}, T(0), T(0));
       }
     }
-    if (!streamed) grad[y] = scale * g_y;
+    if (!streamed) grad[y] = g_y_scaled;
   } else if (grad != nullptr) {
     const bool ties = kDual && c_j != 0;
     if (ties) {
-      gradient_sweep<T, PowQ::None, kDual>(z, grad, C, m, log_denom, scale * alpha, T(0), q, T(0), z_j, scale * c_j);
+      gradient_sweep<T, PowQ::None, kDual>(z, grad, C, m, log_denom, alpha_scaled, T(0), q, T(0), z_j, scale * c_j);
     } else if (beta != 0) {
-      gradient_sweep<T, kPow, false>(z, grad, C, m, log_denom, scale * alpha, scale * beta, q, tau, z_j, T(0));
+      gradient_sweep<T, kPow, false>(z, grad, C, m, log_denom, alpha_scaled, scale * beta, q, tau, z_j, T(0));
     } else {
-      gradient_sweep<T, PowQ::None, false>(z, grad, C, m, log_denom, scale * alpha, T(0), q, T(0), z_j, T(0));
+      gradient_sweep<T, PowQ::None, false>(z, grad, C, m, log_denom, alpha_scaled, T(0), q, T(0), z_j, T(0));
     }
-    grad[y] = scale * g_y;
+    grad[y] = g_y_scaled;
   }
   if (defer_ce) return {u, ce_offset, ce_log1p_arg};
   return {T(1), u * ce, T(0)};
@@ -394,6 +415,7 @@ __attribute__((noinline)) double total_of_row_losses(const T* loss, int64_t n) {
 }
 
 #include "cpu/option_rows.h"
+#include "cpu/hard_rows.h"
 
 // The rows of a call with soft targets (soft_target_rows.h); writes each row's loss to loss_ptr.
 template <typename scalar_t, typename acc_t>
@@ -548,7 +570,6 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
                   const std::optional<at::Tensor>& sample_weight, const std::optional<at::Tensor>& gamma_per_sample,
                   const KernelArgs& args, bool avx512) {
   using acc_t = std::conditional_t<std::is_same_v<scalar_t, double>, double, float>;
-  constexpr bool kWiden = !std::is_same_v<scalar_t, acc_t>;
   const int64_t n = z.size(0), c = z.size(1), z_stride = z.stride(0);
   const int64_t valid = args.valid_rows;
   const auto loss_dtype = c10::CppTypeToScalarType<acc_t>::value;
@@ -558,150 +579,65 @@ at::Tensor launch(const at::Tensor& z, scalar_t* grad_ptr, int64_t grad_stride, 
   const auto gammas = per_sample<acc_t>(gamma_per_sample);
   const acc_t* weight_ptr = weights ? weights->template const_data_ptr<acc_t>() : nullptr;
   const acc_t* gamma_ptr = gammas ? gammas->template const_data_ptr<acc_t>() : nullptr;
-  const scalar_t* z_ptr = z.const_data_ptr<scalar_t>();
   const int64_t* t_ptr = target.scalar_type() == at::kLong ? target.const_data_ptr<int64_t>() : nullptr;
   acc_t* loss_ptr = row_loss.mutable_data_ptr<acc_t>();
   const RowSpec<acc_t> spec{weight_formula(args.weight), args.mode, static_cast<acc_t>(args.gamma),
                             static_cast<acc_t>(args.norm), uses_flsd_schedule(args.weight)};
 
-  // Class weights alone on class-index rows: the hard rows, each scaled by w_y (CE^w = w_y CE, u the unweighted
-  // row's), the mean over D = Σ w_y (option_mean_divisor). Every other call with options takes the option rows.
-  const acc_t* const class_weight = static_cast<const acc_t*>(args.options.class_weight);
-  const bool row_factors = args.options.active && !args.soft.active && class_weight != nullptr &&
-                           args.options.lse_square_scale == 0 && args.options.softcap == 0;
-  if (args.options.active && !row_factors) {
+  // Class-index rows take the hard rows with every option (hard_rows.h); soft targets with options the option rows.
+  const OptionArgs& opt = args.options;
+  const bool hard_options = opt.active && !args.soft.active;
+  if (opt.active && !hard_options) {
     return launch_option_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args,
                                                row_loss);
   }
-  const double divisor = row_factors ? option_mean_divisor(args, t_ptr, class_weight, n) : static_cast<double>(valid);
-  const acc_t scale = args.reduction != Reduction::Mean ? acc_t(1)
-                      : row_factors                     ? (divisor > 0 ? static_cast<acc_t>(1.0 / divisor) : acc_t(0))
-                                                        : acc_t(1) / acc_t(std::max<int64_t>(valid, 1));
+  const acc_t* const class_weight = static_cast<const acc_t*>(opt.class_weight);
+  const double divisor = hard_options ? option_mean_divisor(args, t_ptr, class_weight, n) : static_cast<double>(valid);
+  const bool mean = args.reduction == Reduction::Mean;
+  const acc_t scale = !mean          ? acc_t(1)
+                      : hard_options ? (divisor > 0 ? static_cast<acc_t>(1.0 / divisor) : acc_t(0))
+                                     : acc_t(1) / acc_t(std::max<int64_t>(valid, 1));
   if (args.soft.active) {
     launch_soft_rows<scalar_t, acc_t>(z, grad_ptr, grad_stride, t_ptr, weight_ptr, gamma_ptr, spec, args, scale,
                                       loss_ptr, avx512);
   } else {
-    std::vector<RowLoss<acc_t>> row_parts(n);
-    // kFactors: the rows' class weights w_y scale each row (row_factors)
-    auto run_rows_with = [&](auto pow_tag, auto dual_tag, auto avx512_tag, auto factors_tag) {
-      constexpr bool kFactors = decltype(factors_tag)::value;
-      constexpr PowQ kPow = decltype(pow_tag)::value;
-      constexpr bool kDual = decltype(dual_tag)::value;
-      constexpr bool kAvx512 = decltype(avx512_tag)::value;
-      // only the AVX-512 float sweeps of the one-exponential path have the streaming form; in place the lines are the
-      // logits', already in the cache
-      constexpr bool kCanStream = kAvx512OneExponentialPath<scalar_t, kPow, kDual, kAvx512>;
-      const bool stream = kCanStream && grad_ptr != nullptr &&
-                          static_cast<const void*>(grad_ptr) != static_cast<const void*>(z_ptr) &&
-                          use_streaming_stores(n, c, static_cast<int64_t>(sizeof(scalar_t)));
-      at::parallel_for(0, n, row_grain(c), [&](int64_t begin, int64_t end) {
-        const FlushDenormalResults flush_denormals;
-        std::vector<acc_t> scratch(kWiden ? c : 0);
-        // the exponentials of rows whose gradient row aliases the logits row (in place, widened) or is streamed,
-        // 64-byte aligned
-        const bool aliased = kWiden || static_cast<const void*>(grad_ptr) == static_cast<const void*>(z_ptr);
-        const bool need_exp_row = grad_ptr != nullptr && (stream || aliased);
-        std::vector<acc_t> exp_row(need_exp_row ? c + 64 / sizeof(acc_t) : 0);
-        acc_t* exp_ptr = nullptr;
-        if (need_exp_row) {
-          const auto misalign = reinterpret_cast<uintptr_t>(exp_row.data()) % 64;
-          exp_ptr = exp_row.data() + (misalign == 0 ? 0 : (64 - misalign) / sizeof(acc_t));
-        }
-        // the per-call values as locals of the chunk, as in launch_soft_rows (through the closure's references they
-        // were reloaded for every row)
-        const int64_t classes = c, ignore_index = args.ignore_index, zs = z_stride, gs = grad_stride;
-        const int64_t* const targets = t_ptr;
-        const acc_t* const gammas = gamma_ptr;
-        const acc_t* const weights = weight_ptr;
-        const scalar_t* const logits = z_ptr;
-        scalar_t* const grads = grad_ptr;
-        const RowSpec<acc_t> row_spec = spec;
-        const acc_t row_scale = scale;
-        const acc_t* const factors = class_weight;
-        const bool row_stream = stream;
-        RowLoss<acc_t>* const parts = row_parts.data();
-        RowStatsWriter<acc_t> stats(args.confidence, args.prediction);
-        for (int64_t i = begin; i < end; ++i) {
-          scalar_t* const grad_row = grads ? grads + i * gs : nullptr;
-          const int64_t y = targets[i];
-          if (y == ignore_index) {
-            parts[i] = {acc_t(1), acc_t(0), acc_t(0)};
-            if (grad_row) std::fill(grad_row, grad_row + classes, scalar_t(0));
-            stats.write_ignored(i);
-            continue;
-          }
-          const scalar_t* const z_row = logits + i * zs;
-          const acc_t gamma = gammas ? gammas[i] : row_spec.gamma;
-          const acc_t ext = weights ? weights[i] : acc_t(1);
-          const acc_t factor = kFactors ? factors[y] : acc_t(1);
-          const acc_t scale_of_row = kFactors ? row_scale * factor : row_scale;
-          if constexpr (kWiden) {
-            at::vec::convert(z_row, scratch.data(), classes);
-            stats.take_top_label(scratch.data(), classes);
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(scratch.data(), grad_row ? scratch.data() : nullptr,
-                                                                classes, y, row_spec, gamma, ext, scale_of_row, 0,
-                                                                exp_ptr, false, stats.normaliser());
-            if (grad_row) at::vec::convert(scratch.data(), grad_row, classes);
-          } else {
-            // as in launch_soft_rows: the top label after the row pass unless that pass overwrites the row
-            const bool in_place = static_cast<const void*>(grad_row) == static_cast<const void*>(z_row);
-            if (in_place) stats.take_top_label(z_row, classes);
-            parts[i] = process_row<acc_t, kPow, kDual, kAvx512>(
-                z_row, grad_row, classes, y, row_spec, gamma, ext, scale_of_row,
-                kPrefetchBytes / static_cast<int64_t>(sizeof(acc_t)), exp_ptr, row_stream, stats.normaliser());
-            if (!in_place) stats.take_top_label(z_row, classes);
-          }
-          if constexpr (kFactors) parts[i].weight *= factor;
-          stats.write(i);
-        }
-#if CALIBKERNELS_HAVE_AVX512_SWEEPS
-        // streaming stores are weakly ordered: make them visible before the op returns the gradient to other threads
-        if constexpr (kCanStream) {
-          if (stream) avx512::stream_fence();
-        }
-#endif
-        finish_row_losses(parts, loss_ptr, begin, end);
-      });
-    };
-    using F = std::false_type;
-    using T = std::true_type;
-    auto run_rows_on = [&](auto pow_tag, auto dual_tag, auto avx512_tag) {
-      if constexpr (!decltype(dual_tag)::value) {  // no class weights with dual focal (check_options)
-        if (row_factors) return run_rows_with(pow_tag, dual_tag, avx512_tag, T{});
-      }
-      run_rows_with(pow_tag, dual_tag, avx512_tag, F{});
-    };
-    auto run_rows = [&](auto pow_tag, auto dual_tag) {
-      if (CALIBKERNELS_HAVE_AVX512_SWEEPS && avx512) {
-        run_rows_on(pow_tag, dual_tag, T{});
-      } else {
-        run_rows_on(pow_tag, dual_tag, F{});
-      }
-    };
-    if (spec.weight == Weight::Brier) {
-      if (args.norm == 2.0) {
-        run_rows(std::integral_constant<PowQ, PowQ::Square>{}, F{});
-      } else if (args.norm == 1.0) {
-        run_rows(std::integral_constant<PowQ, PowQ::Linear>{}, F{});
-      } else {
-        run_rows(std::integral_constant<PowQ, PowQ::General>{}, F{});
-      }
-    } else if (spec.weight == Weight::DualFocal) {
-      run_rows(std::integral_constant<PowQ, PowQ::None>{}, T{});
-    } else {
-      run_rows(std::integral_constant<PowQ, PowQ::None>{}, F{});
-    }
+    const acc_t s = static_cast<acc_t>(opt.lse_square_scale);
+    const acc_t z_grad_scale =
+        mean ? static_cast<acc_t>(2.0 * opt.lse_square_scale / static_cast<double>(std::max<int64_t>(valid, 1)))
+             : acc_t(2) * s;
+    const HardRowCall<scalar_t, acc_t> call{z.const_data_ptr<scalar_t>(),
+                                            grad_ptr,
+                                            c,
+                                            z_stride,
+                                            grad_stride,
+                                            args.ignore_index,
+                                            t_ptr,
+                                            gamma_ptr,
+                                            weight_ptr,
+                                            spec,
+                                            args.norm,
+                                            scale,
+                                            class_weight,
+                                            s,
+                                            z_grad_scale,
+                                            static_cast<acc_t*>(opt.z_loss),
+                                            static_cast<acc_t>(opt.softcap),
+                                            false,
+                                            nullptr,
+                                            args.confidence,
+                                            args.prediction};
+    const HardOptions options = !hard_options      ? HardOptions::None
+                                : opt.softcap != 0 ? HardOptions::Capped
+                                                   : HardOptions::Uncapped;
+    launch_hard_rows<scalar_t, acc_t>(call, n, options, loss_ptr, avx512);
+  }
+  if (hard_options) {
+    return option_loss<acc_t>(args, loss_ptr, static_cast<const acc_t*>(opt.z_loss), divisor, row_loss);
   }
 
   if (args.reduction == Reduction::None) return row_loss;
   double total = total_of_row_losses(loss_ptr, n);
-  if (args.reduction == Reduction::Mean) {
-    if (row_factors) {
-      total = divisor > 0 ? total / divisor : 0.0;
-    } else {
-      total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
-    }
-  }
+  if (mean) total = valid > 0 ? total / static_cast<double>(valid) : 0.0;
   return at::scalar_tensor(total, z.options().dtype(loss_dtype));
 }
 

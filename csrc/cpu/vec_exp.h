@@ -382,6 +382,66 @@ CALIBKERNELS_AVX512 inline void dense_gradient_sweep(const float* e, const float
   if (k < C) step(k, tail_mask(C - k));
 }
 
+// Soft-capping (hard rows with the drop-in options, hard_rows.h): c tanh(z / c) of a vector, as options::soft_capped
+// (tanh(a) = (1 - e) / (1 + e), e = exp(-2a), a = |z / c|, and the odd series below a = 1/8), with the reciprocal of
+// 1 + e ∈ [1, 2] from rcp14 and one Newton step (relative error ≈ 2^-28 before rounding) instead of a division.
+// -inf gives -c, NaN stays NaN.
+CALIBKERNELS_AVX512 inline __m512 soft_capped(__m512 z, __m512 cap, __m512 inv_cap) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  const __m512 x = _mm512_mul_ps(z, inv_cap);
+  const __m512 a = _mm512_abs_ps(x);
+  const __m512 e = exp_nonpositive<true>(_mm512_mul_ps(_mm512_set1_ps(-2.0f), a));
+  const __m512 d = _mm512_add_ps(one, e);
+  __m512 r = _mm512_rcp14_ps(d);
+  r = _mm512_mul_ps(r, _mm512_fnmadd_ps(d, r, _mm512_set1_ps(2.0f)));
+  const __m512 by_exp = _mm512_mul_ps(_mm512_sub_ps(one, e), r);
+  const __m512 a2 = _mm512_mul_ps(a, a);
+  __m512 series = _mm512_fmadd_ps(a2, _mm512_set1_ps(-17.0f / 315.0f), _mm512_set1_ps(2.0f / 15.0f));
+  series = _mm512_fmadd_ps(a2, series, _mm512_set1_ps(-1.0f / 3.0f));
+  series = _mm512_mul_ps(a, _mm512_fmadd_ps(a2, series, one));
+  const __m512 magnitude =
+      _mm512_mask_mov_ps(by_exp, _mm512_cmp_ps_mask(a, _mm512_set1_ps(0.125f), _CMP_LT_OQ), series);
+  return _mm512_mul_ps(cap, _mm512_or_ps(magnitude, _mm512_and_ps(x, _mm512_set1_ps(-0.0f))));
+}
+
+// out[k] = c tanh(z[k] / c) for k in [0, C) (out may be z).
+CALIBKERNELS_AVX512 inline void soft_cap_row(const float* z, float* out, int64_t C, float cap) {
+  const __m512 cap_vec = _mm512_set1_ps(cap), inv_cap = _mm512_set1_ps(1.0f / cap);
+  int64_t k = 0;
+  for (; k + kWidth <= C; k += kWidth) _mm512_storeu_ps(out + k, soft_capped(_mm512_loadu_ps(z + k), cap_vec, inv_cap));
+  if (k < C) {
+    const __mmask16 lanes = tail_mask(C - k);
+    _mm512_mask_storeu_ps(out + k, lanes, soft_capped(_mm512_maskz_loadu_ps(lanes, z + k), cap_vec, inv_cap));
+  }
+}
+
+// The cap's chain rule: out[k] = g[k] (1 - (z'[k] / c)²) from the gradient g of the capped logits z' (out may be g).
+// kStream: streaming stores for the 64-byte lines wholly inside the row, as rescale_stream_sweep (callers fence).
+template <bool kStream>
+CALIBKERNELS_AVX512 inline void cap_gradient_sweep(const float* g, const float* capped, float* out, int64_t C,
+                                                   float inv_cap) {
+  const __m512 one = _mm512_set1_ps(1.0f), inv_vec = _mm512_set1_ps(inv_cap);
+  auto step = [&](int64_t k, __mmask16 lanes) CALIBKERNELS_AVX512 {
+    const __m512 ratio = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, capped + k), inv_vec);
+    const __m512 result = _mm512_mul_ps(_mm512_maskz_loadu_ps(lanes, g + k), _mm512_fnmadd_ps(ratio, ratio, one));
+    if (kStream && lanes == static_cast<__mmask16>(0xFFFF)) {
+      _mm512_stream_ps(out + k, result);
+    } else {
+      _mm512_mask_storeu_ps(out + k, lanes, result);
+    }
+  };
+  int64_t k = 0;
+  if constexpr (kStream) {  // the partial line at the row's start, with ordinary stores
+    const int64_t misalign = static_cast<int64_t>((reinterpret_cast<uintptr_t>(out) & 63) / sizeof(float));
+    if (misalign != 0) {
+      k = std::min<int64_t>(C, kWidth - misalign);
+      step(0, tail_mask(k));
+    }
+  }
+  for (; k + kWidth <= C; k += kWidth) step(k, static_cast<__mmask16>(0xFFFF));
+  if (k < C) step(k, tail_mask(C - k));
+}
+
 CALIBKERNELS_AVX512 inline void stream_fence() { _mm_sfence(); }
 
 #undef CALIBKERNELS_AVX512
