@@ -47,7 +47,7 @@ import torch
 from . import _target_checks
 from ._target_checks import is_plain_eager
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
-from ._row_math import gamma_gradient_factor
+from ._row_math import gamma_gradient_factor, reduce_rows
 from ._validation import LossInputs, expanded, lambda_tensor
 from .loss_stats import LossStats, empty_loss_stats, loss_stats_of_inputs
 
@@ -184,13 +184,9 @@ def _reduced_z_loss(inputs: LossInputs, z_rows) -> torch.Tensor:
     logits = inputs.logits
     if z_rows is None:
         z_rows = torch.zeros(logits.shape[0], dtype=torch.float32, device=logits.device)
-    if inputs.reduction == "none":
-        return z_rows.reshape(inputs.batch_shape).to(logits.dtype)
-    total = z_rows.sum()
-    if inputs.reduction == "mean":
-        count = logits.shape[0] if inputs.dense else (inputs.target != inputs.ignore_index).sum()
-        total = total / (count.clamp_min(1) if isinstance(count, torch.Tensor) else max(count, 1))
-    return total.to(logits.dtype)
+    valid = (torch.ones_like(z_rows, dtype=torch.bool) if inputs.dense
+             else inputs.target != inputs.ignore_index)
+    return reduce_rows(z_rows, valid, inputs.reduction, inputs.batch_shape, logits.dtype)
 
 
 def _stats_keyword(stats) -> dict:

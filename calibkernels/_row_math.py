@@ -16,7 +16,7 @@ import torch
 from ._kernel_codes import FLSD_LOW_GAMMA, FLSD_LOW_THRESHOLD, FLSD_MID_GAMMA, FLSD_MID_THRESHOLD, REDUCTION_CODES
 
 __all__ = ["FLSD_LOW_THRESHOLD_F32", "FLSD_MID_THRESHOLD_F32", "compute_dtype", "flsd_band", "flsd_gamma",
-           "gamma_gradient_factor", "masked_rows", "power_of_log", "reduce_rows", "row_log_terms"]
+           "gamma_gradient_factor", "masked_rows", "power_of_log", "reduce_rows", "row_log_terms", "soft_capped"]
 
 # FLSD-53's thresholds (calibkernels._kernel_codes) as float32 numbers, 0.2f = 0.20000000298... and 0.5f, which the
 # band's
@@ -41,6 +41,14 @@ def masked_rows(logits2d, target1d, ignore_index):
     z = torch.where(valid[:, None], z, torch.zeros((), dtype=z.dtype, device=z.device))
     safe_target = torch.where(valid, target1d, torch.zeros_like(target1d))
     return valid, z, safe_target
+
+
+def soft_capped(z: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    """Gemma-2's logit soft-capping ``c · tanh(z / c)`` in the compute dtype (float32 for 16-bit logits), detached;
+    ``z`` itself without a cap (``softcap=None``)."""
+    if softcap is None:
+        return z
+    return softcap * torch.tanh(z.detach().to(compute_dtype(z.dtype)) / softcap)
 
 
 def reduce_rows(per_row, valid, reduction: str, batch_shape, out_dtype):

@@ -17,9 +17,10 @@ gradients are multiplied by ``1 / n_valid`` with ``n_valid`` the number of non-i
 (``max(n_valid, 1)``: all rows ignored gives loss 0 and zero gradients). That scale is a device tensor, so no host
 synchronisation is needed, and it touches ``N × H + C × H + C`` numbers instead of ``N × C``.
 
-``return_stats=True``: each chunk's top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`) are read
-from ``Z_c`` before the kernel writes ``G_c`` over it, into ``(N,)`` buffers, in the forward's pass over the chunks
-(the backward of ``reduction="none"`` recomputes the logits without them).
+``return_stats=True``: each chunk's top-label statistics (:func:`calibkernels.loss_stats.top_label_stats`) go into
+``(N,)`` buffers in the forward's pass over the chunks, written by the compiled kernels in their loss pass over
+``Z_c`` (the reference's chunks read them from ``Z_c`` before ``G_c`` overwrites it); the backward of
+``reduction="none"`` recomputes the logits without them.
 
 Autograd (``reduction="mean"``/``"sum"``): all gradients are computed in the forward for ``grad_output = 1`` and the
 backward only scales them by the scalar ``grad_output``, in place where that is safe (as the fused op does).
@@ -42,7 +43,7 @@ import torch
 
 from . import _autograd, _backends, _target_checks
 from ._kernel_codes import MODE_CODES, REDUCTION_CODES, WEIGHT_CODES
-from ._row_math import gamma_gradient_factor
+from ._row_math import gamma_gradient_factor, reduce_rows, soft_capped
 from ._drop_in_module import DropInOptions
 from ._validation.fused_linear import (backend_for_call, check_accum_dtype, check_chunk_size, check_linear_inputs,
                                   check_row_tensors, check_settings, one_hot_forms, submit_device_target_check)
@@ -260,7 +261,7 @@ def _chunked_pass(hidden, linear_weight, linear_bias, target, sample_weight, gam
         if stats is not None and not stats_in_kernel:
             chunk_target = target[start:stop]
             ignored = None if spec.dense else chunk_target == spec.ignore_index
-            chunk_stats = top_label_stats(_soft_capped(z, spec.softcap), ignored, (stop - start,))
+            chunk_stats = top_label_stats(soft_capped(z, spec.softcap), ignored, (stop - start,))
             stats.confidence[start:stop] = chunk_stats.confidence
             stats.prediction[start:stop] = chunk_stats.prediction
         loss, grad, gamma_factor = _chunk_kernel(
@@ -309,14 +310,6 @@ def _z_rows_buffer(hidden):
     """An ``(N,)`` buffer for the rows' z-loss, in the loss's compute dtype."""
     return hidden.new_empty((hidden.shape[0],), dtype=torch.float64 if hidden.dtype == torch.float64
                             else torch.float32)
-
-
-def _soft_capped(z, softcap):
-    """``c · tanh(z / c)`` of a chunk's logits (in float32 for 16-bit ones), or ``z`` itself without a cap."""
-    if softcap is None:
-        return z
-    compute = torch.float64 if z.dtype == torch.float64 else torch.float32
-    return softcap * torch.tanh(z.to(compute) / softcap)
 
 
 def _to(tensor, dtype):
@@ -550,16 +543,14 @@ def _with_mean_divisor(spec: _Spec, reduction: str, target1d, mix1d, lam) -> tup
 
 
 def _reduced_z_loss(z_rows, z_factor, target1d, spec: _Spec, reduction, batch_shape, dtype):
-    """The z-loss reduced as the loss is (the mean over the non-ignored rows), detached, from the rows' values."""
+    """The z-loss reduced as the loss is (the mean over the non-ignored rows), detached, from the rows' values at the
+    chunks' scale (``z_factor`` takes them back to the call's; ``None``: a zero z-loss scale)."""
     if z_rows is None:
         z_rows = torch.zeros(target1d.shape[0], device=target1d.device)
     z_rows = z_rows * z_factor if z_factor != 1.0 else z_rows
-    if reduction == "none":
-        return z_rows.reshape(batch_shape).to(dtype)
-    total = z_rows.sum()
-    if reduction == "mean":
-        total = total / _valid_rows(target1d, spec.ignore_index)
-    return total.to(dtype)
+    valid = (torch.ones_like(z_rows, dtype=torch.bool) if target1d.is_floating_point()
+             else target1d != spec.ignore_index)
+    return reduce_rows(z_rows, valid, reduction, batch_shape, dtype)
 
 
 def _reduced_loss(hidden2d, linear_weight, linear_bias, target1d, sample_weight, gamma_tensor, spec: _Spec,

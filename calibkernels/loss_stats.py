@@ -14,6 +14,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._row_math import soft_capped
+
 __all__ = ["LossStats", "check_return_stats", "empty_loss_stats", "loss_stats_of_inputs", "top_label_stats"]
 
 
@@ -80,11 +82,8 @@ def loss_stats_of_inputs(inputs) -> LossStats:
     targets ignore the rows whose target is ``ignore_index``, probability targets (``inputs.dense``) none; of the
     soft-capped logits where the call caps them."""
     ignored = None if inputs.dense else inputs.target == inputs.ignore_index
-    logits = inputs.logits
-    if inputs.softcap is not None:  # the capped logits are the model's: c · tanh(z / c), in a float32 (64) compute
-        compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
-        logits = inputs.softcap * torch.tanh(logits.detach().to(compute) / inputs.softcap)
-    return top_label_stats(logits, ignored, inputs.batch_shape)
+    # the capped logits are the model's
+    return top_label_stats(soft_capped(inputs.logits, inputs.softcap), ignored, inputs.batch_shape)
 
 
 def check_return_stats(return_stats) -> bool:
