@@ -181,10 +181,7 @@ def choose_for_call(backend, logits, target, mode, gamma, label_smoothing, mix_t
     if options is not None:
         name, cannot_run = _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, mix_lambda,
                                    eager)
-        if cannot_run is not None or name == "reference" or (
-                getattr(module(name), "OPTIONS_IN_KERNEL", False) and uncertainty != "dual_focal"):
-            return name, cannot_run
-        return options_on_reference(backend, options)
+        return (name, cannot_run) if cannot_run is not None else with_options(name, backend, options, uncertainty)
     # class indices, the common call: kept per (backend, device, row width within the CUDA kernel's)
     common = (eager and type(backend) is str and type(logits) is torch.Tensor and type(target) is torch.Tensor
               and mix_target is None and mix_lambda is None and type(label_smoothing) is float and label_smoothing == 0
@@ -236,8 +233,14 @@ def _choose(backend, logits, target, mode, gamma, label_smoothing, mix_target, m
 _warned_reference_only: set = set()
 
 
-def options_on_reference(backend, options: str) -> tuple:
-    """:func:`choose_for_call` for a call with options that the fused backend it would take does not compute."""
+def with_options(name: str, backend, options: str | None, uncertainty) -> tuple:
+    """``(name, cannot_run)`` for a call asking for the drop-in ``options`` (named for a message; ``None``: none) that
+    backend ``name`` would run: ``name`` itself where its module computes them (``OPTIONS_IN_KERNEL``; not with
+    ``uncertainty="dual_focal"``), else the reference: ``"auto"`` says so once with a ``RuntimeWarning``, a named
+    fused backend gets ``NotImplementedError`` as ``cannot_run``."""
+    if options is None or name == "reference" or (
+            getattr(module(name), "OPTIONS_IN_KERNEL", False) and uncertainty != "dual_focal"):
+        return name, None
     if backend != "auto":
         return "reference", NotImplementedError(
             f"calibkernels backend {backend!r} does not compute {options} for this call: use backend='reference' (or "

@@ -178,11 +178,9 @@ def backend_for_call(backend: str, device: torch.device, soft: bool, uncertainty
     else:
         name = _backends.resolve(backend, device)
     options = drop_in_option_names(weight, drop_in["lse_square_scale"], drop_in["return_z_loss"], drop_in["softcap"])
-    if options is not None and name != "reference" and (
-            uncertainty == "dual_focal" or not getattr(_backends.module(name), "OPTIONS_IN_KERNEL", False)):
-        name, cannot_run = _backends.options_on_reference(backend, options)
-        if cannot_run is not None:
-            raise cannot_run
+    name, cannot_run = _backends.with_options(name, backend, options, uncertainty)
+    if cannot_run is not None:
+        raise cannot_run
     return name
 
 
